@@ -1,0 +1,118 @@
+"""A converted model is a first-class transformers model: save/load, Auto classes, Trainer, pipeline."""
+
+import copy
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+import transformers
+from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+import collab_attn  # noqa: F401  (registers the Auto classes)
+from collab_attn import reparametrize
+from collab_attn.hf import CollaborativeSelfAttention
+
+
+@pytest.fixture(scope="module")
+def converted_dir(tmp_path_factory, minilm_path, minilm_tokenizer):
+    """MiniLM with a fresh classification head, converted at rank 96, saved with its tokenizer."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_path, num_labels=2).eval()
+    reparametrize(model, rank=96, init="random", n_iter_max=3, progress=False)
+    path = tmp_path_factory.mktemp("converted")
+    model.save_pretrained(path)
+    minilm_tokenizer.save_pretrained(path)
+    return path, model
+
+
+def test_save_then_load_gives_identical_outputs(converted_dir, real_batch):
+    path, model = converted_dir
+    loaded = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    assert type(loaded).__name__ == "CollabBertForSequenceClassification"
+    assert loaded.config.collab_ranks == [96] * 6
+    with torch.no_grad():
+        assert torch.equal(loaded(**real_batch).logits, model(**real_batch).logits)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("auto_class", [AutoModel, AutoModelForMaskedLM])
+def test_other_auto_classes_load_the_collaborative_body(converted_dir, real_batch, auto_class):
+    path, model = converted_dir
+    loaded = auto_class.from_pretrained(path).eval()
+    assert type(loaded).__name__.startswith("Collab")
+    layers = [m for m in loaded.modules() if isinstance(m, CollaborativeSelfAttention)]
+    assert len(layers) == 6 and layers[0].rank == 96
+    with torch.no_grad():
+        body = loaded.base_model(**real_batch).last_hidden_state
+        expected = model.base_model(**real_batch).last_hidden_state
+    assert torch.equal(body, expected)
+
+
+def test_loading_without_collab_attn_fails_clearly(converted_dir):
+    path, _ = converted_dir
+    code = f"from transformers import AutoModel; AutoModel.from_pretrained({str(path)!r})"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "collab_attn_bert" in result.stderr and "does not recognize this architecture" in result.stderr
+
+
+def test_output_attentions_after_loading(converted_dir, real_batch):
+    path, _ = converted_dir
+    loaded = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        attentions = loaded(**real_batch, output_attentions=True).attentions
+    assert len(attentions) == 6 and attentions[0].shape[1] == 12
+    padded = real_batch["attention_mask"] == 0
+    assert torch.all(attentions[0].permute(0, 3, 1, 2)[padded] == 0)
+
+
+def test_pipeline_runs_on_a_converted_checkpoint(converted_dir):
+    path, _ = converted_dir
+    classify = transformers.pipeline("text-classification", model=str(path), device="cpu")
+    predictions = classify(["A fine movie.", "Dull and far too long."])
+    assert len(predictions) == 2 and all(p["label"] in ("LABEL_0", "LABEL_1") for p in predictions)
+
+
+def test_trainer_fine_tunes_a_converted_model(converted_dir, minilm_tokenizer, tmp_path):
+    path, _ = converted_dir
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    mixing_before = copy.deepcopy(next(m for m in model.modules() if isinstance(m, CollaborativeSelfAttention)).mixing)
+    texts = ["great film", "terrible film", "I loved it", "I hated it"] * 4
+    data = datasets.Dataset.from_dict({"text": texts, "label": [1, 0, 1, 0] * 4})
+    data = data.map(lambda batch: minilm_tokenizer(batch["text"]), batched=True, remove_columns=["text"])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, learning_rate=1e-3,
+        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=data,
+        data_collator=transformers.DataCollatorWithPadding(minilm_tokenizer),
+    )
+    result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    mixing_after = next(m for m in model.modules() if isinstance(m, CollaborativeSelfAttention)).mixing
+    assert not torch.allclose(mixing_before, mixing_after)
+    trainer.save_model(str(tmp_path / "refit"))
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "refit")
+    assert torch.equal(next(m for m in reloaded.modules() if isinstance(m, CollaborativeSelfAttention)).mixing,
+                       mixing_after.detach())
+
+
+def test_a_collaborative_model_can_be_built_from_a_config():
+    """Training from scratch: a collaborative config builds a randomly initialized collaborative model."""
+    config = collab_attn.hf.CollabBertConfig(
+        vocab_size=100, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        collab_ranks=[8, 16],
+    )
+    model = AutoModel.from_config(config)
+    layers = [m for m in model.modules() if isinstance(m, CollaborativeSelfAttention)]
+    assert [layer.rank for layer in layers] == [8, 16]
+    assert torch.equal(layers[0].mixing, torch.eye(4).repeat_interleave(2, dim=1))
+    assert 0.01 < layers[0].query.weight.std() < 0.03  # the transformers initializer_range, not torch's default
+    out = model(input_ids=torch.randint(0, 100, (2, 5))).last_hidden_state
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="needs config.collab_ranks"):
+        AutoModel.from_config(collab_attn.hf.CollabBertConfig(hidden_size=32, num_attention_heads=4))
