@@ -102,7 +102,12 @@ class ReparamReport:
 
 
 def _per_layer_ranks(rank: int | Sequence[int], num_layers: int, full_rank: int) -> list[int]:
-    ranks = [rank] * num_layers if isinstance(rank, int) else list(rank)
+    if isinstance(rank, int):
+        ranks = [rank] * num_layers
+    elif isinstance(rank, Sequence) and not isinstance(rank, str):
+        ranks = list(rank)
+    else:
+        raise ValueError(f"rank must be an integer or a list of integers (one per attention layer), got {rank!r}")
     if len(ranks) != num_layers:
         raise ValueError(f"got {len(ranks)} ranks but the model has {num_layers} attention layers")
     for layer, value in enumerate(ranks):

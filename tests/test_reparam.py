@@ -196,6 +196,9 @@ def test_bad_rank_is_explained_and_leaves_the_model_alone(rank, message):
         reparametrize(model, rank=rank, progress=False)
     with pytest.raises(ValueError, match="got 3 ranks but the model has 2"):
         reparametrize(model, rank=[8, 8, 8], progress=False)
+    for not_a_rank in ("16", 16.0, [16, 8.5]):
+        with pytest.raises(ValueError, match="rank"):
+            reparametrize(model, rank=not_a_rank, progress=False)
     assert type(model) is transformers.BertModel
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 

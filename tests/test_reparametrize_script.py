@@ -1,0 +1,253 @@
+"""Tests for scripts/reparametrize.py, its Hydra configs and collab_attn.checkpoints (packaged MiniLM)."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from transformers import AutoModel, AutoTokenizer
+
+import collab_attn
+from collab_attn.checkpoints import (
+    finalize_output_dir,
+    load_model_and_tokenizer,
+    prepare_output_dir,
+    resolve_model,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+SCRIPT = ROOT / "scripts" / "reparametrize.py"
+
+_spec = importlib.util.spec_from_file_location("reparametrize_script", SCRIPT)
+script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="reparametrize", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def minilm_path() -> str:
+    return resolve_model("minilm")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configs
+
+
+def test_default_config_composes_and_resolves():
+    cfg = config()
+    assert cfg.model == "minilm" and cfg.overwrite is False and cfg.seed == 0
+    assert dict(cfg.collab) == {
+        "method": "cp", "rank": 192, "init": "svd", "n_iter_max": 100, "tol": 1e-8, "tucker_core_size": None,
+    }
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["output_dir"].startswith("outputs/reparametrized/cp-")
+    sentences = resolved["compare_sentences"]
+    assert len(sentences) >= 5
+    assert any(isinstance(s, list) and len(s) == 2 for s in sentences)  # sentence pairs
+    assert len({len(" ".join(s) if isinstance(s, list) else s) for s in sentences}) == len(sentences)
+
+
+@pytest.mark.parametrize(
+    "overrides, method, rank",
+    [
+        (["collab.rank=128"], "cp", 128),
+        (["collab=tucker"], "tucker", 96),
+        (["collab=tucker", "collab.rank=64", "collab.tucker_core_size=6"], "tucker", 64),
+        (["collab.rank=[384,256,256,192,192,128]"], "cp", [384, 256, 256, 192, 192, 128]),
+        (["collab=none"], "none", None),
+    ],
+)
+def test_config_overrides(overrides, method, rank):
+    collab = OmegaConf.to_container(config(*overrides).collab)
+    assert collab["method"] == method
+    assert collab.get("rank") == rank
+
+
+# ---------------------------------------------------------------------------------------------------
+# run(cfg)
+
+
+def test_full_rank_is_exact_and_reloads(tmp_path, minilm_path):
+    out = tmp_path / "out"
+    result = script.run(config("collab.rank=384", f"output_dir={out}"))
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "reparam_report.json", "tokenizer_config.json"} <= names
+    assert "tokenizer.json" in names or "vocab.txt" in names
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary directory left behind
+
+    report = json.loads((out / "reparam_report.json").read_text())
+    assert report == json.loads(json.dumps(result))
+    assert report["model"] == "minilm" and report["rank"] == 384 and report["method"] == "cp"
+    assert report["seed"] == 0 and len(report["layers"]) == 6
+    comparison = report["comparison"]
+    assert comparison["max_abs_diff"] <= 1e-4 and comparison["padding_tokens"] > 0
+    assert comparison["model_params_before"] == 22_713_216
+
+    reloaded = AutoModel.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == "CollabBertModel"
+    converted = AutoModel.from_pretrained(minilm_path).eval()
+    collab_attn.reparametrize(converted, 384, progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    batch = tokenizer(["A short one.", "A somewhat longer sentence to force some padding here."],
+                      padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected, got = converted(**batch).last_hidden_state, reloaded(**batch).last_hidden_state
+    assert torch.allclose(expected, got, rtol=0, atol=1e-6)
+
+
+def test_low_rank(tmp_path):
+    out = tmp_path / "out"
+    result = script.run(config("collab.rank=128", "collab.n_iter_max=5", f"output_dir={out}"))
+    assert all(0 < layer["relative_error"] < 1 for layer in result["layers"])
+    assert all(layer["rank"] == 128 for layer in result["layers"])
+    assert result["comparison"]["max_abs_diff"] > 0
+    assert result["attention_params_after"] < result["attention_params_before"]
+    assert json.loads((out / "config.json").read_text())["collab_ranks"] == [128] * 6
+
+
+def test_tucker_with_per_layer_ranks(tmp_path):
+    ranks = [384, 384, 256, 192, 128, 64]
+    out = tmp_path / "out"
+    cfg = config("collab=tucker", f"collab.rank=[{','.join(map(str, ranks))}]", "collab.n_iter_max=2",
+                 f"output_dir={out}")
+    result = script.run(cfg)
+    assert result["method"] == "tucker" and result["rank"] == ranks
+    assert [layer["rank"] for layer in result["layers"]] == ranks
+    errors = [layer["relative_error"] for layer in result["layers"]]
+    assert errors[:2] == [0.0, 0.0] and all(0 < e < 1 for e in errors[2:])
+    assert json.loads((out / "config.json").read_text())["collab_ranks"] == ranks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors: raised before anything is written
+
+
+def test_non_empty_output_dir_needs_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(ValueError, match="overwrite=true"):
+        script.run(config("collab.rank=384", f"output_dir={out}"))
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+    script.run(config("collab.rank=384", f"output_dir={out}", "overwrite=true"))
+    assert not (out / "keep.txt").exists() and (out / "reparam_report.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        (["collab.rank=0"], ValueError, "rank 0"),
+        (["collab.rank=999"], ValueError, "rank 999"),
+        (["collab.rank=[384,384]"], ValueError, "got 2 ranks"),
+        (["collab.rank=abc"], ValueError, "collab.rank must be an integer"),
+        (["collab=none"], ValueError, "collab=none"),
+        (["collab.method=svd"], ValueError, "cannot be reparametrized"),
+        (["model=/no/such/checkpoint"], FileNotFoundError, "no checkpoint at /no/such/checkpoint"),
+        (["model=./missing-checkpoint"], FileNotFoundError, "no checkpoint at"),
+        (["model=nobody-has-this-model-xyz"], FileNotFoundError, "HF_HUB_OFFLINE"),
+    ],
+)
+def test_errors_write_nothing(tmp_path, overrides, error, message):
+    with pytest.raises(error, match=message):
+        script.run(config(*overrides, f"output_dir={tmp_path / 'out'}"))
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# collab_attn.checkpoints
+
+
+def test_resolve_model_checks_local_checkpoints(tmp_path, minilm_path):
+    assert resolve_model("minilm") == minilm_path
+    assert resolve_model(minilm_path) == minilm_path
+    assert resolve_model("bert-base-uncased") == "bert-base-uncased"
+    assert resolve_model("google-bert/bert-base-uncased") == "google-bert/bert-base-uncased"
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        resolve_model(str(tmp_path / "config.json"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        resolve_model("~/definitely/not/here")
+
+
+def test_load_keeps_task_head(tmp_path, minilm_path):
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(minilm_path, num_labels=3).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(minilm_path).save_pretrained(tmp_path)
+    model, _ = load_model_and_tokenizer(str(tmp_path), model_class=None)
+    assert type(model).__name__ == "BertForSequenceClassification"
+    model, _ = load_model_and_tokenizer(str(tmp_path))
+    assert type(model).__name__ == "BertModel"
+
+    out = tmp_path.parent / f"{tmp_path.name}-converted"
+    result = script.run(config(f"model={tmp_path}", "collab.rank=384", f"output_dir={out}"))
+    assert result["comparison"]["logits_max_abs_diff"] <= 1e-4
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["CollabBertForSequenceClassification"]
+
+
+def test_output_dir_helpers(tmp_path):
+    out = tmp_path / "out"
+    tmp = prepare_output_dir(out, overwrite=False)
+    assert tmp.parent == tmp_path and not tmp.exists() and not out.exists()
+    tmp.mkdir()
+    (tmp / "a").write_text("1")
+    assert finalize_output_dir(tmp, out) == out and (out / "a").read_text() == "1" and not tmp.exists()
+    with pytest.raises(ValueError, match=f"{out}.*overwrite=true"):
+        prepare_output_dir(out, overwrite=False)
+    tmp = prepare_output_dir(out, overwrite=True)
+    tmp.mkdir()
+    (tmp / "b").write_text("2")
+    finalize_output_dir(tmp, out)
+    assert [p.name for p in out.iterdir()] == ["b"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        prepare_output_dir(tmp_path / "file", overwrite=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command line
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args, f"hydra.run.dir={cwd / 'hydra'}"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_cli_end_to_end(tmp_path):
+    out = tmp_path / "model"
+    done = _cli("model=minilm", "collab.rank=384", f"output_dir={out}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "| total |" in done.stdout and "max" in done.stdout
+    assert json.loads((out / "reparam_report.json").read_text())["comparison"]["max_abs_diff"] <= 1e-4
+
+
+def test_cli_bad_rank_exits_2(tmp_path):
+    out = tmp_path / "model"
+    done = _cli("collab.rank=999", f"output_dir={out}", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "error: rank 999" in done.stderr and "Traceback" not in done.stderr + done.stdout
+    assert not out.exists()
