@@ -1,0 +1,278 @@
+"""The GLUE pipeline as plain functions: fine-tune -> evaluate -> reparametrize -> evaluate -> re-fine-tune ->
+evaluate. Hydra lives in ``scripts/train_glue.py``; everything here takes the resolved config as a plain dict.
+
+A job is one (task, model, collab method, rank, seed, recipe). Its results are one JSON line per stage in
+``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<recipe hash>/results.jsonl``, written only
+when every stage has finished, so a job with results is done and an interrupted job leaves nothing. The
+fine-tuned model is cached in ``<output_root>/finetuned/...`` and shared by every rank of a sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+from collab_attn import glue
+from collab_attn.checkpoints import resolve_model
+from collab_attn.hf import CollaborativeSelfAttention, attention_modules, family_of
+from collab_attn.reparam import ReparamReport, _per_layer_ranks, reparametrize
+from collab_attn.tracking import make_tracker
+
+log = logging.getLogger(__name__)
+
+STAGES = ("finetuned", "reparam", "refit")
+RESULTS_FILE = "results.jsonl"
+_QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")
+
+
+def _digest(payload) -> str:
+    return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def model_slug(name: str) -> str:
+    """A short, path-safe name for a model: ``minilm``, ``bert-base-uncased``, ``org--name``, a directory's name."""
+    path = Path(name)
+    return path.name if path.is_dir() else name.replace("/", "--")
+
+
+def rank_tag(rank) -> str:
+    return "-".join(map(str, rank)) if isinstance(rank, list) else str(rank)
+
+
+def job_name(settings: dict) -> str:
+    collab = settings["collab"]
+    method = collab["method"] if collab["method"] == "none" else f"{collab['method']}-r{rank_tag(collab['rank'])}"
+    task = glue.get_task(settings["task"]["name"]).name
+    return f"{task}/{model_slug(settings['model'])}/{method}/seed{settings['seed']}"
+
+
+def job_dir(settings: dict) -> Path:
+    """Where a job's results go; the recipe hash keeps runs with different settings apart."""
+    recipe = {k: settings[k] for k in ("model", "task", "collab", "trainer", "refit", "finetune")}
+    recipe["data"] = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
+    return Path(settings["output_root"]) / "runs" / f"{job_name(settings)}-{_digest(recipe)}"
+
+
+def finetuned_dir(settings: dict) -> Path:
+    recipe = {
+        "model": settings["model"],
+        "trainer": settings["trainer"],
+        "max_seq_length": settings["data"]["max_seq_length"],
+        "max_train_samples": settings["data"]["max_train_samples"],
+    }
+    task = glue.get_task(settings["task"]["name"]).name
+    return (
+        Path(settings["output_root"]) / "finetuned" / task / model_slug(settings["model"])
+        / f"seed{settings['seed']}-{_digest(recipe)}"
+    )
+
+
+def read_results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def attention_parameters(model: torch.nn.Module) -> dict[str, int]:
+    """Parameters of the self-attention modules (all of them, and the query/key part), plain or collaborative."""
+    collaborative = [m for m in model.modules() if isinstance(m, CollaborativeSelfAttention)]
+    if collaborative:
+        counts = [layer.parameter_counts() for layer in collaborative]
+        return {
+            "attention_params": sum(c["total"] for c in counts),
+            "query_key_params": sum(c.get(part, 0) for c in counts for part in _QUERY_KEY_PARTS),
+        }
+    family = family_of(model.config)
+    layers = [module for _, module in attention_modules(model, family)]
+    return {
+        "attention_params": sum(p.numel() for layer in layers for p in layer.parameters()),
+        "query_key_params": sum(
+            p.numel() for layer in layers for name in (family.query, family.key)
+            for p in getattr(layer, name).parameters()
+        ),
+    }
+
+
+def validate(settings: dict) -> tuple[glue.GlueTask, str]:
+    """Check everything that can be checked before any training; returns the task and the model path."""
+    task = glue.get_task(settings["task"]["name"])
+    path = resolve_model(settings["model"])
+    config = AutoConfig.from_pretrained(path)
+    family = family_of(config)
+    collab = settings["collab"]
+    if collab["method"] != "none":
+        with torch.device("meta"):
+            skeleton = AutoModel.from_config(config)
+        found = attention_modules(skeleton, family)
+        full_rank = family.num_heads(found[0][1]) * found[0][1].attention_head_size
+        _per_layer_ranks(collab["rank"], len(found), full_rank)
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    for group in ("trainer", "refit"):
+        unknown = sorted(set(settings[group]) - fields - {"enabled"})
+        if unknown:
+            raise ValueError(f"{group}.{unknown[0]} is not a transformers.TrainingArguments field; remove or rename it")
+    glue_dir = settings["data"]["glue_dir"]
+    if glue_dir is not None and not Path(glue_dir).is_dir():
+        raise FileNotFoundError(
+            f"data.glue_dir={glue_dir} does not exist (relative to {os.getcwd()}); point it at the folder that "
+            "holds CoLA/, SST-2/, ... or set data.glue_dir=null to load nyu-mll/glue from the Hub"
+        )
+    return task, path
+
+
+def load_data(task: glue.GlueTask, data_cfg: dict, tokenizer):
+    """The task's splits, optionally truncated (``max_train_samples``, ``max_eval_samples``), tokenized."""
+    raw = glue.load_glue(task, data_cfg["glue_dir"])
+    for split in raw:
+        limit = data_cfg["max_train_samples"] if split == "train" else data_cfg["max_eval_samples"]
+        if limit is not None and len(raw[split]) > limit:
+            raw[split] = raw[split].select(range(limit))
+    return glue.tokenize_glue(raw, tokenizer, task, data_cfg["max_seq_length"])
+
+
+def _training_args(output_dir: Path, seed: int, recipe: dict) -> transformers.TrainingArguments:
+    recipe = {k: v for k, v in recipe.items() if k != "enabled"}
+    return transformers.TrainingArguments(
+        output_dir=str(output_dir), seed=seed, report_to=[], save_strategy="no", eval_strategy="no",
+        dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), **recipe,
+    )
+
+
+def train(model, data, tokenizer, recipe: dict, seed: int, scratch: Path) -> tuple[float, list[dict]]:
+    """Train on the task's training split with ``recipe`` (TrainingArguments fields); returns seconds, log."""
+    start = time.perf_counter()
+    trainer = transformers.Trainer(
+        model=model, args=_training_args(scratch, seed, recipe), train_dataset=data["train"],
+        data_collator=transformers.DataCollatorWithPadding(tokenizer),
+    )
+    trainer.train()
+    shutil.rmtree(scratch, ignore_errors=True)
+    return time.perf_counter() - start, trainer.state.log_history
+
+
+@torch.no_grad()
+def evaluate(model, data, tokenizer, task: glue.GlueTask, batch_size: int, scratch: Path) -> dict[str, float]:
+    """GLUE metrics on every evaluation split; splits after the first are prefixed (MNLI mismatched)."""
+    args = _training_args(scratch, 0, {"per_device_eval_batch_size": batch_size})
+    collator = transformers.DataCollatorWithPadding(tokenizer)
+    trainer = transformers.Trainer(model=model, args=args, data_collator=collator)
+    metrics = {}
+    for i, split in enumerate(task.eval_splits):
+        prediction = trainer.predict(data[split], metric_key_prefix=split)
+        values = glue.glue_metrics(task, prediction.predictions, prediction.label_ids)
+        prefix = "" if i == 0 else split.removeprefix("validation_") + "_"
+        metrics.update({prefix + k: v for k, v in values.items()})
+    shutil.rmtree(scratch, ignore_errors=True)
+    return metrics
+
+
+def finetuned_checkpoint(settings, task, path, data, tokenizer, scratch: Path) -> Path:
+    """Fine-tune ``path`` on the task once per (model, task, seed, recipe) and cache it; reuse it afterwards."""
+    if not settings["finetune"]:
+        return Path(path)
+    target = finetuned_dir(settings)
+    if (target / "config.json").is_file():
+        log.info("reusing the fine-tuned model in %s", target)
+        return target
+    transformers.set_seed(settings["seed"])
+    labels = {"id2label": dict(enumerate(task.label_names))} if task.label_names else {}
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
+    seconds, _ = train(model, data, tokenizer, settings["trainer"], settings["seed"], scratch / "trainer")
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "finetune.json").write_text(json.dumps({"seconds": seconds, "settings": settings}, indent=2))
+    if target.exists():  # another job finished the same fine-tuning first
+        shutil.rmtree(tmp)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(target)
+    return target
+
+
+def stage_record(settings, task, stage, metrics, model, report: ReparamReport | None, seconds) -> dict:
+    collab = settings["collab"]
+    return {
+        "stage": stage,
+        "task": task.name,
+        "model": settings["model"],
+        "method": collab["method"],
+        "rank": collab.get("rank") if collab["method"] != "none" else None,
+        "seed": settings["seed"],
+        **metrics,
+        "main_metric": task.main_metric,
+        "model_params": sum(p.numel() for p in model.parameters()),
+        **attention_parameters(model),
+        "decomposition_seconds": report.seconds if report else None,
+        "mean_relative_error": report.mean_relative_error if report else None,
+        "seconds": seconds,
+    }
+
+
+def _summary_line(name: str, record: dict) -> str:
+    metrics = ", ".join(
+        f"{k}={record[k]:.4f}" for k in ("matthews_correlation", "accuracy", "f1", "pearson", "spearmanr")
+        if k in record
+    )
+    return (
+        f"[{name}] {record['stage']:>9}: {metrics} (main {record['main_metric']} {record['main']:.4f}); "
+        f"q/k params {record['query_key_params']:,}; {record['seconds']:.0f} s"
+    )
+
+
+def run_job(settings: dict) -> list[dict]:
+    """Run (or skip, if its results exist) one job; returns its result records."""
+    name, out = job_name(settings), job_dir(settings)
+    if (out / RESULTS_FILE).is_file():
+        print(f"[{name}] results exist in {out}; skipping")
+        return read_results(out / RESULTS_FILE)
+    task, path = validate(settings)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = out / f".scratch-{os.getpid()}"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    data = load_data(task, settings["data"], tokenizer)
+    tracker = make_tracker(settings["logger"], name, settings["sweep_name"], settings, out)
+    eval_batch = settings["trainer"].get("per_device_eval_batch_size", 64)
+    records, summary = [], {}
+    try:
+        start = time.perf_counter()
+        model = AutoModelForSequenceClassification.from_pretrained(
+            finetuned_checkpoint(settings, task, path, data, tokenizer, scratch)
+        )
+        stages = ["finetuned"]
+        if settings["collab"]["method"] != "none":
+            stages += ["reparam", "refit"] if settings["refit"]["enabled"] else ["reparam"]
+        report, history = None, []
+        for stage in stages:
+            if stage == "reparam":
+                options = {k: v for k, v in settings["collab"].items() if k not in ("method", "rank")}
+                report = reparametrize(
+                    model, settings["collab"]["rank"], settings["collab"]["method"], settings["seed"], **options
+                )
+            elif stage == "refit":
+                refit = {**settings["trainer"], **settings["refit"]}
+                _, history = train(model, data, tokenizer, refit, settings["seed"], scratch / "trainer")
+            metrics = evaluate(model, data, tokenizer, task, eval_batch, scratch / "eval")
+            record = stage_record(settings, task, stage, metrics, model, report, time.perf_counter() - start)
+            start = time.perf_counter()
+            records.append(record)
+            tracker.log_stage(record, history)
+            print(_summary_line(name, record))
+            summary.update({f"{stage}/main": record["main"], "query_key_params": record["query_key_params"]})
+        tmp = out / f"{RESULTS_FILE}.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        tmp.rename(out / RESULTS_FILE)
+        compression = records[-1]["query_key_params"] / records[0]["query_key_params"]
+        summary.update(rank=settings["collab"].get("rank"), query_key_compression=compression)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        tracker.finish(summary)
+    return records

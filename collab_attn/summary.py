@@ -1,0 +1,108 @@
+"""Summaries of GLUE sweeps: a task x rank x stage table (Markdown and CSV) and a compression-vs-accuracy plot,
+in the spirit of the paper's Table 2. Reads every ``results.jsonl`` under a sweep directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from collab_attn.glue import get_task  # noqa: E402
+
+TASK_COLUMNS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
+STAGE_ORDER = {"finetuned": 0, "reparam": 1, "refit": 2}
+STAGE_LABELS = {"finetuned": "original (fine-tuned)", "reparam": "reparametrized, no retraining",
+                "refit": "reparametrized + re-fine-tuned"}
+
+
+def load_results(sweep_dir: str | Path) -> pd.DataFrame:
+    """One row per (job, stage) from every results.jsonl below ``sweep_dir``."""
+    files = sorted(Path(sweep_dir).rglob("results.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
+    rows = [json.loads(line) for path in files for line in path.read_text().splitlines() if line.strip()]
+    frame = pd.DataFrame(rows)
+    frame["rank"] = frame["rank"].map(lambda r: "-".join(map(str, r)) if isinstance(r, list) else r)
+    return frame
+
+
+def table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Mean main metric (x100) per task over seeds, for the original model and each (method, rank, stage).
+
+    The fine-tuned model is the same for every rank of a sweep, so it appears once per task and seed.
+    """
+    original = frame[frame.stage == "finetuned"].drop_duplicates(["task", "model", "seed"]).assign(
+        method="-", rank="-"
+    )
+    rows = pd.concat([original, frame[frame.stage != "finetuned"]])
+    rows = rows.assign(score=rows["main"] * 100)
+    grouped = rows.groupby(["model", "method", "rank", "stage", "task"], sort=False)
+    stats = grouped.agg(score=("score", "mean"), std=("score", "std"), seeds=("seed", "nunique"),
+                        query_key_params=("query_key_params", "mean")).reset_index()
+    wide = stats.pivot_table(index=["model", "method", "rank", "stage"], columns="task", values="score")
+    wide = wide[sorted(wide.columns, key=lambda t: list(TASK_COLUMNS).index(t) if t in TASK_COLUMNS else 99)]
+    wide["glue_avg"] = wide.mean(axis=1, skipna=False)
+    extra = stats.groupby(["model", "method", "rank", "stage"]).agg(
+        seeds=("seeds", "max"), query_key_params=("query_key_params", "mean"))
+    wide = wide.join(extra).reset_index()
+    wide["_stage"] = wide.stage.map(STAGE_ORDER)
+    wide["_rank"] = pd.to_numeric(wide["rank"], errors="coerce").fillna(1e9)
+    return wide.sort_values(["model", "_stage", "method", "_rank"], ascending=[True, True, True, False]).drop(
+        columns=["_stage", "_rank"]).reset_index(drop=True)
+
+
+
+def to_markdown(wide: pd.DataFrame) -> str:
+    tasks = [c for c in wide.columns if c in TASK_COLUMNS]
+    header = ["model", "method", "rank", "stage", *[f"{t} ({get_task(t).main_metric})" for t in tasks],
+              "GLUE avg", "q/k params", "seeds"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 4 + "---:|" * (len(tasks) + 3)]
+    for _, row in wide.iterrows():
+        cells = [str(row.model), str(row.method), str(row["rank"]), str(row.stage)]
+        cells += ["" if pd.isna(row[t]) else f"{row[t]:.1f}" for t in tasks]
+        cells += ["" if pd.isna(row.glue_avg) else f"{row.glue_avg:.1f}", f"{row.query_key_params:,.0f}",
+                  str(int(row.seeds))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(wide: pd.DataFrame, path: Path) -> None:
+    """Main metric against query/key parameters, one panel per task plus the GLUE average."""
+    columns = [c for c in wide.columns if c in TASK_COLUMNS] + ["glue_avg"]
+    fig, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3.6), squeeze=False)
+    for ax, column in zip(axes[0], columns):
+        for (model, method, stage), group in wide.groupby(["model", "method", "stage"], sort=False):
+            if stage == "finetuned":
+                for value in group[column].dropna():
+                    ax.axhline(value, color="black", linestyle="--", linewidth=1, label=f"{model} original")
+                continue
+            group = group.dropna(subset=[column]).sort_values("query_key_params")
+            ax.plot(group.query_key_params / 1e6, group[column], marker="o",
+                    label=f"{model} {method}: {STAGE_LABELS[stage]}")
+        ax.set_title("GLUE average" if column == "glue_avg" else f"{column} ({get_task(column).main_metric})")
+        ax.set_xlabel("key/query parameters (millions)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("score x 100")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    fig.legend(unique.values(), unique.keys(), loc="lower center", ncol=min(3, len(unique)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summarize(sweep_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
+    """Write summary.md, summary.csv and compression_vs_accuracy.png; return their paths."""
+    out = Path(out_dir or sweep_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wide = table(load_results(sweep_dir))
+    paths = {"markdown": out / "summary.md", "csv": out / "summary.csv", "plot": out / "compression_vs_accuracy.png"}
+    paths["markdown"].write_text(to_markdown(wide))
+    wide.to_csv(paths["csv"], index=False, float_format="%.4f")
+    plot(wide, paths["plot"])
+    return paths

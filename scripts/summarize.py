@@ -1,0 +1,32 @@
+"""Summarize a GLUE sweep: a task x rank x stage table (Markdown, CSV) and a compression-vs-accuracy plot.
+
+    python scripts/summarize.py outputs/glue                 # writes summary.md/.csv/.png into outputs/glue
+    python scripts/summarize.py experiments/minilm_mrpc_rte --out experiments/minilm_mrpc_rte
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from collab_attn.summary import summarize
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", help="a directory holding results.jsonl files (searched recursively)")
+    parser.add_argument("--out", default=None, help="where to write the summary (default: sweep_dir)")
+    args = parser.parse_args(argv)
+    try:
+        paths = summarize(args.sweep_dir, args.out)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(paths["markdown"].read_text())
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The GLUE pipeline: configs, validation before training, resumable jobs, W&B offline runs, summaries."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from collab_attn import pipeline
+from collab_attn.summary import load_results, summarize, table
+from collab_attn.tracking import wandb_mode
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+CONTRACT_FIELDS = {
+    "stage", "task", "model", "method", "rank", "seed", "main", "main_metric", "model_params", "attention_params",
+    "query_key_params", "decomposition_seconds", "mean_relative_error",
+}
+
+
+def settings(*overrides: str, hydra_config: bool = False) -> dict:
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="train_glue", overrides=list(overrides), return_hydra_config=hydra_config)
+    return cfg if hydra_config else OmegaConf.to_container(cfg, resolve=True)
+
+
+def tiny(tmp_path, *overrides: str) -> dict:
+    """A job that trains for two steps on a few examples."""
+    return settings(
+        "trainer=smoke", "trainer.max_steps=2", "refit.max_steps=2", "data.max_train_samples=16",
+        "data.max_eval_samples=24", "collab.n_iter_max=2", "collab.init=random", f"output_root={tmp_path / 'out'}",
+        *overrides,
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        *[[f"task={t}"] for t in ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")],
+        ["collab=tucker"], ["collab=none"], ["refit=none"], ["logger=none"], ["trainer=smoke"],
+        ["+experiment=smoke"], ["+experiment=minilm_mrpc_rte"],
+    ],
+)
+def test_every_config_composes(overrides):
+    resolved = settings(*overrides)
+    assert {"model", "task", "data", "collab", "trainer", "refit", "logger", "output_root"} <= set(resolved)
+
+
+def test_slurm_launcher_composes():
+    cfg = settings("hydra/launcher=slurm", "hydra.launcher.partition=gpu", hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
+
+
+def test_experiment_overrides_only_what_differs():
+    smoke = settings("+experiment=smoke")
+    assert smoke["trainer"]["max_steps"] == 3 and smoke["data"]["max_train_samples"] == 64
+    assert smoke["trainer"]["learning_rate"] == settings()["trainer"]["learning_rate"]
+
+
+def test_unknown_task_and_unknown_key_stop_in_hydra():
+    with pytest.raises(MissingConfigException, match="task"):
+        settings("task=mrcp")
+    with pytest.raises(ConfigCompositionException, match="learning_rat"):
+        settings("trainer.learning_rat=1e-4")
+
+
+def test_job_dirs_separate_what_matters(tmp_path):
+    base = pipeline.job_dir(tiny(tmp_path))
+    assert base.parts[-4:-1] == ("mrpc", "minilm", "cp-r192") and base.name.startswith("seed0-")
+    assert pipeline.job_dir(tiny(tmp_path, "collab.rank=128")) != base
+    assert pipeline.job_dir(tiny(tmp_path, "seed=1")) != base
+    assert pipeline.job_dir(tiny(tmp_path, "refit.learning_rate=1e-4")) != base
+    assert pipeline.job_dir(tiny(tmp_path, "data.glue_dir=/elsewhere")) == base  # same data, another copy
+    assert pipeline.finetuned_dir(tiny(tmp_path, "collab.rank=128")) == pipeline.finetuned_dir(tiny(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        (["collab.rank=999"], ValueError, r"rank 999 for layer 0 is invalid.*\[1, 384\]"),
+        (["model=/no/such/checkpoint"], FileNotFoundError, "no checkpoint at"),
+        (["data.glue_dir=/no/such/glue"], FileNotFoundError, "data.glue_dir=/no/such/glue does not exist"),
+        (["+trainer.learning_rat=1e-4"], ValueError, "trainer.learning_rat is not a transformers.TrainingArguments"),
+    ],
+)
+def test_bad_input_stops_before_training(tmp_path, overrides, error, message):
+    with pytest.raises(error, match=message):
+        pipeline.run_job(tiny(tmp_path, *overrides))
+    assert not (tmp_path / "out").exists()
+
+
+def test_wandb_mode_is_offline_without_credentials(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / ".netrc"))
+    assert wandb_mode(None) == "offline"
+    assert wandb_mode("disabled") == "disabled"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode(None) == "online"
+
+
+@pytest.mark.glue
+def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    job = tiny(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=96")
+    records = pipeline.run_job(job)
+    assert [r["stage"] for r in records] == ["finetuned", "reparam", "refit"]
+    for record in records:
+        assert CONTRACT_FIELDS <= set(record) and {"f1", "accuracy"} <= set(record)
+        assert record["main"] == record["f1"] and record["main_metric"] == "f1"
+    assert records[0]["query_key_params"] == 6 * 2 * (384 * 384 + 384)
+    assert records[1]["query_key_params"] == 6 * (2 * 384 * 96 + 12 * 96 + 12 * 384)
+    assert 0 < records[1]["mean_relative_error"] < 1 and records[1]["decomposition_seconds"] > 0
+    out = pipeline.job_dir(job)
+    assert [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] == records
+    run_file = next(out.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
+    assert b"refit/main" in run_file and b"query_key_compression" in run_file
+    assert not list(out.glob(".scratch-*"))
+
+    capsys.readouterr()
+    assert pipeline.run_job(job) == records
+    assert "skipping" in capsys.readouterr().out
+
+    finetuned = pipeline.finetuned_dir(job)
+    stamp = (finetuned / "config.json").stat().st_mtime_ns
+    other = pipeline.run_job(tiny(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=384",
+                                  "logger=none", "refit.enabled=false"))
+    assert [r["stage"] for r in other] == ["finetuned", "reparam"]
+    assert other[0]["main"] == records[0]["main"]  # the same cached fine-tuned model
+    assert (finetuned / "config.json").stat().st_mtime_ns == stamp
+    assert other[1]["main"] == pytest.approx(other[0]["main"], abs=1e-6)  # full rank is exact
+
+
+@pytest.mark.glue
+def test_interrupted_job_leaves_no_results(tmp_path, glue_dir, monkeypatch):
+    job = tiny(tmp_path, "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "finetune=false")
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "reparametrize", crash)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_job(job)
+    out = pipeline.job_dir(job)
+    assert not (out / "results.jsonl").exists() and not list(out.glob(".scratch-*"))
+
+
+@pytest.mark.glue
+def test_sweep_resumes_and_summarizes(tmp_path, glue_dir):
+    command = [
+        sys.executable, str(ROOT / "scripts" / "train_glue.py"), "-m", "+experiment=smoke", "logger=none",
+        f"data.glue_dir={glue_dir}", f"output_root={tmp_path}", "data.max_train_samples=16",
+        "data.max_eval_samples=16", "trainer.max_steps=1", "refit.max_steps=1", "collab.n_iter_max=2",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    first = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    results = sorted(tmp_path.glob("runs/*/*/*/*/results.jsonl"))
+    assert len(results) == 4
+    stamps = [p.stat().st_mtime_ns for p in results]
+    second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert second.returncode == 0 and second.stdout.count("skipping") == 4
+    assert [p.stat().st_mtime_ns for p in results] == stamps
+
+    paths = summarize(tmp_path)
+    markdown = paths["markdown"].read_text()
+    for needle in ("mrpc (f1)", "rte (accuracy)", "| 384 | reparam", "| 96 | refit", "finetuned"):
+        assert needle in markdown
+    assert paths["plot"].stat().st_size > 10_000 and paths["csv"].read_text().count("\n") == 6  # header, original, 2 ranks x 2 stages
+
+
+def test_summary_table_averages_seeds_and_tasks(tmp_path):
+    def line(task, stage, rank, seed, main, qk):
+        return {"task": task, "stage": stage, "model": "m", "method": "cp", "rank": rank, "seed": seed,
+                "main": main, "query_key_params": qk}
+
+    rows = []
+    for seed, bump in ((0, 0.0), (1, 0.02)):
+        for task in ("mrpc", "rte"):
+            rows += [line(task, "finetuned", 128, seed, 0.80 + bump, 100), line(task, "reparam", 128, seed, 0.60, 40),
+                     line(task, "refit", 128, seed, 0.70 + bump, 40)]
+    rows += [line("mrpc", "finetuned", 64, 0, 0.80, 100), line("mrpc", "reparam", 64, 0, 0.5, 20)]
+    job = tmp_path / "runs" / "a"
+    job.mkdir(parents=True)
+    (job / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wide = table(load_results(tmp_path))
+    original = wide[wide.stage == "finetuned"].iloc[0]
+    assert original.mrpc == pytest.approx(81.0) and original.seeds == 2  # rank 64's copy is not counted twice
+    refit = wide[(wide.stage == "refit") & (wide["rank"] == 128)].iloc[0]
+    assert refit.glue_avg == pytest.approx(71.0)
+    rank64 = wide[(wide.stage == "reparam") & (wide["rank"] == 64)].iloc[0]
+    assert rank64.mrpc == pytest.approx(50.0) and pd.isna(rank64.glue_avg)  # rte missing: no average
