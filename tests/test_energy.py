@@ -1,0 +1,45 @@
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from collab_attn.energy import cumulative_energy, layer_spectra, rank_for_energy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cumulative_energy_of_known_singular_values():
+    matrix = torch.diag(torch.tensor([3.0, 2.0, 1.0, 0.0]))
+    torch.testing.assert_close(cumulative_energy(matrix), torch.tensor([9 / 14, 13 / 14, 1.0, 1.0]))
+    assert rank_for_energy(cumulative_energy(matrix), 0.9) == 2
+    assert rank_for_energy(cumulative_energy(matrix), 13 / 14) == 2
+    assert rank_for_energy(cumulative_energy(matrix), 0.99) == 3
+
+
+def test_heads_sharing_a_subspace_concentrate_the_products():
+    """Query directions that meet no key do not count: the products live in the shared 4-d query subspace."""
+    g = torch.Generator().manual_seed(0)
+    heads, head_dim, d_in, shared = 6, 8, 48, 4
+    basis = torch.randn(shared, d_in, generator=g)
+    w_query = torch.randn(heads, head_dim, d_in, generator=g)
+    w_query[:, :4] = torch.randn(heads, 4, shared, generator=g) @ basis  # rows that meet a key: shared subspace
+    w_key = torch.randn(heads, head_dim, d_in, generator=g)
+    w_key[:, 4:] = 0  # rows 4..7 of each head's query meet no key
+    spectra = layer_spectra(w_query, w_key)
+    assert rank_for_energy(spectra["query"], 0.99) > 20
+    assert rank_for_energy(spectra["products"], 0.999) == shared
+
+
+def test_script_writes_plot_and_tables_for_minilm(tmp_path):
+    spec = importlib.util.spec_from_file_location("energy_script", ROOT / "scripts" / "energy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="energy", overrides=[f"output_dir={tmp_path / 'energy'}"])
+    rows = script.run(cfg)
+    assert len(rows) == 6 * 3 and all(1 <= row["k@0.9"] <= row["k@0.99"] <= 384 for row in rows)
+    assert {p.name for p in (tmp_path / "energy").iterdir()} == {"energy.png", "energy.csv", "energy.md"}
+    with pytest.raises(ValueError, match="not empty"):
+        script.run(cfg)
