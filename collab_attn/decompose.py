@@ -5,7 +5,15 @@ decomposition ``T[h] ~= Q diag(m_h) K^T`` gives collaborative attention with sha
 key ``K`` and mixing vectors ``m_h``. Tucker with ranks (core_size, R, R) gives ``T[h] ~= Q M_h K^T`` with
 ``M_h = sum_g A[h, g] G[g]``: full mixing matrices built from a small core ``G``.
 
-tensorly does the arithmetic on its PyTorch backend, scoped to each call (the global backend is left alone).
+Two solvers: ``"implicit"`` (default; ``collab_attn.cp_als``) runs ALS / HOOI on the per-head projections and never
+forms the tensor; ``"tensorly"`` forms the dense tensor and calls tensorly's ``parafac`` / ``tucker`` on its
+PyTorch backend, scoped to each call (the global backend is left alone). From the same initialization both follow
+the same iterations; the paper's settings are ``solver="tensorly", init="random", n_iter_max=100``.
+
+Activation-aware fitting (``covariance=``): with ``S = (C + eps I)^{1/2}`` for the second-moment matrix ``C`` of
+the layer's inputs, the products are decomposed as ``S Wq_h^T Wk_h S`` (the projections ``Wq_h S``, ``Wk_h S``)
+and mapped back with ``S^{-1}``, so that the fit weights directions by how much the inputs use them: the error is
+then the expected error of the attention logits ``x^T Wq_h^T Wk_h y`` (see ``collab_attn.calibration``).
 """
 
 from __future__ import annotations
@@ -18,7 +26,11 @@ import tensorly as tl
 import torch
 from tensorly.decomposition import parafac, tucker
 
+from collab_attn.calibration import whitening_pair
+from collab_attn.cp_als import HeadProducts, cp_als, cp_relative_error, tucker_hooi, tucker_relative_error
+
 METHODS = ("cp", "tucker")
+SOLVERS = ("implicit", "tensorly")
 
 
 @dataclass
@@ -36,6 +48,10 @@ class HeadDecomposition:
     core: torch.Tensor | None
     relative_error: float
     seconds: float
+    # activation-aware fits: the relative error of the whitened products (the RMS relative logit error over the
+    # calibration inputs); None for plain fits
+    weighted_error: float | None = None
+    n_iter: int | None = None  # ALS / HOOI iterations run (None for tensorly)
 
     @property
     def rank(self) -> int:
@@ -57,6 +73,15 @@ def head_products(w_query: torch.Tensor, w_key: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hai,haj->hij", w_query, w_key)
 
 
+def _balance_cp(mixing: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+    """Rescale each rank-one term so that mixing columns have unit norm and the query/key columns equal norms
+    (the product is unchanged); a zero term stays zero."""
+    m_norm, q_norm, k_norm = (f.norm(dim=0) for f in (mixing, query, key))
+    scale = (m_norm * q_norm * k_norm).sqrt()
+    safe = lambda x: torch.where(x > 0, x, torch.ones_like(x))  # noqa: E731
+    return mixing / safe(m_norm), query * scale / safe(q_norm), key * scale / safe(k_norm)
+
+
 def decompose_heads(
     w_query: torch.Tensor,
     w_key: torch.Tensor,
@@ -64,20 +89,39 @@ def decompose_heads(
     method: str = "cp",
     seed: int = 0,
     *,
-    init: str = "svd",
+    solver: str = "implicit",
+    init="svd",
     n_iter_max: int = 100,
     tol: float = 1e-8,
     tucker_core_size: int | None = None,
+    linesearch: bool | None = None,
+    covariance: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    whitening_eps: float | None = None,
 ) -> HeadDecomposition:
     """Decompose the head products of one attention layer at the given rank.
 
     ``w_query`` and ``w_key`` are (heads, head_dim, d_in): the per-head rows of the query and key
     ``nn.Linear`` weights (``weight.view(heads, head_dim, d_in)``). ``init`` is ``"svd"`` or ``"random"`` (the
-    paper's code used random init with 100 iterations); ``seed`` fixes every random choice.
-    For Tucker, ``tucker_core_size`` (default: heads) is the size of the head mode of the core.
+    paper's code used random init with 100 iterations); ``seed`` fixes every random choice. ``n_iter_max`` and
+    ``tol`` (stop once the relative error changes by less than ``tol`` between iterations) mean the same for both
+    solvers. For Tucker, ``tucker_core_size`` (default: heads) is the size of the head mode of the core.
+
+    ``solver``: ``"implicit"`` (ALS from the projections, see ``collab_attn.cp_als``; its large products run in
+    float32, the rest in float64) or ``"tensorly"`` (dense tensor, tensorly). ``linesearch`` (CP only): extrapolate
+    the factors as tensorly's line search does; None means on for ``"implicit"``, off for ``"tensorly"`` (its
+    default, the paper's setting).
+
+    ``covariance``: activation-aware fitting. The (d_in, d_in) second moment ``E[x x^T]`` of the layer's inputs,
+    or a (query side, key side) pair; see ``collab_attn.calibration``. ``whitening_eps`` regularizes it (a
+    fraction of its mean eigenvalue; default ``calibration.DEFAULT_EPS``). ``relative_error`` stays the error of
+    the raw products; ``weighted_error`` is the error of the whitened ones.
+
+    CP factors are returned balanced: unit-norm mixing columns, query and key columns of equal norm.
     """
     if method not in METHODS:
         raise ValueError(f"unknown decomposition method {method!r}; choose one of {METHODS}")
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
     if w_query.dim() != 3 or w_query.shape != w_key.shape:
         raise ValueError(
             "w_query and w_key must both be (heads, head_dim, d_in), got "
@@ -86,27 +130,69 @@ def decompose_heads(
     if not (torch.isfinite(w_query).all() and torch.isfinite(w_key).all()):
         raise ValueError("the query/key weights contain NaN or Inf; fix or retrain the checkpoint first")
     heads, head_dim, d_in = w_query.shape
-    if not isinstance(rank, int) or not 0 < rank <= d_in:
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= d_in:
         raise ValueError(f"rank must be an integer in [1, d_in={d_in}], got {rank!r}")
+    core_size = tucker_core_size or heads
 
-    products = head_products(w_query.detach().float().cpu(), w_key.detach().float().cpu())
     start = time.perf_counter()
+    raw = HeadProducts(w_query, w_key)
+    if covariance is None:
+        work, back_query, back_key = raw, None, None
+    else:
+        (s_query, back_query), (s_key, back_key) = whitening_pair(covariance, d_in, whitening_eps)
+        work = HeadProducts(raw.a @ s_query, raw.b @ s_key)
+
+    weighted_error, n_iter = None, None
+    if solver == "implicit":
+        if method == "cp":
+            fit = cp_als(
+                work, None, rank, init=init, n_iter_max=n_iter_max, tol=tol, seed=seed,
+                linesearch=True if linesearch is None else linesearch, matmul_dtype=torch.float32,
+            )
+            factors = (fit.mixing, fit.query, fit.key, None)
+        else:
+            if init not in ("svd", "random"):
+                raise ValueError(f"unknown init {init!r}; choose 'svd' or 'random'")
+            fit = tucker_hooi(work, None, rank, core_size, init=init, n_iter_max=n_iter_max, tol=tol, seed=seed)
+            factors = (fit.mixing, fit.query, fit.key, fit.core)
+        n_iter = len(fit.errors)
+    else:
+        factors = _tensorly(work.dense().float(), rank, method, seed, init, n_iter_max, tol, core_size, linesearch)
+    mixing, query, key, core = (None if f is None else f.to(torch.float64) for f in factors)
+    if covariance is not None:
+        weighted_error = _error(work, mixing, query, key, core)
+        query, key = back_query @ query, back_key @ key
+    if core is None:
+        mixing, query, key = _balance_cp(mixing, query, key)
+    seconds = time.perf_counter() - start
+    result = HeadDecomposition(
+        method, query.float(), key.float(), mixing.float(), None if core is None else core.float(),
+        float("nan"), seconds, None if weighted_error is None else float(weighted_error), n_iter,
+    )
+    result.relative_error = _error(raw, result.mixing, result.shared_query, result.shared_key, result.core)
+    return result
+
+
+def _error(tensor: HeadProducts, mixing, query, key, core) -> float:
+    if core is None:
+        return cp_relative_error(tensor, mixing, query, key)
+    return tucker_relative_error(tensor, mixing, query, key, core)
+
+
+def _tensorly(products, rank, method, seed, init, n_iter_max, tol, core_size, linesearch):
+    """(mixing, query, key, core) from tensorly's dense solvers."""
     with tl.backend_context("pytorch"), warnings.catch_warnings():
         # tensorly warns when the rank exceeds the head mode and fills the rest of the SVD init at random
         warnings.filterwarnings("ignore", message=".*n_eigenvecs.*larger than", category=UserWarning)
         if method == "cp":
+            if isinstance(init, (tuple, list)):
+                init = (None, [torch.as_tensor(f, dtype=products.dtype) for f in init])
             weights, (mixing, shared_query, shared_key) = parafac(
-                products, rank, n_iter_max=n_iter_max, init=init, tol=tol, random_state=seed
+                products, rank, n_iter_max=n_iter_max, init=init, tol=tol, random_state=seed,
+                linesearch=bool(linesearch),
             )
-            result = HeadDecomposition(
-                "cp", shared_query, shared_key, mixing * weights, None, float("nan"), float("nan")
-            )
-        else:
-            core_size = tucker_core_size or heads
-            core, (mixing, shared_query, shared_key) = tucker(
-                products, [core_size, rank, rank], n_iter_max=n_iter_max, init=init, tol=tol, random_state=seed
-            )
-            result = HeadDecomposition("tucker", shared_query, shared_key, mixing, core, float("nan"), float("nan"))
-    result.seconds = time.perf_counter() - start
-    result.relative_error = float(torch.linalg.norm(products - result.head_products()) / torch.linalg.norm(products))
-    return result
+            return mixing * weights, shared_query, shared_key, None
+        core, (mixing, shared_query, shared_key) = tucker(
+            products, [core_size, rank, rank], n_iter_max=n_iter_max, init=init, tol=tol, random_state=seed
+        )
+        return mixing, shared_query, shared_key, core

@@ -23,9 +23,11 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from collab_attn import glue
+from collab_attn.calibration import calibration_from_texts, load_texts, task_texts
 from collab_attn.checkpoints import resolve_model
 from collab_attn.hf import CollaborativeSelfAttention, attention_modules, family_of
-from collab_attn.reparam import ReparamReport, _per_layer_ranks, reparametrize
+from collab_attn.rank_selection import RankBudget
+from collab_attn.reparam import ReparamReport, per_layer_ranks, reparametrize
 from collab_attn.tracking import make_tracker
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,26 @@ def rank_tag(rank) -> str:
     return "-".join(map(str, rank)) if isinstance(rank, list) else str(rank)
 
 
+def method_label(collab: dict) -> str:
+    """The method as results and tables name it: ``cp``, ``tucker`` or ``none``, then ``-tensorly`` for the
+    paper's dense solver and ``-aware`` for activation-aware fitting."""
+    label = collab["method"]
+    if label != "none":
+        label += "-tensorly" if collab.get("solver", "implicit") == "tensorly" else ""
+        label += "-aware" if collab.get("calibration") else ""
+    return label
+
+
+def collab_rank(collab: dict):
+    """What the job asks ``reparametrize`` for: the budget string when one is set, else the rank(s)."""
+    return collab["budget"] if collab.get("budget") else collab.get("rank")
+
+
 def job_name(settings: dict) -> str:
     collab = settings["collab"]
-    method = collab["method"] if collab["method"] == "none" else f"{collab['method']}-r{rank_tag(collab['rank'])}"
+    method = method_label(collab)
+    if method != "none":
+        method += f"-r{rank_tag(collab_rank(collab)).replace(':', '')}"
     task = glue.get_task(settings["task"]["name"]).name
     return f"{task}/{model_slug(settings['model'])}/{method}/seed{settings['seed']}"
 
@@ -113,7 +132,16 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str]:
             skeleton = AutoModel.from_config(config)
         found = attention_modules(skeleton, family)
         full_rank = family.num_heads(found[0][1]) * found[0][1].attention_head_size
-        _per_layer_ranks(collab["rank"], len(found), full_rank)
+        if collab.get("budget"):
+            RankBudget.parse(collab["budget"])
+        else:
+            per_layer_ranks(collab["rank"], len(found), full_rank)
+        source = collab.get("calibration")
+        if source and source != "task" and not Path(source).is_file():
+            raise FileNotFoundError(
+                f"collab.calibration={source}: no such file; use 'task' (the task's training texts), a text file "
+                "(one text per line) or a GLUE train.tsv/dev.tsv"
+            )
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     for group in ("trainer", "refit"):
         unknown = sorted(set(settings[group]) - fields - {"enabled"})
@@ -204,8 +232,9 @@ def stage_record(settings, task, stage, metrics, model, report: ReparamReport | 
         "stage": stage,
         "task": task.name,
         "model": settings["model"],
-        "method": collab["method"],
-        "rank": collab.get("rank") if collab["method"] != "none" else None,
+        "method": method_label(collab),
+        "rank": _record_rank(collab, report),
+        "budget": collab.get("budget"),
         "seed": settings["seed"],
         **metrics,
         "main_metric": task.main_metric,
@@ -215,6 +244,27 @@ def stage_record(settings, task, stage, metrics, model, report: ReparamReport | 
         "mean_relative_error": report.mean_relative_error if report else None,
         "seconds": seconds,
     }
+
+
+def _record_rank(collab: dict, report: ReparamReport | None):
+    """The rank the table shows: the configured one, or the per-layer ranks a budget chose."""
+    if collab["method"] == "none":
+        return None
+    if collab.get("budget") and report is not None:
+        return [layer.rank for layer in report.layers]
+    return collab_rank(collab)
+
+
+def calibrate(model, tokenizer, collab: dict, task: glue.GlueTask, glue_dir, seed: int):
+    """Input statistics for activation-aware fitting (``collab.calibration``), or None when it is off."""
+    source, limit = collab.get("calibration"), collab.get("calibration_samples", 512)
+    if not source:
+        return None
+    if source == "task":
+        texts = task_texts(task, glue_dir, "train", limit=limit, seed=seed)
+    else:
+        texts = load_texts(source, limit=limit, seed=seed)
+    return calibration_from_texts(model, tokenizer, texts, max_length=collab.get("calibration_max_length", 128))
 
 
 def _summary_line(name: str, record: dict) -> str:
@@ -253,9 +303,12 @@ def run_job(settings: dict) -> list[dict]:
         report, history = None, []
         for stage in stages:
             if stage == "reparam":
-                options = {k: v for k, v in settings["collab"].items() if k not in ("method", "rank")}
+                collab = settings["collab"]
+                calibration = calibrate(model, tokenizer, collab, task, settings["data"]["glue_dir"], settings["seed"])
+                solver_keys = ("solver", "init", "n_iter_max", "tol", "tucker_core_size")
+                options = {k: collab[k] for k in solver_keys if k in collab}
                 report = reparametrize(
-                    model, settings["collab"]["rank"], settings["collab"]["method"], settings["seed"], **options
+                    model, collab_rank(collab), collab["method"], settings["seed"], calibration=calibration, **options
                 )
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
@@ -271,7 +324,7 @@ def run_job(settings: dict) -> list[dict]:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         tmp.rename(out / RESULTS_FILE)
         compression = records[-1]["query_key_params"] / records[0]["query_key_params"]
-        summary.update(rank=settings["collab"].get("rank"), query_key_compression=compression)
+        summary.update(rank=records[-1]["rank"], query_key_compression=compression)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         tracker.finish(summary)

@@ -3,6 +3,8 @@
     python scripts/reparametrize.py                                   # MiniLM, CP, rank 192
     python scripts/reparametrize.py collab=tucker collab.rank=128 output_dir=outputs/tucker128 overwrite=true
     python scripts/reparametrize.py model=path/to/checkpoint 'collab.rank=[384,256,256,192,192,128]'
+    python scripts/reparametrize.py collab.budget=mean:128                   # per-layer ranks, same size as 128
+    python scripts/reparametrize.py collab.calibration=../shared/data/glue/SST-2/train.tsv   # activation-aware
 
 Everything is validated before anything is written. The converted model (task head kept), its tokenizer and
 ``reparam_report.json`` (the per-layer report, the comparison with the original model, the settings) are
@@ -23,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from collab_attn import reparametrize
+from collab_attn.calibration import calibration_from_texts, load_texts
 from collab_attn.checkpoints import (
     finalize_output_dir,
     load_model_and_tokenizer,
@@ -30,6 +33,7 @@ from collab_attn.checkpoints import (
     resolve_model,
 )
 from collab_attn.decompose import METHODS
+from collab_attn.rank_selection import RankBudget
 
 log = logging.getLogger("reparametrize")
 
@@ -72,7 +76,15 @@ def run(cfg: DictConfig) -> dict:
             f"collab.method={collab['method']!r} cannot be reparametrized; choose collab=cp or collab=tucker"
             + (hint if collab["method"] == "none" else "")
         )
-    rank = _rank(collab["rank"])
+    budget = collab.get("budget")
+    rank = str(RankBudget.parse(budget)) if budget is not None else _rank(collab["rank"])
+    source = collab.get("calibration")
+    texts = None
+    if source is not None:
+        if source == "task":
+            raise ValueError("collab.calibration=task means the task's training texts and is only for the GLUE "
+                             "pipeline; pass a text file (one text per line) or a GLUE train.tsv/dev.tsv")
+        texts = load_texts(source, limit=collab.get("calibration_samples", 512), seed=settings["seed"])
     path = resolve_model(settings["model"])
     tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
     torch.manual_seed(settings["seed"])
@@ -80,9 +92,16 @@ def run(cfg: DictConfig) -> dict:
     log.info("loading %s (%s)", settings["model"], path)
     model, tokenizer = load_model_and_tokenizer(path, model_class=None)
     original = copy.deepcopy(model)
+    calibration = None
+    if texts is not None:
+        log.info("calibrating on %d texts from %s", len(texts), source)
+        calibration = calibration_from_texts(
+            model, tokenizer, texts, max_length=collab.get("calibration_max_length", 128)
+        )
     report = reparametrize(
-        model, rank, collab["method"], settings["seed"], init=collab["init"], n_iter_max=collab["n_iter_max"],
-        tol=collab["tol"], tucker_core_size=collab["tucker_core_size"], progress=True,
+        model, rank, collab["method"], settings["seed"], solver=collab.get("solver", "implicit"),
+        init=collab["init"], n_iter_max=collab["n_iter_max"], tol=collab["tol"],
+        tucker_core_size=collab["tucker_core_size"], calibration=calibration, progress=True,
     )
     print(report.table())
 

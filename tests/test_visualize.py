@@ -1,0 +1,178 @@
+"""Attention views and plots (collab_attn.views, collab_attn.plots, scripts/visualize.py) on the packaged MiniLM."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from collab_attn import plots
+from collab_attn.views import (
+    attention_maps,
+    collaborative_copy,
+    comparison_page,
+    load_for_viewing,
+    sentence_attention,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "visualize.py"
+_spec = importlib.util.spec_from_file_location("visualize_script", SCRIPT)
+script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
+
+SENTENCE, PAIR = "The animal didn't cross the street because it was too tired.", "It had walked all day."
+LOW_RANK = {"init": "random", "n_iter_max": 2, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def original():
+    return load_for_viewing("minilm")
+
+
+@pytest.fixture(scope="module")
+def exact(original):
+    return collaborative_copy(original[0], 384, progress=False)[0]
+
+
+@pytest.fixture(scope="module")
+def low(original):
+    return collaborative_copy(original[0], 24, **LOW_RANK)[0]
+
+
+def bertviz_params(page: str) -> list[dict]:
+    """The parameters each BertViz view on the page was rendered with (its attention data among them)."""
+    return [json.loads(found) for found in re.findall(r"const params = (.*?); // HACK", page)]
+
+
+def test_padded_batch_is_sliced_to_real_tokens(original, exact, real_batch):
+    model, tokenizer = original
+    lengths = real_batch["attention_mask"].sum(1).tolist()
+    with torch.no_grad():
+        raw = model(**real_batch, output_attentions=True).attentions
+    pads = ~real_batch["attention_mask"].bool()
+    keys = pads[:, None, None, :].expand_as(raw[0])
+    assert max(layer[keys].max().item() for layer in raw) < 1e-6  # no attention to padding
+    for converted in (model, exact):
+        per_sequence = attention_maps(converted, tokenizer, real_batch)
+        for maps, length, sentence in zip(per_sequence, lengths, ["The cat sat on the mat.", None, "It rained.", None]):
+            assert len(maps.tokens) == length and maps.tokens[0] == "[CLS]" and maps.tokens[-1] == "[SEP]"
+            assert "[PAD]" not in maps.tokens and maps.sentence_b_start is None
+            assert all(layer.shape == (12, length, length) for layer in maps.layers) and len(maps.layers) == 6
+            assert all(torch.allclose(layer.sum(-1), torch.ones(12, length), atol=1e-5) for layer in maps.layers)
+            if sentence is not None:  # the same as running the sentence alone
+                alone = sentence_attention(converted, tokenizer, sentence)
+                assert alone.tokens == maps.tokens
+                assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(alone.layers, maps.layers))
+
+
+def test_full_rank_attention_is_the_original(original, exact):
+    model, tokenizer = original
+    before, after = (sentence_attention(m, tokenizer, SENTENCE, PAIR) for m in (model, exact))
+    assert before.tokens == after.tokens and before.tokens[before.sentence_b_start - 1] == "[SEP]"
+    assert before.tokens[before.sentence_b_start:] == ["it", "had", "walked", "all", "day", ".", "[SEP]"]
+    assert plots.attention_difference(before, after).max() < 1e-4
+
+
+def test_page_holds_both_models_attention(original, low):
+    model, tokenizer = original
+    maps = {"original": sentence_attention(model, tokenizer, SENTENCE, PAIR),
+            "collaborative": sentence_attention(low, tokenizer, SENTENCE, PAIR)}
+    assert plots.attention_difference(maps["original"], maps["collaborative"]).max() > 0.01
+    for view in ("head", "model"):
+        page = comparison_page(list(maps.items()), view, "title <&>", "intro")
+        assert page.count("require.min.js") == 1 and "title &lt;&amp;&gt;" in page
+        assert "<h2>original</h2>" in page and "<h2>collaborative</h2>" in page
+        params = bertviz_params(page)
+        assert len(params) == 2 and params[0]["root_div_id"] != params[1]["root_div_id"]
+        for shown, expected in zip(params, maps.values()):
+            everything = shown["attention"][0]  # the "All" filter; the others are sentence A/B slices
+            assert everything["left_text"] == everything["right_text"] == expected.tokens
+            assert len(shown["attention"]) == 5  # a sentence pair: All, A->A, B->B, A->B, B->A
+            assert np.allclose(everything["attn"], torch.stack(expected.layers).numpy(), atol=1e-4)
+    with pytest.raises(ValueError, match="same tokens"):
+        comparison_page([("a", maps["original"]), ("b", sentence_attention(model, tokenizer, "Other words."))])
+
+
+def test_causal_models_attend_only_to_the_past(minilm_path):
+    model, tokenizer = load_for_viewing(minilm_path, causal=True)
+    converted = collaborative_copy(model, 384, progress=False)[0]
+    for viewed in (model, converted):
+        maps = sentence_attention(viewed, tokenizer, SENTENCE)
+        assert all(layer.triu(1).abs().max() < 1e-6 for layer in maps.layers)
+        assert maps.layers[0][:, 1, :2].sum(-1).min() > 0.999  # the second token attends to the first two only
+
+
+def test_head_statistics_and_mixing(original, exact, low):
+    model, _ = original
+    full = plots.head_statistics(model, exact)
+    assert full["relative_error"].shape == (6, 12) and full["relative_error"].max() < 1e-4
+    assert np.allclose(full["original_effective_rank"], full["collaborative_effective_rank"], rtol=1e-3)
+    assert (full["original_effective_rank"] <= 32 + 1e-3).all() and np.allclose(full["energy_share"].sum(1), 1)
+    reduced = plots.head_statistics(model, low)
+    assert (reduced["collaborative_effective_rank"] <= 24 + 1e-3).all() and reduced["relative_error"].min() > 0
+    weights = plots.mixing_weights(plots.collaborative_layers(exact)[0])
+    assert weights.shape == (12, 384) and ((weights != 0).sum(0) == 1).all()  # full rank: one head per dimension
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="visualize", overrides=list(overrides))
+
+
+def test_script_writes_views_and_plots(tmp_path):
+    out = tmp_path / "views"
+    summary = script.run(config("rank=384", f"output_dir={out}", 'sentence="Is the museum open?"',
+                                'sentence_pair="It opens at ten."'))
+    assert sorted(p.name for p in out.iterdir()) == sorted(["index.html", *script.FILES])
+    assert [p.name for p in tmp_path.iterdir()] == ["views"]  # no temporary directory left behind
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    for name in ("head_view.html", "model_view.html"):
+        params = bertviz_params((out / name).read_text())
+        assert len(params) == 2 and all(p["attention"][0]["left_text"] == summary["tokens"] for p in params)
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert summary["tokens"][summary["sentence_b_start"]:] == ["it", "opens", "at", "ten", ".", "[SEP]"]
+    assert summary["max_attention_difference"] < 1e-4 and len(summary["layers"]) == 6  # full rank is exact
+    assert np.array(summary["head_statistics"]["relative_error"]).max() < 1e-4
+    index = (out / "index.html").read_text()
+    assert all(f'href="{name}"' in index for name in script.FILES)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rank=999"], "rank 999"),
+        (["rank=[24,24]"], "rank must be one integer"),
+        (["method=svd"], "unknown method"),
+        (["sentence=[a,b]"], "sentence must be a non-empty string"),
+        (["sentence_pair=''"], "sentence_pair must be a non-empty string"),
+        (["model=/no/such/checkpoint"], "no checkpoint at"),
+    ],
+)
+def test_errors_write_nothing(tmp_path, overrides, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
+        script.run(config(*overrides, f"output_dir={tmp_path / 'out'}"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_empty_output_dir_needs_overwrite(tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="overwrite=true"):
+        script.run(config(f"output_dir={tmp_path}"))
+
+
+def test_cli_bad_input_exits_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "method=svd", f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path}/h"],
+        cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2 and done.stderr.startswith("error: unknown method") and done.stderr.count("\n") == 1
+    assert not (tmp_path / "out").exists()
