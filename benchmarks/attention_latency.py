@@ -6,17 +6,20 @@
 Variants, all with the same d_model, heads, value and output projections:
 
 - ``concat``: ``MultiHeadAttention`` (heads of d_model / heads; fused ``scaled_dot_product_attention``);
-- ``collab-R``: ``CollaborativeAttention`` at rank R (d_model/4 and d_model/2 by default), this package's layer;
+- ``collab-R``: ``CollaborativeAttention`` at rank R (d_model/4 and d_model/2 by default), this package's layer
+  as it runs by default: all heads' logits in one ``bmm`` against the shared keys, or the fused kernel at
+  inference on long sequences (``CollaborativeAttention.use_fused``);
 - ``paper-R``: the same parameters computed the way the paper's code does it: mixed queries materialized
   (batch, heads, seq, R), one ``matmul`` with the shared keys, content bias, explicit softmax and dropout, a
   second ``matmul`` with the values;
-- ``folded-R``: a candidate fast path for the library's layer (``FoldedCollaborativeAttention`` below): all heads'
-  scores in one ``bmm`` without expanding the shared keys per head, explicit softmax (``--no-folded`` skips it).
+- with ``--forced-paths``, also ``explicit-R`` and ``fused-R``: the library's layer forced onto one path
+  (``layer.fused = False / True``), to check the automatic choice.
 
 For each (batch, seq) the variants run in turn, ``--repeats`` rounds after a warm-up, and the table gives the
 median per variant and its ratio to ``concat`` (``train``: forward + backward of a scalar loss in train mode with
-attention dropout; ``infer``: forward under ``torch.inference_mode`` in eval mode). Results go to
-``experiments/benchmarks/attention_latency.{md,json}``.
+attention dropout; ``infer``: forward under ``torch.inference_mode`` in eval mode). ``--clock cpu`` times each step
+by this process's CPU time instead of elapsed time, which other processes on a busy machine disturb less. Results
+go to ``experiments/benchmarks/attention_latency.{md,json}``.
 """
 
 from __future__ import annotations
@@ -61,40 +64,20 @@ class PaperCollaborativeAttention(CollaborativeAttention):
         return self._finish(context), (probs if need_weights else None)
 
 
-class FoldedCollaborativeAttention(CollaborativeAttention):
-    """A candidate fast path for ``CollaborativeAttention`` (not in the library): the scores of all heads in one
-    ``bmm`` of the mixed queries folded to (batch, heads * seq, R) with the shared keys (batch, R, seq), so the
-    keys are never expanded per head; then an explicit softmax, dropout and ``matmul`` with the values."""
-
-    def forward(self, query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False):
-        batch, tgt_len, _ = query_states.shape
-        shared_queries = self.query(query_states)
-        mixed = shared_queries[:, None] * self.mixing[None, :, None, :]  # (B, H, T, R)
-        keys = self.key(query_states)  # (B, S, R)
-        scores = torch.bmm(mixed.reshape(batch, -1, self.rank), keys.transpose(1, 2))
-        scores = scores.view(batch, self.num_heads, tgt_len, -1)
-        scores = (scores + self.content_bias(query_states).transpose(1, 2)[:, :, None, :]) * self.scale
-        mask = additive_mask(attention_mask, is_causal, tgt_len, keys.shape[1], scores.dtype, scores.device)
-        if mask is not None:
-            scores = scores + mask
-        probs = F.dropout(scores.softmax(dim=-1), p=self._dropout())
-        values = self.value(query_states).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        context = torch.matmul(probs, values).transpose(1, 2).flatten(2)
-        return self._finish(context), (probs if need_weights else None)
-
-
-def build(d_model: int, heads: int, ranks: list[int], dropout: float, folded: bool = True):
+def build(d_model: int, heads: int, ranks: list[int], dropout: float, forced_paths: bool = False):
     torch.manual_seed(0)
     layers: dict[str, torch.nn.Module] = {"concat": MultiHeadAttention(d_model, heads, dropout=dropout)}
     for rank in ranks:
-        layers[f"collab-{rank}"] = CollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
-        paper = PaperCollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
-        paper.load_state_dict(layers[f"collab-{rank}"].state_dict())
-        layers[f"paper-{rank}"] = paper
-        if folded:
-            candidate = FoldedCollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
-            candidate.load_state_dict(layers[f"collab-{rank}"].state_dict())
-            layers[f"folded-{rank}"] = candidate
+        ours = CollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
+        layers[f"collab-{rank}"] = ours
+        variants = {"paper": PaperCollaborativeAttention}
+        if forced_paths:
+            variants.update({"explicit": CollaborativeAttention, "fused": CollaborativeAttention})
+        for name, cls in variants.items():
+            layer = cls(d_model, heads, rank, dropout=dropout, mixing_init="random")
+            layer.load_state_dict(ours.state_dict())
+            layer.fused = {"explicit": False, "fused": True}.get(name)
+            layers[f"{name}-{rank}"] = layer
     return layers
 
 
@@ -110,7 +93,8 @@ def one_step(layer, x, mask, mode: str) -> None:
             layer(x, attention_mask=mask)
 
 
-def measure(layers, batch: int, seq: int, d_model: int, mode: str, repeats: int, warmup: int) -> dict[str, list]:
+def measure(layers, batch: int, seq: int, d_model: int, mode: str, repeats: int, warmup: int,
+            clock=time.perf_counter) -> dict[str, list]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, seq, d_model, generator=g, requires_grad=mode == "train")
     mask = torch.ones(batch, seq, dtype=torch.long)
@@ -121,20 +105,20 @@ def measure(layers, batch: int, seq: int, d_model: int, mode: str, repeats: int,
             one_step(layer, x, mask, mode)
     for _ in range(repeats):  # round robin: a load change hits every variant alike
         for name, layer in layers.items():
-            start = time.perf_counter()
+            start = clock()
             one_step(layer, x, mask, mode)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
 def check_same_outputs(layers, d_model: int) -> float:
-    """The paper formulation, the folded candidate and ours compute the same function (eval): max |difference|."""
+    """Every variant computes the same function as ours at its rank (eval): max |difference|."""
     x = torch.randn(2, 16, d_model)
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 12:] = 0
     worst = 0.0
     for name, layer in layers.items():
-        if name.startswith(("paper-", "folded-")):
+        if name != "concat" and not name.startswith("collab-"):
             ours = layers["collab-" + name.split("-")[1]]
             with torch.inference_mode():
                 a, b = layer.eval()(x, attention_mask=mask)[0], ours.eval()(x, attention_mask=mask)[0]
@@ -151,20 +135,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
     parser.add_argument("--dropout", type=float, default=0.1, help="attention dropout in train mode (BERT: 0.1)")
-    parser.add_argument("--no-folded", action="store_true", help="leave out the folded-R candidate variant")
+    parser.add_argument("--forced-paths", action="store_true",
+                        help="add the library's layer forced onto each path (explicit-R, fused-R)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time (less sensitive to other load)")
     parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "attention_latency")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     ranks = args.ranks or [args.d_model // 4, args.d_model // 2]
-    layers = build(args.d_model, args.heads, ranks, args.dropout, not args.no_folded)
+    layers = build(args.d_model, args.heads, ranks, args.dropout, args.forced_paths)
     params = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}
     same = check_same_outputs(layers, args.d_model)
     print(f"d_model {args.d_model}, {args.heads} heads, ranks {ranks}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; paper vs ours max |diff| {same:.1e}")
+          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; variants vs ours max |diff| {same:.1e}")
 
     rows, records = [], []
     header = "| mode | batch | seq | " + " | ".join(layers) + " |"
@@ -173,7 +160,8 @@ def main(argv=None) -> dict:
         for seq in args.seq:
             for batch in args.batch:
                 load = os.getloadavg()[0]
-                times = measure(layers, batch, seq, args.d_model, mode, args.repeats, args.warmup)
+                clock = time.perf_counter if args.clock == "wall" else time.process_time
+                times = measure(layers, batch, seq, args.d_model, mode, args.repeats, args.warmup, clock)
                 medians = {name: statistics.median(t) for name, t in times.items()}
                 base = medians["concat"]
                 cells = [
@@ -186,21 +174,25 @@ def main(argv=None) -> dict:
                                 "seconds": times, "median_seconds": medians,
                                 "ratio_to_concat": {n: m / base for n, m in medians.items()}})
     table = "\n".join(rows)
+    loads = [record["load_before"] for record in records]
     command = "python benchmarks/attention_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
         "command": command.strip(), "d_model": args.d_model, "heads": args.heads, "ranks": ranks,
-        "dropout": args.dropout, "repeats": args.repeats, "threads": torch.get_num_threads(),
+        "dropout": args.dropout, "repeats": args.repeats, "clock": args.clock, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-        "parameters": params, "paper_vs_ours_max_abs_diff": same, "results": records, "table": table,
+        "parameters": params, "variants_vs_ours_max_abs_diff": same, "results": records, "table": table,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(
         f"# Attention layer latency (CPU)\n\n`{result['command']}`\n\n"
         f"d_model {args.d_model}, {args.heads} heads, collaborative ranks {ranks}; median of {args.repeats} "
-        f"round-robin repeats, {result['threads']} torch threads, torch {torch.__version__}; ratios are to "
+        f"round-robin repeats ({args.clock} clock), {result['threads']} torch threads, torch {torch.__version__}; "
+        f"ratios are to "
         f"`concat` measured in the same round. Parameters per layer: "
-        + ", ".join(f"{k} {v:,}" for k, v in params.items()) + ".\n\n" + table + "\n"
+        + ", ".join(f"{k} {v:,}" for k, v in params.items())
+        + f". Load average before the rows: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs.\n\n"
+        + table + "\n"
     )
     return result
 

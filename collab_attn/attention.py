@@ -10,7 +10,9 @@ mixes with a full ``rank x rank`` matrix ``M_h = sum_g mixing[h, g] core[g]`` in
 Both modules take the same inputs: ``query_states`` (batch, tgt, d_model), optional ``key_value_states``
 (batch, src, kv_dim) for cross-attention, an ``attention_mask`` and ``is_causal``; they return
 ``(output, weights)`` where ``weights`` is (batch, heads, tgt, src) when ``need_weights=True``, else ``None``.
-Without weights the fused ``scaled_dot_product_attention`` kernel runs; with weights, a plain softmax.
+``MultiHeadAttention`` runs ``scaled_dot_product_attention`` without weights and a plain softmax with them.
+``CollaborativeAttention`` computes all heads' logits in one ``bmm`` against the shared keys, and uses the fused
+kernel only where it is faster: inference on long sequences (see ``CollaborativeAttention.use_fused``).
 """
 
 from __future__ import annotations
@@ -189,7 +191,12 @@ class CollaborativeAttention(_Attention):
     reproduces concatenated heads exactly when ``rank = num_heads * head_dim``; ``"ones"`` lets every head use
     every dimension; ``"random"`` draws each entry from a standard normal (for training from scratch).
     ``tucker_core_size``: mix with full matrices built from a core of that many ``rank x rank`` slices.
+    ``fused``: ``None`` lets ``use_fused`` pick the faster path per call; ``True`` / ``False`` force one (a plain
+    attribute, not saved with the weights).
     """
+
+    FUSED_MIN_KEYS = 256  # fused kernel at inference from this many key positions on ...
+    FUSED_MAX_RANK_RATIO = 3  # ... when rank <= this many head widths (the values are padded to the rank)
 
     def __init__(
         self,
@@ -217,6 +224,7 @@ class CollaborativeAttention(_Attention):
             )
         self.rank = rank
         self.mixing_init = mixing_init
+        self.fused: bool | None = None
         self.query = nn.Linear(d_model, rank, bias=False)
         self.key = nn.Linear(self.kv_dim, rank, bias=False)
         self.content_bias = nn.Linear(self.kv_dim, num_heads, bias=False) if bias else None
@@ -250,6 +258,26 @@ class CollaborativeAttention(_Attention):
             return torch.diag_embed(self.mixing)
         return torch.einsum("hg,grs->hrs", self.mixing, self.mixing_core)
 
+    def use_fused(self, need_weights: bool, src_len: int) -> bool:
+        """Whether ``forward`` takes the fused ``scaled_dot_product_attention`` path rather than explicit logits.
+
+        ``self.fused`` (True / False) forces a path; weights always need the explicit one. By default the fused
+        kernel runs at inference on keys of ``FUSED_MIN_KEYS`` or more positions when the rank is at most
+        ``FUSED_MAX_RANK_RATIO`` head widths: it never materializes the (batch, heads, tgt, src) logits, but it
+        needs queries and values of one width, so the values are padded with zeros to the rank, which costs more
+        than the logits save when the rank is wide or the sequence short. In training (dropout, backward) the
+        explicit path is as fast or faster. Measured on CPU: experiments/benchmarks/README.md, section 3.
+        """
+        if need_weights:
+            return False
+        if self.fused is not None:
+            return self.fused
+        return (
+            not self.training
+            and src_len >= self.FUSED_MIN_KEYS
+            and self.rank <= self.FUSED_MAX_RANK_RATIO * self.head_dim
+        )
+
     def forward(
         self,
         query_states: torch.Tensor,
@@ -259,15 +287,48 @@ class CollaborativeAttention(_Attention):
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         keys_from, bias, values = self._inputs(query_states, key_value_states, attention_mask, is_causal)
+        batch, tgt_len, _ = query_states.shape
+        heads, rank = self.num_heads, self.rank
+        # Head h's logits: (X Wq~) (scale * M_h) (Y Wk~)^T + scale * 1 (Y c_h)^T, M_h = diag(m_h) for CP. The scale
+        # goes into the small factors (mixing, content bias), never into a (batch, heads, tgt, src) tensor.
         shared_queries = self.query(query_states)  # (B, T, rank)
         if self.mixing_core is None:
-            queries = shared_queries[:, None] * self.mixing[None, :, None, :]
+            # Mixed queries q_t * m_h, (B, H, T, rank). Expanding before the product keeps the loop over a
+            # contiguous output: broadcasting (B, 1, T, rank) * (H, 1, rank) directly is several times slower.
+            queries = shared_queries[:, None].expand(-1, heads, -1, -1) * (self.mixing * self.scale)[:, None, :]
         else:
-            queries = torch.einsum("btr,hrs->bhts", shared_queries, self.mixing_matrices())
-        keys = self.key(keys_from)[:, None]  # (B, 1, S, rank): one key per position, shared by all heads
+            queries = torch.einsum("btr,hrs->bhts", shared_queries, self.mixing_matrices() * self.scale)
+        keys = self.key(keys_from)  # (B, S, rank): one key per position, shared by all heads
         if self.content_bias is not None:
-            # bq_h . Wk_h y_s does not depend on the query: one logit offset per head and key, pre-scaled
+            # bq_h . Wk_h y_s does not depend on the query: one logit offset per head and key, (B, H, 1, S)
             content = self.content_bias(keys_from).transpose(1, 2)[:, :, None, :] * self.scale
             bias = content if bias is None else bias + content
-        context, weights = attend(queries, keys, values, bias, self.scale, self._dropout(), need_weights)
-        return self._finish(context), weights
+        if self.use_fused(need_weights, keys.shape[1]):
+            # The fused kernel wants queries, keys and values of one width: zero columns change no dot product.
+            width = max(rank, self.head_dim)
+            context = F.scaled_dot_product_attention(
+                _widen(queries, width),
+                _widen(keys, width)[:, None].expand(-1, heads, -1, -1),
+                _widen(values, width),
+                attn_mask=bias,
+                dropout_p=self._dropout(),
+                scale=1.0,
+            )[..., : self.head_dim]
+            weights = None
+        else:
+            # All heads' logits in one bmm, (B, H * T, rank) x (B, rank, S): the shared keys are never copied per
+            # head, and their gradient is one product instead of a per-head one summed over heads.
+            logits = torch.bmm(queries.flatten(1, 2), keys.transpose(1, 2)).unflatten(1, (heads, tgt_len))
+            if bias is not None:
+                # In place when no gradient flows (saves a (B, H, T, S) tensor); with gradients, an in-place update of
+                # the unflattened view would make the backward copy the whole logits back into the bmm output.
+                logits = logits + bias if logits.requires_grad else logits.add_(bias)
+            weights = logits.softmax(dim=-1)
+            context = torch.matmul(F.dropout(weights, p=self._dropout()), values)
+        context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
+        return self._finish(context), (weights if need_weights else None)
+
+
+def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` padded with zero columns on its last dimension to ``width``."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))

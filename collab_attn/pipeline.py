@@ -23,8 +23,10 @@ import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from collab_attn import glue
+from collab_attn.baselines import BASELINES, check_rank, head_importance, prune_heads, truncate_heads
 from collab_attn.calibration import calibration_from_texts, load_texts, task_texts
 from collab_attn.checkpoints import resolve_model
+from collab_attn.decompose import METHODS
 from collab_attn.hf import CollaborativeSelfAttention, attention_modules, family_of
 from collab_attn.rank_selection import RankBudget
 from collab_attn.reparam import ReparamReport, per_layer_ranks, reparametrize
@@ -35,6 +37,14 @@ log = logging.getLogger(__name__)
 STAGES = ("finetuned", "reparam", "refit")
 RESULTS_FILE = "results.jsonl"
 _QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")
+
+
+# TrainingArguments fields that change what is logged, not what is learned: left out of the recipe hashes.
+_LOGGING_ONLY = {"logging_steps", "logging_strategy", "disable_tqdm", "per_device_eval_batch_size", "report_to"}
+
+
+def _recipe(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k not in _LOGGING_ONLY}
 
 
 def _digest(payload) -> str:
@@ -77,7 +87,8 @@ def job_name(settings: dict) -> str:
 
 def job_dir(settings: dict) -> Path:
     """Where a job's results go; the recipe hash keeps runs with different settings apart."""
-    recipe = {k: settings[k] for k in ("model", "task", "collab", "trainer", "refit", "finetune")}
+    recipe = {k: settings[k] for k in ("model", "task", "collab", "finetune")}
+    recipe.update(trainer=_recipe(settings["trainer"]), refit=_recipe(settings["refit"]))
     recipe["data"] = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
     return Path(settings["output_root"]) / "runs" / f"{job_name(settings)}-{_digest(recipe)}"
 
@@ -85,7 +96,7 @@ def job_dir(settings: dict) -> Path:
 def finetuned_dir(settings: dict) -> Path:
     recipe = {
         "model": settings["model"],
-        "trainer": settings["trainer"],
+        "trainer": _recipe(settings["trainer"]),
         "max_seq_length": settings["data"]["max_seq_length"],
         "max_train_samples": settings["data"]["max_train_samples"],
     }
@@ -127,12 +138,22 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str]:
     config = AutoConfig.from_pretrained(path)
     family = family_of(config)
     collab = settings["collab"]
+    if collab["method"] not in ("none", *METHODS, *BASELINES):
+        raise ValueError(f"unknown collab.method {collab['method']!r}; choose one of {('none', *METHODS, *BASELINES)}")
     if collab["method"] != "none":
         with torch.device("meta"):
             skeleton = AutoModel.from_config(config)
         found = attention_modules(skeleton, family)
-        full_rank = family.num_heads(found[0][1]) * found[0][1].attention_head_size
-        if collab.get("budget"):
+        heads, head_dim = family.num_heads(found[0][1]), found[0][1].attention_head_size
+        full_rank = heads * head_dim
+        if collab["method"] in BASELINES:
+            if collab.get("budget"):
+                raise ValueError(f"collab.budget does not apply to collab.method={collab['method']}; set collab.rank")
+            check_rank(collab["method"], collab["rank"], len(found), heads, head_dim)
+            samples = collab.get("importance_samples", 256)
+            if collab["method"] == "prune" and not (type(samples) is int and samples > 0):
+                raise ValueError(f"collab.importance_samples must be a positive integer, got {samples!r}")
+        elif collab.get("budget"):
             RankBudget.parse(collab["budget"])
         else:
             per_layer_ranks(collab["rank"], len(found), full_rank)
@@ -267,6 +288,25 @@ def calibrate(model, tokenizer, collab: dict, task: glue.GlueTask, glue_dir, see
     return calibration_from_texts(model, tokenizer, texts, max_length=collab.get("calibration_max_length", 128))
 
 
+def reparametrize_stage(model, tokenizer, data, task: glue.GlueTask, settings: dict) -> ReparamReport:
+    """The ``reparam`` stage, in place: collaborative heads (``cp``, ``tucker``) or a baseline at the same
+    key/query size (``svd``: SVD-truncated heads; ``prune``: head pruning by importance on the training split)."""
+    collab, seed = settings["collab"], settings["seed"]
+    if collab["method"] == "svd":
+        return truncate_heads(model, collab["rank"])
+    if collab["method"] == "prune":
+        importance = head_importance(
+            model, data["train"], transformers.DataCollatorWithPadding(tokenizer),
+            samples=collab.get("importance_samples", 256), batch_size=collab.get("importance_batch_size", 32),
+            seed=seed,
+        )
+        return prune_heads(model, collab["rank"], importance)
+    calibration = calibrate(model, tokenizer, collab, task, settings["data"]["glue_dir"], seed)
+    solver_keys = ("solver", "init", "n_iter_max", "tol", "tucker_core_size")
+    options = {k: collab[k] for k in solver_keys if k in collab}
+    return reparametrize(model, collab_rank(collab), collab["method"], seed, calibration=calibration, **options)
+
+
 def _summary_line(name: str, record: dict) -> str:
     metrics = ", ".join(
         f"{k}={record[k]:.4f}" for k in ("matthews_correlation", "accuracy", "f1", "pearson", "spearmanr")
@@ -303,13 +343,7 @@ def run_job(settings: dict) -> list[dict]:
         report, history = None, []
         for stage in stages:
             if stage == "reparam":
-                collab = settings["collab"]
-                calibration = calibrate(model, tokenizer, collab, task, settings["data"]["glue_dir"], settings["seed"])
-                solver_keys = ("solver", "init", "n_iter_max", "tol", "tucker_core_size")
-                options = {k: collab[k] for k in solver_keys if k in collab}
-                report = reparametrize(
-                    model, collab_rank(collab), collab["method"], settings["seed"], calibration=calibration, **options
-                )
+                report = reparametrize_stage(model, tokenizer, data, task, settings)
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
                 _, history = train(model, data, tokenizer, refit, settings["seed"], scratch / "trainer")

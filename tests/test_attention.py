@@ -86,6 +86,40 @@ def test_fused_path_equals_explicit_softmax(pair, module_name):
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("rank, tucker", [(12, None), (4, None), (8, 3)])  # rank above, below, at head_dim
+@pytest.mark.parametrize("masking", ["padding", "causal", "both"])
+def test_fused_and_explicit_paths_agree(rank, tucker, masking):
+    """CollaborativeAttention picks a path per call (use_fused); both must compute the same function."""
+    torch.manual_seed(0)
+    layer = CollaborativeAttention(D_MODEL, HEADS, rank, tucker_core_size=tucker, mixing_init="random", dropout=0.3)
+    layer.eval()
+    x = torch.randn(3, 7, D_MODEL)
+    mask = padding_mask([7, 5, 2], 7) if masking != "causal" else None
+    is_causal = masking != "padding"
+    outputs, grads = {}, {}
+    for fused in (True, False):
+        layer.fused = fused
+        layer.zero_grad()
+        outputs[fused], _ = layer(x, attention_mask=mask, is_causal=is_causal)
+        outputs[fused].square().sum().backward()
+        grads[fused] = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    torch.testing.assert_close(outputs[True], outputs[False], atol=1e-5, rtol=0)
+    for name in grads[True]:
+        torch.testing.assert_close(grads[True][name], grads[False][name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_fused_path_choice():
+    layer = CollaborativeAttention(768, 12, 192, mixing_init="ones")  # rank = 3 head widths
+    wide = CollaborativeAttention(768, 12, 384, mixing_init="ones")
+    assert layer.eval().use_fused(need_weights=False, src_len=512)
+    assert not layer.use_fused(need_weights=False, src_len=128)  # short: explicit logits are faster
+    assert not layer.use_fused(need_weights=True, src_len=512)  # weights need the explicit path
+    assert not layer.train().use_fused(need_weights=False, src_len=512)  # training: explicit path
+    assert not wide.eval().use_fused(need_weights=False, src_len=512)  # values padded to a wide rank cost more
+    layer.fused = True
+    assert layer.use_fused(need_weights=False, src_len=16) and not layer.use_fused(need_weights=True, src_len=16)
+
+
 @pytest.mark.parametrize("module_name", ["mha", "collab"])
 def test_causal_mask_blocks_the_future(pair, module_name):
     module = dict(zip(["mha", "collab"], pair))[module_name]

@@ -78,6 +78,7 @@ def test_job_dirs_separate_what_matters(tmp_path):
     assert pipeline.job_dir(tiny(tmp_path, "seed=1")) != base
     assert pipeline.job_dir(tiny(tmp_path, "refit.learning_rate=1e-4")) != base
     assert pipeline.job_dir(tiny(tmp_path, "data.glue_dir=/elsewhere")) == base  # same data, another copy
+    assert pipeline.job_dir(tiny(tmp_path, "trainer.logging_steps=7")) == base  # logging only
     assert pipeline.finetuned_dir(tiny(tmp_path, "collab.rank=128")) == pipeline.finetuned_dir(tiny(tmp_path))
     aware = pipeline.job_dir(tiny(tmp_path, "collab.budget=mean:128", "collab.calibration=task"))
     assert aware.parts[-2] == "cp-aware-rmean128"
