@@ -247,6 +247,20 @@ def finetuned_checkpoint(settings, task, path, data, tokenizer, scratch: Path) -
     return target
 
 
+def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str, float]:
+    """The fine-tuned model's metrics, evaluated once per evaluation setting and cached beside the cached model,
+    since every rank and method of a sweep starts from it."""
+    data = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
+    cache = checkpoint / f"eval-{_digest(data)}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    metrics = evaluate_fn()
+    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(metrics))
+    tmp.rename(cache)
+    return metrics
+
+
 def stage_record(settings, task, stage, metrics, model, report: ReparamReport | None, seconds) -> dict:
     collab = settings["collab"]
     return {
@@ -334,9 +348,8 @@ def run_job(settings: dict) -> list[dict]:
     records, summary = [], {}
     try:
         start = time.perf_counter()
-        model = AutoModelForSequenceClassification.from_pretrained(
-            finetuned_checkpoint(settings, task, path, data, tokenizer, scratch)
-        )
+        checkpoint = finetuned_checkpoint(settings, task, path, data, tokenizer, scratch)
+        model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
         stages = ["finetuned"]
         if settings["collab"]["method"] != "none":
             stages += ["reparam", "refit"] if settings["refit"]["enabled"] else ["reparam"]
@@ -347,7 +360,11 @@ def run_job(settings: dict) -> list[dict]:
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
                 _, history = train(model, data, tokenizer, refit, settings["seed"], scratch / "trainer")
-            metrics = evaluate(model, data, tokenizer, task, eval_batch, scratch / "eval")
+            if stage == "finetuned" and settings["finetune"]:
+                metrics = finetuned_metrics(settings, checkpoint, lambda: evaluate(
+                    model, data, tokenizer, task, eval_batch, scratch / "eval"))
+            else:
+                metrics = evaluate(model, data, tokenizer, task, eval_batch, scratch / "eval")
             record = stage_record(settings, task, stage, metrics, model, report, time.perf_counter() - start)
             start = time.perf_counter()
             records.append(record)

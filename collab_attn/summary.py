@@ -27,8 +27,15 @@ def load_results(sweep_dir: str | Path) -> pd.DataFrame:
         raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
     rows = [json.loads(line) for path in files for line in path.read_text().splitlines() if line.strip()]
     frame = pd.DataFrame(rows)
-    frame["rank"] = frame["rank"].map(lambda r: "-".join(map(str, r)) if isinstance(r, list) else r)
+    frame["rank"] = [_rank_label(r) for r in (row.get("rank") for row in rows)]
     return frame
+
+
+def _rank_label(rank) -> str | None:
+    """``"128"`` for a rank, ``"96-128-..."`` for per-layer ranks, None where a job has none (``collab=none``)."""
+    if isinstance(rank, list):
+        return "-".join(map(str, rank))
+    return None if rank is None else str(rank)
 
 
 def table(frame: pd.DataFrame) -> pd.DataFrame:

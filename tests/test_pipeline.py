@@ -44,7 +44,7 @@ def tiny(tmp_path, *overrides: str) -> dict:
     [
         *[[f"task={t}"] for t in ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")],
         ["collab=tucker"], ["collab=none"], ["refit=none"], ["logger=none"], ["trainer=smoke"],
-        ["+experiment=smoke"], ["+experiment=minilm_mrpc_rte"],
+        ["+experiment=smoke"], ["+experiment=minilm_mrpc_rte"], ["+experiment=minilm_glue"],
     ],
 )
 def test_every_config_composes(overrides):
@@ -142,6 +142,13 @@ def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch
     assert [r["stage"] for r in other] == ["finetuned", "reparam"]
     assert other[0]["main"] == records[0]["main"]  # the same cached fine-tuned model
     assert (finetuned / "config.json").stat().st_mtime_ns == stamp
+    # its evaluation is cached too: a planted value comes back instead of a new evaluation
+    (cache,) = finetuned.glob("eval-*.json")
+    assert json.loads(cache.read_text())["f1"] == records[0]["f1"]
+    cache.write_text(json.dumps({**json.loads(cache.read_text()), "f1": 0.123, "main": 0.123}))
+    third = pipeline.run_job(tiny(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=192",
+                                  "logger=none", "refit.enabled=false"))
+    assert third[0]["f1"] == 0.123 and third[0]["main"] == 0.123
     assert other[1]["main"] == pytest.approx(other[0]["main"], abs=1e-6)  # full rank is exact
 
 
@@ -210,13 +217,15 @@ def test_summary_table_averages_seeds_and_tasks(tmp_path):
             rows += [line(task, "finetuned", 128, seed, 0.80 + bump, 100), line(task, "reparam", 128, seed, 0.60, 40),
                      line(task, "refit", 128, seed, 0.70 + bump, 40)]
     rows += [line("mrpc", "finetuned", 64, 0, 0.80, 100), line("mrpc", "reparam", 64, 0, 0.5, 20)]
+    rows += [{**line("mrpc", "finetuned", None, 0, 0.80, 100), "method": "none"}]  # a collab=none job: no rank
     job = tmp_path / "runs" / "a"
     job.mkdir(parents=True)
     (job / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     wide = table(load_results(tmp_path))
     original = wide[wide.stage == "finetuned"].iloc[0]
     assert original.mrpc == pytest.approx(81.0) and original.seeds == 2  # rank 64's copy is not counted twice
-    refit = wide[(wide.stage == "refit") & (wide["rank"] == 128)].iloc[0]
+    assert set(wide["rank"]) == {"-", "128", "64"}  # labels, not floats: a rank-less job leaves them alone
+    refit = wide[(wide.stage == "refit") & (wide["rank"] == "128")].iloc[0]
     assert refit.glue_avg == pytest.approx(71.0)
-    rank64 = wide[(wide.stage == "reparam") & (wide["rank"] == 64)].iloc[0]
+    rank64 = wide[(wide.stage == "reparam") & (wide["rank"] == "64")].iloc[0]
     assert rank64.mrpc == pytest.approx(50.0) and pd.isna(rank64.glue_avg)  # rte missing: no average

@@ -1,0 +1,101 @@
+"""Training-split against dev-split metrics of fine-tuned GLUE models, beside the majority class: tells a model
+that cannot fit its task (a training score near the majority's: more steps or a larger learning rate may help)
+from one that fits it and does not generalize (a training score far above its dev score: a recipe change will not
+close that gap, the model's pretraining decides it).
+
+    python scripts/fit_check.py rte=experiments/minilm_glue/finetuned/rte/minilm/seed0-924939b8 \\
+        cola=experiments/minilm_glue/finetuned/cola/minilm/seed0-924939b8 --out experiments/minilm_glue/fit_check.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from collab_attn import glue  # noqa: E402
+from collab_attn.pipeline import load_data  # noqa: E402
+
+
+def parse_pair(text: str) -> tuple[glue.GlueTask, Path]:
+    task, sep, path = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected TASK=CHECKPOINT, got {text!r} (e.g. rte=path/to/finetuned/rte)")
+    if not (Path(path) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{path} holds no config.json: not a saved model directory")
+    return glue.get_task(task), Path(path)
+
+
+@torch.no_grad()
+def predictions(model, dataset, tokenizer, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    with tempfile.TemporaryDirectory() as scratch:
+        args = transformers.TrainingArguments(output_dir=scratch, report_to=[], per_device_eval_batch_size=batch_size,
+                                              dataloader_num_workers=0, dataloader_pin_memory=False)
+        collator = transformers.DataCollatorWithPadding(tokenizer)
+        output = transformers.Trainer(model=model, args=args, data_collator=collator).predict(dataset)
+    return output.predictions, output.label_ids
+
+
+def majority_metrics(task: glue.GlueTask, train_labels: np.ndarray, dev_labels: np.ndarray) -> dict | None:
+    """Metrics of always predicting the training split's most frequent class (None for regression)."""
+    if task.is_regression:
+        return None
+    majority = np.bincount(train_labels.astype(int), minlength=task.num_labels).argmax()
+    return glue.glue_metrics(task, np.full(len(dev_labels), majority), dev_labels)
+
+
+def fit_check(task: glue.GlueTask, checkpoint: Path, glue_dir: Path, max_samples: int | None, batch_size: int) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
+    data_cfg = {"glue_dir": str(glue_dir), "max_seq_length": 128, "max_train_samples": max_samples,
+                "max_eval_samples": max_samples}
+    data = load_data(task, data_cfg, tokenizer)
+    row = {"task": task.name, "checkpoint": str(checkpoint), "metric": task.main_metric}
+    labels = {}
+    for split in ("train", task.eval_splits[0]):
+        logits, labels[split] = predictions(model, data[split], tokenizer, batch_size)
+        row[split] = glue.glue_metrics(task, logits, labels[split])["main"]
+    majority = majority_metrics(task, labels["train"], labels[task.eval_splits[0]])
+    row["majority"] = None if majority is None else majority["main"]
+    return row
+
+
+def to_markdown(rows: list[dict]) -> str:
+    lines = ["| task | metric | train | dev | dev, majority class | checkpoint |", "|---|---|---:|---:|---:|---|"]
+    for row in rows:
+        dev = next(v for k, v in row.items() if k.startswith("validation"))
+        majority = "-" if row["majority"] is None else f"{100 * row['majority']:.1f}"
+        lines.append(f"| {row['task']} | {row['metric']} | {100 * row['train']:.1f} | {100 * dev:.1f} | {majority} "
+                     f"| `{row['checkpoint']}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", nargs="+", type=parse_pair, metavar="TASK=CHECKPOINT")
+    parser.add_argument("--glue-dir", type=Path, default=ROOT.parent / "shared" / "data" / "glue")
+    parser.add_argument("--max-samples", type=int, default=None, help="truncate each split (quick checks)")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
+    args = parser.parse_args(argv)
+    rows = [fit_check(task, path, args.glue_dir, args.max_samples, args.batch_size) for task, path in args.checkpoints]
+    table = to_markdown(rows)
+    print(table)
+    if args.out:
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(f"`python scripts/fit_check.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{table}")
+        tmp.rename(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
