@@ -61,10 +61,10 @@ def fit_check(task: glue.GlueTask, checkpoint: Path, glue_dir: Path, max_samples
     data = load_data(task, data_cfg, tokenizer)
     row = {"task": task.name, "checkpoint": str(checkpoint), "metric": task.main_metric}
     labels = {}
-    for split in ("train", task.eval_splits[0]):
-        logits, labels[split] = predictions(model, data[split], tokenizer, batch_size)
-        row[split] = glue.glue_metrics(task, logits, labels[split])["main"]
-    majority = majority_metrics(task, labels["train"], labels[task.eval_splits[0]])
+    for name, split in (("train", "train"), ("dev", task.eval_splits[0])):
+        logits, labels[name] = predictions(model, data[split], tokenizer, batch_size)
+        row[name] = glue.glue_metrics(task, logits, labels[name])["main"]
+    majority = majority_metrics(task, labels["train"], labels["dev"])
     row["majority"] = None if majority is None else majority["main"]
     return row
 
@@ -72,10 +72,9 @@ def fit_check(task: glue.GlueTask, checkpoint: Path, glue_dir: Path, max_samples
 def to_markdown(rows: list[dict]) -> str:
     lines = ["| task | metric | train | dev | dev, majority class | checkpoint |", "|---|---|---:|---:|---:|---|"]
     for row in rows:
-        dev = next(v for k, v in row.items() if k.startswith("validation"))
         majority = "-" if row["majority"] is None else f"{100 * row['majority']:.1f}"
-        lines.append(f"| {row['task']} | {row['metric']} | {100 * row['train']:.1f} | {100 * dev:.1f} | {majority} "
-                     f"| `{row['checkpoint']}` |")
+        scores = f"{100 * row['train']:.1f} | {100 * row['dev']:.1f} | {majority}"
+        lines.append(f"| {row['task']} | {row['metric']} | {scores} | `{row['checkpoint']}` |")
     return "\n".join(lines) + "\n"
 
 
