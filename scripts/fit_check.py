@@ -1,7 +1,7 @@
 """Training-split against dev-split metrics of fine-tuned GLUE models, beside the majority class: tells a model
 that cannot fit its task (a training score near the majority's: more steps or a larger learning rate may help)
-from one that fits it and does not generalize (a training score far above its dev score: a recipe change will not
-close that gap, the model's pretraining decides it).
+from one that fits it and does not generalize (a training score far above its dev score: look at the data or the
+pretrained model before the recipe).
 
     python scripts/fit_check.py rte=experiments/minilm_glue/finetuned/rte/minilm/seed0-924939b8 \\
         cola=experiments/minilm_glue/finetuned/cola/minilm/seed0-924939b8 --out experiments/minilm_glue/fit_check.md
