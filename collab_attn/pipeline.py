@@ -208,13 +208,16 @@ def train(model, data, tokenizer, recipe: dict, seed: int, scratch: Path) -> tup
 
 
 @torch.no_grad()
-def evaluate(model, data, tokenizer, task: glue.GlueTask, batch_size: int, scratch: Path) -> dict[str, float]:
-    """GLUE metrics on every evaluation split; splits after the first are prefixed (MNLI mismatched)."""
+def evaluate(
+    model, data, tokenizer, task: glue.GlueTask, batch_size: int, scratch: Path, splits=None
+) -> dict[str, float]:
+    """GLUE metrics on ``splits`` (default: every evaluation split); splits after the first are prefixed (MNLI
+    mismatched)."""
     args = _training_args(scratch, 0, {"per_device_eval_batch_size": batch_size})
     collator = transformers.DataCollatorWithPadding(tokenizer)
     trainer = transformers.Trainer(model=model, args=args, data_collator=collator)
     metrics = {}
-    for i, split in enumerate(task.eval_splits):
+    for i, split in enumerate(splits or task.eval_splits):
         prediction = trainer.predict(data[split], metric_key_prefix=split)
         values = glue.glue_metrics(task, prediction.predictions, prediction.label_ids)
         prefix = "" if i == 0 else split.removeprefix("validation_") + "_"

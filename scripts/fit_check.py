@@ -15,15 +15,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn import glue  # noqa: E402
-from collab_attn.pipeline import load_data  # noqa: E402
+from collab_attn.pipeline import evaluate, load_data  # noqa: E402
 
 
 def parse_pair(text: str) -> tuple[glue.GlueTask, Path]:
@@ -33,16 +31,6 @@ def parse_pair(text: str) -> tuple[glue.GlueTask, Path]:
     if not (Path(path) / "config.json").is_file():
         raise argparse.ArgumentTypeError(f"{path} holds no config.json: not a saved model directory")
     return glue.get_task(task), Path(path)
-
-
-@torch.no_grad()
-def predictions(model, dataset, tokenizer, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    with tempfile.TemporaryDirectory() as scratch:
-        args = transformers.TrainingArguments(output_dir=scratch, report_to=[], per_device_eval_batch_size=batch_size,
-                                              dataloader_num_workers=0, dataloader_pin_memory=False)
-        collator = transformers.DataCollatorWithPadding(tokenizer)
-        output = transformers.Trainer(model=model, args=args, data_collator=collator).predict(dataset)
-    return output.predictions, output.label_ids
 
 
 def majority_metrics(task: glue.GlueTask, train_labels: np.ndarray, dev_labels: np.ndarray) -> dict | None:
@@ -59,11 +47,12 @@ def fit_check(task: glue.GlueTask, checkpoint: Path, glue_dir: Path, max_samples
     data_cfg = {"glue_dir": str(glue_dir), "max_seq_length": 128, "max_train_samples": max_samples,
                 "max_eval_samples": max_samples}
     data = load_data(task, data_cfg, tokenizer)
+    splits = {"train": "train", "dev": task.eval_splits[0]}
     row = {"task": task.name, "checkpoint": str(checkpoint), "metric": task.main_metric}
-    labels = {}
-    for name, split in (("train", "train"), ("dev", task.eval_splits[0])):
-        logits, labels[name] = predictions(model, data[split], tokenizer, batch_size)
-        row[name] = glue.glue_metrics(task, logits, labels[name])["main"]
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, split in splits.items():
+            row[name] = evaluate(model, data, tokenizer, task, batch_size, Path(scratch), splits=[split])["main"]
+    labels = {name: np.asarray(data[split]["labels"]) for name, split in splits.items()}
     majority = majority_metrics(task, labels["train"], labels["dev"])
     row["majority"] = None if majority is None else majority["main"]
     return row
