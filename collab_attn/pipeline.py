@@ -10,6 +10,7 @@ fine-tuned model is cached in ``<output_root>/finetuned/...`` and shared by ever
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -252,7 +253,10 @@ def finetuned_checkpoint(settings, task, path, data, tokenizer, scratch: Path) -
 
 def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str, float]:
     """The fine-tuned model's metrics, evaluated once per evaluation setting and cached beside the cached model,
-    since every rank and method of a sweep starts from it."""
+    since every rank and method of a sweep starts from it. A model given ready fine-tuned (``finetune=false``) is
+    not ours to write into: it is evaluated every time."""
+    if not settings["finetune"]:
+        return evaluate_fn()
     data = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
     cache = checkpoint / f"eval-{_digest(data)}.json"
     if cache.is_file():
@@ -357,17 +361,16 @@ def run_job(settings: dict) -> list[dict]:
         if settings["collab"]["method"] != "none":
             stages += ["reparam", "refit"] if settings["refit"]["enabled"] else ["reparam"]
         report, history = None, []
+        evaluate_model = functools.partial(evaluate, model, data, tokenizer, task, eval_batch, scratch / "eval")
         for stage in stages:
             if stage == "reparam":
                 report = reparametrize_stage(model, tokenizer, data, task, settings)
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
                 _, history = train(model, data, tokenizer, refit, settings["seed"], scratch / "trainer")
-            if stage == "finetuned" and settings["finetune"]:
-                metrics = finetuned_metrics(settings, checkpoint, lambda: evaluate(
-                    model, data, tokenizer, task, eval_batch, scratch / "eval"))
-            else:
-                metrics = evaluate(model, data, tokenizer, task, eval_batch, scratch / "eval")
+            metrics = (
+                finetuned_metrics(settings, checkpoint, evaluate_model) if stage == "finetuned" else evaluate_model()
+            )
             record = stage_record(settings, task, stage, metrics, model, report, time.perf_counter() - start)
             start = time.perf_counter()
             records.append(record)

@@ -27,7 +27,7 @@ def load_results(sweep_dir: str | Path) -> pd.DataFrame:
         raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
     rows = [json.loads(line) for path in files for line in path.read_text().splitlines() if line.strip()]
     frame = pd.DataFrame(rows)
-    frame["rank"] = [_rank_label(r) for r in (row.get("rank") for row in rows)]
+    frame["rank"] = [_rank_label(row.get("rank")) for row in rows]
     return frame
 
 
