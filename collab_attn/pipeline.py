@@ -298,15 +298,21 @@ def _record_rank(collab: dict, report: ReparamReport | None):
 
 
 def calibrate(model, tokenizer, collab: dict, task: glue.GlueTask, glue_dir, seed: int):
-    """Input statistics for activation-aware fitting (``collab.calibration``), or None when it is off."""
+    """Input statistics for activation-aware fitting (``collab.calibration``), or None when it is off or when every
+    layer keeps its full key/query size (an exact conversion has nothing to fit)."""
     source, limit = collab.get("calibration"), collab.get("calibration_samples", 512)
-    if not source:
+    if not source or _keeps_full_size(collab_rank(collab), model.config.hidden_size):
         return None
     if source == "task":
         texts = task_texts(task, glue_dir, "train", limit=limit, seed=seed)
     else:
         texts = load_texts(source, limit=limit, seed=seed)
     return calibration_from_texts(model, tokenizer, texts, max_length=collab.get("calibration_max_length", 128))
+
+
+def _keeps_full_size(rank, width: int) -> bool:
+    ranks = rank if isinstance(rank, (list, tuple)) else [rank]
+    return all(isinstance(r, int) and r == width for r in ranks)
 
 
 def reparametrize_stage(model, tokenizer, data, task: glue.GlueTask, settings: dict) -> ReparamReport:

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -165,6 +166,22 @@ def test_budget_and_activation_aware_fit_on_task_texts(tmp_path, glue_dir):
     # the budget spends what rank 128 everywhere would, up to one rank step per layer
     assert reparam["query_key_params"] <= 6 * (2 * 384 * 128 + 12 * 128 + 12 * 384)
     assert reparam["query_key_params"] < finetuned["query_key_params"] / 2
+
+
+def test_calibration_is_measured_only_where_a_layer_is_approximated(tmp_path, monkeypatch):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("a sentence\nanother one\n")
+    calls = []
+    monkeypatch.setattr(pipeline, "calibration_from_texts", lambda model, tokenizer, texts, **kw: calls.append(texts))
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=384))
+    for rank in (384, [384] * 6):
+        collab = {"method": "cp", "rank": rank, "calibration": str(texts)}
+        assert pipeline.calibrate(model, None, collab, None, None, seed=0) is None
+    assert calls == []
+    for collab in ({"method": "cp", "rank": 128}, {"method": "cp", "rank": [384] * 5 + [128]},
+                   {"method": "cp", "rank": 384, "budget": "mean:128"}):
+        pipeline.calibrate(model, None, {**collab, "calibration": str(texts)}, None, None, seed=0)
+    assert calls == [["a sentence", "another one"]] * 3
 
 
 @pytest.mark.glue
