@@ -39,7 +39,9 @@ def _rank_label(rank) -> str | None:
 
 
 def table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Mean main metric (x100) per task over seeds, for the original model and each (method, rank, stage).
+    """Mean main metric (x100) per task over seeds, for the original model and each (method, rank, stage), with
+    its standard deviation over seeds in ``<task>_std`` (NaN for one seed) and the fewest and most seeds of any task
+    in ``min_seeds`` and ``seeds``.
 
     The fine-tuned model is the same for every rank of a sweep, so it appears once per task and seed.
     """
@@ -48,20 +50,35 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
     )
     rows = pd.concat([original, frame[frame.stage != "finetuned"]])
     rows = rows.assign(score=rows["main"] * 100)
-    grouped = rows.groupby(["model", "method", "rank", "stage", "task"], sort=False)
-    stats = grouped.agg(score=("score", "mean"), std=("score", "std"), seeds=("seed", "nunique"),
-                        query_key_params=("query_key_params", "mean")).reset_index()
+    # one value per seed first: a stage that two jobs share (the reparam stage of a job with and one without
+    # re-fine-tuning) counts once
+    keys = ["model", "method", "rank", "stage", "task"]
+    per_seed = rows.groupby([*keys, "seed"], sort=False).agg(
+        score=("score", "mean"), query_key_params=("query_key_params", "mean")).reset_index()
+    stats = per_seed.groupby(keys, sort=False).agg(
+        score=("score", "mean"), std=("score", "std"), seeds=("seed", "nunique"),
+        query_key_params=("query_key_params", "mean")).reset_index()
     wide = stats.pivot_table(index=["model", "method", "rank", "stage"], columns="task", values="score")
     wide = wide[sorted(wide.columns, key=lambda t: list(TASK_COLUMNS).index(t) if t in TASK_COLUMNS else 99)]
     wide["glue_avg"] = wide.mean(axis=1, skipna=False)
+    spread = stats.pivot_table(index=["model", "method", "rank", "stage"], columns="task", values="std",
+                               dropna=False).reindex(columns=[c for c in wide.columns if c != "glue_avg"])
+    wide = wide.join(spread.add_suffix("_std"))
     extra = stats.groupby(["model", "method", "rank", "stage"]).agg(
-        seeds=("seeds", "max"), query_key_params=("query_key_params", "mean"))
+        min_seeds=("seeds", "min"), seeds=("seeds", "max"), query_key_params=("query_key_params", "mean"))
     wide = wide.join(extra).reset_index()
     wide["_stage"] = wide.stage.map(STAGE_ORDER)
     wide["_rank"] = pd.to_numeric(wide["rank"], errors="coerce").fillna(1e9)
     return wide.sort_values(["model", "_stage", "method", "_rank"], ascending=[True, True, True, False]).drop(
         columns=["_stage", "_rank"]).reset_index(drop=True)
 
+
+
+def _cell(mean, std) -> str:
+    """``85.6``, or ``85.6 ± 1.2`` (standard deviation over seeds) where there is more than one seed."""
+    if pd.isna(mean):
+        return ""
+    return f"{mean:.1f}" if pd.isna(std) else f"{mean:.1f} ± {std:.1f}"
 
 
 def to_markdown(wide: pd.DataFrame) -> str:
@@ -71,33 +88,40 @@ def to_markdown(wide: pd.DataFrame) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 4 + "---:|" * (len(tasks) + 3)]
     for _, row in wide.iterrows():
         cells = [str(row.model), str(row.method), str(row["rank"]), str(row.stage)]
-        cells += ["" if pd.isna(row[t]) else f"{row[t]:.1f}" for t in tasks]
-        cells += ["" if pd.isna(row.glue_avg) else f"{row.glue_avg:.1f}", f"{row.query_key_params:,.0f}",
-                  str(int(row.seeds))]
+        cells += [_cell(row[t], row[f"{t}_std"]) for t in tasks]
+        seeds = str(int(row.seeds)) if row.min_seeds == row.seeds else f"{int(row.min_seeds)}-{int(row.seeds)}"
+        cells += ["" if pd.isna(row.glue_avg) else f"{row.glue_avg:.1f}", f"{row.query_key_params:,.0f}", seeds]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot(wide: pd.DataFrame, path: Path) -> None:
-    """Main metric against query/key parameters, one panel per task plus the GLUE average."""
+    """Main metric against query/key parameters, one panel per task plus the GLUE average: a colour per (model,
+    method), solid without retraining, dashed re-fine-tuned; error bars: the standard deviation over seeds."""
     columns = [c for c in wide.columns if c in TASK_COLUMNS] + ["glue_avg"]
+    curves = wide[wide.stage != "finetuned"][["model", "method"]].drop_duplicates().itertuples(index=False)
+    colours = {tuple(curve): f"C{i % 10}" for i, curve in enumerate(curves)}
     fig, axes = plt.subplots(1, len(columns), figsize=(4 * len(columns), 3.6), squeeze=False)
+    legend = {}
     for ax, column in zip(axes[0], columns):
         for (model, method, stage), group in wide.groupby(["model", "method", "stage"], sort=False):
             if stage == "finetuned":
                 for value in group[column].dropna():
-                    ax.axhline(value, color="black", linestyle="--", linewidth=1, label=f"{model} original")
+                    legend[f"{model} original"] = ax.axhline(value, color="black", linestyle=":", linewidth=1)
                 continue
             group = group.dropna(subset=[column]).sort_values("query_key_params")
-            ax.plot(group.query_key_params / 1e6, group[column], marker="o",
-                    label=f"{model} {method}: {STAGE_LABELS[stage]}")
+            if group.empty:
+                continue
+            legend[f"{model} {method}: {STAGE_LABELS[stage]}"] = ax.errorbar(
+                group.query_key_params / 1e6, group[column], yerr=group[f"{column}_std"].fillna(0)
+                if f"{column}_std" in group else None, marker="o", capsize=3, color=colours[model, method],
+                linestyle="--" if stage == "refit" else "-",
+            )
         ax.set_title("GLUE average" if column == "glue_avg" else f"{column} ({get_task(column).main_metric})")
         ax.set_xlabel("key/query parameters (millions)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("score x 100")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    fig.legend(unique.values(), unique.keys(), loc="lower center", ncol=min(3, len(unique)), fontsize=8)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(3, len(legend)), fontsize=8)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from collab_attn import pipeline
-from collab_attn.summary import load_results, summarize, table
+from collab_attn.summary import load_results, summarize, table, to_markdown
 from collab_attn.tracking import wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,6 +235,8 @@ def test_summary_table_averages_seeds_and_tasks(tmp_path):
                      line(task, "refit", 128, seed, 0.70 + bump, 40)]
     rows += [line("mrpc", "finetuned", 64, 0, 0.80, 100), line("mrpc", "reparam", 64, 0, 0.5, 20)]
     rows += [{**line("mrpc", "finetuned", None, 0, 0.80, 100), "method": "none"}]  # a collab=none job: no rank
+    rows += [line("mrpc", "reparam", 128, 2, 0.60, 40)]  # a third seed for one task only
+    rows += [line("mrpc", "reparam", 64, 0, 0.5, 20)]  # the same stage from a second job: one seed, not two
     job = tmp_path / "runs" / "a"
     job.mkdir(parents=True)
     (job / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -246,3 +248,8 @@ def test_summary_table_averages_seeds_and_tasks(tmp_path):
     assert refit.glue_avg == pytest.approx(71.0)
     rank64 = wide[(wide.stage == "reparam") & (wide["rank"] == "64")].iloc[0]
     assert rank64.mrpc == pytest.approx(50.0) and pd.isna(rank64.glue_avg)  # rte missing: no average
+    assert original.mrpc_std == pytest.approx(2 ** 0.5) and pd.isna(rank64.mrpc_std)  # std over seeds
+    markdown = to_markdown(wide).splitlines()
+    assert "| m | - | - | finetuned | 81.0 ± 1.4 | 81.0 ± 1.4 | 81.0 | 100 | 2 |" in markdown
+    assert "| m | cp | 128 | reparam | 60.0 ± 0.0 | 60.0 ± 0.0 | 60.0 | 40 | 2-3 |" in markdown
+    assert "| m | cp | 64 | reparam | 50.0 |  |  | 20 | 1 |" in markdown
