@@ -20,12 +20,20 @@ STAGE_LABELS = {"finetuned": "original (fine-tuned)", "reparam": "reparametrized
                 "refit": "reparametrized + re-fine-tuned"}
 
 
-def load_results(sweep_dir: str | Path) -> pd.DataFrame:
-    """One row per (job, stage) from every results.jsonl below ``sweep_dir``."""
+def load_results(sweep_dir: str | Path, tasks: list[str] | None = None) -> pd.DataFrame:
+    """One row per (job, stage) from every results.jsonl below ``sweep_dir``; only ``tasks`` when given, so that
+    the table's average is over those tasks."""
     files = sorted(Path(sweep_dir).rglob("results.jsonl"))
     if not files:
         raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
     rows = [json.loads(line) for path in files for line in path.read_text().splitlines() if line.strip()]
+    if tasks is not None:
+        wanted = {get_task(t).name for t in tasks}
+        found = {row["task"] for row in rows}
+        if not wanted <= found:
+            missing = ", ".join(sorted(wanted - found))
+            raise ValueError(f"no results for task(s) {missing} under {sweep_dir}; it has {', '.join(sorted(found))}")
+        rows = [row for row in rows if row["task"] in wanted]
     frame = pd.DataFrame(rows)
     frame["rank"] = [_rank_label(row.get("rank")) for row in rows]
     return frame
@@ -84,7 +92,7 @@ def _cell(mean, std) -> str:
 def to_markdown(wide: pd.DataFrame) -> str:
     tasks = [c for c in wide.columns if c in TASK_COLUMNS]
     header = ["model", "method", "rank", "stage", *[f"{t} ({get_task(t).main_metric})" for t in tasks],
-              "GLUE avg", "q/k params", "seeds"]
+              f"avg ({len(tasks)} tasks)", "q/k params", "seeds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 4 + "---:|" * (len(tasks) + 3)]
     for _, row in wide.iterrows():
         cells = [str(row.model), str(row.method), str(row["rank"]), str(row.stage)]
@@ -117,7 +125,8 @@ def plot(wide: pd.DataFrame, path: Path) -> None:
                 if f"{column}_std" in group else None, marker="o", capsize=3, color=colours[model, method],
                 linestyle="--" if stage == "refit" else "-",
             )
-        ax.set_title("GLUE average" if column == "glue_avg" else f"{column} ({get_task(column).main_metric})")
+        ax.set_title(f"average of {len(columns) - 1} tasks" if column == "glue_avg"
+                     else f"{column} ({get_task(column).main_metric})")
         ax.set_xlabel("key/query parameters (millions)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("score x 100")
@@ -127,11 +136,14 @@ def plot(wide: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def summarize(sweep_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
-    """Write summary.md, summary.csv and compression_vs_accuracy.png; return their paths."""
+def summarize(
+    sweep_dir: str | Path, out_dir: str | Path | None = None, tasks: list[str] | None = None
+) -> dict[str, Path]:
+    """Write summary.md, summary.csv and compression_vs_accuracy.png (over ``tasks`` only, when given); return
+    their paths."""
+    wide = table(load_results(sweep_dir, tasks))
     out = Path(out_dir or sweep_dir)
     out.mkdir(parents=True, exist_ok=True)
-    wide = table(load_results(sweep_dir))
     paths = {"markdown": out / "summary.md", "csv": out / "summary.csv", "plot": out / "compression_vs_accuracy.png"}
     paths["markdown"].write_text(to_markdown(wide))
     wide.to_csv(paths["csv"], index=False, float_format="%.4f")

@@ -253,3 +253,29 @@ def test_summary_table_averages_seeds_and_tasks(tmp_path):
     assert "| m | - | - | finetuned | 81.0 ± 1.4 | 81.0 ± 1.4 | 81.0 | 100 | 2 |" in markdown
     assert "| m | cp | 128 | reparam | 60.0 ± 0.0 | 60.0 ± 0.0 | 60.0 | 40 | 2-3 |" in markdown
     assert "| m | cp | 64 | reparam | 50.0 |  |  | 20 | 1 |" in markdown
+
+
+def test_summary_over_chosen_tasks(tmp_path):
+    """A task that only some stages have leaves the average empty; ``tasks=`` averages over the others."""
+    def line(task, stage, main):
+        return {"task": task, "stage": stage, "model": "m", "method": "cp", "rank": 128, "seed": 0, "main": main,
+                "query_key_params": 40}
+
+    rows = [line(t, s, m) for t, m in (("mrpc", 0.8), ("rte", 0.6)) for s in ("finetuned", "reparam", "refit")]
+    rows += [line("sst2", "finetuned", 0.9), line("sst2", "reparam", 0.85)]  # no re-fine-tuned SST-2
+    job = tmp_path / "runs" / "a"
+    job.mkdir(parents=True)
+    (job / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def refit_average(wide):
+        return wide[wide.stage == "refit"].iloc[0].glue_avg
+
+    assert pd.isna(refit_average(table(load_results(tmp_path))))
+    two = table(load_results(tmp_path, tasks=["MRPC", "rte"]))
+    assert refit_average(two) == pytest.approx(70.0) and "sst2" not in two.columns
+    paths = summarize(tmp_path, tmp_path / "two", tasks=["mrpc", "rte"])
+    assert "sst2" not in paths["markdown"].read_text()
+    with pytest.raises(ValueError, match="no results for task.*cola"):
+        load_results(tmp_path, tasks=["mrpc", "cola"])
+    with pytest.raises(ValueError, match="unknown GLUE task"):
+        load_results(tmp_path, tasks=["mrcp"])
