@@ -274,7 +274,8 @@ def test_summary_over_chosen_tasks(tmp_path):
     two = table(load_results(tmp_path, tasks=["MRPC", "rte"]))
     assert refit_average(two) == pytest.approx(70.0) and "sst2" not in two.columns
     paths = summarize(tmp_path, tmp_path / "two", tasks=["mrpc", "rte"])
-    assert "sst2" not in paths["markdown"].read_text()
+    markdown = paths["markdown"].read_text()
+    assert "sst2" not in markdown and "| avg (2 tasks) |" in markdown
     with pytest.raises(ValueError, match="no results for task.*cola"):
         load_results(tmp_path, tasks=["mrpc", "cola"])
     with pytest.raises(ValueError, match="unknown GLUE task"):
