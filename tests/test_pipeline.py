@@ -223,23 +223,29 @@ def test_sweep_resumes_and_summarizes(tmp_path, glue_dir):
     assert paths["csv"].read_text().count("\n") == 6  # header, original, 2 ranks x 2 stages
 
 
-def test_summary_table_averages_seeds_and_tasks(tmp_path):
-    def line(task, stage, rank, seed, main, qk):
-        return {"task": task, "stage": stage, "model": "m", "method": "cp", "rank": rank, "seed": seed,
-                "main": main, "query_key_params": qk}
+def _record(task, stage, rank, seed, main, qk):
+    """One results.jsonl record with just the fields summaries read."""
+    return {"task": task, "stage": stage, "model": "m", "method": "cp", "rank": rank, "seed": seed, "main": main,
+            "query_key_params": qk}
 
+
+def _write_results(root, rows):
+    job = root / "runs" / "a"
+    job.mkdir(parents=True)
+    (job / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_summary_table_averages_seeds_and_tasks(tmp_path):
     rows = []
     for seed, bump in ((0, 0.0), (1, 0.02)):
         for task in ("mrpc", "rte"):
-            rows += [line(task, "finetuned", 128, seed, 0.80 + bump, 100), line(task, "reparam", 128, seed, 0.60, 40),
-                     line(task, "refit", 128, seed, 0.70 + bump, 40)]
-    rows += [line("mrpc", "finetuned", 64, 0, 0.80, 100), line("mrpc", "reparam", 64, 0, 0.5, 20)]
-    rows += [{**line("mrpc", "finetuned", None, 0, 0.80, 100), "method": "none"}]  # a collab=none job: no rank
-    rows += [line("mrpc", "reparam", 128, 2, 0.60, 40)]  # a third seed for one task only
-    rows += [line("mrpc", "reparam", 64, 0, 0.5, 20)]  # the same stage from a second job: one seed, not two
-    job = tmp_path / "runs" / "a"
-    job.mkdir(parents=True)
-    (job / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            rows += [_record(task, "finetuned", 128, seed, 0.80 + bump, 100),
+                     _record(task, "reparam", 128, seed, 0.60, 40), _record(task, "refit", 128, seed, 0.70 + bump, 40)]
+    rows += [_record("mrpc", "finetuned", 64, 0, 0.80, 100), _record("mrpc", "reparam", 64, 0, 0.5, 20)]
+    rows += [{**_record("mrpc", "finetuned", None, 0, 0.80, 100), "method": "none"}]  # a collab=none job: no rank
+    rows += [_record("mrpc", "reparam", 128, 2, 0.60, 40)]  # a third seed for one task only
+    rows += [_record("mrpc", "reparam", 64, 0, 0.5, 20)]  # the same stage from a second job: one seed, not two
+    _write_results(tmp_path, rows)
     wide = table(load_results(tmp_path))
     original = wide[wide.stage == "finetuned"].iloc[0]
     assert original.mrpc == pytest.approx(81.0) and original.seeds == 2  # rank 64's copy is not counted twice
@@ -258,14 +264,11 @@ def test_summary_table_averages_seeds_and_tasks(tmp_path):
 def test_summary_over_chosen_tasks(tmp_path):
     """A task that only some stages have leaves the average empty; ``tasks=`` averages over the others."""
     def line(task, stage, main):
-        return {"task": task, "stage": stage, "model": "m", "method": "cp", "rank": 128, "seed": 0, "main": main,
-                "query_key_params": 40}
+        return _record(task, stage, 128, 0, main, 40)
 
     rows = [line(t, s, m) for t, m in (("mrpc", 0.8), ("rte", 0.6)) for s in ("finetuned", "reparam", "refit")]
     rows += [line("sst2", "finetuned", 0.9), line("sst2", "reparam", 0.85)]  # no re-fine-tuned SST-2
-    job = tmp_path / "runs" / "a"
-    job.mkdir(parents=True)
-    (job / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_results(tmp_path, rows)
 
     def refit_average(wide):
         return wide[wide.stage == "refit"].iloc[0].glue_avg
