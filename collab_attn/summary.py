@@ -21,12 +21,13 @@ STAGE_LABELS = {"finetuned": "original (fine-tuned)", "reparam": "reparametrized
 
 
 def load_results(sweep_dir: str | Path, tasks: list[str] | None = None) -> pd.DataFrame:
-    """One row per (job, stage) from every results.jsonl below ``sweep_dir``; only ``tasks`` when given, so that
-    the table's average is over those tasks."""
+    """One row per (job, stage) from every results.jsonl below ``sweep_dir`` (``job``: the directory holding it);
+    only ``tasks`` when given, so that the table's average is over those tasks."""
     files = sorted(Path(sweep_dir).rglob("results.jsonl"))
     if not files:
         raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
-    rows = [json.loads(line) for path in files for line in path.read_text().splitlines() if line.strip()]
+    rows = [{**json.loads(line), "job": str(path.parent)}
+            for path in files for line in path.read_text().splitlines() if line.strip()]
     if tasks is not None:
         wanted = {get_task(t).name for t in tasks}
         found = {row["task"] for row in rows}
@@ -103,6 +104,62 @@ def to_markdown(wide: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def before_after(frame: pd.DataFrame) -> pd.DataFrame:
+    """The re-fine-tuned jobs only: per (model, method, rank) and task, the score of their fine-tuned original, straight
+    after the conversion and after re-fine-tuning (x100, mean over their seeds), so each "after" is read against the
+    "before" of the same jobs. Columns ``<task>_finetuned``, ``<task>_reparam``, ``<task>_refit``, ``refit_avg``
+    (over all tasks; NaN where one lacks a re-fine-tuned score) and ``seeds`` (most seeds of any task); a first row
+    per model (method and rank ``-``) holds the original, each seed's fine-tuned model counted once."""
+    jobs = set(frame.job[frame.stage == "refit"])
+    if not jobs:
+        raise ValueError("no re-fine-tuned jobs (stage 'refit') in these results; run without refit=none")
+    rows = frame[frame.job.isin(jobs)]
+    rows = rows.assign(score=rows["main"] * 100)
+    keys = ["model", "method", "rank", "task", "stage"]
+    per_seed = rows.groupby([*keys, "seed"], sort=False).score.mean().reset_index()
+    stats = per_seed.groupby(keys, sort=False).agg(score=("score", "mean"), seeds=("seed", "nunique")).reset_index()
+    wide = stats.pivot_table(index=["model", "method", "rank"], columns=["task", "stage"], values="score")
+    tasks = sorted({t for t, _ in wide.columns}, key=lambda t: list(TASK_COLUMNS).index(t) if t in TASK_COLUMNS else 99)
+    columns = [(t, stage) for t in tasks for stage in STAGE_ORDER]
+    wide = wide.reindex(columns=columns)
+    wide.columns = [f"{t}_{stage}" for t, stage in columns]
+    wide["refit_avg"] = wide[[f"{t}_refit" for t in tasks]].mean(axis=1, skipna=False)
+    wide = wide.join(stats.groupby(["model", "method", "rank"]).seeds.max()).reset_index()
+    # the original row: each seed's fine-tuned model once, however many jobs started from it
+    originals = per_seed[per_seed.stage == "finetuned"].drop_duplicates(["model", "task", "seed"])
+    original = originals.pivot_table(index="model", columns="task", values="score").reindex(columns=tasks)
+    original.columns = [f"{t}_finetuned" for t in tasks]
+    original = original.assign(method="-", rank="-", seeds=originals.groupby("model").seed.nunique()).reset_index()
+    wide = pd.concat([original, wide], ignore_index=True)
+    wide["_rank"] = pd.to_numeric(wide["rank"], errors="coerce").fillna(1e9)
+    return wide.sort_values(["model", "_rank", "method"], ascending=[True, False, True]).drop(
+        columns="_rank").reset_index(drop=True)
+
+
+def before_after_markdown(wide: pd.DataFrame) -> str:
+    """The original, then one row per re-fine-tuned (model, method, rank) with each task's cell ``before → after``."""
+    tasks = [c.removesuffix("_refit") for c in wide.columns if c.endswith("_refit") and c != "refit_avg"]
+    header = ["model", "method", "rank", *[f"{t} ({get_task(t).main_metric})" for t in tasks],
+              f"avg after ({len(tasks)} tasks)", "seeds"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(tasks) + 2)]
+
+    def score(value) -> str:
+        return "" if pd.isna(value) else f"{value:.1f}"
+
+    for _, row in wide.iterrows():
+        if row.method == "-":
+            cells = [score(row[f"{t}_finetuned"]) for t in tasks]
+            average = score(sum(row[f"{t}_finetuned"] for t in tasks) / len(tasks))
+            method = "original (fine-tuned)"
+        else:
+            cells = ["" if pd.isna(row[f"{t}_refit"]) else f"{row[f'{t}_reparam']:.1f} → {row[f'{t}_refit']:.1f}"
+                     for t in tasks]
+            average, method = score(row.refit_avg), row.method
+        lines.append(f"| {row.model} | {method} | {row['rank']} | " + " | ".join(cells)
+                     + f" | {average} | {int(row.seeds)} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(wide: pd.DataFrame, path: Path) -> None:
     """Main metric against query/key parameters, one panel per task plus the GLUE average: a colour per (model,
     method), solid without retraining, dashed re-fine-tuned; error bars: the standard deviation over seeds."""
@@ -139,13 +196,17 @@ def plot(wide: pd.DataFrame, path: Path) -> None:
 def summarize(
     sweep_dir: str | Path, out_dir: str | Path | None = None, tasks: list[str] | None = None
 ) -> dict[str, Path]:
-    """Write summary.md, summary.csv and compression_vs_accuracy.png (over ``tasks`` only, when given); return
-    their paths."""
-    wide = table(load_results(sweep_dir, tasks))
+    """Write summary.md, summary.csv, compression_vs_accuracy.png and, where jobs were re-fine-tuned,
+    before_after.md (over ``tasks`` only, when given); return their paths."""
+    frame = load_results(sweep_dir, tasks)
+    wide = table(frame)
     out = Path(out_dir or sweep_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "summary.md", "csv": out / "summary.csv", "plot": out / "compression_vs_accuracy.png"}
     paths["markdown"].write_text(to_markdown(wide))
     wide.to_csv(paths["csv"], index=False, float_format="%.4f")
     plot(wide, paths["plot"])
+    if (frame.stage == "refit").any():
+        paths["before_after"] = out / "before_after.md"
+        paths["before_after"].write_text(before_after_markdown(before_after(frame)))
     return paths

@@ -1,5 +1,8 @@
 """Summarize a GLUE sweep: a task x rank x stage table (Markdown, CSV) and a compression-vs-accuracy plot.
 
+Where jobs were re-fine-tuned it also writes before_after.md: each re-fine-tuned score next to the score of the same
+job straight after the conversion.
+
     python scripts/summarize.py outputs/glue                 # writes summary.md/.csv/.png into outputs/glue
     python scripts/summarize.py experiments/minilm_mrpc_rte --out experiments/minilm_mrpc_rte
     python scripts/summarize.py experiments/minilm_glue --tasks cola,mrpc,stsb,rte --out experiments/minilm_glue/4tasks

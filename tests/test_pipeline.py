@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
 from collab_attn import pipeline
-from collab_attn.summary import load_results, summarize, table, to_markdown
+from collab_attn.summary import before_after, before_after_markdown, load_results, summarize, table, to_markdown
 from collab_attn.tracking import wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,8 +229,8 @@ def _record(task, stage, rank, seed, main, qk):
             "query_key_params": qk}
 
 
-def _write_results(root, rows):
-    job = root / "runs" / "a"
+def _write_results(root, rows, job="a"):
+    job = root / "runs" / job
     job.mkdir(parents=True)
     (job / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -283,3 +283,37 @@ def test_summary_over_chosen_tasks(tmp_path):
         load_results(tmp_path, tasks=["mrpc", "cola"])
     with pytest.raises(ValueError, match="unknown GLUE task"):
         load_results(tmp_path, tasks=["mrcp"])
+
+
+def test_before_after_reads_each_refit_against_its_own_start(tmp_path):
+    """Cells pair the conversion and the re-fine-tuning of the same jobs; a no-retraining job's score for the same
+    size stays out, each seed's original counts once, and a task without re-fine-tuning leaves the average empty."""
+    def job(name, seed, stages, rank=128, task="mrpc"):
+        _write_results(tmp_path, [_record(task, s, rank, seed, m, 40) for s, m in stages], job=name)
+
+    job("refit-s0", 0, [("finetuned", 0.80), ("reparam", 0.10), ("refit", 0.70)])
+    job("refit-s1", 1, [("finetuned", 0.84), ("reparam", 0.30), ("refit", 0.74)])
+    job("refit-r64", 0, [("finetuned", 0.80), ("reparam", 0.05), ("refit", 0.60)], rank=64)
+    job("none-s0", 0, [("finetuned", 0.80), ("reparam", 0.90)])  # refit=none: not a "before"
+    job("rte-s0", 0, [("finetuned", 0.55), ("reparam", 0.50), ("refit", 0.52)], task="rte")
+    job("rte-none", 0, [("finetuned", 0.55), ("reparam", 0.50)], rank=64, task="rte")
+
+    wide = before_after(load_results(tmp_path))
+    assert list(wide.method) == ["-", "cp", "cp"] and list(wide["rank"]) == ["-", "128", "64"]
+    original, r128, r64 = (row for _, row in wide.iterrows())
+    assert original.mrpc_finetuned == pytest.approx(82.0) and original.seeds == 2  # seed 0's model once
+    assert r128.mrpc_reparam == pytest.approx(20.0) and r128.mrpc_refit == pytest.approx(72.0)
+    assert r128.refit_avg == pytest.approx((72.0 + 52.0) / 2)
+    assert pd.isna(r64.rte_refit) and pd.isna(r64.refit_avg)
+    markdown = before_after_markdown(wide).splitlines()
+    assert markdown[0].endswith("| avg after (2 tasks) | seeds |")
+    assert "| m | original (fine-tuned) | - | 82.0 | 55.0 | 68.5 | 2 |" in markdown
+    assert "| m | cp | 128 | 20.0 → 72.0 | 50.0 → 52.0 | 62.0 | 2 |" in markdown
+    assert "| m | cp | 64 | 5.0 → 60.0 |  |  | 1 |" in markdown
+    assert summarize(tmp_path)["before_after"].read_text().splitlines() == markdown
+
+    (tmp_path / "runs").rename(tmp_path / "old")
+    job("none-s0", 0, [("finetuned", 0.80), ("reparam", 0.90)])
+    assert "before_after" not in summarize(tmp_path / "runs")
+    with pytest.raises(ValueError, match="no re-fine-tuned jobs"):
+        before_after(load_results(tmp_path / "runs"))
