@@ -40,6 +40,11 @@ def load_results(sweep_dir: str | Path, tasks: list[str] | None = None) -> pd.Da
     return frame
 
 
+def _task_order(task: str) -> int:
+    """GLUE's usual column order; unknown tasks last."""
+    return TASK_COLUMNS.index(task) if task in TASK_COLUMNS else len(TASK_COLUMNS)
+
+
 def _rank_label(rank) -> str | None:
     """``"128"`` for a rank, ``"96-128-..."`` for per-layer ranks, None where a job has none (``collab=none``)."""
     if isinstance(rank, list):
@@ -68,7 +73,7 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
         score=("score", "mean"), std=("score", "std"), seeds=("seed", "nunique"),
         query_key_params=("query_key_params", "mean")).reset_index()
     wide = stats.pivot_table(index=["model", "method", "rank", "stage"], columns="task", values="score")
-    wide = wide[sorted(wide.columns, key=lambda t: list(TASK_COLUMNS).index(t) if t in TASK_COLUMNS else 99)]
+    wide = wide[sorted(wide.columns, key=_task_order)]
     wide["glue_avg"] = wide.mean(axis=1, skipna=False)
     spread = stats.pivot_table(index=["model", "method", "rank", "stage"], columns="task", values="std",
                                dropna=False).reindex(columns=[c for c in wide.columns if c != "glue_avg"])
@@ -83,7 +88,7 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 
-def _cell(mean, std) -> str:
+def _cell(mean, std=None) -> str:
     """``85.6``, or ``85.6 ± 1.2`` (standard deviation over seeds) where there is more than one seed."""
     if pd.isna(mean):
         return ""
@@ -119,7 +124,7 @@ def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     per_seed = rows.groupby([*keys, "seed"], sort=False).score.mean().reset_index()
     stats = per_seed.groupby(keys, sort=False).agg(score=("score", "mean"), seeds=("seed", "nunique")).reset_index()
     wide = stats.pivot_table(index=["model", "method", "rank"], columns=["task", "stage"], values="score")
-    tasks = sorted({t for t, _ in wide.columns}, key=lambda t: list(TASK_COLUMNS).index(t) if t in TASK_COLUMNS else 99)
+    tasks = sorted({t for t, _ in wide.columns}, key=_task_order)
     columns = [(t, stage) for t in tasks for stage in STAGE_ORDER]
     wide = wide.reindex(columns=columns)
     wide.columns = [f"{t}_{stage}" for t, stage in columns]
@@ -143,18 +148,15 @@ def before_after_markdown(wide: pd.DataFrame) -> str:
               f"avg after ({len(tasks)} tasks)", "seeds"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(tasks) + 2)]
 
-    def score(value) -> str:
-        return "" if pd.isna(value) else f"{value:.1f}"
-
     for _, row in wide.iterrows():
         if row.method == "-":
-            cells = [score(row[f"{t}_finetuned"]) for t in tasks]
-            average = score(sum(row[f"{t}_finetuned"] for t in tasks) / len(tasks))
+            cells = [_cell(row[f"{t}_finetuned"]) for t in tasks]
+            average = _cell(sum(row[f"{t}_finetuned"] for t in tasks) / len(tasks))
             method = "original (fine-tuned)"
         else:
-            cells = ["" if pd.isna(row[f"{t}_refit"]) else f"{row[f'{t}_reparam']:.1f} → {row[f'{t}_refit']:.1f}"
+            cells = ["" if pd.isna(row[f"{t}_refit"]) else f"{_cell(row[f'{t}_reparam'])} → {_cell(row[f'{t}_refit'])}"
                      for t in tasks]
-            average, method = score(row.refit_avg), row.method
+            average, method = _cell(row.refit_avg), row.method
         lines.append(f"| {row.model} | {method} | {row['rank']} | " + " | ".join(cells)
                      + f" | {average} | {int(row.seeds)} |")
     return "\n".join(lines) + "\n"
