@@ -95,6 +95,11 @@ def _cell(mean, std=None) -> str:
     return f"{mean:.1f}" if pd.isna(std) else f"{mean:.1f} ± {std:.1f}"
 
 
+def _seeds(row) -> str:
+    """``3``, or ``1-3`` where tasks have different numbers of seeds."""
+    return str(int(row.seeds)) if row.min_seeds == row.seeds else f"{int(row.min_seeds)}-{int(row.seeds)}"
+
+
 def to_markdown(wide: pd.DataFrame) -> str:
     tasks = [c for c in wide.columns if c in TASK_COLUMNS]
     header = ["model", "method", "rank", "stage", *[f"{t} ({get_task(t).main_metric})" for t in tasks],
@@ -103,8 +108,7 @@ def to_markdown(wide: pd.DataFrame) -> str:
     for _, row in wide.iterrows():
         cells = [str(row.model), str(row.method), str(row["rank"]), str(row.stage)]
         cells += [_cell(row[t], row[f"{t}_std"]) for t in tasks]
-        seeds = str(int(row.seeds)) if row.min_seeds == row.seeds else f"{int(row.min_seeds)}-{int(row.seeds)}"
-        cells += ["" if pd.isna(row.glue_avg) else f"{row.glue_avg:.1f}", f"{row.query_key_params:,.0f}", seeds]
+        cells += ["" if pd.isna(row.glue_avg) else f"{row.glue_avg:.1f}", f"{row.query_key_params:,.0f}", _seeds(row)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -112,9 +116,11 @@ def to_markdown(wide: pd.DataFrame) -> str:
 def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     """The re-fine-tuned jobs only: per (model, method, rank) and task, the score of their fine-tuned original, straight
     after the conversion and after re-fine-tuning (x100, mean over their seeds), so each "after" is read against the
-    "before" of the same jobs. Columns ``<task>_finetuned``, ``<task>_reparam``, ``<task>_refit``, ``refit_avg``
-    (over all tasks; NaN where one lacks a re-fine-tuned score) and ``seeds`` (most seeds of any task); a first row
-    per model (method and rank ``-``) holds the original, each seed's fine-tuned model counted once."""
+    "before" of the same jobs. Columns ``<task>_finetuned``, ``<task>_reparam``, ``<task>_refit``, ``refit_avg`` and
+    ``finetuned_avg`` (over all tasks; NaN where one lacks a score), ``change`` (``refit_avg - finetuned_avg``: the
+    loss against the very models these jobs started from, comparable across rows with different seeds) and
+    ``min_seeds``/``seeds`` (fewest and most seeds of any task); a first row per model (method and rank ``-``) holds
+    the original, each seed's fine-tuned model counted once."""
     jobs = set(frame.job[frame.stage == "refit"])
     if not jobs:
         raise ValueError("no re-fine-tuned jobs (stage 'refit') in these results; run without refit=none")
@@ -128,37 +134,42 @@ def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     columns = [(t, stage) for t in tasks for stage in STAGE_ORDER]
     wide = wide.reindex(columns=columns)
     wide.columns = [f"{t}_{stage}" for t, stage in columns]
-    wide["refit_avg"] = wide[[f"{t}_refit" for t in tasks]].mean(axis=1, skipna=False)
-    wide = wide.join(stats.groupby(["model", "method", "rank"]).seeds.max()).reset_index()
+    wide = wide.join(stats.groupby(["model", "method", "rank"]).agg(
+        min_seeds=("seeds", "min"), seeds=("seeds", "max"))).reset_index()
     # the original row: each seed's fine-tuned model once, however many jobs started from it
     originals = per_seed[per_seed.stage == "finetuned"].drop_duplicates(["model", "task", "seed"])
     original = originals.pivot_table(index="model", columns="task", values="score").reindex(columns=tasks)
     original.columns = [f"{t}_finetuned" for t in tasks]
-    original = original.assign(method="-", rank="-", seeds=originals.groupby("model").seed.nunique()).reset_index()
+    seeds = originals.groupby(["model", "task"]).seed.nunique().groupby("model")
+    original = original.assign(method="-", rank="-", min_seeds=seeds.min(), seeds=seeds.max()).reset_index()
     wide = pd.concat([original, wide], ignore_index=True)
+    for stage in ("finetuned", "refit"):
+        wide[f"{stage}_avg"] = wide[[f"{t}_{stage}" for t in tasks]].mean(axis=1, skipna=False)
+    wide["change"] = wide.refit_avg - wide.finetuned_avg
     wide["_rank"] = pd.to_numeric(wide["rank"], errors="coerce").fillna(1e9)
     return wide.sort_values(["model", "_rank", "method"], ascending=[True, False, True]).drop(
         columns="_rank").reset_index(drop=True)
 
 
 def before_after_markdown(wide: pd.DataFrame) -> str:
-    """The original, then one row per re-fine-tuned (model, method, rank) with each task's cell ``before → after``."""
+    """The original, then one row per re-fine-tuned (model, method, rank) with each task's cell ``before → after``,
+    the average after re-fine-tuning and its change against the fine-tuned models those jobs started from."""
     tasks = [c.removesuffix("_refit") for c in wide.columns if c.endswith("_refit") and c != "refit_avg"]
     header = ["model", "method", "rank", *[f"{t} ({get_task(t).main_metric})" for t in tasks],
-              f"avg after ({len(tasks)} tasks)", "seeds"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(tasks) + 2)]
+              f"avg after ({len(tasks)} tasks)", "change vs its original", "seeds"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(tasks) + 3)]
 
     for _, row in wide.iterrows():
         if row.method == "-":
             cells = [_cell(row[f"{t}_finetuned"]) for t in tasks]
-            average = _cell(sum(row[f"{t}_finetuned"] for t in tasks) / len(tasks))
-            method = "original (fine-tuned)"
+            average, change, method = _cell(row.finetuned_avg), "", "original (fine-tuned)"
         else:
             cells = ["" if pd.isna(row[f"{t}_refit"]) else f"{_cell(row[f'{t}_reparam'])} → {_cell(row[f'{t}_refit'])}"
                      for t in tasks]
             average, method = _cell(row.refit_avg), row.method
+            change = "" if pd.isna(row.change) else f"{row.change:+.1f}"
         lines.append(f"| {row.model} | {method} | {row['rank']} | " + " | ".join(cells)
-                     + f" | {average} | {int(row.seeds)} |")
+                     + f" | {average} | {change} | {_seeds(row)} |")
     return "\n".join(lines) + "\n"
 
 

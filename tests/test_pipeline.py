@@ -287,7 +287,8 @@ def test_summary_over_chosen_tasks(tmp_path):
 
 def test_before_after_reads_each_refit_against_its_own_start(tmp_path):
     """Cells pair the conversion and the re-fine-tuning of the same jobs; a no-retraining job's score for the same
-    size stays out, each seed's original counts once, and a task without re-fine-tuning leaves the average empty."""
+    size stays out, each seed's original counts once, a task without re-fine-tuning leaves the average empty, and
+    the change is measured against the fine-tuned models of the row's own seeds."""
     def job(name, seed, stages, rank=128, task="mrpc"):
         _write_results(tmp_path, [_record(task, s, rank, seed, m, 40) for s, m in stages], job=name)
 
@@ -297,19 +298,24 @@ def test_before_after_reads_each_refit_against_its_own_start(tmp_path):
     job("none-s0", 0, [("finetuned", 0.80), ("reparam", 0.90)])  # refit=none: not a "before"
     job("rte-s0", 0, [("finetuned", 0.55), ("reparam", 0.50), ("refit", 0.52)], task="rte")
     job("rte-none", 0, [("finetuned", 0.55), ("reparam", 0.50)], rank=64, task="rte")
+    job("mrpc-r96", 0, [("finetuned", 0.80), ("reparam", 0.20), ("refit", 0.76)], rank=96)  # seed 0 only
+    job("rte-r96", 0, [("finetuned", 0.55), ("reparam", 0.50), ("refit", 0.55)], rank=96, task="rte")
 
     wide = before_after(load_results(tmp_path))
-    assert list(wide.method) == ["-", "cp", "cp"] and list(wide["rank"]) == ["-", "128", "64"]
-    original, r128, r64 = (row for _, row in wide.iterrows())
+    assert list(wide.method) == ["-", "cp", "cp", "cp"] and list(wide["rank"]) == ["-", "128", "96", "64"]
+    original, r128, r96, r64 = (row for _, row in wide.iterrows())
     assert original.mrpc_finetuned == pytest.approx(82.0) and original.seeds == 2  # seed 0's model once
     assert r128.mrpc_reparam == pytest.approx(20.0) and r128.mrpc_refit == pytest.approx(72.0)
     assert r128.refit_avg == pytest.approx((72.0 + 52.0) / 2)
-    assert pd.isna(r64.rte_refit) and pd.isna(r64.refit_avg)
+    assert r128.change == pytest.approx(62.0 - (82.0 + 55.0) / 2)
+    assert r96.change == pytest.approx((76.0 + 55.0) / 2 - (80.0 + 55.0) / 2)  # not against the two-seed original
+    assert pd.isna(r64.rte_refit) and pd.isna(r64.refit_avg) and pd.isna(r64.change)
     markdown = before_after_markdown(wide).splitlines()
-    assert markdown[0].endswith("| avg after (2 tasks) | seeds |")
-    assert "| m | original (fine-tuned) | - | 82.0 | 55.0 | 68.5 | 2 |" in markdown
-    assert "| m | cp | 128 | 20.0 → 72.0 | 50.0 → 52.0 | 62.0 | 2 |" in markdown
-    assert "| m | cp | 64 | 5.0 → 60.0 |  |  | 1 |" in markdown
+    assert markdown[0].endswith("| avg after (2 tasks) | change vs its original | seeds |")
+    assert "| m | original (fine-tuned) | - | 82.0 | 55.0 | 68.5 |  | 1-2 |" in markdown
+    assert "| m | cp | 128 | 20.0 → 72.0 | 50.0 → 52.0 | 62.0 | -6.5 | 1-2 |" in markdown
+    assert "| m | cp | 96 | 20.0 → 76.0 | 50.0 → 55.0 | 65.5 | -2.0 | 1 |" in markdown
+    assert "| m | cp | 64 | 5.0 → 60.0 |  |  |  | 1 |" in markdown
     assert summarize(tmp_path)["before_after"].read_text().splitlines() == markdown
 
     (tmp_path / "runs").rename(tmp_path / "old")
