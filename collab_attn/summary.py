@@ -52,6 +52,18 @@ def _rank_label(rank) -> str | None:
     return None if rank is None else str(rank)
 
 
+def _over_seeds(rows: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The main metric x100 as one value per ``keys`` and seed (a stage that two jobs share, such as the reparam
+    stage of a job with and one without re-fine-tuning, counts once), then its mean, standard deviation and number
+    of seeds per ``keys``; the mean query/key parameter count rides along."""
+    per_seed = rows.assign(score=rows["main"] * 100).groupby([*keys, "seed"], sort=False).agg(
+        score=("score", "mean"), query_key_params=("query_key_params", "mean")).reset_index()
+    stats = per_seed.groupby(keys, sort=False).agg(
+        score=("score", "mean"), std=("score", "std"), seeds=("seed", "nunique"),
+        query_key_params=("query_key_params", "mean")).reset_index()
+    return per_seed, stats
+
+
 def table(frame: pd.DataFrame) -> pd.DataFrame:
     """Mean main metric (x100) per task over seeds, for the original model and each (method, rank, stage), with
     its standard deviation over seeds in ``<task>_std`` (NaN for one seed) and the fewest and most seeds of any task
@@ -62,16 +74,8 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
     original = frame[frame.stage == "finetuned"].drop_duplicates(["task", "model", "seed"]).assign(
         method="-", rank="-"
     )
-    rows = pd.concat([original, frame[frame.stage != "finetuned"]])
-    rows = rows.assign(score=rows["main"] * 100)
-    # one value per seed first: a stage that two jobs share (the reparam stage of a job with and one without
-    # re-fine-tuning) counts once
-    keys = ["model", "method", "rank", "stage", "task"]
-    per_seed = rows.groupby([*keys, "seed"], sort=False).agg(
-        score=("score", "mean"), query_key_params=("query_key_params", "mean")).reset_index()
-    stats = per_seed.groupby(keys, sort=False).agg(
-        score=("score", "mean"), std=("score", "std"), seeds=("seed", "nunique"),
-        query_key_params=("query_key_params", "mean")).reset_index()
+    _, stats = _over_seeds(pd.concat([original, frame[frame.stage != "finetuned"]]),
+                           ["model", "method", "rank", "stage", "task"])
     wide = stats.pivot_table(index=["model", "method", "rank", "stage"], columns="task", values="score")
     wide = wide[sorted(wide.columns, key=_task_order)]
     wide["glue_avg"] = wide.mean(axis=1, skipna=False)
@@ -124,11 +128,7 @@ def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     jobs = set(frame.job[frame.stage == "refit"])
     if not jobs:
         raise ValueError("no re-fine-tuned jobs (stage 'refit') in these results; run without refit=none")
-    rows = frame[frame.job.isin(jobs)]
-    rows = rows.assign(score=rows["main"] * 100)
-    keys = ["model", "method", "rank", "task", "stage"]
-    per_seed = rows.groupby([*keys, "seed"], sort=False).score.mean().reset_index()
-    stats = per_seed.groupby(keys, sort=False).agg(score=("score", "mean"), seeds=("seed", "nunique")).reset_index()
+    per_seed, stats = _over_seeds(frame[frame.job.isin(jobs)], ["model", "method", "rank", "task", "stage"])
     wide = stats.pivot_table(index=["model", "method", "rank"], columns=["task", "stage"], values="score")
     tasks = sorted({t for t, _ in wide.columns}, key=_task_order)
     columns = [(t, stage) for t in tasks for stage in STAGE_ORDER]
