@@ -120,11 +120,14 @@ def to_markdown(wide: pd.DataFrame) -> str:
 def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     """The re-fine-tuned jobs only: per (model, method, rank) and task, the score of their fine-tuned original, straight
     after the conversion and after re-fine-tuning (x100, mean over their seeds), so each "after" is read against the
-    "before" of the same jobs. Columns ``<task>_finetuned``, ``<task>_reparam``, ``<task>_refit``, ``refit_avg`` and
-    ``finetuned_avg`` (over all tasks; NaN where one lacks a score), ``change`` (``refit_avg - finetuned_avg``: the
-    loss against the very models these jobs started from, comparable across rows with different seeds) and
-    ``min_seeds``/``seeds`` (fewest and most seeds of any task); a first row per model (method and rank ``-``) holds
-    the original, each seed's fine-tuned model counted once."""
+    "before" of the same jobs.
+
+    Columns ``<task>_finetuned``, ``<task>_reparam``, ``<task>_refit``; ``<task>_refit_std`` and, in the original
+    row, ``<task>_finetuned_std`` (standard deviation over seeds); ``refit_avg`` and ``finetuned_avg`` (over all
+    tasks; NaN where one lacks a score); ``change`` (``refit_avg - finetuned_avg``: the loss against the very models
+    these jobs started from, comparable across rows with different seeds); ``min_seeds``/``seeds`` (fewest and most
+    seeds of any task). A first row per model (method and rank ``-``) holds the original, each seed's fine-tuned
+    model counted once."""
     jobs = set(frame.job[frame.stage == "refit"])
     if not jobs:
         raise ValueError("no re-fine-tuned jobs (stage 'refit') in these results; run without refit=none")
@@ -134,12 +137,17 @@ def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     columns = [(t, stage) for t in tasks for stage in STAGE_ORDER]
     wide = wide.reindex(columns=columns)
     wide.columns = [f"{t}_{stage}" for t, stage in columns]
+    spread = stats[stats.stage == "refit"].pivot_table(index=["model", "method", "rank"], columns="task", values="std",
+                                                       dropna=False).reindex(columns=tasks)
+    wide = wide.join(spread.add_suffix("_refit_std"))
     wide = wide.join(stats.groupby(["model", "method", "rank"]).agg(
         min_seeds=("seeds", "min"), seeds=("seeds", "max"))).reset_index()
     # the original row: each seed's fine-tuned model once, however many jobs started from it
     originals = per_seed[per_seed.stage == "finetuned"].drop_duplicates(["model", "task", "seed"])
     original = originals.pivot_table(index="model", columns="task", values="score").reindex(columns=tasks)
     original.columns = [f"{t}_finetuned" for t in tasks]
+    spread = originals.pivot_table(index="model", columns="task", values="score", aggfunc="std", dropna=False)
+    original = original.join(spread.reindex(columns=tasks).add_suffix("_finetuned_std"))
     seeds = originals.groupby(["model", "task"]).seed.nunique().groupby("model")
     original = original.assign(method="-", rank="-", min_seeds=seeds.min(), seeds=seeds.max()).reset_index()
     wide = pd.concat([original, wide], ignore_index=True)
@@ -152,7 +160,8 @@ def before_after(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def before_after_markdown(wide: pd.DataFrame) -> str:
-    """The original, then one row per re-fine-tuned (model, method, rank) with each task's cell ``before → after``,
+    """The original, then one row per re-fine-tuned (model, method, rank) with each task's cell ``before → after``
+    (``± standard deviation`` over seeds after re-fine-tuning where there are several),
     the average after re-fine-tuning and its change against the fine-tuned models those jobs started from."""
     tasks = [c.removesuffix("_refit") for c in wide.columns if c.endswith("_refit") and c != "refit_avg"]
     header = ["model", "method", "rank", *[f"{t} ({get_task(t).main_metric})" for t in tasks],
@@ -161,10 +170,11 @@ def before_after_markdown(wide: pd.DataFrame) -> str:
 
     for _, row in wide.iterrows():
         if row.method == "-":
-            cells = [_cell(row[f"{t}_finetuned"]) for t in tasks]
+            cells = [_cell(row[f"{t}_finetuned"], row[f"{t}_finetuned_std"]) for t in tasks]
             average, change, method = _cell(row.finetuned_avg), "", "original (fine-tuned)"
         else:
-            cells = ["" if pd.isna(row[f"{t}_refit"]) else f"{_cell(row[f'{t}_reparam'])} → {_cell(row[f'{t}_refit'])}"
+            cells = ["" if pd.isna(row[f"{t}_refit"]) else
+                     f"{_cell(row[f'{t}_reparam'])} → {_cell(row[f'{t}_refit'], row[f'{t}_refit_std'])}"
                      for t in tasks]
             average, method = _cell(row.refit_avg), row.method
             change = "" if pd.isna(row.change) else f"{row.change:+.1f}"

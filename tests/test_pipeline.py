@@ -312,8 +312,8 @@ def test_before_after_reads_each_refit_against_its_own_start(tmp_path):
     assert pd.isna(r64.rte_refit) and pd.isna(r64.refit_avg) and pd.isna(r64.change)
     markdown = before_after_markdown(wide).splitlines()
     assert markdown[0].endswith("| avg after (2 tasks) | change vs its original | seeds |")
-    assert "| m | original (fine-tuned) | - | 82.0 | 55.0 | 68.5 |  | 1-2 |" in markdown
-    assert "| m | cp | 128 | 20.0 → 72.0 | 50.0 → 52.0 | 62.0 | -6.5 | 1-2 |" in markdown
+    assert "| m | original (fine-tuned) | - | 82.0 ± 2.8 | 55.0 | 68.5 |  | 1-2 |" in markdown
+    assert "| m | cp | 128 | 20.0 → 72.0 ± 2.8 | 50.0 → 52.0 | 62.0 | -6.5 | 1-2 |" in markdown
     assert "| m | cp | 96 | 20.0 → 76.0 | 50.0 → 55.0 | 65.5 | -2.0 | 1 |" in markdown
     assert "| m | cp | 64 | 5.0 → 60.0 |  |  |  | 1 |" in markdown
     assert summarize(tmp_path)["before_after"].read_text().splitlines() == markdown
