@@ -52,6 +52,11 @@ def _rank_label(rank) -> str | None:
     return None if rank is None else str(rank)
 
 
+def _rank_value(ranks: pd.Series) -> pd.Series:
+    """A sort key for rank labels: the rank as a number; the original's ``-`` and per-layer ranks sort as largest."""
+    return pd.to_numeric(ranks, errors="coerce").fillna(1e9)
+
+
 def _over_seeds(rows: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The main metric x100 as one value per ``keys`` and seed (a stage that two jobs share, such as the reparam
     stage of a job with and one without re-fine-tuning, counts once), then its mean, standard deviation and number
@@ -85,8 +90,7 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
     extra = stats.groupby(["model", "method", "rank", "stage"]).agg(
         min_seeds=("seeds", "min"), seeds=("seeds", "max"), query_key_params=("query_key_params", "mean"))
     wide = wide.join(extra).reset_index()
-    wide["_stage"] = wide.stage.map(STAGE_ORDER)
-    wide["_rank"] = pd.to_numeric(wide["rank"], errors="coerce").fillna(1e9)
+    wide = wide.assign(_stage=wide.stage.map(STAGE_ORDER), _rank=_rank_value(wide["rank"]))
     return wide.sort_values(["model", "_stage", "method", "_rank"], ascending=[True, True, True, False]).drop(
         columns=["_stage", "_rank"]).reset_index(drop=True)
 
@@ -154,7 +158,7 @@ def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     for stage in ("finetuned", "refit"):
         wide[f"{stage}_avg"] = wide[[f"{t}_{stage}" for t in tasks]].mean(axis=1, skipna=False)
     wide["change"] = wide.refit_avg - wide.finetuned_avg
-    wide["_rank"] = pd.to_numeric(wide["rank"], errors="coerce").fillna(1e9)
+    wide = wide.assign(_rank=_rank_value(wide["rank"]))
     return wide.sort_values(["model", "_rank", "method"], ascending=[True, False, True]).drop(
         columns="_rank").reset_index(drop=True)
 
