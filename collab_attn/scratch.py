@@ -34,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from collab_attn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask, attend
+from collab_attn.files import replacing, write_text_atomic
 
 ATTENTION_KINDS = ("concat", "collab")
 POOLINGS = ("mean", "cls")
@@ -449,12 +450,6 @@ def run_name(kind: str, key_size: int, seed: int) -> str:
     return f"{kind}-k{key_size}-seed{seed}"
 
 
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def _model_config(settings: dict, vocab_size: int, num_labels: int, kind: str, key_size: int) -> ScratchConfig:
     model = settings["model"]
     return ScratchConfig(
@@ -566,7 +561,7 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
                 "threads": torch.get_num_threads(),
                 **result,
             }
-            _write_json_atomic(runs_dir / f"{name}.json", record)
+            write_text_atomic(runs_dir / f"{name}.json", json.dumps(record, indent=1) + "\n")
             records[name] = record
             print(f"{name}: dev accuracy {result['dev_accuracy']:.4f}, {result['train_seconds']:.0f} s", flush=True)
 
@@ -686,14 +681,10 @@ def plot_curves(records: Sequence[dict], path: str | Path) -> Path:
 def write_summary(records: Sequence[dict], out_dir: str | Path) -> dict[str, Path]:
     """``results.md`` and ``curves.png`` for the given runs, each written atomically into ``out_dir``."""
     out = Path(out_dir)
-    md = out / "results.md"
-    tmp = out / f".results.md.tmp-{os.getpid()}"
-    tmp.write_text(results_markdown(records))
-    os.replace(tmp, md)
-    png = out / "curves.png"
-    tmp_png = plot_curves(records, out / f".curves.tmp-{os.getpid()}.png")
-    os.replace(tmp_png, png)
-    return {"results": md, "curves": png}
+    md = write_text_atomic(out / "results.md", results_markdown(records))
+    with replacing(out / "curves.png") as tmp:
+        plot_curves(records, tmp)
+    return {"results": md, "curves": out / "curves.png"}
 
 
 __all__ = [

@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from collab_attn.files import replacing, write_text_atomic  # noqa: E402
 from collab_attn.glue import get_task  # noqa: E402
 
 TASK_COLUMNS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
@@ -230,10 +231,11 @@ def summarize(
     out = Path(out_dir or sweep_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "summary.md", "csv": out / "summary.csv", "plot": out / "compression_vs_accuracy.png"}
-    paths["markdown"].write_text(to_markdown(wide))
-    wide.to_csv(paths["csv"], index=False, float_format="%.4f")
-    plot(wide, paths["plot"])
+    write_text_atomic(paths["markdown"], to_markdown(wide))
+    with replacing(paths["csv"]) as tmp:
+        wide.to_csv(tmp, index=False, float_format="%.4f")
+    with replacing(paths["plot"]) as tmp:
+        plot(wide, tmp)
     if (frame.stage == "refit").any():
-        paths["before_after"] = out / "before_after.md"
-        paths["before_after"].write_text(before_after_markdown(before_after(frame)))
+        paths["before_after"] = write_text_atomic(out / "before_after.md", before_after_markdown(before_after(frame)))
     return paths

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from collab_attn.accounting import METHODS, table
+from collab_attn.files import write_text_atomic
 
 PRESETS = {
     "minilm": {"d_model": 384, "num_heads": 12, "num_layers": 6, "title": "MiniLM (all-MiniLM-L6-v2)"},
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     print(text)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+        write_text_atomic(args.output, text + "\n")
 
 
 if __name__ == "__main__":

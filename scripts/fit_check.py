@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn import glue  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.pipeline import evaluate, load_data  # noqa: E402
 
 
@@ -79,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     table = to_markdown(rows)
     print(table)
     if args.out:
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(f"`python scripts/fit_check.py {' '.join(sys.argv[1:] if argv is None else argv)}`\n\n{table}")
-        tmp.rename(args.out)
+        command = " ".join(sys.argv[1:] if argv is None else argv)
+        write_text_atomic(args.out, f"`python scripts/fit_check.py {command}`\n\n{table}")
     return 0
 
 
