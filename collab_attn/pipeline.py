@@ -58,6 +58,25 @@ def model_slug(name: str) -> str:
     return path.name if path.is_dir() else name.replace("/", "--")
 
 
+def random_weights(settings: dict) -> bool:
+    """``weights=random``: the checkpoint's architecture with fresh weights, a control for what pretraining brings."""
+    return settings.get("weights", "pretrained") == "random"
+
+
+def _weights_suffix(settings: dict) -> str:
+    return "-random-init" if random_weights(settings) else ""
+
+
+def model_label(settings: dict) -> str:
+    """The model as paths name it: its slug, with ``-random-init`` for ``weights=random``."""
+    return model_slug(settings["model"]) + _weights_suffix(settings)
+
+
+def _with_weights(recipe: dict, settings: dict) -> dict:
+    """``recipe`` plus the weights setting where it is not the default, so pretrained jobs keep their hashes."""
+    return {**recipe, "weights": "random"} if random_weights(settings) else recipe
+
+
 def rank_tag(rank) -> str:
     return "-".join(map(str, rank)) if isinstance(rank, list) else str(rank)
 
@@ -83,7 +102,7 @@ def job_name(settings: dict) -> str:
     if method != "none":
         method += f"-r{rank_tag(collab_rank(collab)).replace(':', '')}"
     task = glue.get_task(settings["task"]["name"]).name
-    return f"{task}/{model_slug(settings['model'])}/{method}/seed{settings['seed']}"
+    return f"{task}/{model_label(settings)}/{method}/seed{settings['seed']}"
 
 
 def job_dir(settings: dict) -> Path:
@@ -91,7 +110,7 @@ def job_dir(settings: dict) -> Path:
     recipe = {k: settings[k] for k in ("model", "task", "collab", "finetune")}
     recipe.update(trainer=_recipe(settings["trainer"]), refit=_recipe(settings["refit"]))
     recipe["data"] = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
-    return Path(settings["output_root"]) / "runs" / f"{job_name(settings)}-{_digest(recipe)}"
+    return Path(settings["output_root"]) / "runs" / f"{job_name(settings)}-{_digest(_with_weights(recipe, settings))}"
 
 
 def finetuned_dir(settings: dict) -> Path:
@@ -103,8 +122,8 @@ def finetuned_dir(settings: dict) -> Path:
     }
     task = glue.get_task(settings["task"]["name"]).name
     return (
-        Path(settings["output_root"]) / "finetuned" / task / model_slug(settings["model"])
-        / f"seed{settings['seed']}-{_digest(recipe)}"
+        Path(settings["output_root"]) / "finetuned" / task / model_label(settings)
+        / f"seed{settings['seed']}-{_digest(_with_weights(recipe, settings))}"
     )
 
 
@@ -138,6 +157,12 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str]:
     path = resolve_model(settings["model"])
     config = AutoConfig.from_pretrained(path)
     family = family_of(config)
+    weights = settings.get("weights", "pretrained")
+    if weights not in ("pretrained", "random"):
+        raise ValueError(f"weights={weights!r}: choose 'pretrained' (the checkpoint) or 'random' (its architecture, "
+                         "freshly initialized)")
+    if weights == "random" and not settings["finetune"]:
+        raise ValueError("weights=random needs finetune=true: a freshly initialized model has to be trained first")
     collab = settings["collab"]
     if collab["method"] not in ("none", *METHODS, *BASELINES):
         raise ValueError(f"unknown collab.method {collab['method']!r}; choose one of {('none', *METHODS, *BASELINES)}")
@@ -237,7 +262,11 @@ def finetuned_checkpoint(settings, task, path, data, tokenizer, scratch: Path) -
         return target
     transformers.set_seed(settings["seed"])
     labels = {"id2label": dict(enumerate(task.label_names))} if task.label_names else {}
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
+    if random_weights(settings):
+        config = AutoConfig.from_pretrained(path, num_labels=task.num_labels, **labels)
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
     seconds, _ = train(model, data, tokenizer, settings["trainer"], settings["seed"], scratch / "trainer")
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
@@ -273,7 +302,7 @@ def stage_record(settings, task, stage, metrics, model, report: ReparamReport | 
     return {
         "stage": stage,
         "task": task.name,
-        "model": settings["model"],
+        "model": settings["model"] + _weights_suffix(settings),
         "method": method_label(collab),
         "rank": _record_rank(collab, report),
         "budget": collab.get("budget"),

@@ -9,11 +9,14 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
+from transformers import AutoModel
 
 from collab_attn import pipeline
+from collab_attn.checkpoints import resolve_model
 from collab_attn.summary import before_after, before_after_markdown, load_results, summarize, table, to_markdown
 from collab_attn.tracking import wandb_mode
 
@@ -84,6 +87,10 @@ def test_job_dirs_separate_what_matters(tmp_path):
     aware = pipeline.job_dir(tiny(tmp_path, "collab.budget=mean:128", "collab.calibration=task"))
     assert aware.parts[-2] == "cp-aware-rmean128"
     assert pipeline.job_dir(tiny(tmp_path, "collab.solver=tensorly")).parts[-2] == "cp-tensorly-r192"
+    assert pipeline.job_dir(tiny(tmp_path, "weights=pretrained")) == base
+    random_init = tiny(tmp_path, "weights=random")
+    assert pipeline.job_dir(random_init).parts[-3] == "minilm-random-init"
+    assert pipeline.finetuned_dir(random_init).parent.name == "minilm-random-init"
 
 
 @pytest.mark.parametrize(
@@ -95,6 +102,8 @@ def test_job_dirs_separate_what_matters(tmp_path):
         (["+trainer.learning_rat=1e-4"], ValueError, "trainer.learning_rat is not a transformers.TrainingArguments"),
         (["collab.budget=mean:-3"], ValueError, "budget"),
         (["collab.calibration=/no/texts.txt"], FileNotFoundError, "collab.calibration=/no/texts.txt: no such file"),
+        (["weights=scratch"], ValueError, "weights='scratch': choose 'pretrained'"),
+        (["weights=random", "finetune=false"], ValueError, "weights=random needs finetune=true"),
     ],
 )
 def test_bad_input_stops_before_training(tmp_path, overrides, error, message):
@@ -151,6 +160,19 @@ def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch
                                   "logger=none", "refit.enabled=false"))
     assert third[0]["f1"] == 0.123 and third[0]["main"] == 0.123
     assert other[1]["main"] == pytest.approx(other[0]["main"], abs=1e-6)  # full rank is exact
+
+
+@pytest.mark.glue
+def test_random_weights_train_the_architecture_from_scratch(tmp_path, glue_dir):
+    job = tiny(tmp_path, "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "collab.method=none", "weights=random")
+    (record,) = pipeline.run_job(job)
+    assert record["model"] == "minilm-random-init" and record["stage"] == "finetuned"
+    trained = AutoModel.from_pretrained(pipeline.finetuned_dir(job))
+    pretrained = AutoModel.from_pretrained(resolve_model("minilm"))
+    assert trained.config.hidden_size == pretrained.config.hidden_size == 384
+    for name, weight in pretrained.state_dict().items():  # two training steps move no weight this far
+        if name.endswith("word_embeddings.weight") or name.endswith("query.weight"):
+            assert not torch.allclose(trained.state_dict()[name], weight, atol=1e-2), name
 
 
 @pytest.mark.glue
