@@ -224,18 +224,20 @@ def plot(wide: pd.DataFrame, path: Path) -> None:
 def summarize(
     sweep_dir: str | Path, out_dir: str | Path | None = None, tasks: list[str] | None = None
 ) -> dict[str, Path]:
-    """Write summary.md, summary.csv, compression_vs_accuracy.png and, where jobs were re-fine-tuned,
-    before_after.md (over ``tasks`` only, when given); return their paths."""
+    """Write summary.md, summary.csv, compression_vs_accuracy.png where some job compressed a model, and
+    before_after.md where jobs were re-fine-tuned (over ``tasks`` only, when given); return their paths."""
     frame = load_results(sweep_dir, tasks)
     wide = table(frame)
     out = Path(out_dir or sweep_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": out / "summary.md", "csv": out / "summary.csv", "plot": out / "compression_vs_accuracy.png"}
+    paths = {"markdown": out / "summary.md", "csv": out / "summary.csv"}
     write_text_atomic(paths["markdown"], to_markdown(wide))
     with replacing(paths["csv"]) as tmp:
         wide.to_csv(tmp, index=False, float_format="%.4f")
-    with replacing(paths["plot"]) as tmp:
-        plot(wide, tmp)
+    if (wide.stage != "finetuned").any():
+        paths["plot"] = out / "compression_vs_accuracy.png"
+        with replacing(paths["plot"]) as tmp:
+            plot(wide, tmp)
     if (frame.stage == "refit").any():
         paths["before_after"] = write_text_atomic(out / "before_after.md", before_after_markdown(before_after(frame)))
     return paths

@@ -307,6 +307,17 @@ def test_summary_over_chosen_tasks(tmp_path):
         load_results(tmp_path, tasks=["mrcp"])
 
 
+def test_summary_of_originals_only_has_no_compression_plot(tmp_path):
+    """A control sweep (``collab.method=none``: fine-tuned models only) gets its table, and no plot of accuracy
+    against a compression that no job made."""
+    rows = [{**_record(task, "finetuned", None, seed, main, 100), "method": "none"}
+            for task, main in (("cola", 0.1), ("rte", 0.54)) for seed in (0, 1)]
+    _write_results(tmp_path, rows)
+    paths = summarize(tmp_path)
+    assert set(paths) == {"markdown", "csv"} and not (tmp_path / "compression_vs_accuracy.png").exists()
+    assert "| m | - | - | finetuned | 10.0 ± 0.0 | 54.0 ± 0.0 | 32.0 | 100 | 2 |" in paths["markdown"].read_text()
+
+
 def test_before_after_reads_each_refit_against_its_own_start(tmp_path):
     """Cells pair the conversion and the re-fine-tuning of the same jobs; a no-retraining job's score for the same
     size stays out, each seed's original counts once, a task without re-fine-tuning leaves the average empty, and
