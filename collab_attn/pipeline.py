@@ -28,6 +28,7 @@ from collab_attn.baselines import BASELINES, check_rank, head_importance, prune_
 from collab_attn.calibration import calibration_from_texts, load_texts, task_texts
 from collab_attn.checkpoints import resolve_model
 from collab_attn.decompose import METHODS
+from collab_attn.files import write_text_atomic
 from collab_attn.hf import CollaborativeSelfAttention, attention_modules, family_of
 from collab_attn.rank_selection import RankBudget
 from collab_attn.reparam import ReparamReport, per_layer_ranks, reparametrize
@@ -161,7 +162,7 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str]:
     if weights not in ("pretrained", "random"):
         raise ValueError(f"weights={weights!r}: choose 'pretrained' (the checkpoint) or 'random' (its architecture, "
                          "freshly initialized)")
-    if weights == "random" and not settings["finetune"]:
+    if random_weights(settings) and not settings["finetune"]:
         raise ValueError("weights=random needs finetune=true: a freshly initialized model has to be trained first")
     collab = settings["collab"]
     if collab["method"] not in ("none", *METHODS, *BASELINES):
@@ -291,9 +292,7 @@ def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str
     if cache.is_file():
         return json.loads(cache.read_text())
     metrics = evaluate_fn()
-    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(metrics))
-    tmp.rename(cache)
+    write_text_atomic(cache, json.dumps(metrics))
     return metrics
 
 
@@ -412,9 +411,7 @@ def run_job(settings: dict) -> list[dict]:
             tracker.log_stage(record, history)
             print(_summary_line(name, record))
             summary.update({f"{stage}/main": record["main"], "query_key_params": record["query_key_params"]})
-        tmp = out / f"{RESULTS_FILE}.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        tmp.rename(out / RESULTS_FILE)
+        write_text_atomic(out / RESULTS_FILE, "".join(json.dumps(r) + "\n" for r in records))
         compression = records[-1]["query_key_params"] / records[0]["query_key_params"]
         summary.update(rank=records[-1]["rank"], query_key_compression=compression)
     finally:
