@@ -3,8 +3,10 @@ evaluate. Hydra lives in ``scripts/train_glue.py``; everything here takes the re
 
 A job is one (task, model, collab method, rank, seed, recipe). Its results are one JSON line per stage in
 ``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<recipe hash>/results.jsonl``, written only
-when every stage has finished, so a job with results is done and an interrupted job leaves nothing. The
-fine-tuned model is cached in ``<output_root>/finetuned/...`` and shared by every rank of a sweep.
+when every stage has finished, so a job with results is done and an interrupted job leaves no results. The
+fine-tuned model is cached in ``<output_root>/finetuned/...`` and shared by every rank of a sweep. Training saves a
+resumable checkpoint every ``checkpoint_every`` steps (beside the cached model while fine-tuning, in the job's
+``.checkpoints`` while re-fine-tuning), so running an interrupted job again continues its training where it stopped.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collab_attn.baselines import BASELINES, check_rank, head_importance, prune_
 from collab_attn.calibration import calibration_from_texts, load_texts, task_texts
 from collab_attn.checkpoints import resolve_model
 from collab_attn.decompose import METHODS
-from collab_attn.files import write_text_atomic
+from collab_attn.files import exclusive_lock, write_text_atomic
 from collab_attn.hf import CollaborativeSelfAttention, attention_modules, family_of
 from collab_attn.rank_selection import RankBudget
 from collab_attn.reparam import ReparamReport, per_layer_ranks, reparametrize
@@ -162,6 +164,9 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str]:
     if weights not in ("pretrained", "random"):
         raise ValueError(f"weights={weights!r}: choose 'pretrained' (the checkpoint) or 'random' (its architecture, "
                          "freshly initialized)")
+    every = settings["checkpoint_every"]
+    if every is not None and not (type(every) is int and every > 0):
+        raise ValueError(f"checkpoint_every must be a positive number of training steps or null, got {every!r}")
     if random_weights(settings) and not settings["finetune"]:
         raise ValueError("weights=random needs finetune=true: a freshly initialized model has to be trained first")
     collab = settings["collab"]
@@ -214,23 +219,50 @@ def load_data(task: glue.GlueTask, data_cfg: dict, tokenizer):
     return glue.tokenize_glue(raw, tokenizer, task, data_cfg["max_seq_length"])
 
 
-def _training_args(output_dir: Path, seed: int, recipe: dict) -> transformers.TrainingArguments:
+def _training_args(
+    output_dir: Path, seed: int, recipe: dict, checkpoint_every: int | None = None
+) -> transformers.TrainingArguments:
     recipe = {k: v for k, v in recipe.items() if k != "enabled"}
+    # Two checkpoints are kept so that one interrupted while being written leaves the previous one whole.
+    saving = (
+        {"save_strategy": "steps", "save_steps": checkpoint_every, "save_total_limit": 2}
+        if checkpoint_every else {"save_strategy": "no"}
+    )
     return transformers.TrainingArguments(
-        output_dir=str(output_dir), seed=seed, report_to=[], save_strategy="no", eval_strategy="no",
-        dataloader_num_workers=0, dataloader_pin_memory=torch.cuda.is_available(), **recipe,
+        output_dir=str(output_dir), seed=seed, report_to=[], eval_strategy="no", dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(), **saving, **recipe,
     )
 
 
-def train(model, data, tokenizer, recipe: dict, seed: int, scratch: Path) -> tuple[float, list[dict]]:
-    """Train on the task's training split with ``recipe`` (TrainingArguments fields); returns seconds, log."""
+def last_complete_checkpoint(folder: Path) -> Path | None:
+    """The latest ``checkpoint-<step>`` in ``folder`` whose trainer state was written (the Trainer writes it
+    last), or None."""
+    steps = {}
+    for path in folder.glob("checkpoint-*"):
+        step = path.name.removeprefix("checkpoint-")
+        if step.isdigit() and (path / "trainer_state.json").is_file():
+            steps[int(step)] = path
+    return steps[max(steps)] if steps else None
+
+
+def train(
+    model, data, tokenizer, recipe: dict, seed: int, checkpoints: Path, checkpoint_every: int | None = None
+) -> tuple[float, list[dict]]:
+    """Train on the task's training split with ``recipe`` (TrainingArguments fields); returns the seconds this call
+    took and the training log. With ``checkpoint_every``, weights, optimizer, scheduler and RNG states are saved to
+    ``checkpoints`` every that many steps, and a call that finds a checkpoint there continues from it (the
+    Trainer's resumption: the same batches and dropout as an uninterrupted run). ``checkpoints`` is removed at the
+    end."""
     start = time.perf_counter()
     trainer = transformers.Trainer(
-        model=model, args=_training_args(scratch, seed, recipe), train_dataset=data["train"],
+        model=model, args=_training_args(checkpoints, seed, recipe, checkpoint_every), train_dataset=data["train"],
         data_collator=transformers.DataCollatorWithPadding(tokenizer),
     )
-    trainer.train()
-    shutil.rmtree(scratch, ignore_errors=True)
+    resume = last_complete_checkpoint(checkpoints) if checkpoint_every else None
+    if resume is not None:
+        log.info("resuming training from %s", resume)
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    shutil.rmtree(checkpoints, ignore_errors=True)
     return time.perf_counter() - start, trainer.state.log_history
 
 
@@ -253,30 +285,32 @@ def evaluate(
     return metrics
 
 
-def finetuned_checkpoint(settings, task, path, data, tokenizer, scratch: Path) -> Path:
-    """Fine-tune ``path`` on the task once per (model, task, seed, recipe) and cache it; reuse it afterwards."""
+def finetuned_checkpoint(settings, task, path, data, tokenizer) -> Path:
+    """Fine-tune ``path`` on the task once per (model, task, seed, recipe) and cache it; reuse it afterwards. Jobs
+    that need the same fine-tuned model at once (a parallel sweep) take turns: the first trains, the others wait
+    for it and reuse its model."""
     if not settings["finetune"]:
         return Path(path)
     target = finetuned_dir(settings)
-    if (target / "config.json").is_file():
-        log.info("reusing the fine-tuned model in %s", target)
-        return target
-    transformers.set_seed(settings["seed"])
-    labels = {"id2label": dict(enumerate(task.label_names))} if task.label_names else {}
-    if random_weights(settings):
-        config = AutoConfig.from_pretrained(path, num_labels=task.num_labels, **labels)
-        model = AutoModelForSequenceClassification.from_config(config)
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
-    seconds, _ = train(model, data, tokenizer, settings["trainer"], settings["seed"], scratch / "trainer")
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "finetune.json").write_text(json.dumps({"seconds": seconds, "settings": settings}, indent=2))
-    if target.exists():  # another job finished the same fine-tuning first
-        shutil.rmtree(tmp)
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(target.with_name(f"{target.name}.lock")):
+        if (target / "config.json").is_file():
+            log.info("reusing the fine-tuned model in %s", target)
+            return target
+        transformers.set_seed(settings["seed"])
+        labels = {"id2label": dict(enumerate(task.label_names))} if task.label_names else {}
+        if random_weights(settings):
+            config = AutoConfig.from_pretrained(path, num_labels=task.num_labels, **labels)
+            model = AutoModelForSequenceClassification.from_config(config)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
+        checkpoints = target.with_name(f"{target.name}.checkpoints")
+        seconds, _ = train(
+            model, data, tokenizer, settings["trainer"], settings["seed"], checkpoints, settings["checkpoint_every"]
+        )
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "finetune.json").write_text(json.dumps({"seconds": seconds, "settings": settings}, indent=2))
         tmp.rename(target)
     return target
 
@@ -389,7 +423,7 @@ def run_job(settings: dict) -> list[dict]:
     records, summary = [], {}
     try:
         start = time.perf_counter()
-        checkpoint = finetuned_checkpoint(settings, task, path, data, tokenizer, scratch)
+        checkpoint = finetuned_checkpoint(settings, task, path, data, tokenizer)
         model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
         stages = ["finetuned"]
         if settings["collab"]["method"] != "none":
@@ -401,7 +435,9 @@ def run_job(settings: dict) -> list[dict]:
                 report = reparametrize_stage(model, tokenizer, data, task, settings)
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
-                _, history = train(model, data, tokenizer, refit, settings["seed"], scratch / "trainer")
+                _, history = train(
+                    model, data, tokenizer, refit, settings["seed"], out / ".checkpoints", settings["checkpoint_every"]
+                )
             metrics = (
                 finetuned_metrics(settings, checkpoint, evaluate_model) if stage == "finetuned" else evaluate_model()
             )

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
+import transformers
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
@@ -218,6 +219,68 @@ def test_interrupted_job_leaves_no_results(tmp_path, glue_dir, monkeypatch):
         pipeline.run_job(job)
     out = pipeline.job_dir(job)
     assert not (out / "results.jsonl").exists() and not list(out.glob(".scratch-*"))
+
+
+@pytest.mark.glue
+@pytest.mark.parametrize(
+    "stage, steps, checkpoints",
+    [
+        ("finetuned", ["trainer.max_steps=5", "collab.method=none"], lambda job: pipeline.finetuned_dir(job).with_name(
+            pipeline.finetuned_dir(job).name + ".checkpoints")),
+        ("refit", ["trainer.max_steps=1", "refit.max_steps=5", "collab.rank=96"],
+         lambda job: pipeline.job_dir(job) / ".checkpoints"),
+    ],
+)
+def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, monkeypatch, stage, steps, checkpoints):
+    """A job killed in its fifth training step, run again, takes the one step left after its step-4 checkpoint and
+    ends with the weights and results of a job that was never interrupted."""
+    overrides = [  # 16 batches an epoch, so the checkpoint falls mid-epoch and resuming must skip seen batches
+        "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "checkpoint_every=2", "data.max_train_samples=64",
+        "trainer.per_device_train_batch_size=4", "refit.per_device_train_batch_size=4", *steps,
+    ]
+    calls, trained, crash_at = [], [], {"call": None}
+    real_step, real_train = transformers.Trainer.training_step, pipeline.train
+
+    def step(self, *args, **kwargs):
+        calls.append(stage)
+        if len(calls) == crash_at["call"]:
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    def train(model, *args, **kwargs):
+        result = real_train(model, *args, **kwargs)
+        trained.append({k: v.clone() for k, v in model.state_dict().items()})
+        return result
+
+    monkeypatch.setattr(transformers.Trainer, "training_step", step)
+    monkeypatch.setattr(pipeline, "train", train)
+    reference = pipeline.run_job(tiny(tmp_path / "reference", *overrides))
+    expected_weights, expected_calls = trained[-1], len(calls)
+
+    job = tiny(tmp_path, *overrides)
+    calls.clear()
+    crash_at["call"] = expected_calls
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run_job(job)
+    assert sorted(p.name for p in checkpoints(job).iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert not (pipeline.job_dir(job) / "results.jsonl").exists()
+
+    calls.clear()
+    crash_at["call"] = None
+    resumed = pipeline.run_job(job)
+    assert len(calls) == 1
+    assert not checkpoints(job).exists()
+    assert trained[-1].keys() == expected_weights.keys()
+    for name, weight in trained[-1].items():
+        torch.testing.assert_close(weight, expected_weights[name], rtol=0, atol=1e-6, msg=name)
+    assert [r["main"] for r in resumed] == [r["main"] for r in reference]
+
+
+def test_checkpoint_every_must_be_a_positive_step_count(tmp_path):
+    for value in ("0", "-5", "1.5", "often"):
+        with pytest.raises(ValueError, match="checkpoint_every must be a positive number of training steps"):
+            pipeline.validate(tiny(tmp_path, f"checkpoint_every={value}"))
+    pipeline.validate(tiny(tmp_path, "checkpoint_every=null"))
 
 
 @pytest.mark.glue
