@@ -130,6 +130,15 @@ def finetuned_dir(settings: dict) -> Path:
     )
 
 
+def checkpoints_dir(settings: dict, stage: str) -> Path:
+    """Where training saves its resumable checkpoints: beside the cached model while fine-tuning (``finetuned``),
+    in the job's folder while re-fine-tuning (``refit``)."""
+    if stage == "finetuned":
+        target = finetuned_dir(settings)
+        return target.with_name(f"{target.name}.checkpoints")
+    return job_dir(settings) / ".checkpoints"
+
+
 def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -303,9 +312,9 @@ def finetuned_checkpoint(settings, task, path, data, tokenizer) -> Path:
             model = AutoModelForSequenceClassification.from_config(config)
         else:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
-        checkpoints = target.with_name(f"{target.name}.checkpoints")
         seconds, _ = train(
-            model, data, tokenizer, settings["trainer"], settings["seed"], checkpoints, settings["checkpoint_every"]
+            model, data, tokenizer, settings["trainer"], settings["seed"], checkpoints_dir(settings, "finetuned"),
+            settings["checkpoint_every"],
         )
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
         model.save_pretrained(tmp)
@@ -436,7 +445,8 @@ def run_job(settings: dict) -> list[dict]:
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
                 _, history = train(
-                    model, data, tokenizer, refit, settings["seed"], out / ".checkpoints", settings["checkpoint_every"]
+                    model, data, tokenizer, refit, settings["seed"], checkpoints_dir(settings, stage),
+                    settings["checkpoint_every"],
                 )
             metrics = (
                 finetuned_metrics(settings, checkpoint, evaluate_model) if stage == "finetuned" else evaluate_model()

@@ -223,26 +223,24 @@ def test_interrupted_job_leaves_no_results(tmp_path, glue_dir, monkeypatch):
 
 @pytest.mark.glue
 @pytest.mark.parametrize(
-    "stage, steps, checkpoints",
+    "stage, steps",
     [
-        ("finetuned", ["trainer.max_steps=5", "collab.method=none"], lambda job: pipeline.finetuned_dir(job).with_name(
-            pipeline.finetuned_dir(job).name + ".checkpoints")),
-        ("refit", ["trainer.max_steps=1", "refit.max_steps=5", "collab.rank=96"],
-         lambda job: pipeline.job_dir(job) / ".checkpoints"),
+        ("finetuned", ["trainer.max_steps=5", "collab.method=none"]),
+        ("refit", ["trainer.max_steps=1", "refit.max_steps=5", "collab.rank=96"]),
     ],
 )
-def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, monkeypatch, stage, steps, checkpoints):
+def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, monkeypatch, stage, steps):
     """A job killed in its fifth training step, run again, takes the one step left after its step-4 checkpoint and
     ends with the weights and results of a job that was never interrupted."""
     overrides = [  # 16 batches an epoch, so the checkpoint falls mid-epoch and resuming must skip seen batches
         "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "checkpoint_every=2", "data.max_train_samples=64",
         "trainer.per_device_train_batch_size=4", "refit.per_device_train_batch_size=4", *steps,
     ]
-    calls, trained, crash_at = [], [], {"call": None}
+    calls, trained, crash_at = [], [], {"call": None}  # training steps taken, weights after training, when to fail
     real_step, real_train = transformers.Trainer.training_step, pipeline.train
 
     def step(self, *args, **kwargs):
-        calls.append(stage)
+        calls.append(1)
         if len(calls) == crash_at["call"]:
             raise KeyboardInterrupt
         return real_step(self, *args, **kwargs)
@@ -262,14 +260,15 @@ def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, mon
     crash_at["call"] = expected_calls
     with pytest.raises(KeyboardInterrupt):
         pipeline.run_job(job)
-    assert sorted(p.name for p in checkpoints(job).iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    checkpoints = pipeline.checkpoints_dir(job, stage)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2", "checkpoint-4"]
     assert not (pipeline.job_dir(job) / "results.jsonl").exists()
 
     calls.clear()
     crash_at["call"] = None
     resumed = pipeline.run_job(job)
     assert len(calls) == 1
-    assert not checkpoints(job).exists()
+    assert not checkpoints.exists()
     assert trained[-1].keys() == expected_weights.keys()
     for name, weight in trained[-1].items():
         torch.testing.assert_close(weight, expected_weights[name], rtol=0, atol=1e-6, msg=name)
