@@ -254,25 +254,55 @@ def last_complete_checkpoint(folder: Path) -> Path | None:
     return steps[max(steps)] if steps else None
 
 
+class _TrainingClock(transformers.TrainerCallback, transformers.trainer_callback.ExportableState):
+    """Seconds spent training, saved in every checkpoint's trainer state so that a resumed run adds its own
+    time to that of the runs before it."""
+
+    def __init__(self, earlier: float = 0.0):
+        self.earlier = earlier
+        self.started = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.earlier + time.perf_counter() - self.started
+
+    def state(self) -> dict:
+        return {"args": {"earlier": self.seconds()}, "attributes": {}}
+
+    @classmethod
+    def resuming(cls, checkpoint: Path | None) -> _TrainingClock:
+        """A clock that starts from the seconds recorded in ``checkpoint`` (zero without one, or where a checkpoint
+        written before the clock existed has none)."""
+        if checkpoint is None:
+            return cls()
+        saved = transformers.TrainerState.load_from_json(str(checkpoint / "trainer_state.json")).stateful_callbacks
+        return cls(**saved.get(cls.__name__, {}).get("args", {}))
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    seconds: float  # training time, interrupted runs that this one resumed included
+    resumed_seconds: float  # the part of ``seconds`` spent by those earlier runs
+    history: list[dict]
+
+
 def train(
     model, data, tokenizer, recipe: dict, seed: int, checkpoints: Path, checkpoint_every: int | None = None
-) -> tuple[float, list[dict]]:
-    """Train on the task's training split with ``recipe`` (TrainingArguments fields); returns the seconds this call
-    took and the training log. With ``checkpoint_every``, weights, optimizer, scheduler and RNG states are saved to
-    ``checkpoints`` every that many steps, and a call that finds a checkpoint there continues from it (the
-    Trainer's resumption: the same batches and dropout as an uninterrupted run). ``checkpoints`` is removed at the
-    end."""
-    start = time.perf_counter()
+) -> TrainingRun:
+    """Train on the task's training split with ``recipe`` (TrainingArguments fields). With ``checkpoint_every``,
+    weights, optimizer, scheduler and RNG states are saved to ``checkpoints`` every that many steps, and a call
+    that finds a checkpoint there continues from it (the Trainer's resumption: the same batches and dropout as an
+    uninterrupted run). ``checkpoints`` is removed at the end."""
+    resume = last_complete_checkpoint(checkpoints) if checkpoint_every else None
+    clock = _TrainingClock.resuming(resume)
     trainer = transformers.Trainer(
         model=model, args=_training_args(checkpoints, seed, recipe, checkpoint_every), train_dataset=data["train"],
-        data_collator=transformers.DataCollatorWithPadding(tokenizer),
+        data_collator=transformers.DataCollatorWithPadding(tokenizer), callbacks=[clock],
     )
-    resume = last_complete_checkpoint(checkpoints) if checkpoint_every else None
     if resume is not None:
-        log.info("resuming training from %s", resume)
+        log.info("resuming training from %s (%.0f s of training before)", resume, clock.earlier)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     shutil.rmtree(checkpoints, ignore_errors=True)
-    return time.perf_counter() - start, trainer.state.log_history
+    return TrainingRun(clock.seconds(), clock.earlier, trainer.state.log_history)
 
 
 @torch.no_grad()
@@ -294,17 +324,18 @@ def evaluate(
     return metrics
 
 
-def finetuned_checkpoint(settings, task, path, data, tokenizer) -> Path:
+def finetuned_checkpoint(settings, task, path, data, tokenizer) -> tuple[Path, float]:
     """Fine-tune ``path`` on the task once per (model, task, seed, recipe) and cache it; reuse it afterwards. Jobs
     that need the same fine-tuned model at once (a parallel sweep) take turns: the first trains, the others wait
-    for it and reuse its model."""
+    for it and reuse its model. Returns the model's folder and the training seconds of interrupted earlier runs
+    that this call resumed (0 when none)."""
     if not settings["finetune"]:
-        return Path(path)
+        return Path(path), 0.0
     target = finetuned_dir(settings)
     with exclusive_lock(target.with_name(f"{target.name}.lock")):
         if (target / "config.json").is_file():
             log.info("reusing the fine-tuned model in %s", target)
-            return target
+            return target, 0.0
         transformers.set_seed(settings["seed"])
         labels = {"id2label": dict(enumerate(task.label_names))} if task.label_names else {}
         if random_weights(settings):
@@ -312,16 +343,16 @@ def finetuned_checkpoint(settings, task, path, data, tokenizer) -> Path:
             model = AutoModelForSequenceClassification.from_config(config)
         else:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
-        seconds, _ = train(
+        run = train(
             model, data, tokenizer, settings["trainer"], settings["seed"], checkpoints_dir(settings, "finetuned"),
             settings["checkpoint_every"],
         )
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "finetune.json").write_text(json.dumps({"seconds": seconds, "settings": settings}, indent=2))
+        (tmp / "finetune.json").write_text(json.dumps({"seconds": run.seconds, "settings": settings}, indent=2))
         tmp.rename(target)
-    return target
+    return target, run.resumed_seconds
 
 
 def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str, float]:
@@ -432,7 +463,7 @@ def run_job(settings: dict) -> list[dict]:
     records, summary = [], {}
     try:
         start = time.perf_counter()
-        checkpoint = finetuned_checkpoint(settings, task, path, data, tokenizer)
+        checkpoint, resumed = finetuned_checkpoint(settings, task, path, data, tokenizer)
         model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
         stages = ["finetuned"]
         if settings["collab"]["method"] != "none":
@@ -444,15 +475,17 @@ def run_job(settings: dict) -> list[dict]:
                 report = reparametrize_stage(model, tokenizer, data, task, settings)
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
-                _, history = train(
+                run = train(
                     model, data, tokenizer, refit, settings["seed"], checkpoints_dir(settings, stage),
                     settings["checkpoint_every"],
                 )
+                history, resumed = run.history, run.resumed_seconds
             metrics = (
                 finetuned_metrics(settings, checkpoint, evaluate_model) if stage == "finetuned" else evaluate_model()
             )
-            record = stage_record(settings, task, stage, metrics, model, report, time.perf_counter() - start)
-            start = time.perf_counter()
+            # a stage that resumed interrupted training also counts the time of the runs before it
+            record = stage_record(settings, task, stage, metrics, model, report, time.perf_counter() - start + resumed)
+            start, resumed = time.perf_counter(), 0.0
             records.append(record)
             tracker.log_stage(record, history)
             print(_summary_line(name, record))

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -231,23 +232,27 @@ def test_interrupted_job_leaves_no_results(tmp_path, glue_dir, monkeypatch):
 )
 def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, monkeypatch, stage, steps):
     """A job killed in its fifth training step, run again, takes the one step left after its step-4 checkpoint and
-    ends with the weights and results of a job that was never interrupted."""
+    ends with the weights and results of a job that was never interrupted; its training time counts the four steps
+    of the interrupted run."""
     overrides = [  # 16 batches an epoch, so the checkpoint falls mid-epoch and resuming must skip seen batches
         "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "checkpoint_every=2", "data.max_train_samples=64",
         "trainer.per_device_train_batch_size=4", "refit.per_device_train_batch_size=4", *steps,
     ]
-    calls, trained, crash_at = [], [], {"call": None}  # training steps taken, weights after training, when to fail
+    calls, trained, runs, crash_at = [], [], [], {"call": None}  # steps taken, weights and runs after training
+    step_seconds = 0.3
     real_step, real_train = transformers.Trainer.training_step, pipeline.train
 
     def step(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == crash_at["call"]:
             raise KeyboardInterrupt
+        time.sleep(step_seconds)
         return real_step(self, *args, **kwargs)
 
     def train(model, *args, **kwargs):
         result = real_train(model, *args, **kwargs)
         trained.append({k: v.clone() for k, v in model.state_dict().items()})
+        runs.append(result)
         return result
 
     monkeypatch.setattr(transformers.Trainer, "training_step", step)
@@ -273,6 +278,9 @@ def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, mon
     for name, weight in trained[-1].items():
         torch.testing.assert_close(weight, expected_weights[name], rtol=0, atol=1e-6, msg=name)
     assert [r["main"] for r in resumed] == [r["main"] for r in reference]
+    assert runs[-1].resumed_seconds >= 4 * step_seconds and runs[-1].seconds >= 5 * step_seconds
+    # the stage's time holds all of its training, the interrupted run's included
+    assert resumed[-1 if stage == "refit" else 0]["seconds"] >= runs[-1].seconds
 
 
 def test_checkpoint_every_must_be_a_positive_step_count(tmp_path):
