@@ -70,6 +70,18 @@ def _over_seeds(rows: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, pd.D
     return per_seed, stats
 
 
+def _spread_by_task(stats: pd.DataFrame, index: list[str], tasks: list[str], suffix: str) -> pd.DataFrame:
+    """Each task's standard deviation over seeds (from ``_over_seeds``) as a column ``<task><suffix>``, one row per
+    ``index``, to join onto a table with that index."""
+    spread = stats.pivot_table(index=index, columns="task", values="std", dropna=False)
+    return spread.reindex(columns=tasks).add_suffix(suffix)
+
+
+def _seed_range(stats: pd.DataFrame, index: list[str]) -> pd.DataFrame:
+    """The fewest (``min_seeds``) and most (``seeds``) seeds of any task, one row per ``index``."""
+    return stats.groupby(index).agg(min_seeds=("seeds", "min"), seeds=("seeds", "max"))
+
+
 def table(frame: pd.DataFrame) -> pd.DataFrame:
     """Mean main metric (x100) per task over seeds, for the original model and each (method, rank, stage), with
     its standard deviation over seeds in ``<task>_std`` (NaN for one seed) and the fewest and most seeds of any task
@@ -80,21 +92,17 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
     original = frame[frame.stage == "finetuned"].drop_duplicates(["task", "model", "seed"]).assign(
         method="-", rank="-"
     )
-    _, stats = _over_seeds(pd.concat([original, frame[frame.stage != "finetuned"]]),
-                           ["model", "method", "rank", "stage", "task"])
-    wide = stats.pivot_table(index=["model", "method", "rank", "stage"], columns="task", values="score")
-    wide = wide[sorted(wide.columns, key=_task_order)]
+    rows = ["model", "method", "rank", "stage"]
+    _, stats = _over_seeds(pd.concat([original, frame[frame.stage != "finetuned"]]), [*rows, "task"])
+    wide = stats.pivot_table(index=rows, columns="task", values="score")
+    tasks = sorted(wide.columns, key=_task_order)
+    wide = wide[tasks]
     wide["glue_avg"] = wide.mean(axis=1, skipna=False)
-    spread = stats.pivot_table(index=["model", "method", "rank", "stage"], columns="task", values="std",
-                               dropna=False).reindex(columns=[c for c in wide.columns if c != "glue_avg"])
-    wide = wide.join(spread.add_suffix("_std"))
-    extra = stats.groupby(["model", "method", "rank", "stage"]).agg(
-        min_seeds=("seeds", "min"), seeds=("seeds", "max"), query_key_params=("query_key_params", "mean"))
-    wide = wide.join(extra).reset_index()
+    wide = wide.join(_spread_by_task(stats, rows, tasks, "_std")).join(_seed_range(stats, rows))
+    wide = wide.join(stats.groupby(rows).query_key_params.mean()).reset_index()
     wide = wide.assign(_stage=wide.stage.map(STAGE_ORDER), _rank=_rank_value(wide["rank"]))
     return wide.sort_values(["model", "_stage", "method", "_rank"], ascending=[True, True, True, False]).drop(
         columns=["_stage", "_rank"]).reset_index(drop=True)
-
 
 
 def _cell(mean, std=None) -> str:
@@ -136,17 +144,15 @@ def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     jobs = set(frame.job[frame.stage == "refit"])
     if not jobs:
         raise ValueError("no re-fine-tuned jobs (stage 'refit') in these results; run without refit=none")
-    per_seed, stats = _over_seeds(frame[frame.job.isin(jobs)], ["model", "method", "rank", "task", "stage"])
-    wide = stats.pivot_table(index=["model", "method", "rank"], columns=["task", "stage"], values="score")
+    rows = ["model", "method", "rank"]
+    per_seed, stats = _over_seeds(frame[frame.job.isin(jobs)], [*rows, "task", "stage"])
+    wide = stats.pivot_table(index=rows, columns=["task", "stage"], values="score")
     tasks = sorted({t for t, _ in wide.columns}, key=_task_order)
     columns = [(t, stage) for t in tasks for stage in STAGE_ORDER]
     wide = wide.reindex(columns=columns)
     wide.columns = [f"{t}_{stage}" for t, stage in columns]
-    spread = stats[stats.stage == "refit"].pivot_table(index=["model", "method", "rank"], columns="task", values="std",
-                                                       dropna=False).reindex(columns=tasks)
-    wide = wide.join(spread.add_suffix("_refit_std"))
-    wide = wide.join(stats.groupby(["model", "method", "rank"]).agg(
-        min_seeds=("seeds", "min"), seeds=("seeds", "max"))).reset_index()
+    wide = wide.join(_spread_by_task(stats[stats.stage == "refit"], rows, tasks, "_refit_std"))
+    wide = wide.join(_seed_range(stats, rows)).reset_index()
     # the original row: each seed's fine-tuned model once, however many jobs started from it
     originals = per_seed[per_seed.stage == "finetuned"].drop_duplicates(["model", "task", "seed"])
     original = originals.pivot_table(index="model", columns="task", values="score").reindex(columns=tasks)
