@@ -1,7 +1,8 @@
-"""Latency of collaborative versus concatenated attention layers on CPU, measured side by side.
+"""Latency of collaborative versus concatenated attention layers on CPU or GPU, measured side by side.
 
     python benchmarks/attention_latency.py                      # d_model 768, 12 heads, batch 16/32, seq 128/512
     python benchmarks/attention_latency.py --batch 16 --seq 128 --repeats 5
+    python benchmarks/attention_latency.py --device cuda --forced-paths --repeats 20
 
 Variants, all with the same d_model, heads, value and output projections:
 
@@ -18,8 +19,10 @@ Variants, all with the same d_model, heads, value and output projections:
 For each (batch, seq) the variants run in turn, ``--repeats`` rounds after a warm-up, and the table gives the
 median per variant and its ratio to ``concat`` (``train``: forward + backward of a scalar loss in train mode with
 attention dropout; ``infer``: forward under ``torch.inference_mode`` in eval mode). ``--clock cpu`` times each step
-by this process's CPU time instead of elapsed time, which other processes on a busy machine disturb less. Results
-go to ``experiments/benchmarks/attention_latency.{md,json}``.
+by this process's CPU time instead of elapsed time, which other processes on a busy machine disturb less. On
+``--device cuda`` each step is timed from a synchronized start to a synchronized end, in float32 (TF32 off) unless
+``--dtype`` says otherwise. Results go to ``experiments/benchmarks/attention_latency.{md,json}`` (CPU) or
+``attention_latency_cuda.{md,json}``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class PaperCollaborativeAttention(CollaborativeAttention):
         return self._finish(context), (probs if need_weights else None)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def build(d_model: int, heads: int, ranks: list[int], dropout: float, forced_paths: bool = False):
     torch.manual_seed(0)
     layers: dict[str, torch.nn.Module] = {"concat": MultiHeadAttention(d_model, heads, dropout=dropout)}
@@ -94,10 +100,10 @@ def one_step(layer, x, mask, mode: str) -> None:
 
 
 def measure(layers, batch: int, seq: int, d_model: int, mode: str, repeats: int, warmup: int,
-            clock=time.perf_counter) -> dict[str, list]:
+            clock=time.perf_counter, device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, list]:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, seq, d_model, generator=g, requires_grad=mode == "train")
-    mask = torch.ones(batch, seq, dtype=torch.long)
+    x = torch.randn(batch, seq, d_model, generator=g).to(device, dtype).requires_grad_(mode == "train")
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
     mask[: batch // 2, seq - seq // 8 :] = 0  # some padding, as in real batches
     times: dict[str, list] = {name: [] for name in layers}
     for _ in range(warmup):
@@ -105,16 +111,24 @@ def measure(layers, batch: int, seq: int, d_model: int, mode: str, repeats: int,
             one_step(layer, x, mask, mode)
     for _ in range(repeats):  # round robin: a load change hits every variant alike
         for name, layer in layers.items():
+            synchronize(device)
             start = clock()
             one_step(layer, x, mask, mode)
+            synchronize(device)
             times[name].append(clock() - start)
     return times
 
 
-def check_same_outputs(layers, d_model: int) -> float:
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued kernels, so that a wall-clock interval covers them."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def check_same_outputs(layers, d_model: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
     """Every variant computes the same function as ours at its rank (eval): max |difference|."""
-    x = torch.randn(2, 16, d_model)
-    mask = torch.ones(2, 16, dtype=torch.long)
+    x = torch.randn(2, 16, d_model).to(device, dtype)
+    mask = torch.ones(2, 16, dtype=torch.long, device=device)
     mask[1, 12:] = 0
     worst = 0.0
     for name, layer in layers.items():
@@ -142,16 +156,32 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (less sensitive to other load)")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "attention_latency")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: experiments/benchmarks/attention_latency (CPU), attention_latency_cuda (GPU)")
     args = parser.parse_args(argv)
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")
+    if on_gpu and args.clock == "cpu":
+        parser.error("--clock cpu measures this process's CPU time, not the GPU's: use --clock wall with --device cuda")
+    if args.out is None:
+        args.out = ROOT / "experiments" / "benchmarks" / ("attention_latency_cuda" if on_gpu else "attention_latency")
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both devices
+    dtype = DTYPES[args.dtype]
     ranks = args.ranks or [args.d_model // 4, args.d_model // 2]
     layers = build(args.d_model, args.heads, ranks, args.dropout, args.forced_paths)
+    for layer in layers.values():
+        layer.to(args.device, dtype)
     params = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}
-    same = check_same_outputs(layers, args.d_model)
-    print(f"d_model {args.d_model}, {args.heads} heads, ranks {ranks}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; variants vs ours max |diff| {same:.1e}")
+    same = check_same_outputs(layers, args.d_model, args.device, dtype)
+    hardware = torch.cuda.get_device_name(args.device) if on_gpu else platform.processor() or platform.machine()
+    print(f"d_model {args.d_model}, {args.heads} heads, ranks {ranks}, torch {torch.__version__}, {hardware}, "
+          f"{args.dtype}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}; "
+          f"variants vs ours max |diff| {same:.1e}")
 
     rows, records = [], []
     header = "| mode | batch | seq | " + " | ".join(layers) + " |"
@@ -161,11 +191,14 @@ def main(argv=None) -> dict:
             for batch in args.batch:
                 load = os.getloadavg()[0]
                 clock = time.perf_counter if args.clock == "wall" else time.process_time
-                times = measure(layers, batch, seq, args.d_model, mode, args.repeats, args.warmup, clock)
+                times = measure(layers, batch, seq, args.d_model, mode, args.repeats, args.warmup, clock,
+                                args.device, dtype)
                 medians = {name: statistics.median(t) for name, t in times.items()}
                 base = medians["concat"]
+                digits = 0 if base >= 0.01 else 2  # GPU steps take well under 10 ms
                 cells = [
-                    f"{medians[name] * 1e3:.0f} ms" + ("" if name == "concat" else f" ({medians[name] / base:.2f}x)")
+                    f"{medians[name] * 1e3:.{digits}f} ms"
+                    + ("" if name == "concat" else f" ({medians[name] / base:.2f}x)")
                     for name in layers
                 ]
                 rows.append(f"| {mode} | {batch} | {seq} | " + " | ".join(cells) + " |")
@@ -179,17 +212,17 @@ def main(argv=None) -> dict:
     result = {
         "command": command.strip(), "d_model": args.d_model, "heads": args.heads, "ranks": ranks,
         "dropout": args.dropout, "repeats": args.repeats, "clock": args.clock, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "torch": torch.__version__, "device": args.device, "dtype": args.dtype, "machine": hardware,
+        "cpus": os.cpu_count(),
         "parameters": params, "variants_vs_ours_max_abs_diff": same, "results": records, "table": table,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(
-        f"# Attention layer latency (CPU)\n\n`{result['command']}`\n\n"
-        f"d_model {args.d_model}, {args.heads} heads, collaborative ranks {ranks}; median of {args.repeats} "
-        f"round-robin repeats ({args.clock} clock), {result['threads']} torch threads, torch {torch.__version__}; "
-        f"ratios are to "
-        f"`concat` measured in the same round. Parameters per layer: "
+        f"# Attention layer latency ({'GPU' if on_gpu else 'CPU'}: {hardware})\n\n`{result['command']}`\n\n"
+        f"d_model {args.d_model}, {args.heads} heads, collaborative ranks {ranks}, {args.dtype}; "
+        f"median of {args.repeats} round-robin repeats ({args.clock} clock), {result['threads']} torch threads, "
+        f"torch {torch.__version__}; ratios are to `concat` measured in the same round. Parameters per layer: "
         + ", ".join(f"{k} {v:,}" for k, v in params.items())
         + f". Load average before the rows: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs.\n\n"
         + table + "\n"

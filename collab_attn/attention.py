@@ -12,7 +12,7 @@ Both modules take the same inputs: ``query_states`` (batch, tgt, d_model), optio
 ``(output, weights)`` where ``weights`` is (batch, heads, tgt, src) when ``need_weights=True``, else ``None``.
 ``MultiHeadAttention`` runs ``scaled_dot_product_attention`` without weights and a plain softmax with them.
 ``CollaborativeAttention`` computes all heads' logits in one ``bmm`` against the shared keys, and uses the fused
-kernel only where it is faster: inference on long sequences (see ``CollaborativeAttention.use_fused``).
+kernel only where it is faster: inference on long sequences on CPU (see ``CollaborativeAttention.use_fused``).
 """
 
 from __future__ import annotations
@@ -258,22 +258,25 @@ class CollaborativeAttention(_Attention):
             return torch.diag_embed(self.mixing)
         return torch.einsum("hg,grs->hrs", self.mixing, self.mixing_core)
 
-    def use_fused(self, need_weights: bool, src_len: int) -> bool:
+    def use_fused(self, need_weights: bool, src_len: int, device_type: str = "cpu") -> bool:
         """Whether ``forward`` takes the fused ``scaled_dot_product_attention`` path rather than explicit logits.
 
         ``self.fused`` (True / False) forces a path; weights always need the explicit one. By default the fused
-        kernel runs at inference on keys of ``FUSED_MIN_KEYS`` or more positions when the rank is at most
+        kernel runs on CPU at inference on keys of ``FUSED_MIN_KEYS`` or more positions when the rank is at most
         ``FUSED_MAX_RANK_RATIO`` head widths: it never materializes the (batch, heads, tgt, src) logits, but it
         needs queries and values of one width, so the values are padded with zeros to the rank, which costs more
         than the logits save when the rank is wide or the sequence short. In training (dropout, backward) the
-        explicit path is as fast or faster. Measured on CPU: experiments/benchmarks/README.md, section 3.
+        explicit path is as fast or faster. On a CUDA GPU (H100, float32 and bfloat16) the explicit path was as fast
+        or faster in every case measured, so it is the default there.
+        Measured: experiments/benchmarks/README.md, sections 3 (CPU) and 4 (H100).
         """
         if need_weights:
             return False
         if self.fused is not None:
             return self.fused
         return (
-            not self.training
+            device_type == "cpu"
+            and not self.training
             and src_len >= self.FUSED_MIN_KEYS
             and self.rank <= self.FUSED_MAX_RANK_RATIO * self.head_dim
         )
@@ -303,7 +306,7 @@ class CollaborativeAttention(_Attention):
             # bq_h . Wk_h y_s does not depend on the query: one logit offset per head and key, (B, H, 1, S)
             content = self.content_bias(keys_from).transpose(1, 2)[:, :, None, :] * self.scale
             bias = content if bias is None else bias + content
-        if self.use_fused(need_weights, keys.shape[1]):
+        if self.use_fused(need_weights, keys.shape[1], keys.device.type):
             # The fused kernel wants queries, keys and values of one width: zero columns change no dot product.
             width = max(rank, self.head_dim)
             context = F.scaled_dot_product_attention(

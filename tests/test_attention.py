@@ -112,6 +112,7 @@ def test_fused_path_choice():
     layer = CollaborativeAttention(768, 12, 192, mixing_init="ones")  # rank = 3 head widths
     wide = CollaborativeAttention(768, 12, 384, mixing_init="ones")
     assert layer.eval().use_fused(need_weights=False, src_len=512)
+    assert not layer.use_fused(need_weights=False, src_len=512, device_type="cuda")  # GPU: explicit is faster
     assert not layer.use_fused(need_weights=False, src_len=128)  # short: explicit logits are faster
     assert not layer.use_fused(need_weights=True, src_len=512)  # weights need the explicit path
     assert not layer.train().use_fused(need_weights=False, src_len=512)  # training: explicit path

@@ -1,0 +1,145 @@
+"""The library on a CUDA GPU: same numbers as on CPU, conversion in place on the GPU, bf16 training, save/load.
+
+Skipped where torch sees no GPU (CI). Run on a GPU machine with ``python -m pytest tests/test_cuda.py``.
+The model is a randomly initialized BERT of MiniLM's shape (hidden 384, 12 heads of 32), so these tests need
+neither the packaged checkpoint nor a network.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+
+import collab_attn  # noqa: F401  (registers the Auto classes)
+from collab_attn import CollaborativeAttention, MultiHeadAttention, reparametrize
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GPU = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    """TF32 would round float32 products to 10 mantissa bits and make CPU/GPU comparisons loose."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def minilm_shaped_bert(num_labels: int = 2) -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=1000, hidden_size=384, num_hidden_layers=3, num_attention_heads=12,
+                        intermediate_size=1536, num_labels=num_labels)
+    return BertForSequenceClassification(config).eval()
+
+
+def padded_batch(device: str, batch: int = 4, seq: int = 40) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(5, 1000, (batch, seq), generator=g)
+    attention_mask = torch.ones(batch, seq, dtype=torch.long)
+    attention_mask[1, 25:] = 0
+    attention_mask[3, 10:] = 0
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+
+
+@pytest.mark.parametrize(
+    "module_name, fused",
+    [("concat", False), ("collab", False), ("collab", True), ("collab-tucker", False), ("collab-tucker", True)],
+)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_attention_on_gpu_matches_cpu(module_name, fused, is_causal):
+    torch.manual_seed(0)
+    if module_name == "concat":
+        layer = MultiHeadAttention(384, 12)
+    else:
+        layer = CollaborativeAttention(384, 12, 128, mixing_init="random",
+                                       tucker_core_size=4 if module_name == "collab-tucker" else None)
+        layer.fused = fused
+    layer.eval()
+    x, memory = torch.randn(3, 50, 384), torch.randn(3, 70, 384)
+    mask = torch.ones(3, 50, dtype=torch.long)
+    mask[0, 30:] = 0
+    with torch.no_grad():
+        on_cpu, weights_cpu = layer(x, attention_mask=mask, is_causal=is_causal, need_weights=not fused)
+        cross_cpu, _ = layer(x, key_value_states=memory)
+        layer.to(GPU)
+        on_gpu, weights_gpu = layer(x.to(GPU), attention_mask=mask.to(GPU), is_causal=is_causal,
+                                    need_weights=not fused)
+        cross_gpu, _ = layer(x.to(GPU), key_value_states=memory.to(GPU))
+    assert on_gpu.device.type == "cuda"
+    torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cross_gpu.cpu(), cross_cpu, atol=1e-5, rtol=1e-4)
+    if not fused:
+        torch.testing.assert_close(weights_gpu.cpu(), weights_cpu, atol=1e-6, rtol=1e-4)
+
+
+def test_full_rank_conversion_on_gpu_is_exact_and_stays_on_gpu():
+    model = minilm_shaped_bert().to(GPU)
+    batch = padded_batch(GPU)
+    with torch.no_grad():
+        before = model(**batch).logits
+    reparametrize(model, rank=384, progress=False)
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    with torch.no_grad():
+        after = model(**batch).logits
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["cp", "tucker"])
+def test_low_rank_conversion_on_gpu_matches_conversion_on_cpu(method):
+    """The decomposition runs on CPU either way; the converted GPU model must compute what the CPU one does."""
+    on_cpu, on_gpu = minilm_shaped_bert(), minilm_shaped_bert().to(GPU)
+    report_cpu = reparametrize(on_cpu, rank=96, method=method, progress=False)
+    report_gpu = reparametrize(on_gpu, rank=96, method=method, progress=False)
+    assert [layer.relative_error for layer in report_gpu.layers] == [
+        layer.relative_error for layer in report_cpu.layers
+    ]
+    with torch.no_grad():
+        logits_gpu = on_gpu(**padded_batch(GPU)).logits
+        logits_cpu = on_cpu(**padded_batch("cpu")).logits
+    torch.testing.assert_close(logits_gpu.cpu(), logits_cpu, atol=1e-5, rtol=1e-4)
+
+
+def test_converted_model_trains_in_bfloat16_autocast():
+    model = minilm_shaped_bert().to(GPU)
+    reparametrize(model, rank=96, progress=False)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = padded_batch(GPU, batch=16)
+    labels = torch.arange(16, device=GPU) % 2
+    losses = []
+    for _ in range(30):
+        with torch.autocast(GPU, dtype=torch.bfloat16):
+            loss = model(**batch, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        mixing_grads = [m.mixing.grad for m in model.modules() if isinstance(m, CollaborativeAttention)]
+        assert mixing_grads and all(g is not None and torch.isfinite(g).all() for g in mixing_grads)
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses  # 16 fixed examples: the model must fit them
+
+
+def test_converted_gpu_model_saves_and_loads_onto_gpu(tmp_path):
+    model = minilm_shaped_bert().to(GPU)
+    reparametrize(model, rank=96, progress=False)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path, device_map=GPU).eval()
+    assert type(loaded).__name__ == "CollabBertForSequenceClassification"
+    assert {p.device.type for p in loaded.parameters()} == {"cuda"}
+    batch = padded_batch(GPU)
+    with torch.no_grad():
+        assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+
+
+def test_half_precision_model_converts_in_its_own_dtype():
+    model = minilm_shaped_bert().to(GPU)
+    batch = padded_batch(GPU)
+    with torch.no_grad():
+        before = model(**batch).logits
+    model.half()
+    reparametrize(model, rank=384, progress=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    with torch.no_grad():
+        after = model(**batch).logits.float()
+    torch.testing.assert_close(after, before, atol=2e-2, rtol=2e-2)
