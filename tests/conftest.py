@@ -6,6 +6,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 
@@ -44,3 +46,40 @@ def glue_dir() -> Path:
     if not GLUE_DIR.is_dir():
         pytest.skip(f"GLUE data not found at {GLUE_DIR}")
     return GLUE_DIR
+
+
+def small_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    """A randomly initialized configuration of each family (4 heads of 12), small enough to build in milliseconds.
+
+    BERT, RoBERTa and DistilBERT get 2 layers, ALBERT 3 (all sharing one layer); ``overrides`` are set on the result.
+    """
+    common = {"vocab_size": 120, "max_position_embeddings": 64}
+    if family == "distilbert":
+        config = transformers.DistilBertConfig(dim=48, n_heads=4, n_layers=2, hidden_dim=96, **common)
+    elif family == "albert":
+        config = transformers.AlbertConfig(
+            embedding_size=16, hidden_size=48, num_attention_heads=4, num_hidden_layers=3, intermediate_size=96,
+            **common,
+        )
+    else:
+        config_class = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig}[family]
+        config = config_class(
+            hidden_size=48, num_attention_heads=4, num_hidden_layers=2, intermediate_size=96, pad_token_id=1, **common
+        )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def small_model(family: str, **overrides) -> transformers.PreTrainedModel:
+    """``small_config(family, **overrides)`` as a base model in eval mode, with weights seeded to be reproducible."""
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(small_config(family, **overrides)).eval()
+
+
+def random_batch(lengths=(11, 7, 3), vocab=120, seed=0) -> dict[str, torch.Tensor]:
+    """Random token ids padded to the longest of ``lengths``."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, vocab, (len(lengths), max(lengths)), generator=g)
+    attention_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": input_ids, "attention_mask": attention_mask}

@@ -4,7 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-import transformers
+from conftest import small_model
 from transformers import AutoModel
 
 from collab_attn import CollaborativeAttention, MultiHeadAttention, reparametrize
@@ -67,13 +67,6 @@ def test_matches_the_modules(d_model, heads, rank, kwargs):
     assert attention_parameters(d_model, heads, rank, **kwargs) == module.parameter_counts()
 
 
-def _tiny(family):
-    if family == "distilbert":
-        return AutoModel.from_config(transformers.DistilBertConfig(dim=48, n_heads=4, n_layers=2, hidden_dim=96))
-    return AutoModel.from_config(transformers.BertConfig(hidden_size=48, num_attention_heads=4, num_hidden_layers=2,
-                                                         intermediate_size=96))
-
-
 @pytest.mark.parametrize(
     "family, rank, method, kwargs",
     [
@@ -85,7 +78,7 @@ def _tiny(family):
 )
 def test_matches_a_real_reparametrization(minilm_path, family, rank, method, kwargs):
     """BERT keeps its output projection in BertSelfOutput, so its converted module has none; DistilBERT's has one."""
-    model = AutoModel.from_pretrained(minilm_path) if family == "minilm" else _tiny(family)
+    model = AutoModel.from_pretrained(minilm_path) if family == "minilm" else small_model(family)
     report = reparametrize(model, rank, method, progress=False, **kwargs)
     d_model, heads = (384, 12) if family == "minilm" else (48, 4)
     sizes = {"output_projection": family == "distilbert"}

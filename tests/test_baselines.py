@@ -7,7 +7,7 @@ import datasets
 import pytest
 import torch
 import transformers
-from conftest import SENTENCES
+from conftest import SENTENCES, random_batch, small_model
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from transformers import AutoModel, AutoModelForSequenceClassification
@@ -42,28 +42,6 @@ def hidden(model, batch, **kwargs):
 def on_tokens(a, b, batch):
     keep = batch["attention_mask"].bool()
     return (a[keep] - b[keep]).abs().max().item()
-
-
-def small_model(family: str):
-    """A random 2-3 layer model of each family (4 heads of 12), built in milliseconds."""
-    common = {"vocab_size": 120, "max_position_embeddings": 64}
-    if family == "distilbert":
-        config = transformers.DistilBertConfig(dim=48, n_heads=4, n_layers=2, hidden_dim=96, **common)
-    elif family == "albert":
-        config = transformers.AlbertConfig(embedding_size=16, hidden_size=48, num_attention_heads=4,
-                                           num_hidden_layers=3, intermediate_size=96, **common)
-    else:
-        config = transformers.BertConfig(hidden_size=48, num_attention_heads=4, num_hidden_layers=2,
-                                         intermediate_size=96, **common)
-    torch.manual_seed(0)
-    return AutoModel.from_config(config).eval()
-
-
-def small_batch():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 120, (3, 9), generator=g)
-    mask = (torch.arange(9)[None] < torch.tensor([9, 6, 2])[:, None]).long()
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -128,7 +106,7 @@ def test_svd_rejects_a_rank_that_heads_do_not_divide(minilm):
 @pytest.mark.parametrize("family", ["bert", "distilbert", "albert"])
 def test_baselines_on_every_family(family):
     original = small_model(family)
-    batch = small_batch()
+    batch = random_batch(lengths=(9, 6, 2))
     model = copy.deepcopy(original)
     truncate_heads(model, 48)
     assert on_tokens(hidden(model, batch), hidden(original, batch), batch) < 1e-4

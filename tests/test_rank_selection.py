@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-import transformers
-from transformers import AutoModel
+from conftest import small_model
 
 from collab_attn import reparametrize
 from collab_attn.cp_als import HeadProducts
@@ -34,15 +33,6 @@ def layers(seed=0, heads=4, head_dim=6, d_in=24):
     medium_k = shared + 0.3 * torch.randn(heads, head_dim, d_in, generator=g)
     hard_q, hard_k = torch.randn(heads, head_dim, d_in, generator=g), torch.randn(heads, head_dim, d_in, generator=g)
     return [HeadProducts(q, k) for q, k in ((easy_q, easy_k), (medium_q, medium_k), (hard_q, hard_k))]
-
-
-def small_bert():
-    config = transformers.BertConfig(
-        hidden_size=48, num_attention_heads=4, num_hidden_layers=3, intermediate_size=96, vocab_size=120,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return AutoModel.from_config(config).eval()
 
 
 @pytest.mark.parametrize(
@@ -114,7 +104,7 @@ def test_hull_and_greedy_allocation():
 
 
 def test_reparametrize_with_a_budget():
-    model = small_bert()
+    model = small_model("bert", num_hidden_layers=3)
     batch = {"input_ids": torch.randint(5, 120, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
     uniform = reparametrize(copy.deepcopy(model), 24, n_iter_max=20, progress=False)
     budgeted_model = copy.deepcopy(model)
@@ -138,7 +128,7 @@ def test_reparametrize_with_a_budget():
 
 
 def test_budget_with_tucker_counts_the_core():
-    model = small_bert()
+    model = small_model("bert", num_hidden_layers=3)
     report = reparametrize(model, "params:0.6", method="tucker", n_iter_max=5, progress=False)
     after = sum(layer.query_key_params_after for layer in report.layers)
     before = sum(layer.query_key_params_before for layer in report.layers)

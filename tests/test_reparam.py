@@ -3,39 +3,12 @@ import copy
 import pytest
 import torch
 import transformers
+from conftest import random_batch, small_config, small_model
 from transformers import AutoModel
 
 import collab_attn
 from collab_attn import reparametrize
 from collab_attn.hf import CollaborativeSelfAttention
-
-
-def small_config(family: str, **overrides):
-    """A randomly initialized configuration of each family, small enough to build in milliseconds."""
-    common = {"vocab_size": 120, "max_position_embeddings": 64}
-    if family == "distilbert":
-        config = transformers.DistilBertConfig(dim=48, n_heads=4, n_layers=2, hidden_dim=96, **common)
-    elif family == "albert":
-        config = transformers.AlbertConfig(
-            embedding_size=16, hidden_size=48, num_attention_heads=4, num_hidden_layers=3, intermediate_size=96,
-            **common,
-        )
-    else:
-        config_class = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig}[family]
-        config = config_class(
-            hidden_size=48, num_attention_heads=4, num_hidden_layers=2, intermediate_size=96, pad_token_id=1, **common
-        )
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return config
-
-
-def random_batch(lengths=(11, 7, 3), vocab=120, seed=0):
-    """Random token ids padded to the longest of ``lengths``."""
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(5, vocab, (len(lengths), max(lengths)), generator=g)
-    attention_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def hidden(model, batch, **kwargs):
@@ -69,7 +42,7 @@ def test_full_rank_minilm_is_exact_on_a_real_padded_batch(minilm, real_batch):
 @pytest.mark.parametrize("method", ["cp", "tucker"])
 def test_full_rank_is_exact_for_every_family(family, method):
     torch.manual_seed(0)
-    original = AutoModel.from_config(small_config(family)).eval()
+    original = small_model(family)
     model = copy.deepcopy(original)
     batch = random_batch()
     expected = hidden(original, batch)
@@ -79,7 +52,7 @@ def test_full_rank_is_exact_for_every_family(family, method):
 
 
 def test_albert_shared_layers_are_converted_once():
-    model = AutoModel.from_config(small_config("albert")).eval()
+    model = small_model("albert")
     report = reparametrize(model, rank=24, n_iter_max=3, progress=False)
     assert len(report.layers) == 1  # three layers, one shared set of weights
 
@@ -190,7 +163,7 @@ def test_trains_with_gradients_on_mixing():
 
 @pytest.mark.parametrize("rank, message", [(0, "rank 0 for layer 0 is invalid"), (49, r"in \[1, 48\]")])
 def test_bad_rank_is_explained_and_leaves_the_model_alone(rank, message):
-    model = AutoModel.from_config(small_config("bert")).eval()
+    model = small_model("bert")
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=message):
         reparametrize(model, rank=rank, progress=False)
@@ -204,7 +177,7 @@ def test_bad_rank_is_explained_and_leaves_the_model_alone(rank, message):
 
 
 def test_nan_weights_are_reported_with_the_layer_name():
-    model = AutoModel.from_config(small_config("bert")).eval()
+    model = small_model("bert")
     with torch.no_grad():
         model.encoder.layer[1].attention.self.key.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"encoder\.layer\.1\.attention\.self: the key weights contain NaN or Inf"):
