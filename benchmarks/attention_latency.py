@@ -21,8 +21,8 @@ median per variant and its ratio to ``concat`` (``train``: forward + backward of
 attention dropout; ``infer``: forward under ``torch.inference_mode`` in eval mode). ``--clock cpu`` times each step
 by this process's CPU time instead of elapsed time, which other processes on a busy machine disturb less. On
 ``--device cuda`` each step is timed from a synchronized start to a synchronized end, in float32 (TF32 off) unless
-``--dtype`` says otherwise. Results go to ``experiments/benchmarks/attention_latency.{md,json}`` (CPU) or
-``attention_latency_cuda.{md,json}``.
+``--dtype`` says otherwise. Results go to ``experiments/benchmarks/attention_latency.{md,json}`` (CPU, float32) or
+``attention_latency_cuda_<dtype>.{md,json}`` (GPU; on the CPU another dtype gives ``attention_latency_<dtype>``).
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default: experiments/benchmarks/attention_latency (CPU), attention_latency_cuda (GPU)")
+                        help="default: experiments/benchmarks/attention_latency (CPU, float32), "
+                             "attention_latency_cuda_<dtype> (GPU)")
     args = parser.parse_args(argv)
     on_gpu = args.device.startswith("cuda")
     if on_gpu and not torch.cuda.is_available():
@@ -167,7 +168,10 @@ def main(argv=None) -> dict:
     if on_gpu and args.clock == "cpu":
         parser.error("--clock cpu measures this process's CPU time, not the GPU's: use --clock wall with --device cuda")
     if args.out is None:
-        args.out = ROOT / "experiments" / "benchmarks" / ("attention_latency_cuda" if on_gpu else "attention_latency")
+        stem = f"attention_latency_cuda_{args.dtype}" if on_gpu else "attention_latency"
+        if not on_gpu and args.dtype != "float32":
+            stem += f"_{args.dtype}"
+        args.out = ROOT / "experiments" / "benchmarks" / stem
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both devices
