@@ -135,9 +135,7 @@ def test_output_attentions_after_hooks_were_installed(minilm, real_batch):
 
 
 def test_causal_bert_decoder_stays_causal():
-    config = small_config("bert", is_decoder=True, use_cache=False)
-    torch.manual_seed(0)
-    original = AutoModel.from_config(config).eval()
+    original = small_model("bert", is_decoder=True, use_cache=False)
     model = copy.deepcopy(original)
     reparametrize(model, rank=48, progress=False)
     batch = random_batch(lengths=(8,))
@@ -192,7 +190,7 @@ def test_unsupported_architecture_names_the_supported_ones():
 
 
 def test_unknown_method_and_double_conversion_are_refused():
-    model = AutoModel.from_config(small_config("bert"))
+    model = small_model("bert")
     with pytest.raises(ValueError, match="unknown method 'svd'"):
         reparametrize(model, rank=8, method="svd")
     reparametrize(model, rank=8, n_iter_max=2, progress=False)
