@@ -42,7 +42,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask  # noqa: E402
+from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask  # noqa: E402
 
 
 class PaperCollaborativeAttention(CollaborativeAttention):

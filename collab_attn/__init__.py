@@ -3,10 +3,10 @@
 Importing the package registers the collaborative BERT-family models with the transformers Auto classes.
 """
 
-from collab_attn import hf as _hf  # noqa: F401  (registers the Auto classes)
-from collab_attn.attention import CollaborativeAttention, MultiHeadAttention
-from collab_attn.decompose import HeadDecomposition, decompose_heads
-from collab_attn.reparam import ReparamReport, reparametrize
+from collab_attn.decomposition.decompose import HeadDecomposition, decompose_heads
+from collab_attn.models import hf as _hf  # noqa: F401  (registers the Auto classes)
+from collab_attn.models.conversion import ReparamReport, reparametrize
+from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 
 __all__ = [
     "CollaborativeAttention",

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from collab_attn.accounting import METHODS, table
+from collab_attn.analysis.accounting import METHODS, table
 from collab_attn.files import write_text_atomic
 
 PRESETS = {

@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from collab_attn.checkpoints import finalize_output_dir, load_model_and_tokenizer, prepare_output_dir  # noqa: E402
-from collab_attn.energy import KINDS, model_spectra, rank_for_energy  # noqa: E402
+from collab_attn.analysis.energy import KINDS, model_spectra, rank_for_energy  # noqa: E402
+from collab_attn.models.checkpoints import finalize_output_dir, load_model_and_tokenizer, prepare_output_dir  # noqa: E402
 
 LABELS = {"query": "stacked queries Wq", "key": "stacked keys Wk", "products": "head products Wq_h^T Wk_h"}
 

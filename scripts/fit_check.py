@@ -20,9 +20,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn import glue  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
-from collab_attn.pipeline import evaluate, load_data  # noqa: E402
+from collab_attn.glue import tasks as glue  # noqa: E402
+from collab_attn.glue.pipeline import evaluate, load_data  # noqa: E402
 
 
 def parse_pair(text: str) -> tuple[glue.GlueTask, Path]:

@@ -25,15 +25,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from collab_attn import reparametrize
-from collab_attn.calibration import calibration_from_texts, load_texts
-from collab_attn.checkpoints import (
+from collab_attn.decomposition.decompose import METHODS
+from collab_attn.decomposition.rank_selection import RankBudget
+from collab_attn.glue.tasks import load_texts
+from collab_attn.models.calibration import calibration_from_texts
+from collab_attn.models.checkpoints import (
     finalize_output_dir,
     load_model_and_tokenizer,
     prepare_output_dir,
     resolve_model,
 )
-from collab_attn.decompose import METHODS
-from collab_attn.rank_selection import RankBudget
 
 log = logging.getLogger("reparametrize")
 

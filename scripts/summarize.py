@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from collab_attn.summary import summarize
+from collab_attn.glue.summary import summarize
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from collab_attn.pipeline import run_job
+from collab_attn.glue.pipeline import run_job
 
 
 def run(cfg: DictConfig) -> list[dict]:

@@ -16,7 +16,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from collab_attn.scratch import run_sweep
+from collab_attn.glue.scratch import run_sweep
 
 
 def run(cfg: DictConfig) -> list[dict]:

@@ -23,10 +23,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from collab_attn import plots
-from collab_attn.checkpoints import finalize_output_dir, prepare_output_dir, resolve_model
-from collab_attn.decompose import METHODS
-from collab_attn.views import collaborative_copy, comparison_page, load_for_viewing, sentence_attention
+from collab_attn.analysis import plots
+from collab_attn.analysis.views import collaborative_copy, comparison_page, load_for_viewing, sentence_attention
+from collab_attn.decomposition.decompose import METHODS
+from collab_attn.models.checkpoints import finalize_output_dir, prepare_output_dir, resolve_model
 
 log = logging.getLogger("visualize")
 

@@ -1,4 +1,4 @@
-"""Parameter and FLOP accounting (collab_attn.accounting, scripts/accounting.py) against hand counts and modules."""
+"""Parameter and FLOP accounting (collab_attn.analysis.accounting, scripts/accounting.py) against hand counts."""
 
 import importlib.util
 from pathlib import Path
@@ -8,7 +8,7 @@ from conftest import small_model
 from transformers import AutoModel
 
 from collab_attn import CollaborativeAttention, MultiHeadAttention, reparametrize
-from collab_attn.accounting import attention_flops_per_token, attention_parameters, default_ranks, table
+from collab_attn.analysis.accounting import attention_flops_per_token, attention_parameters, default_ranks, table
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accounting.py"
 _spec = importlib.util.spec_from_file_location("accounting_script", SCRIPT)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from collab_attn import CollaborativeAttention, MultiHeadAttention
-from collab_attn.attention import additive_mask
+from collab_attn.nn.attention import additive_mask
 
 D_MODEL, HEADS = 32, 4
 

@@ -12,8 +12,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from transformers import AutoModel, AutoModelForSequenceClassification
 
-from collab_attn import pipeline
-from collab_attn.baselines import (
+from collab_attn.decomposition.rank_selection import query_key_params
+from collab_attn.glue import pipeline
+from collab_attn.models.baselines import (
     TruncatedSelfAttention,
     head_gates,
     head_importance,
@@ -22,7 +23,6 @@ from collab_attn.baselines import (
     truncate_head_products,
     truncate_heads,
 )
-from collab_attn.rank_selection import query_key_params
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 D, HEADS, HEAD_DIM, LAYERS = 384, 12, 32, 6

@@ -10,14 +10,14 @@ import torch
 from transformers import AutoModel
 
 from collab_attn import decompose_heads, reparametrize
-from collab_attn.calibration import (
+from collab_attn.decomposition.whitening import whitening_matrices
+from collab_attn.glue.tasks import load_texts
+from collab_attn.models.calibration import (
     Calibration,
     attention_inputs,
     calibration_from_texts,
     collect_calibration,
-    load_texts,
     logit_errors,
-    whitening_matrices,
 )
 
 CALIBRATION_TEXTS = [

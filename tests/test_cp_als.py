@@ -8,7 +8,7 @@ import torch
 from tensorly.decomposition import parafac
 
 from collab_attn import decompose_heads
-from collab_attn.cp_als import (
+from collab_attn.decomposition.cp_als import (
     HeadProducts,
     cp_als,
     cp_init,
@@ -16,7 +16,7 @@ from collab_attn.cp_als import (
     tucker_hooi,
     tucker_relative_error,
 )
-from collab_attn.decompose import head_products
+from collab_attn.decomposition.decompose import head_products
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -5,7 +5,7 @@ import tensorly as tl
 import torch
 
 from collab_attn import decompose_heads
-from collab_attn.decompose import head_products
+from collab_attn.decomposition.decompose import head_products
 
 
 def planted_cp(heads=6, head_dim=8, d_in=24, rank=5, seed=0):

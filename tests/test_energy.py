@@ -5,7 +5,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from collab_attn.energy import cumulative_energy, layer_spectra, rank_for_energy
+from collab_attn.analysis.energy import cumulative_energy, layer_spectra, rank_for_energy
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collab_attn import glue
+from collab_attn.glue import tasks as glue
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fit_check.py"
 spec = importlib.util.spec_from_file_location("fit_check", SCRIPT)

@@ -1,4 +1,4 @@
-"""Tests for collab_attn.glue: task registry, TSV loading, tokenization and GLUE metrics."""
+"""Tests for collab_attn.glue.tasks: task registry, TSV loading, tokenization and GLUE metrics."""
 
 import os
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer, EvalPrediction
 
-from collab_attn import glue
+from collab_attn.glue import tasks as glue
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 

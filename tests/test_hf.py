@@ -12,7 +12,7 @@ from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceCl
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
 from collab_attn import reparametrize
-from collab_attn.hf import CollaborativeSelfAttention
+from collab_attn.models.hf import CollaborativeSelfAttention
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_trainer_fine_tunes_a_converted_model(converted_dir, minilm_tokenizer, t
 
 def test_a_collaborative_model_can_be_built_from_a_config():
     """Training from scratch: a collaborative config builds a randomly initialized collaborative model."""
-    config = collab_attn.hf.CollabBertConfig(
+    config = collab_attn.models.hf.CollabBertConfig(
         vocab_size=100, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
         collab_ranks=[8, 16],
     )
@@ -115,4 +115,4 @@ def test_a_collaborative_model_can_be_built_from_a_config():
     out = model(input_ids=torch.randint(0, 100, (2, 5))).last_hidden_state
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="needs config.collab_ranks"):
-        AutoModel.from_config(collab_attn.hf.CollabBertConfig(hidden_size=32, num_attention_heads=4))
+        AutoModel.from_config(collab_attn.models.hf.CollabBertConfig(hidden_size=32, num_attention_heads=4))

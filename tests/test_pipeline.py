@@ -17,10 +17,10 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from transformers import AutoModel
 
-from collab_attn import pipeline
-from collab_attn.checkpoints import resolve_model
-from collab_attn.summary import before_after, before_after_markdown, load_results, summarize, table, to_markdown
-from collab_attn.tracking import wandb_mode
+from collab_attn.glue import pipeline
+from collab_attn.glue.summary import before_after, before_after_markdown, load_results, summarize, table, to_markdown
+from collab_attn.glue.tracking import wandb_mode
+from collab_attn.models.checkpoints import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"

@@ -7,8 +7,8 @@ import torch
 from conftest import small_model
 
 from collab_attn import reparametrize
-from collab_attn.cp_als import HeadProducts
-from collab_attn.rank_selection import RankBudget, _allocate, _lower_hull, query_key_params, select_ranks
+from collab_attn.decomposition.cp_als import HeadProducts
+from collab_attn.decomposition.rank_selection import RankBudget, _allocate, _lower_hull, query_key_params, select_ranks
 
 
 @pytest.fixture(autouse=True, scope="module")

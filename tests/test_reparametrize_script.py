@@ -1,4 +1,4 @@
-"""Tests for scripts/reparametrize.py, its Hydra configs and collab_attn.checkpoints (packaged MiniLM)."""
+"""Tests for scripts/reparametrize.py, its Hydra configs and collab_attn.models.checkpoints (packaged MiniLM)."""
 
 import os
 
@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModel, AutoTokenizer
 
 import collab_attn
-from collab_attn.checkpoints import (
+from collab_attn.models.checkpoints import (
     finalize_output_dir,
     load_model_and_tokenizer,
     prepare_output_dir,
@@ -173,7 +173,7 @@ def test_errors_write_nothing(tmp_path, overrides, error, message):
 
 
 # ---------------------------------------------------------------------------------------------------
-# collab_attn.checkpoints
+# collab_attn.models.checkpoints
 
 
 def test_resolve_model_checks_local_checkpoints(tmp_path, minilm_path):

@@ -1,4 +1,4 @@
-"""Training from scratch (collab_attn.scratch): the classifier, its attention variants, training and the sweep."""
+"""Training from scratch (collab_attn.glue.scratch): the classifier, its attention variants, training and the sweep."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from collab_attn import MultiHeadAttention
-from collab_attn.scratch import (
+from collab_attn.glue.scratch import (
     ConcatenatedAttention,
     EncodedSplit,
     ScratchClassifier,

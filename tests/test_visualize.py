@@ -1,4 +1,4 @@
-"""Attention views and plots (collab_attn.views, collab_attn.plots, scripts/visualize.py) on the packaged MiniLM."""
+"""Attention views and plots (collab_attn.analysis.views and .plots, scripts/visualize.py) on the packaged MiniLM."""
 
 import importlib.util
 import json
@@ -13,8 +13,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from collab_attn import plots
-from collab_attn.views import (
+from collab_attn.analysis import plots
+from collab_attn.analysis.views import (
     attention_maps,
     collaborative_copy,
     comparison_page,

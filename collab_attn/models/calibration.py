@@ -29,48 +29,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
-from collab_attn.hf import attention_modules, family_of, is_collaborative
+from collab_attn.decomposition.whitening import DEFAULT_EPS
+from collab_attn.models.hf import attention_modules, family_of, is_collaborative
 
-DEFAULT_EPS = 0.1
 KEY_STATISTICS = ("centered", "raw")
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Whitening
-
-
-def whitening_matrices(covariance: torch.Tensor, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``S = (C + eps * mean_eig * I)^{1/2}`` and ``S^{-1}`` (float64, symmetric)."""
-    eps = DEFAULT_EPS if eps is None else eps
-    if eps < 0:
-        raise ValueError(f"whitening_eps must be >= 0, got {eps}")
-    cov = covariance.detach().to("cpu", torch.float64)
-    cov = (cov + cov.T) / 2
-    values, vectors = torch.linalg.eigh(cov)
-    values = values.clamp_min(0)
-    values = values + eps * values.mean()
-    if not (values > 0).all():
-        raise ValueError("the input covariance is singular; use whitening_eps > 0 or more calibration data")
-    root = values.sqrt()
-    return (vectors * root) @ vectors.T, (vectors / root) @ vectors.T
-
-
-def whitening_pair(covariance, d_in: int, eps: float | None = None):
-    """``((S_q, S_q^-1), (S_k, S_k^-1))`` from one (d_in, d_in) covariance (both sides) or a (query, key) pair."""
-    pair = covariance if isinstance(covariance, (tuple, list)) else (covariance, covariance)
-    if len(pair) != 2 or any(c.shape != (d_in, d_in) for c in pair):
-        raise ValueError(f"covariance must be a ({d_in}, {d_in}) tensor or a (query, key) pair of them")
-    for c in pair:
-        if not torch.isfinite(c).all():
-            raise ValueError("the input covariance contains NaN or Inf")
-    query = whitening_matrices(pair[0], eps)
-    key = query if pair[1] is pair[0] else whitening_matrices(pair[1], eps)
-    return query, key
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,48 +208,6 @@ def calibration_from_texts(
     calibration = collect_calibration(model, batches(), keys=keys, eps=eps)
     calibration.metadata.update(texts=len(texts), max_length=max_length)
     return calibration
-
-
-def load_texts(source: str | Path, limit: int | None = 512, seed: int = 0) -> list[str | tuple[str, str]]:
-    """Calibration texts from a file: a ``.tsv`` of the GLUE layout (``<glue_dir>/<Task>/{train,dev}.tsv``: the
-    task's text fields, one text or sentence pair per row) or any other text file (one text per non-empty line).
-    With more than ``limit`` texts, a sample of ``limit`` drawn with ``seed`` (in file order)."""
-    path = Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"calibration text file {path} not found")
-    if path.suffix == ".tsv":
-        split = {"train.tsv": "train", "dev.tsv": "validation"}.get(path.name)
-        if split is None:
-            raise ValueError(f"{path}: expected a GLUE train.tsv or dev.tsv")
-        return task_texts(path.parent.name, path.parent.parent, split, limit=limit, seed=seed)
-    with path.open(encoding="utf-8") as handle:
-        texts = [line.strip() for line in handle if line.strip()]
-    if not texts:
-        raise ValueError(f"{path} holds no texts")
-    return _sample(texts, limit, seed)
-
-
-def task_texts(
-    task, glue_dir: str | Path | None, split: str = "train", *, limit: int | None = 512, seed: int = 0
-) -> list[str | tuple[str, str]]:
-    """A GLUE task's texts (one text or sentence pair per example) from ``glue_dir`` (None: the Hub), sampled as
-    in ``load_texts``."""
-    from collab_attn.glue import get_task, load_glue  # glue pulls in datasets: only when needed
-
-    task = get_task(task)
-    data = load_glue(task, glue_dir, splits=[split])[split]
-    columns = [data[f] for f in task.text_fields]
-    texts = list(columns[0]) if len(columns) == 1 else list(zip(*columns))
-    if not texts:
-        raise ValueError(f"the {task.name} {split} split holds no texts")
-    return _sample(texts, limit, seed)
-
-
-def _sample(texts: list, limit: int | None, seed: int) -> list:
-    if limit is not None and len(texts) > limit:
-        keep = np.sort(np.random.RandomState(seed).choice(len(texts), limit, replace=False))
-        texts = [texts[i] for i in keep]
-    return texts
 
 
 # ---------------------------------------------------------------------------------------------------------------

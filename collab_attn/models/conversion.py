@@ -7,8 +7,8 @@ the original scale ``1/sqrt(head_dim)``. At rank = heads x head_dim the weights 
 the conversion is exact and no decomposition runs.
 
 Options beyond the paper: the implicit solver (``solver="implicit"``, default; ``"tensorly"`` is the paper's dense
-one), activation-aware fitting (``calibration=``, see ``collab_attn.calibration``) and per-layer ranks chosen under
-a global budget (``rank="params:0.35"``, ``"mean:128"``, ``"energy:0.8"``; see ``collab_attn.rank_selection``).
+one), activation-aware fitting (``calibration=``, see ``collab_attn.models.calibration``) and per-layer ranks chosen under
+a global budget (``rank="params:0.35"``, ``"mean:128"``, ``"energy:0.8"``; see ``collab_attn.decomposition.rank_selection``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from collab_attn.attention import CollaborativeAttention
-from collab_attn.calibration import Calibration, whitening_pair
-from collab_attn.cp_als import HeadProducts
-from collab_attn.decompose import METHODS, SOLVERS, decompose_heads
-from collab_attn.hf import (
+from collab_attn.decomposition.cp_als import HeadProducts
+from collab_attn.decomposition.decompose import METHODS, SOLVERS, decompose_heads
+from collab_attn.decomposition.rank_selection import RankBudget, RankSelection, is_budget, select_ranks
+from collab_attn.decomposition.whitening import whitening_pair
+from collab_attn.models.calibration import Calibration
+from collab_attn.models.hf import (
     CollaborativeSelfAttention,
     Family,
     attention_modules,
@@ -34,7 +35,7 @@ from collab_attn.hf import (
     install_collaborative_layers,
     is_collaborative,
 )
-from collab_attn.rank_selection import RankBudget, RankSelection, is_budget, select_ranks
+from collab_attn.nn.attention import CollaborativeAttention
 
 
 @dataclass
@@ -235,7 +236,7 @@ def reparametrize(
     """Convert every self-attention layer of a BERT, RoBERTa, DistilBERT or ALBERT model in place.
 
     ``rank`` is the shared key/query size D~: one number, one per attention layer (ALBERT's shared layers
-    count once), or a global budget from which per-layer ranks are chosen (``collab_attn.rank_selection``):
+    count once), or a global budget from which per-layer ranks are chosen (``collab_attn.decomposition.rank_selection``):
 
     - ``"params:F"``: at most ``F`` times the original query/key parameters, over all layers together;
     - ``"mean:R"``: as many query/key parameters as rank ``R`` everywhere, spread where they fit best;
@@ -245,7 +246,7 @@ def reparametrize(
     ``method`` is ``"cp"`` (mixing vectors, the paper's method) or ``"tucker"`` (mixing matrices from a core of
     ``tucker_core_size`` slices, default: heads). ``solver``: ``"implicit"`` (ALS on the projections, fast) or
     ``"tensorly"`` (dense, the paper's); ``init``, ``n_iter_max``, ``tol`` and ``seed`` go to ``decompose_heads``.
-    ``calibration``: input statistics of this model's attention layers (``collab_attn.calibration``) for
+    ``calibration``: input statistics of this model's attention layers (``collab_attn.models.calibration``) for
     activation-aware fitting; the report then also gives each layer's whitened error.
 
     The model is only changed once every layer has been decomposed, so an error leaves it as it was. Returns a
@@ -269,7 +270,7 @@ def reparametrize(
         raise ValueError("tucker_core_size only applies to method='tucker'")
     if calibration is not None:
         if not isinstance(calibration, Calibration):
-            raise ValueError(f"calibration must be a collab_attn.calibration.Calibration, got {type(calibration)}")
+            raise ValueError(f"calibration must be a collab_attn.models.calibration.Calibration, got {type(calibration)}")
         calibration.check_matches([name for name, _ in found], getattr(found[0][1], family.query).in_features)
 
     weights = []

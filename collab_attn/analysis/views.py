@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModel
 
-from collab_attn.checkpoints import load_model_and_tokenizer, resolve_model
-from collab_attn.hf import family_of, is_collaborative
-from collab_attn.reparam import ReparamReport, reparametrize
+from collab_attn.models.checkpoints import load_model_and_tokenizer, resolve_model
+from collab_attn.models.conversion import ReparamReport, reparametrize
+from collab_attn.models.hf import family_of, is_collaborative
 
 CAUSAL_FAMILIES = ("bert", "roberta")
 _REQUIRE_JS = re.compile(r'<script src="[^"]*require[^"]*"></script>')

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from collab_attn.cp_als import HeadProducts, cp_als, tucker_hooi
+from collab_attn.decomposition.cp_als import HeadProducts, cp_als, tucker_hooi
 
 BUDGET_KINDS = ("params", "mean", "energy")
 

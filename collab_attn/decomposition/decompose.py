@@ -5,7 +5,7 @@ decomposition ``T[h] ~= Q diag(m_h) K^T`` gives collaborative attention with sha
 key ``K`` and mixing vectors ``m_h``. Tucker with ranks (core_size, R, R) gives ``T[h] ~= Q M_h K^T`` with
 ``M_h = sum_g A[h, g] G[g]``: full mixing matrices built from a small core ``G``.
 
-Two solvers: ``"implicit"`` (default; ``collab_attn.cp_als``) runs ALS / HOOI on the per-head projections and never
+Two solvers: ``"implicit"`` (default; ``cp_als``) runs ALS / HOOI on the per-head projections and never
 forms the tensor; ``"tensorly"`` forms the dense tensor and calls tensorly's ``parafac`` / ``tucker`` on its
 PyTorch backend, scoped to each call (the global backend is left alone). From the same initialization both follow
 the same iterations; the paper's settings are ``solver="tensorly", init="random", n_iter_max=100``.
@@ -13,7 +13,7 @@ the same iterations; the paper's settings are ``solver="tensorly", init="random"
 Activation-aware fitting (``covariance=``): with ``S = (C + eps I)^{1/2}`` for the second-moment matrix ``C`` of
 the layer's inputs, the products are decomposed as ``S Wq_h^T Wk_h S`` (the projections ``Wq_h S``, ``Wk_h S``)
 and mapped back with ``S^{-1}``, so that the fit weights directions by how much the inputs use them: the error is
-then the expected error of the attention logits ``x^T Wq_h^T Wk_h y`` (see ``collab_attn.calibration``).
+then the expected error of the attention logits ``x^T Wq_h^T Wk_h y`` (see ``collab_attn.models.calibration``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import tensorly as tl
 import torch
 from tensorly.decomposition import parafac, tucker
 
-from collab_attn.calibration import whitening_pair
-from collab_attn.cp_als import HeadProducts, cp_als, cp_relative_error, tucker_hooi, tucker_relative_error
+from collab_attn.decomposition.cp_als import HeadProducts, cp_als, cp_relative_error, tucker_hooi, tucker_relative_error
+from collab_attn.decomposition.whitening import whitening_pair
 
 METHODS = ("cp", "tucker")
 SOLVERS = ("implicit", "tensorly")
@@ -106,13 +106,13 @@ def decompose_heads(
     ``tol`` (stop once the relative error changes by less than ``tol`` between iterations) mean the same for both
     solvers. For Tucker, ``tucker_core_size`` (default: heads) is the size of the head mode of the core.
 
-    ``solver``: ``"implicit"`` (ALS from the projections, see ``collab_attn.cp_als``; its large products run in
+    ``solver``: ``"implicit"`` (ALS from the projections, see ``cp_als``; its large products run in
     float32, the rest in float64) or ``"tensorly"`` (dense tensor, tensorly). ``linesearch`` (CP only): extrapolate
     the factors as tensorly's line search does; None means on for ``"implicit"``, off for ``"tensorly"`` (its
     default, the paper's setting).
 
     ``covariance``: activation-aware fitting. The (d_in, d_in) second moment ``E[x x^T]`` of the layer's inputs,
-    or a (query side, key side) pair; see ``collab_attn.calibration``. ``whitening_eps`` regularizes it (a
+    or a (query side, key side) pair; see ``collab_attn.models.calibration``. ``whitening_eps`` regularizes it (a
     fraction of its mean eigenvalue; default ``calibration.DEFAULT_EPS``). ``relative_error`` stays the error of
     the raw products; ``weighted_error`` is the error of the whitened ones.
 

@@ -217,6 +217,6 @@ def table(
         f"Parameters per layer, concatenated vs collaborative ({method}) at shared key/query size D~:",
         parameters_table(d_model, num_heads, ranks, num_layers, bias, method, tucker_core_size),
         f"FLOPs per token per layer at sequence length {seq_len} (multiply-add = 2 FLOPs; softmax, biases and "
-        "masks not counted; see `collab_attn.accounting.attention_flops_per_token`):",
+        "masks not counted; see `collab_attn.analysis.accounting.attention_flops_per_token`):",
         flops_table(d_model, num_heads, ranks, seq_len, bias, method),
     ])

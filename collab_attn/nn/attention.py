@@ -7,6 +7,10 @@ keeps a mixing vector ``m_h``; it scores ``(X Wq~ diag(m_h) Wk~^T Y^T + 1 (Y c_h
 ``c_h`` is the content bias (what the query bias of head ``h`` becomes). With ``tucker_core_size`` set, each head
 mixes with a full ``rank x rank`` matrix ``M_h = sum_g mixing[h, g] core[g]`` instead of ``diag(m_h)``.
 
+``MultiHeadAttention`` is the one concatenated-heads class: its query/key head size may be smaller than its value
+head size (``query_key_head_dim``: SVD-truncated heads, small-key models trained from scratch) and it may carry the
+same content bias instead of query/key biases (``content_bias=True``).
+
 Both modules take the same inputs: ``query_states`` (batch, tgt, d_model), optional ``key_value_states``
 (batch, src, kv_dim) for cross-attention, an ``attention_mask`` and ``is_causal``; they return
 ``(output, weights)`` where ``weights`` is (batch, heads, tgt, src) when ``need_weights=True``, else ``None``.
@@ -140,6 +144,15 @@ class _Attention(nn.Module):
         values = self.value(keys_from).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
         return keys_from, bias, values
 
+    def _with_content_bias(self, keys_from: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """Add the content bias logits ``scale * c_h . y_s`` (one offset per head and key, (B, H, 1, S)) to ``bias``.
+
+        ``bq_h . Wk_h y_s`` does not depend on the query, so the query bias of head ``h`` is exactly this term."""
+        if self.content_bias is None:
+            return bias
+        content = self.content_bias(keys_from).transpose(1, 2)[:, :, None, :] * self.scale
+        return content if bias is None else bias + content
+
     def _finish(self, context: torch.Tensor) -> torch.Tensor:
         return context if self.output is None else self.output(context)
 
@@ -150,8 +163,13 @@ class _Attention(nn.Module):
 class MultiHeadAttention(_Attention):
     """Standard multi-head attention with concatenated heads.
 
-    Its parameter count is ``4 d_model^2 (+ 4 d_model biases)`` whatever ``num_heads`` is, since each head is
-    ``d_model / num_heads`` wide.
+    With the defaults its parameter count is ``4 d_model^2 (+ 4 d_model biases)`` whatever ``num_heads`` is, since
+    each head is ``d_model / num_heads`` wide. ``query_key_head_dim`` makes each head's queries and keys narrower
+    than its values (``head_dim``); the logits are scaled by ``logit_scale``, by default
+    ``1 / sqrt(query_key_head_dim)`` (Vaswani et al.'s ``1 / sqrt(d_k)``). ``content_bias=True`` replaces the
+    query/key biases by one content bias vector per head (what a conversion turns the query bias into; the key bias
+    never changes a softmax row); ``query_key_bias`` (default: ``bias and not content_bias``) sets the query/key
+    biases alone.
     """
 
     def __init__(
@@ -160,14 +178,25 @@ class MultiHeadAttention(_Attention):
         num_heads: int,
         *,
         head_dim: int | None = None,
+        query_key_head_dim: int | None = None,
         kv_dim: int | None = None,
         dropout: float = 0.0,
         bias: bool = True,
+        query_key_bias: bool | None = None,
+        content_bias: bool = False,
+        logit_scale: float | None = None,
         output_projection: bool = True,
     ):
         super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
-        self.query = nn.Linear(d_model, num_heads * self.head_dim, bias=bias)
-        self.key = nn.Linear(self.kv_dim, num_heads * self.head_dim, bias=bias)
+        query_key_head_dim = self.head_dim if query_key_head_dim is None else query_key_head_dim
+        if not isinstance(query_key_head_dim, int) or query_key_head_dim <= 0:
+            raise ValueError(f"query_key_head_dim must be a positive integer, got {query_key_head_dim!r}")
+        query_key_bias = (bias and not content_bias) if query_key_bias is None else query_key_bias
+        self.query_key_head_dim = query_key_head_dim
+        self.scale = 1.0 / math.sqrt(query_key_head_dim) if logit_scale is None else logit_scale
+        self.query = nn.Linear(d_model, num_heads * query_key_head_dim, bias=query_key_bias)
+        self.key = nn.Linear(self.kv_dim, num_heads * query_key_head_dim, bias=query_key_bias)
+        self.content_bias = nn.Linear(self.kv_dim, num_heads, bias=False) if content_bias else None
 
     def forward(
         self,
@@ -178,8 +207,10 @@ class MultiHeadAttention(_Attention):
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         keys_from, bias, values = self._inputs(query_states, key_value_states, attention_mask, is_causal)
-        queries = self.query(query_states).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        keys = self.key(keys_from).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        shape = (self.num_heads, self.query_key_head_dim)
+        queries = self.query(query_states).unflatten(-1, shape).transpose(1, 2)
+        keys = self.key(keys_from).unflatten(-1, shape).transpose(1, 2)
+        bias = self._with_content_bias(keys_from, bias)
         context, weights = attend(queries, keys, values, bias, self.scale, self._dropout(), need_weights)
         return self._finish(context), weights
 
@@ -302,10 +333,7 @@ class CollaborativeAttention(_Attention):
         else:
             queries = torch.einsum("btr,hrs->bhts", shared_queries, self.mixing_matrices() * self.scale)
         keys = self.key(keys_from)  # (B, S, rank): one key per position, shared by all heads
-        if self.content_bias is not None:
-            # bq_h . Wk_h y_s does not depend on the query: one logit offset per head and key, (B, H, 1, S)
-            content = self.content_bias(keys_from).transpose(1, 2)[:, :, None, :] * self.scale
-            bias = content if bias is None else bias + content
+        bias = self._with_content_bias(keys_from, bias)
         if self.use_fused(need_weights, keys.shape[1], keys.device.type):
             # The fused kernel wants queries, keys and values of one width: zero columns change no dot product.
             width = max(rank, self.head_dim)

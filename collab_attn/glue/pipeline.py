@@ -25,16 +25,17 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-from collab_attn import glue
-from collab_attn.baselines import BASELINES, check_rank, head_importance, prune_heads, truncate_heads
-from collab_attn.calibration import calibration_from_texts, load_texts, task_texts
-from collab_attn.checkpoints import resolve_model
-from collab_attn.decompose import METHODS
+from collab_attn.decomposition.decompose import METHODS
+from collab_attn.decomposition.rank_selection import RankBudget
 from collab_attn.files import exclusive_lock, write_text_atomic
-from collab_attn.hf import CollaborativeSelfAttention, attention_modules, family_of
-from collab_attn.rank_selection import RankBudget
-from collab_attn.reparam import ReparamReport, per_layer_ranks, reparametrize
-from collab_attn.tracking import make_tracker
+from collab_attn.glue import tasks as glue
+from collab_attn.glue.tracking import make_tracker
+from collab_attn.models.baselines import BASELINES, check_rank, head_importance, prune_heads, truncate_heads
+from collab_attn.models.calibration import calibration_from_texts
+from collab_attn.models.checkpoints import resolve_model
+from collab_attn.models.conversion import ReparamReport, per_layer_ranks, reparametrize
+from collab_attn.models.hf import CollaborativeSelfAttention, attention_modules, family_of
+from collab_attn.training import train, training_args
 
 log = logging.getLogger(__name__)
 
@@ -228,90 +229,13 @@ def load_data(task: glue.GlueTask, data_cfg: dict, tokenizer):
     return glue.tokenize_glue(raw, tokenizer, task, data_cfg["max_seq_length"])
 
 
-def _training_args(
-    output_dir: Path, seed: int, recipe: dict, checkpoint_every: int | None = None
-) -> transformers.TrainingArguments:
-    recipe = {k: v for k, v in recipe.items() if k != "enabled"}
-    # Two checkpoints are kept so that one interrupted while being written leaves the previous one whole.
-    saving = (
-        {"save_strategy": "steps", "save_steps": checkpoint_every, "save_total_limit": 2}
-        if checkpoint_every else {"save_strategy": "no"}
-    )
-    return transformers.TrainingArguments(
-        output_dir=str(output_dir), seed=seed, report_to=[], eval_strategy="no", dataloader_num_workers=0,
-        dataloader_pin_memory=torch.cuda.is_available(), **saving, **recipe,
-    )
-
-
-def last_complete_checkpoint(folder: Path) -> Path | None:
-    """The latest ``checkpoint-<step>`` in ``folder`` whose trainer state was written (the Trainer writes it
-    last), or None."""
-    steps = {}
-    for path in folder.glob("checkpoint-*"):
-        step = path.name.removeprefix("checkpoint-")
-        if step.isdigit() and (path / "trainer_state.json").is_file():
-            steps[int(step)] = path
-    return steps[max(steps)] if steps else None
-
-
-class _TrainingClock(transformers.TrainerCallback, transformers.trainer_callback.ExportableState):
-    """Seconds spent training, saved in every checkpoint's trainer state so that a resumed run adds its own
-    time to that of the runs before it."""
-
-    def __init__(self, earlier: float = 0.0):
-        self.earlier = earlier
-        self.started = time.perf_counter()
-
-    def seconds(self) -> float:
-        return self.earlier + time.perf_counter() - self.started
-
-    def state(self) -> dict:
-        return {"args": {"earlier": self.seconds()}, "attributes": {}}
-
-    @classmethod
-    def resuming(cls, checkpoint: Path | None) -> _TrainingClock:
-        """A clock that starts from the seconds recorded in ``checkpoint`` (zero without one, or where a checkpoint
-        written before the clock existed has none)."""
-        if checkpoint is None:
-            return cls()
-        saved = transformers.TrainerState.load_from_json(str(checkpoint / "trainer_state.json")).stateful_callbacks
-        return cls(**saved.get(cls.__name__, {}).get("args", {}))
-
-
-@dataclasses.dataclass
-class TrainingRun:
-    seconds: float  # training time, interrupted runs that this one resumed included
-    resumed_seconds: float  # the part of ``seconds`` spent by those earlier runs
-    history: list[dict]
-
-
-def train(
-    model, data, tokenizer, recipe: dict, seed: int, checkpoints: Path, checkpoint_every: int | None = None
-) -> TrainingRun:
-    """Train on the task's training split with ``recipe`` (TrainingArguments fields). With ``checkpoint_every``,
-    weights, optimizer, scheduler and RNG states are saved to ``checkpoints`` every that many steps, and a call
-    that finds a checkpoint there continues from it (the Trainer's resumption: the same batches and dropout as an
-    uninterrupted run). ``checkpoints`` is removed at the end."""
-    resume = last_complete_checkpoint(checkpoints) if checkpoint_every else None
-    clock = _TrainingClock.resuming(resume)
-    trainer = transformers.Trainer(
-        model=model, args=_training_args(checkpoints, seed, recipe, checkpoint_every), train_dataset=data["train"],
-        data_collator=transformers.DataCollatorWithPadding(tokenizer), callbacks=[clock],
-    )
-    if resume is not None:
-        log.info("resuming training from %s (%.0f s of training before)", resume, clock.earlier)
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    shutil.rmtree(checkpoints, ignore_errors=True)
-    return TrainingRun(clock.seconds(), clock.earlier, trainer.state.log_history)
-
-
 @torch.no_grad()
 def evaluate(
     model, data, tokenizer, task: glue.GlueTask, batch_size: int, scratch: Path, splits=None
 ) -> dict[str, float]:
     """GLUE metrics on ``splits`` (default: every evaluation split); splits after the first are prefixed (MNLI
     mismatched)."""
-    args = _training_args(scratch, 0, {"per_device_eval_batch_size": batch_size})
+    args = training_args(scratch, 0, {"per_device_eval_batch_size": batch_size})
     collator = transformers.DataCollatorWithPadding(tokenizer)
     trainer = transformers.Trainer(model=model, args=args, data_collator=collator)
     metrics = {}
@@ -344,8 +268,8 @@ def finetuned_checkpoint(settings, task, path, data, tokenizer) -> tuple[Path, f
         else:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
         run = train(
-            model, data, tokenizer, settings["trainer"], settings["seed"], checkpoints_dir(settings, "finetuned"),
-            settings["checkpoint_every"],
+            model, data["train"], transformers.DataCollatorWithPadding(tokenizer), settings["trainer"],
+            settings["seed"], checkpoints_dir(settings, "finetuned"), settings["checkpoint_every"],
         )
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
         model.save_pretrained(tmp)
@@ -406,9 +330,9 @@ def calibrate(model, tokenizer, collab: dict, task: glue.GlueTask, glue_dir, see
     if not source or _keeps_full_size(collab_rank(collab), model.config.hidden_size):
         return None
     if source == "task":
-        texts = task_texts(task, glue_dir, "train", limit=limit, seed=seed)
+        texts = glue.task_texts(task, glue_dir, "train", limit=limit, seed=seed)
     else:
-        texts = load_texts(source, limit=limit, seed=seed)
+        texts = glue.load_texts(source, limit=limit, seed=seed)
     return calibration_from_texts(model, tokenizer, texts, max_length=collab.get("calibration_max_length", 128))
 
 
@@ -476,8 +400,8 @@ def run_job(settings: dict) -> list[dict]:
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
                 run = train(
-                    model, data, tokenizer, refit, settings["seed"], checkpoints_dir(settings, stage),
-                    settings["checkpoint_every"],
+                    model, data["train"], transformers.DataCollatorWithPadding(tokenizer), refit, settings["seed"],
+                    checkpoints_dir(settings, stage), settings["checkpoint_every"],
                 )
                 history, resumed = run.history, run.resumed_seconds
             metrics = (

@@ -21,7 +21,7 @@ from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 
-from collab_attn.attention import CollaborativeAttention
+from collab_attn.nn.attention import CollaborativeAttention
 
 COLLAB_PREFIX = "collab_attn_"
 

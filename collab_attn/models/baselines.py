@@ -32,10 +32,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from collab_attn.attention import CollaborativeAttention, attend
-from collab_attn.hf import CollaborativeSelfAttention, Family, attention_modules, family_of, replace_module
-from collab_attn.rank_selection import query_key_params
-from collab_attn.reparam import (
+from collab_attn.decomposition.rank_selection import query_key_params
+from collab_attn.models.conversion import (
     LayerReport,
     ReparamReport,
     _count,
@@ -44,6 +42,8 @@ from collab_attn.reparam import (
     _query_key_count,
     per_layer_ranks,
 )
+from collab_attn.models.hf import CollaborativeSelfAttention, Family, attention_modules, family_of, replace_module
+from collab_attn.nn.attention import CollaborativeAttention, attend
 
 BASELINES = ("svd", "prune")
 

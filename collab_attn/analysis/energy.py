@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from collab_attn.decompose import head_products
-from collab_attn.hf import attention_modules, family_of
+from collab_attn.decomposition.decompose import head_products
+from collab_attn.models.hf import attention_modules, family_of
 
 KINDS = ("query", "key", "products")
 

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from collab_attn.files import replacing, write_text_atomic  # noqa: E402
-from collab_attn.glue import get_task  # noqa: E402
+from collab_attn.glue.tasks import get_task  # noqa: E402
 
 TASK_COLUMNS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
 STAGE_ORDER = {"finetuned": 0, "reparam": 1, "refit": 2}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from collab_attn.hf import AUTO_CLASSES
+from collab_attn.models.hf import AUTO_CLASSES
 
 ALIASES = ("minilm",)
 WEIGHT_FILES = (

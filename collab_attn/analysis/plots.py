@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from collab_attn.decompose import head_products
-from collab_attn.hf import CollaborativeSelfAttention, attention_modules, family_of
-from collab_attn.views import AttentionMaps
+from collab_attn.analysis.views import AttentionMaps
+from collab_attn.decomposition.decompose import head_products
+from collab_attn.models.hf import CollaborativeSelfAttention, attention_modules, family_of
 
 
 def collaborative_layers(model) -> list[CollaborativeSelfAttention]:

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from collab_attn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask, attend
 from collab_attn.files import replacing, write_text_atomic
+from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask, attend
 
 ATTENTION_KINDS = ("concat", "collab")
 POOLINGS = ("mean", "cls")
@@ -272,7 +272,7 @@ def load_task(
     max_eval_samples: int | None = None,
 ) -> tuple[EncodedSplit, EncodedSplit]:
     """Train and dev splits of a GLUE classification task, tokenized (first ``max_*_samples`` rows if given)."""
-    from collab_attn.glue import get_task, load_glue
+    from collab_attn.glue.tasks import get_task, load_glue
 
     info = get_task(task)
     if info.is_regression:
@@ -492,8 +492,8 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
     """
     from transformers import AutoTokenizer
 
-    from collab_attn.checkpoints import resolve_model
-    from collab_attn.glue import get_task
+    from collab_attn.glue.tasks import get_task
+    from collab_attn.models.checkpoints import resolve_model
 
     model_settings = settings["model"]
     keys = key_sizes_for(model_settings["d_model"], settings.get("key_sizes"))

@@ -1,0 +1,1 @@
+"""Looking inside: energy spectra, parameter / FLOP accounting, attention views (BertViz), plots."""

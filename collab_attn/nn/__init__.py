@@ -1,0 +1,5 @@
+"""Attention modules as plain torch: concatenated and collaborative heads, masks. No transformers here."""
+
+from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask
+
+__all__ = ["CollaborativeAttention", "MultiHeadAttention", "additive_mask"]
