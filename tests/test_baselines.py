@@ -1,4 +1,5 @@
-"""Matched-budget baselines: SVD-truncated concatenated heads and head pruning by importance (Michel et al.)."""
+"""Matched-budget baselines through ``reparametrize``: SVD-truncated concatenated heads (``method="svd"``) and head
+pruning by importance (``method="prune"``, Michel et al.)."""
 
 import copy
 from pathlib import Path
@@ -12,17 +13,22 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from transformers import AutoModel, AutoModelForSequenceClassification
 
+from collab_attn import reparametrize
 from collab_attn.decomposition.rank_selection import query_key_params
+from collab_attn.decomposition.truncation import truncate_head_products
 from collab_attn.glue import pipeline
-from collab_attn.models.baselines import (
-    TruncatedSelfAttention,
-    head_gates,
-    head_importance,
-    heads_to_keep,
-    prune_heads,
-    truncate_head_products,
-    truncate_heads,
-)
+from collab_attn.models.hf import attention_parameters
+from collab_attn.models.importance import head_gates, head_importance
+from collab_attn.models.layers import ConcatenatedSelfAttention
+from collab_attn.models.methods import heads_to_keep
+
+
+def truncate_heads(model, rank):
+    return reparametrize(model, rank, method="svd", progress=False)
+
+
+def prune_heads(model, rank, scores):
+    return reparametrize(model, rank, method="prune", importance=scores, progress=False)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 D, HEADS, HEAD_DIM, LAYERS = 384, 12, 32, 6
@@ -54,7 +60,8 @@ def test_svd_at_full_head_size_reproduces_minilm(minilm_path, real_batch, implem
     model = copy.deepcopy(original)
     report = truncate_heads(model, HEADS * HEAD_DIM)
     assert report.method == "svd" and report.mean_relative_error < 1e-6
-    assert all(isinstance(m, TruncatedSelfAttention) for m in model.modules() if hasattr(m, "mixing"))
+    layers = [m for m in model.modules() if isinstance(m, ConcatenatedSelfAttention)]
+    assert len(layers) == LAYERS and all(layer.query_key_head_dim == HEAD_DIM for layer in layers)
     expected = hidden(original, real_batch)
     assert on_tokens(hidden(model, real_batch), expected, real_batch) < 1e-4
     # the explicit-weights path gives the same outputs and proper attention maps
@@ -72,7 +79,7 @@ def test_svd_truncation_error_and_parameter_count(minilm, real_batch):
     # query/key parameters: heads x k per side, no biases, plus one content bias per head
     per_layer = 2 * D * rank + HEADS * D
     assert [layer.query_key_params_after for layer in report.layers] == [per_layer] * LAYERS
-    assert pipeline.attention_parameters(model)["query_key_params"] == LAYERS * per_layer
+    assert attention_parameters(model)["query_key_params"] == LAYERS * per_layer
     assert per_layer == query_key_params(rank, D, HEADS) - HEADS * rank  # collaborative minus its mixing
 
     # the error is the analytic SVD truncation error of each head product
@@ -100,7 +107,7 @@ def test_svd_rejects_a_rank_that_heads_do_not_divide(minilm):
         truncate_heads(model, 100)
     with pytest.raises(ValueError, match=r"\[1, 384\]"):
         truncate_heads(model, 396)
-    assert not any(isinstance(m, TruncatedSelfAttention) for m in model.modules())
+    assert not any(isinstance(m, ConcatenatedSelfAttention) for m in model.modules())
 
 
 @pytest.mark.parametrize("family", ["bert", "distilbert", "albert"])
@@ -114,7 +121,7 @@ def test_baselines_on_every_family(family):
     model = copy.deepcopy(original)
     scores = [torch.tensor([0.1, 0.9, 0.5, 0.3])] * (1 if family == "albert" else 2)  # ALBERT shares its layer
     report = prune_heads(model, 12, scores)
-    gates = [torch.zeros(4).index_fill_(0, torch.tensor(kept), 1.0) for kept in report.kept_heads]
+    gates = [torch.zeros(4).index_fill_(0, torch.tensor(kept), 1.0) for kept in report.details["kept_heads"]]
     with head_gates(original, gates):
         expected = hidden(original, batch)
     assert on_tokens(hidden(model, batch), expected, batch) < 1e-5
@@ -133,13 +140,13 @@ def test_pruned_model_matches_the_gated_model(minilm_path, real_batch, implement
     report = prune_heads(model, 96, scores)
 
     budget = LAYERS * query_key_params(96, D, HEADS)
-    kept = sum(len(heads) for heads in report.kept_heads)
-    assert kept == budget // PER_HEAD == 19 and all(report.kept_heads)
-    assert pipeline.attention_parameters(model)["query_key_params"] == kept * PER_HEAD <= budget
-    assert [layer.rank for layer in report.layers] == [len(h) * HEAD_DIM for h in report.kept_heads]
+    kept = sum(len(heads) for heads in report.details["kept_heads"])
+    assert kept == budget // PER_HEAD == 19 and all(report.details["kept_heads"])
+    assert attention_parameters(model)["query_key_params"] == kept * PER_HEAD <= budget
+    assert [layer.rank for layer in report.layers] == [len(h) * HEAD_DIM for h in report.details["kept_heads"]]
     assert 0 < report.mean_relative_error < 1
 
-    gates = [torch.zeros(HEADS).index_fill_(0, torch.tensor(heads), 1.0) for heads in report.kept_heads]
+    gates = [torch.zeros(HEADS).index_fill_(0, torch.tensor(heads), 1.0) for heads in report.details["kept_heads"]]
     with head_gates(original, gates):
         expected = hidden(original, real_batch)
     assert on_tokens(hidden(model, real_batch), expected, real_batch) < 1e-5

@@ -8,11 +8,12 @@ import datasets
 import pytest
 import torch
 import transformers
+from conftest import random_batch, small_config
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
 from collab_attn import reparametrize
-from collab_attn.models.hf import CollaborativeSelfAttention
+from collab_attn.models.layers import CollaborativeSelfAttention
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +117,39 @@ def test_a_collaborative_model_can_be_built_from_a_config():
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="needs config.collab_ranks"):
         AutoModel.from_config(collab_attn.models.hf.CollabBertConfig(hidden_size=32, num_attention_heads=4))
+
+
+METHOD_OPTIONS = {
+    "cp": {"rank": 16, "n_iter_max": 3},
+    "tucker": {"rank": 16, "n_iter_max": 3},
+    "svd": {"rank": 16},
+    "prune": {"rank": 12},
+}
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert"])
+@pytest.mark.parametrize("method", list(METHOD_OPTIONS))
+def test_every_method_saves_and_loads_with_identical_outputs(tmp_path, family, method):
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(small_config(family, num_labels=3)).eval()
+    options = dict(METHOD_OPTIONS[method])
+    if method == "prune":  # one score per head and layer (ALBERT shares one layer)
+        options["importance"] = [torch.tensor([0.1, 0.9, 0.5, 0.3])] * (1 if family == "albert" else 2)
+    report = reparametrize(model, method=method, progress=False, **options)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+
+    assert type(loaded).__name__.startswith("Collab") and loaded.config.collab_method == method
+    assert loaded.config.collab_ranks == [layer.rank for layer in report.layers]
+    assert model.state_dict().keys() == loaded.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    batch = random_batch()
+    with torch.no_grad():
+        expected, got = model(**batch, output_attentions=True), loaded(**batch, output_attentions=True)
+    assert torch.equal(got.logits, expected.logits)
+    heads = loaded.config.collab_heads or [4] * len(report.layers)
+    assert [a.shape[1] for a in got.attentions][: len(heads)] == heads[: len(got.attentions)]
+    if method == "prune":
+        assert report.model_params_after < report.model_params_before
+        assert loaded.config.collab_heads == [len(kept) for kept in report.details["kept_heads"]]

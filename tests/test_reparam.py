@@ -8,7 +8,7 @@ from transformers import AutoModel
 
 import collab_attn
 from collab_attn import reparametrize
-from collab_attn.models.hf import CollaborativeSelfAttention
+from collab_attn.models.layers import CollaborativeSelfAttention
 
 
 def hidden(model, batch, **kwargs):
@@ -191,8 +191,12 @@ def test_unsupported_architecture_names_the_supported_ones():
 
 def test_unknown_method_and_double_conversion_are_refused():
     model = small_model("bert")
-    with pytest.raises(ValueError, match="unknown method 'svd'"):
-        reparametrize(model, rank=8, method="svd")
+    with pytest.raises(ValueError, match="unknown method 'svdd'"):
+        reparametrize(model, rank=8, method="svdd")
+    with pytest.raises(ValueError, match="solver='tensorly' does not apply to method='svd'"):
+        reparametrize(model, rank=8, method="svd", solver="tensorly")
+    with pytest.raises(ValueError, match="method='prune' needs importance="):
+        reparametrize(model, rank=8, method="prune")
     reparametrize(model, rank=8, n_iter_max=2, progress=False)
     with pytest.raises(ValueError, match="already collaborative"):
         reparametrize(model, rank=8)

@@ -68,6 +68,15 @@ class HeadDecomposition:
         return torch.einsum("ir,hrs,js->hij", self.shared_query, self.mixing_matrices(), self.shared_key)
 
 
+def check_finite(where: str = "", **tensors: torch.Tensor | None) -> None:
+    """Raise a ValueError naming the first of ``tensors`` (name=tensor, None skipped) holding NaN or Inf."""
+    for name, tensor in tensors.items():
+        if tensor is not None and not torch.isfinite(tensor).all():
+            prefix = f"{where}: " if where else ""
+            raise ValueError(f"{prefix}the {name.replace('_', ' ')} weights contain NaN or Inf; fix or retrain the "
+                             "checkpoint first")
+
+
 def head_products(w_query: torch.Tensor, w_key: torch.Tensor) -> torch.Tensor:
     """Stack ``Wq_h^T Wk_h`` over heads: (heads, head_dim, d_in) x 2 -> (heads, d_in, d_in)."""
     return torch.einsum("hai,haj->hij", w_query, w_key)
@@ -127,8 +136,7 @@ def decompose_heads(
             "w_query and w_key must both be (heads, head_dim, d_in), got "
             f"{tuple(w_query.shape)} and {tuple(w_key.shape)}"
         )
-    if not (torch.isfinite(w_query).all() and torch.isfinite(w_key).all()):
-        raise ValueError("the query/key weights contain NaN or Inf; fix or retrain the checkpoint first")
+    check_finite(query=w_query, key=w_key)
     heads, head_dim, d_in = w_query.shape
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 < rank <= d_in:
         raise ValueError(f"rank must be an integer in [1, d_in={d_in}], got {rank!r}")

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from collab_attn.decomposition.whitening import DEFAULT_EPS
-from collab_attn.models.hf import attention_modules, family_of, is_collaborative
+from collab_attn.models.hf import find_attention, is_collaborative
 
 KEY_STATISTICS = ("centered", "raw")
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
@@ -98,10 +98,7 @@ class _Accumulator:
     """Forward pre-hooks that add up ``x x^T`` (raw and sequence-centered) for every attention layer."""
 
     def __init__(self, model: nn.Module):
-        family = family_of(model.config)
-        self.found = attention_modules(model, family)
-        if not self.found:
-            raise ValueError(f"found no {family.attention_class.__name__} modules in {type(model).__name__}")
+        _, self.found = find_attention(model)
         self.mask: torch.Tensor | None = None
         self.raw: list[torch.Tensor | None] = [None] * len(self.found)
         self.centered: list[torch.Tensor | None] = [None] * len(self.found)
@@ -217,8 +214,7 @@ def calibration_from_texts(
 @torch.no_grad()
 def attention_inputs(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """The hidden states entering each self-attention layer for one batch: a list of (batch, seq, d_in)."""
-    family = family_of(model.config)
-    found = attention_modules(model, family)
+    _, found = find_attention(model)
     captured: list[torch.Tensor] = []
     handles = [
         module.register_forward_pre_hook(

@@ -1,222 +1,171 @@
-"""Model surgery: turn the self-attention layers of a pretrained BERT-family model into collaborative ones.
+"""Model surgery: one conversion path for every method. ``reparametrize`` validates, plans, then applies.
 
-For each layer the query/key weights of every head are decomposed (``decompose_heads``) into shared projections
-and mixings; the query bias becomes the content bias ``c_h = Wk_h^T bq_h`` (exact), the key bias is dropped (it
-only shifts each softmax row by a constant), values and the output projection are copied, and the logits keep
-the original scale ``1/sqrt(head_dim)``. At rank = heads x head_dim the weights are copied with block mixing, so
-the conversion is exact and no decomposition runs.
+1. Validate (once, for every method): the method is registered, the model is a supported family that is not
+   converted yet and has attention modules, the ranks (or budget) are in range, the options are the method's own,
+   and the query/key weights are finite.
+2. Plan: the method's planner (``collab_attn.models.methods``) turns every layer's query/key weights into a
+   ``LayerPlan``; nothing is changed yet, so an error leaves the model as it was.
+3. Apply: ``install_layers`` replaces each attention module by an empty converted one (collaborative for ``cp`` and
+   ``tucker``, concatenated heads for ``svd`` and ``prune``) and records the layout in the config, then the layers
+   are filled: the planned query/key side, the values and output projection of the kept heads, ALBERT's LayerNorm.
 
-Options beyond the paper: the implicit solver (``solver="implicit"``, default; ``"tensorly"`` is the paper's dense
-one), activation-aware fitting (``calibration=``, see ``collab_attn.models.calibration``) and per-layer ranks chosen under
-a global budget (``rank="params:0.35"``, ``"mean:128"``, ``"energy:0.8"``; see ``collab_attn.decomposition.rank_selection``).
+The converted model saves with ``save_pretrained`` and loads back with the Auto classes after ``import
+collab_attn`` (``collab_attn.models.hf``), whatever the method.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from collab_attn.decomposition.cp_als import HeadProducts
-from collab_attn.decomposition.decompose import METHODS, SOLVERS, decompose_heads
-from collab_attn.decomposition.rank_selection import RankBudget, RankSelection, is_budget, select_ranks
-from collab_attn.decomposition.whitening import whitening_pair
+from collab_attn.decomposition.decompose import check_finite
+from collab_attn.decomposition.rank_selection import RankBudget, is_budget
+from collab_attn.models import methods  # noqa: F401  (registers the methods)
 from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
-    CollaborativeSelfAttention,
     Family,
-    attention_modules,
-    family_of,
-    install_collaborative_layers,
+    InstalledLayer,
+    find_attention,
+    install_layers,
     is_collaborative,
+    query_key_count,
 )
-from collab_attn.nn.attention import CollaborativeAttention
+from collab_attn.models.plan import METHODS, OPTIONS, LayerPlan, LayerWeights, Plan, Request, per_layer_ranks
+from collab_attn.models.report import LayerReport, ReparamReport
 
-
-@dataclass
-class LayerReport:
-    name: str
-    rank: int
-    relative_error: float
-    seconds: float
-    params_before: int
-    params_after: int
-    query_key_params_before: int
-    query_key_params_after: int
-    # activation-aware fits: relative error of the whitened products (RMS relative logit error); else None
-    weighted_error: float | None = None
-
-
-@dataclass
-class ReparamReport:
-    method: str
-    layers: list[LayerReport] = field(default_factory=list)
-    model_params_before: int = 0
-    model_params_after: int = 0
-    solver: str = "implicit"
-    calibration: dict | None = None  # Calibration.summary() when activation-aware
-    rank_selection: RankSelection | None = None  # when the ranks came from a budget
-
-    @property
-    def mean_relative_error(self) -> float:
-        return sum(layer.relative_error for layer in self.layers) / len(self.layers)
-
-    @property
-    def seconds(self) -> float:
-        return sum(layer.seconds for layer in self.layers)
-
-    @property
-    def attention_params_before(self) -> int:
-        return sum(layer.params_before for layer in self.layers)
-
-    @property
-    def attention_params_after(self) -> int:
-        return sum(layer.params_after for layer in self.layers)
-
-    def to_dict(self) -> dict:
-        return {
-            "method": self.method,
-            "solver": self.solver,
-            "mean_relative_error": self.mean_relative_error,
-            "seconds": self.seconds,
-            "attention_params_before": self.attention_params_before,
-            "attention_params_after": self.attention_params_after,
-            "model_params_before": self.model_params_before,
-            "model_params_after": self.model_params_after,
-            "layers": [asdict(layer) for layer in self.layers],
-        } | ({} if self.calibration is None else {"calibration": self.calibration}) | (
-            {} if self.rank_selection is None else {"rank_selection": self.rank_selection.to_dict()}
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def table(self) -> str:
-        """A per-layer Markdown table with a total row (and a whitened-error column for activation-aware fits)."""
-        weighted = self.calibration is not None
-        rows = [
-            "| layer | rank | rel. error |" + (" whitened error |" if weighted else "")
-            + " seconds | attn params before | after | q/k params before | after |",
-            "|---|---:|---:|" + ("---:|" if weighted else "") + "---:|---:|---:|---:|---:|",
-        ]
-        for layer in self.layers:
-            extra = f" {layer.weighted_error:.4f} |" if weighted and layer.weighted_error is not None else (
-                " 0.0000 |" if weighted else ""
-            )
-            rows.append(
-                f"| {layer.name} | {layer.rank} | {layer.relative_error:.4f} |{extra} {layer.seconds:.2f} | "
-                f"{layer.params_before:,} | {layer.params_after:,} | {layer.query_key_params_before:,} | "
-                f"{layer.query_key_params_after:,} |"
-            )
-        mean_weighted = ""
-        if weighted:
-            values = [layer.weighted_error or 0.0 for layer in self.layers]
-            mean_weighted = f" {sum(values) / len(values):.4f} (mean) |"
-        rows.append(
-            f"| total | | {self.mean_relative_error:.4f} (mean) |{mean_weighted} {self.seconds:.2f} | "
-            f"{self.attention_params_before:,} | {self.attention_params_after:,} | "
-            f"{sum(x.query_key_params_before for x in self.layers):,} | "
-            f"{sum(x.query_key_params_after for x in self.layers):,} |"
-        )
-        return "\n".join(rows)
-
-
-def per_layer_ranks(rank: int | Sequence[int], num_layers: int, full_rank: int) -> list[int]:
-    if isinstance(rank, int):
-        ranks = [rank] * num_layers
-    elif isinstance(rank, Sequence) and not isinstance(rank, str):
-        ranks = list(rank)
-    else:
-        raise ValueError(f"rank must be an integer or a list of integers (one per attention layer), got {rank!r}")
-    if len(ranks) != num_layers:
-        raise ValueError(f"got {len(ranks)} ranks but the model has {num_layers} attention layers")
-    for layer, value in enumerate(ranks):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= full_rank:
-            raise ValueError(
-                f"rank {value!r} for layer {layer} is invalid: it must be an integer in [1, {full_rank}] "
-                f"(heads x head_dim; {full_rank} is exact)"
-            )
-    return ranks
-
-
-def _head_weights(module: nn.Module, family: Family):
-    """(heads, head_dim, d_in) query and key weights and the (heads, head_dim) query bias of one layer."""
-    heads, head_dim = family.num_heads(module), module.attention_head_size
-    query, key = getattr(module, family.query), getattr(module, family.key)
-    w_query = query.weight.detach().float().cpu().view(heads, head_dim, -1)
-    w_key = key.weight.detach().float().cpu().view(heads, head_dim, -1)
-    b_query = None if query.bias is None else query.bias.detach().float().cpu().view(heads, head_dim)
-    return w_query, w_key, b_query
+__all__ = ["METHODS", "ReparamReport", "check_request", "reparametrize"]
 
 
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _query_key_count(module: nn.Module, family: Family) -> int:
-    if isinstance(module, CollaborativeAttention):
-        counts = module.parameter_counts()
-        return sum(counts.get(part, 0) for part in ("query", "key", "mixing", "mixing_core", "content_bias"))
-    return _count(getattr(module, family.query)) + _count(getattr(module, family.key))
+def _layer_weights(name: str, module: nn.Module, family: Family) -> LayerWeights:
+    heads, head_dim = family.num_heads(module), module.attention_head_size
+    query, key = getattr(module, family.query), getattr(module, family.key)
+
+    def rows(tensor: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
+        return None if tensor is None else tensor.detach().float().cpu().view(heads, head_dim, *shape)
+
+    weights = LayerWeights(
+        name, rows(query.weight, -1), rows(key.weight, -1), rows(query.bias), rows(key.bias)
+    )
+    check_finite(name, query=weights.w_query, key=weights.w_key, query_bias=weights.b_query)
+    return weights
+
+
+def _check_ranks(method: str, rank, num_layers: int, full_rank: int) -> tuple[list[int] | None, RankBudget | None]:
+    if is_budget(rank):
+        if not METHODS[method].takes_budgets:
+            raise ValueError(f"method={method!r} takes one rank or one per layer, not a budget ({rank!r})")
+        return None, RankBudget.parse(rank)
+    return per_layer_ranks(rank, num_layers, full_rank), None
+
+
+def _check_options(method: str, options: dict) -> dict:
+    """The method's options (``OPTIONS[method]``: name -> default) with the values given; an option given (not None)
+    that the method does not take is refused."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {tuple(METHODS)}")
+    accepted = OPTIONS[method]
+    for name, value in options.items():
+        if value is not None and name not in accepted:
+            takes = ", ".join(accepted) or "none besides rank and seed"
+            raise ValueError(f"{name}={value!r} does not apply to method={method!r} (its options: {takes})")
+    return {name: default if options.get(name) is None else options[name] for name, default in accepted.items()}
+
+
+def check_request(config, method: str, rank, tucker_core_size: int | None = None) -> None:
+    """Check, before any training, that a model with this transformers ``config`` converts with ``method`` at
+    ``rank`` (family, rank range, a budget's syntax, the method's own rank rule); raises a ValueError that says what
+    to change. Builds the model's skeleton on the meta device: no weights are read."""
+    from transformers import AutoModel
+
+    _check_options(method, {"tucker_core_size": tucker_core_size})
+    if is_collaborative(config):
+        raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
+    with torch.device("meta"):
+        skeleton = AutoModel.from_config(config)
+    family, found = find_attention(skeleton)
+    heads, head_dim = family.num_heads(found[0][1]), found[0][1].attention_head_size
+    ranks, _ = _check_ranks(method, rank, len(found), heads * head_dim)
+    if method == "svd":
+        methods.check_svd_ranks(ranks, heads)
+
+
+def _plan(model: nn.Module, rank, method: str, seed: int, options: dict, calibration, progress: bool):
+    if is_collaborative(model.config):
+        raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
+    options = _check_options(method, options)
+    family, found = find_attention(model)
+    heads, head_dim = family.num_heads(found[0][1]), found[0][1].attention_head_size
+    ranks, budget = _check_ranks(method, rank, len(found), heads * head_dim)
+    if calibration is not None:
+        if not isinstance(calibration, Calibration):
+            raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")
+        calibration.check_matches([name for name, _ in found], getattr(found[0][1], family.query).in_features)
+    request = Request(
+        [_layer_weights(name, module, family) for name, module in found], ranks, budget, seed, options,
+        calibration, [query_key_count(module, family) for _, module in found], progress,
+    )
+    return family, found, METHODS[method](request)
 
 
 @torch.no_grad()
-def _fill(layer: CollaborativeSelfAttention, old: nn.Module, family: Family, factors: dict) -> None:
-    """Copy the decomposed query/key factors and the unchanged value/output weights into ``layer``."""
+def _fill(entry: InstalledLayer, planned: LayerPlan, family: Family) -> None:
+    """Copy the planned query/key side and the kept heads' values and output projection into the new layer."""
+    layer, old = entry.new, entry.old
 
     def put(param: torch.Tensor, value: torch.Tensor) -> None:
         if param.shape != value.shape:
             raise RuntimeError(f"shape mismatch while copying weights: {tuple(param.shape)} vs {tuple(value.shape)}")
         param.copy_(value.to(param.dtype))
 
-    put(layer.query.weight, factors["shared_query"].T)
-    put(layer.key.weight, factors["shared_key"].T)
-    put(layer.mixing, factors["mixing"])
-    if layer.mixing_core is not None:
-        put(layer.mixing_core, factors["core"])
-    if layer.content_bias is not None:
-        put(layer.content_bias.weight, factors["content_bias"])
-    layer.value.load_state_dict(getattr(old, family.value).state_dict())
+    for name in ("query", "key"):
+        put(getattr(layer, name).weight, getattr(planned, name))
+        if getattr(planned, f"{name}_bias") is not None:
+            put(getattr(layer, name).bias, getattr(planned, f"{name}_bias"))
+    for name in ("mixing", "core"):
+        if getattr(planned, name) is not None:
+            put(layer.mixing if name == "mixing" else layer.mixing_core, getattr(planned, name))
+    if planned.content_bias is not None:
+        put(layer.content_bias.weight, planned.content_bias)
+    head_dim = old.attention_head_size
+    index = None if planned.kept_heads is None else torch.tensor(
+        [h * head_dim + i for h in planned.kept_heads for i in range(head_dim)]
+    )
+    value = getattr(old, family.value)
+    put(layer.value.weight, value.weight if index is None else value.weight[index])
+    if value.bias is not None:
+        put(layer.value.bias, value.bias if index is None else value.bias[index])
     if family.output is not None:
-        layer.output.load_state_dict(getattr(old, family.output).state_dict())
+        source, target = getattr(old, family.output), layer.output
+    else:  # beside the attention module; replaced only where heads were removed
+        source, target = entry.old_outer_output, entry.new_outer_output
+    if target is not None:
+        put(target.weight, source.weight if index is None else source.weight[:, index])
+        if source.bias is not None:
+            put(target.bias, source.bias)
     if layer.LayerNorm is not None:
         layer.LayerNorm.load_state_dict(old.LayerNorm.state_dict())
 
 
-def _exact_factors(w_query, w_key, tucker_core_size):
-    """Full rank: keep every head's projections and give head h the indicator of its own block."""
-    heads, head_dim, _ = w_query.shape
-    blocks = torch.eye(heads).repeat_interleave(head_dim, dim=1)  # (heads, heads * head_dim)
-    factors = {"shared_query": w_query.flatten(0, 1).T, "shared_key": w_key.flatten(0, 1).T}
-    if tucker_core_size is None:
-        factors["mixing"] = blocks
-    else:
-        if tucker_core_size != heads:
-            raise ValueError(f"an exact Tucker conversion needs tucker_core_size = heads ({heads})")
-        factors["mixing"], factors["core"] = torch.eye(heads), torch.diag_embed(blocks)
-    return factors, 0.0
-
-
-def _select(weights, covariances, eps, budget, found, family, full_rank, method, core_size, seed) -> RankSelection:
-    """Per-layer ranks under ``budget`` from the (whitened, with a calibration) head products of every layer."""
-    tensors = []
-    for (w_query, w_key, _), covariance in zip(weights, covariances):
-        tensor = HeadProducts(w_query, w_key)
-        if covariance is not None:
-            (s_query, _), (s_key, _) = whitening_pair(covariance, tensor.d_in, eps)
-            tensor = HeadProducts(tensor.a @ s_query, tensor.b @ s_key)
-        tensors.append(tensor)
-    bias = getattr(found[0][1], family.query).bias is not None
-    original = [_query_key_count(module, family) for _, module in found]
-    return select_ranks(
-        tensors, budget, full_rank=full_rank, method=method, core_size=core_size, bias=bias,
-        original_params=original, seed=seed,
-    )
+def _apply(model: nn.Module, family: Family, found, plan: Plan, method: str) -> ReparamReport:
+    before = {name: (_count(module), query_key_count(module, family)) for name, module in found}
+    report = ReparamReport(method=method, model_params_before=_count(model), solver=plan.solver)
+    report.calibration = plan.details.pop("calibration", None)
+    report.rank_selection = plan.details.pop("rank_selection", None)
+    report.details = plan.details
+    for entry, planned, rank in zip(install_layers(model, plan.layout), plan.layers, plan.layout.ranks):
+        _fill(entry, planned, family)
+        report.layers.append(LayerReport(
+            entry.name, rank, planned.relative_error, planned.seconds, *before[entry.name][:1], _count(entry.new),
+            before[entry.name][1], query_key_count(entry.new, family), planned.weighted_error,
+        ))
+    report.model_params_after = _count(model)
+    return report
 
 
 def reparametrize(
@@ -225,106 +174,40 @@ def reparametrize(
     method: str = "cp",
     seed: int = 0,
     *,
-    solver: str = "implicit",
-    init: str = "svd",
-    n_iter_max: int = 100,
-    tol: float = 1e-8,
+    solver: str | None = None,
+    init: str | None = None,
+    n_iter_max: int | None = None,
+    tol: float | None = None,
     tucker_core_size: int | None = None,
     calibration: Calibration | None = None,
+    importance=None,
     progress: bool = True,
 ) -> ReparamReport:
-    """Convert every self-attention layer of a BERT, RoBERTa, DistilBERT or ALBERT model in place.
+    """Convert every self-attention layer of a BERT, RoBERTa, DistilBERT or ALBERT model (any head class) in place.
 
-    ``rank`` is the shared key/query size D~: one number, one per attention layer (ALBERT's shared layers
-    count once), or a global budget from which per-layer ranks are chosen (``collab_attn.decomposition.rank_selection``):
+    ``rank`` is the shared key/query size D~: one number, one per attention layer (ALBERT's shared layers count
+    once), or for ``cp`` and ``tucker`` a global budget from which per-layer ranks are chosen
+    (``collab_attn.decomposition.rank_selection``): ``"params:F"``, ``"mean:R"``, ``"energy:E"`` or a ``RankBudget``.
 
-    - ``"params:F"``: at most ``F`` times the original query/key parameters, over all layers together;
-    - ``"mean:R"``: as many query/key parameters as rank ``R`` everywhere, spread where they fit best;
-    - ``"energy:E"``: per layer, the smallest rank keeping a fraction ``E`` of the head products' energy;
-    - or a ``RankBudget`` (same kinds, plus the rank ``step`` and ``min_rank``).
+    ``method``:
 
-    ``method`` is ``"cp"`` (mixing vectors, the paper's method) or ``"tucker"`` (mixing matrices from a core of
-    ``tucker_core_size`` slices, default: heads). ``solver``: ``"implicit"`` (ALS on the projections, fast) or
-    ``"tensorly"`` (dense, the paper's); ``init``, ``n_iter_max``, ``tol`` and ``seed`` go to ``decompose_heads``.
-    ``calibration``: input statistics of this model's attention layers (``collab_attn.models.calibration``) for
-    activation-aware fitting; the report then also gives each layer's whitened error.
+    - ``"cp"`` (mixing vectors, the paper's method) or ``"tucker"`` (mixing matrices from a core of
+      ``tucker_core_size`` slices, default: heads). ``solver``: ``"implicit"`` (ALS on the projections, the
+      default) or ``"tensorly"`` (dense, the paper's); ``init`` (default ``"svd"``), ``n_iter_max`` (100), ``tol``
+      (1e-8) and ``seed`` go to ``decompose_heads``. ``calibration``: input statistics of this model's attention
+      layers (``collab_attn.models.calibration``) for activation-aware fitting; the report then also gives each
+      layer's whitened error.
+    - ``"svd"``: SVD-truncated concatenated heads of query/key size ``rank / heads`` (a multiple of the heads).
+    - ``"prune"``: head pruning within collaborative attention's query/key parameters at ``rank``;
+      ``importance``: a ``HeadImportance`` (``collab_attn.models.importance.head_importance`` on task data) or one
+      score tensor per layer.
 
-    The model is only changed once every layer has been decomposed, so an error leaves it as it was. Returns a
-    per-layer report.
+    An option the method does not take raises. The model is changed only once every layer has been planned, so an
+    error leaves it as it was. Returns a per-layer report.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
-    if is_collaborative(model.config):
-        raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
-    family = family_of(model.config)
-    found = attention_modules(model, family)
-    if not found:
-        raise ValueError(f"found no {family.attention_class.__name__} modules in {type(model).__name__}")
-    heads, head_dim = family.num_heads(found[0][1]), found[0][1].attention_head_size
-    budget = RankBudget.parse(rank) if is_budget(rank) else None
-    ranks = None if budget is not None else per_layer_ranks(rank, len(found), heads * head_dim)
-    core_size = heads if method == "tucker" and tucker_core_size is None else tucker_core_size
-    if method == "cp" and tucker_core_size is not None:
-        raise ValueError("tucker_core_size only applies to method='tucker'")
-    if calibration is not None:
-        if not isinstance(calibration, Calibration):
-            raise ValueError(f"calibration must be a collab_attn.models.calibration.Calibration, got {type(calibration)}")
-        calibration.check_matches([name for name, _ in found], getattr(found[0][1], family.query).in_features)
-
-    weights = []
-    for name, module in found:
-        w_query, w_key, b_query = _head_weights(module, family)
-        for tensor_name, tensor in (("query", w_query), ("key", w_key), ("query bias", b_query)):
-            if tensor is not None and not torch.isfinite(tensor).all():
-                raise ValueError(f"{name}: the {tensor_name} weights contain NaN or Inf; fix the checkpoint first")
-        weights.append((w_query, w_key, b_query))
-
-    report = ReparamReport(
-        method=method, model_params_before=_count(model), solver=solver,
-        calibration=None if calibration is None else calibration.summary(),
-    )
-    covariances = [None] * len(found) if calibration is None else [calibration.covariance(i) for i in range(len(found))]
-    eps = None if calibration is None else calibration.eps
-    if budget is not None:
-        report.rank_selection = _select(
-            weights, covariances, eps, budget, found, family, heads * head_dim, method, core_size, seed
-        )
-        ranks = report.rank_selection.ranks
-    factors_per_layer = []
-    layers = tqdm(weights, desc=f"reparametrize ({method}, rank {rank})", disable=not progress)
-    for (w_query, w_key, b_query), layer_rank, covariance in zip(layers, ranks, covariances):
-        start = time.perf_counter()
-        weighted = None
-        if layer_rank == heads * head_dim:
-            factors, error = _exact_factors(w_query, w_key, core_size)
-            weighted = None if calibration is None else 0.0
-        else:
-            decomposition = decompose_heads(
-                w_query, w_key, layer_rank, method, seed, solver=solver, init=init, n_iter_max=n_iter_max, tol=tol,
-                tucker_core_size=core_size, covariance=covariance, whitening_eps=eps,
-            )
-            factors = {
-                "shared_query": decomposition.shared_query, "shared_key": decomposition.shared_key,
-                "mixing": decomposition.mixing, "core": decomposition.core,
-            }
-            error, weighted = decomposition.relative_error, decomposition.weighted_error
-        if b_query is not None:
-            factors["content_bias"] = torch.einsum("hai,ha->hi", w_key, b_query)
-        factors_per_layer.append((factors, error, weighted, time.perf_counter() - start))
-
-    old_counts = {name: (_count(module), _query_key_count(module, family)) for name, module in found}
-    for (name, old, new), (factors, error, weighted, seconds), layer_rank in zip(
-        install_collaborative_layers(model, ranks, core_size), factors_per_layer, ranks
-    ):
-        _fill(new, old, family, factors)
-        report.layers.append(
-            LayerReport(
-                name, layer_rank, error, seconds, old_counts[name][0], _count(new), old_counts[name][1],
-                _query_key_count(new, family), weighted,
-            )
-        )
-    report.model_params_after = _count(model)
-    return report
-
+    options = {"solver": solver, "init": init, "n_iter_max": n_iter_max, "tol": tol,
+               "tucker_core_size": tucker_core_size, "importance": importance}
+    if calibration is not None and method not in ("cp", "tucker"):
+        raise ValueError(f"calibration does not apply to method={method!r}: only cp and tucker fit the logits")
+    family, found, plan = _plan(model, rank, method, seed, options, calibration, progress)
+    return _apply(model, family, found, plan, method)

@@ -1,15 +1,19 @@
-"""Hugging Face integration: collaborative BERT-family models that save, load and run like any other.
+"""Hugging Face integration: converted BERT-family models that save, load and run like any other.
 
 For each supported family (BERT, RoBERTa, DistilBERT, ALBERT) this module defines a config class with its own
 ``model_type`` (``collab_attn_bert``, ...) and one model class per head class of that family (``CollabBertModel``,
 ``CollabBertForSequenceClassification``, ...), each a subclass of the transformers class it mirrors whose
-self-attention modules are ``CollaborativeSelfAttention``. Importing ``collab_attn`` registers them with the Auto
-classes, so ``AutoModel*.from_pretrained`` loads a converted checkpoint. Without ``collab_attn`` the Auto classes
-refuse the unknown ``collab_attn_*`` model type instead of building a different model.
+self-attention modules are converted layers (``collab_attn.models.layers``). The config records the conversion
+method (``collab_method``) and the per-layer sizes (``collab_ranks``: query/key size per layer; ``collab_heads``:
+heads per layer where pruning removed some; ``collab_tucker_core_size``), from which the model class rebuilds the
+layers. Importing ``collab_attn`` registers them with the Auto classes, so ``AutoModel*.from_pretrained`` loads a
+converted checkpoint of any method. Without ``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*``
+model type instead of building a different model.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,61 +25,10 @@ from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 
+from collab_attn.models.layers import CollaborativeSelfAttention, ConcatenatedSelfAttention, ConvertedSelfAttention
 from collab_attn.nn.attention import CollaborativeAttention
 
 COLLAB_PREFIX = "collab_attn_"
-
-
-class CollaborativeSelfAttention(CollaborativeAttention):
-    """``CollaborativeAttention`` behind the call contract of a transformers 5.x self-attention module.
-
-    It takes ``(hidden_states, attention_mask, **kwargs)`` and returns ``(output, attention_weights)``, with weights
-    only when ``output_attentions=True`` is passed down. ``residual_norm_eps`` adds ALBERT's dropout, residual
-    connection and LayerNorm, which live inside ALBERT's attention module.
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        rank: int,
-        *,
-        head_dim: int,
-        dropout: float,
-        bias: bool,
-        output_projection: bool,
-        tucker_core_size: int | None = None,
-        is_causal: bool = False,
-        residual_norm_eps: float | None = None,
-        hidden_dropout: float = 0.0,
-    ):
-        super().__init__(
-            d_model, num_heads, rank, head_dim=head_dim, dropout=dropout, bias=bias,
-            output_projection=output_projection, tucker_core_size=tucker_core_size,
-            mixing_init="concatenate" if rank % num_heads == 0 else "ones",
-        )
-        self.is_causal = is_causal
-        if residual_norm_eps is None:
-            self.output_dropout = self.LayerNorm = None
-        else:
-            self.output_dropout = nn.Dropout(hidden_dropout)
-            self.LayerNorm = nn.LayerNorm(d_model, eps=residual_norm_eps)
-
-    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, past_key_values=None, **kwargs):
-        if encoder_hidden_states is not None or past_key_values is not None:
-            raise NotImplementedError(
-                "collaborative self-attention does not use encoder_hidden_states or a key/value cache; "
-                "run the model with use_cache=False"
-            )
-        output, weights = super().forward(
-            hidden_states,
-            attention_mask=attention_mask,
-            is_causal=self.is_causal and attention_mask is None,
-            need_weights=bool(kwargs.get("output_attentions", False)),
-        )
-        if self.LayerNorm is not None:
-            output = self.LayerNorm(hidden_states + self.output_dropout(output))
-        return output, weights
 
 
 @dataclass(frozen=True)
@@ -99,22 +52,40 @@ class Family:
     def num_heads(self, module: nn.Module) -> int:
         return getattr(module, "num_attention_heads", None) or module.n_heads
 
-    def build_layer(self, module: nn.Module, rank: int, tucker_core_size: int | None) -> CollaborativeSelfAttention:
-        """An empty collaborative layer shaped to replace ``module`` (same device and dtype)."""
+    def bias(self, module: nn.Module) -> bool:
+        return getattr(module, self.query).bias is not None
+
+    def output_projection(self, model: nn.Module, name: str) -> nn.Linear:
+        """The linear map that reads layer ``name``'s concatenated head outputs: inside the attention module
+        (DistilBERT, ALBERT) or beside it (BERT, RoBERTa: ``<attention>.output.dense``)."""
+        return model.get_submodule(self.output_projection_name(name))
+
+    def output_projection_name(self, name: str) -> str:
+        return f"{name}.{self.output}" if self.output is not None else f"{name.rpartition('.')[0]}.output.dense"
+
+    def build_layer(self, module: nn.Module, spec: LayerSpec) -> ConvertedSelfAttention:
+        """An empty converted layer shaped by ``spec`` to replace ``module`` (same device and dtype)."""
         query = getattr(module, self.query)
-        layer = CollaborativeSelfAttention(
-            query.in_features,
-            self.num_heads(module),
-            rank,
+        common = dict(
             head_dim=module.attention_head_size,
             dropout=getattr(module, self.dropout).p,
-            bias=query.bias is not None,
+            bias=self.bias(module),
             output_projection=self.output is not None,
-            tucker_core_size=tucker_core_size,
             is_causal=bool(getattr(module, "is_causal", False)),
             residual_norm_eps=module.LayerNorm.eps if self.has_residual_norm else None,
             hidden_dropout=module.output_dropout.p if self.has_residual_norm else 0.0,
         )
+        if spec.collaborative:
+            layer = CollaborativeSelfAttention(
+                query.in_features, spec.num_heads, spec.size, tucker_core_size=spec.core_size, **common
+            )
+        else:
+            layer = ConcatenatedSelfAttention(
+                query.in_features, spec.num_heads, spec.size // spec.num_heads,
+                query_key_bias=common["bias"] and not spec.content_bias,
+                content_bias=common["bias"] and spec.content_bias,
+                logit_scale=1.0 / math.sqrt(module.attention_head_size), **common,
+            )
         return layer.to(device=query.weight.device, dtype=query.weight.dtype)
 
 
@@ -154,6 +125,15 @@ def attention_modules(model: nn.Module, family: Family) -> list[tuple[str, nn.Mo
     return [(name, module) for name, module in model.named_modules() if isinstance(module, family.attention_class)]
 
 
+def find_attention(model: nn.Module) -> tuple[Family, list[tuple[str, nn.Module]]]:
+    """The family of ``model`` and its distinct self-attention modules; a clear error when there are none."""
+    family = family_of(model.config)
+    found = attention_modules(model, family)
+    if not found:
+        raise ValueError(f"found no {family.attention_class.__name__} modules in {type(model).__name__}")
+    return family, found
+
+
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     """Put ``new`` where ``name`` was, in the same train/eval mode and with the forward hooks transformers uses to
     record outputs."""
@@ -165,7 +145,96 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _retag(model: nn.Module, ranks: list[int], tucker_core_size: int | None) -> None:
+# What each conversion method builds: collaborative layers, or concatenated heads whose query bias becomes the
+# content bias (``svd``) or that keep their query/key biases (``prune``).
+COLLABORATIVE_METHODS = ("cp", "tucker")
+CONCATENATED_METHODS = {"svd": {"content_bias": True}, "prune": {"content_bias": False}}
+CONVERSION_METHODS = (*COLLABORATIVE_METHODS, *CONCATENATED_METHODS)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The shape of one converted layer: ``size`` is the query/key width (the rank D~ of collaborative heads, or
+    heads x query/key head size of concatenated ones)."""
+
+    collaborative: bool
+    num_heads: int
+    size: int
+    core_size: int | None = None
+    content_bias: bool = True
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a converted model's config records, and from which its layers are rebuilt."""
+
+    method: str
+    ranks: list[int]
+    heads: list[int] | None = None  # per layer, where pruning changed the head count
+    tucker_core_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in CONVERSION_METHODS:
+            raise ValueError(f"unknown conversion method {self.method!r}; choose one of {CONVERSION_METHODS}")
+
+    def specs(self, default_heads: int) -> list[LayerSpec]:
+        heads = self.heads or [default_heads] * len(self.ranks)
+        if len(heads) != len(self.ranks):
+            raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(heads)} head counts")
+        collaborative = self.method in COLLABORATIVE_METHODS
+        return [
+            LayerSpec(collaborative, h, r, self.tucker_core_size,
+                      CONCATENATED_METHODS.get(self.method, {}).get("content_bias", True))
+            for r, h in zip(self.ranks, heads)
+        ]
+
+    @classmethod
+    def of(cls, config) -> Layout:
+        if not config.collab_ranks:
+            raise ValueError(
+                f"{type(config).__name__} needs config.collab_ranks; convert a model with collab_attn.reparametrize"
+            )
+        return cls(config.collab_method, list(config.collab_ranks), config.collab_heads,
+                   config.collab_tucker_core_size)
+
+
+@dataclass
+class InstalledLayer:
+    """One replaced attention module: its name, the original and the new layer, and the original output projection
+    where the new one (fewer heads) replaced it outside the attention module."""
+
+    name: str
+    old: nn.Module
+    new: ConvertedSelfAttention
+    old_outer_output: nn.Linear | None = None
+    new_outer_output: nn.Linear | None = None
+
+
+def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
+    """Replace every self-attention module by an empty converted one shaped by ``layout`` and retag the model and
+    config as collaborative. A layer with fewer heads also gets a narrower output projection (BERT, RoBERTa: the
+    one beside the attention module)."""
+    family = family_of(model.config)
+    found = attention_modules(model, family)
+    if len(layout.ranks) != len(found):
+        raise ValueError(f"got {len(layout.ranks)} ranks for {len(found)} attention layers")
+    installed = []
+    for (name, module), spec in zip(found, layout.specs(family.num_heads(found[0][1]))):
+        layer = family.build_layer(module, spec)
+        replace_module(model, name, layer)
+        entry = InstalledLayer(name, module, layer)
+        width = spec.num_heads * module.attention_head_size
+        if family.output is None and width != family.num_heads(module) * module.attention_head_size:
+            old = family.output_projection(model, name)
+            new = nn.Linear(width, old.out_features, bias=old.bias is not None).to(old.weight)
+            entry.old_outer_output, entry.new_outer_output = old, new
+            replace_module(model, family.output_projection_name(name), new)
+        installed.append(entry)
+    _retag(model, layout)
+    return installed
+
+
+def _retag(model: nn.Module, layout: Layout) -> None:
     """Turn every transformers model and config inside ``model`` into its collaborative class."""
     from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
@@ -175,34 +244,49 @@ def _retag(model: nn.Module, ranks: list[int], tucker_core_size: int | None) -> 
             if not is_collaborative(config):
                 config.__class__ = _COLLAB_CONFIGS[family_of(config).model_type]
                 vars(config).pop("model_type", None)  # a loaded config may shadow the class's model_type
-            config.collab_ranks = list(ranks)
-            config.collab_tucker_core_size = tucker_core_size
+            config.collab_method = layout.method
+            config.collab_ranks = list(layout.ranks)
+            config.collab_heads = None if layout.heads is None else list(layout.heads)
+            config.collab_tucker_core_size = layout.tucker_core_size
             if type(module) in _COLLAB_MODELS:
                 module.__class__ = _COLLAB_MODELS[type(module)]
                 # transformers keys the output recorders (output_attentions=True) by class
                 _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
-def install_collaborative_layers(model: nn.Module, ranks: list[int], tucker_core_size: int | None = None):
-    """Replace every self-attention module by an empty collaborative one; returns the (name, old, new) triples."""
+QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")
+
+
+def query_key_count(module: nn.Module, family: Family) -> int:
+    """Parameters that form one layer's attention scores: query and key projections with their biases (plain), or
+    those plus mixing, Tucker core and content bias (converted)."""
+    if isinstance(module, ConvertedSelfAttention):
+        counts = module.parameter_counts()
+        return sum(counts.get(part, 0) for part in QUERY_KEY_PARTS)
+    return sum(p.numel() for name in (family.query, family.key) for p in getattr(module, name).parameters())
+
+
+def attention_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameters of the self-attention modules, all of them and the query/key part, plain or converted."""
     family = family_of(model.config)
-    found = attention_modules(model, family)
-    if len(ranks) != len(found):
-        raise ValueError(f"got {len(ranks)} ranks for {len(found)} attention layers")
-    swapped = []
-    for (name, module), rank in zip(found, ranks):
-        layer = family.build_layer(module, rank, tucker_core_size)
-        replace_module(model, name, layer)
-        swapped.append((name, module, layer))
-    _retag(model, ranks, tucker_core_size)
-    return swapped
+    layers = [m for m in model.modules() if isinstance(m, ConvertedSelfAttention)]
+    layers = layers or [module for _, module in attention_modules(model, family)]
+    return {
+        "attention_params": sum(p.numel() for layer in layers for p in layer.parameters()),
+        "query_key_params": sum(query_key_count(layer, family) for layer in layers),
+    }
 
 
 def _collab_config_class(family: Family) -> type:
     namespace = {
-        "__annotations__": {"collab_ranks": list[int] | None, "collab_tucker_core_size": int | None},
+        "__annotations__": {
+            "collab_method": str, "collab_ranks": list[int] | None, "collab_heads": list[int] | None,
+            "collab_tucker_core_size": int | None,
+        },
         "model_type": family.collab_model_type,
+        "collab_method": "cp",
         "collab_ranks": None,
+        "collab_heads": None,
         "collab_tucker_core_size": None,
     }
     name = "Collab" + family.config_class.__name__
@@ -214,11 +298,7 @@ def _collab_config_class(family: Family) -> type:
 def _collab_model_class(base: type, config_class: type) -> type:
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
-        if not config.collab_ranks:
-            raise ValueError(
-                f"{type(self).__name__} needs config.collab_ranks; convert a model with collab_attn.reparametrize"
-            )
-        install_collaborative_layers(self, config.collab_ranks, config.collab_tucker_core_size)
+        install_layers(self, Layout.of(config))
         self.init_weights()  # only the new layers: the others are marked initialized
 
     @torch.no_grad()
@@ -231,12 +311,11 @@ def _collab_model_class(base: type, config_class: type) -> type:
         "__init__": __init__,
         "_init_weights": _init_weights,
         "config_class": config_class,
-        "_can_record_outputs": {**(base._can_record_outputs or {}), "attentions": CollaborativeSelfAttention},
+        "_can_record_outputs": {**(base._can_record_outputs or {}), "attentions": ConvertedSelfAttention},
         "__module__": __name__,
-        "__doc__": f"{base.__name__} with collaborative self-attention (see collab_attn.reparametrize).",
+        "__doc__": f"{base.__name__} with converted self-attention (see collab_attn.reparametrize).",
     }
     return type("Collab" + base.__name__, (base,), namespace)
-
 
 AUTO_CLASSES = [
     getattr(transformers, name)

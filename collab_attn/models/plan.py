@@ -1,0 +1,125 @@
+"""What a conversion plans before it touches the model: per layer, one ``LayerPlan``; the methods that make them.
+
+A method is a planner registered by name (``register_method``): it reads every layer's query/key weights
+(``LayerWeights``) and returns a ``Plan``: the layout the converted model's config records and, per layer, the
+weights of the new query/key side. ``collab_attn.models.conversion`` validates the request, calls the planner and
+applies the plan; the planners themselves live in ``collab_attn.models.methods``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from collab_attn.decomposition.rank_selection import RankBudget
+from collab_attn.models.calibration import Calibration
+from collab_attn.models.hf import Layout
+
+
+@dataclass
+class LayerWeights:
+    """One original layer's query/key side: (heads, head_dim, d_in) weights and (heads, head_dim) biases."""
+
+    name: str
+    w_query: torch.Tensor
+    w_key: torch.Tensor
+    b_query: torch.Tensor | None
+    b_key: torch.Tensor | None
+
+    @property
+    def heads(self) -> int:
+        return self.w_query.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.w_query.shape[1]
+
+    @property
+    def d_in(self) -> int:
+        return self.w_query.shape[2]
+
+    def content_bias(self) -> torch.Tensor | None:
+        """``c_h = Wk_h^T bq_h`` (heads, d_in): the query bias's term ``bq_h . Wk_h y``, exactly."""
+        return None if self.b_query is None else torch.einsum("hai,ha->hi", self.w_key, self.b_query)
+
+
+@dataclass
+class LayerPlan:
+    """The new query/key side of one layer. ``query`` and ``key`` are (size, d_in) ``nn.Linear`` weights: shared
+    projections of width D~ (collaborative, with ``mixing`` and for Tucker ``core``) or the stacked heads
+    (concatenated, ``mixing`` None). ``kept_heads``: the original heads whose values and output columns stay (None:
+    all)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    mixing: torch.Tensor | None = None
+    core: torch.Tensor | None = None
+    content_bias: torch.Tensor | None = None
+    query_bias: torch.Tensor | None = None
+    key_bias: torch.Tensor | None = None
+    kept_heads: list[int] | None = None
+    relative_error: float = 0.0
+    weighted_error: float | None = None  # activation-aware fits: the error of the whitened products
+    seconds: float = 0.0
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    layers: list[LayerPlan]
+    solver: str
+    details: dict = field(default_factory=dict)  # what the report adds for this method (rank selection, kept heads)
+
+
+@dataclass
+class Request:
+    """A validated conversion request: the planner's whole input."""
+
+    weights: list[LayerWeights]
+    ranks: list[int] | None  # per layer; None when a budget chooses them
+    budget: RankBudget | None
+    seed: int
+    options: dict  # the method's own options (solver, init, ... or importance)
+    calibration: Calibration | None
+    original_query_key_params: list[int]
+    progress: bool = True
+
+
+Planner = Callable[[Request], Plan]
+METHODS: dict[str, Planner] = {}
+# Options each method takes besides rank and seed, with their defaults. A method given any other option refuses it.
+OPTIONS: dict[str, dict] = {}
+
+
+def register_method(name: str, options: dict | None = None, budgets: bool = False) -> Callable[[Planner], Planner]:
+    """Register ``planner`` as conversion method ``name``; ``options``: its keyword options and their defaults;
+    ``budgets``: whether it takes a global rank budget (``"mean:128"``) instead of ranks."""
+
+    def decorate(planner: Planner) -> Planner:
+        METHODS[name] = planner
+        OPTIONS[name] = dict(options or {})
+        planner.takes_budgets = budgets
+        return planner
+
+    return decorate
+
+
+def per_layer_ranks(rank: int | Sequence[int], num_layers: int, full_rank: int) -> list[int]:
+    """One rank per layer from an int or a list, each in [1, full_rank]."""
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        ranks = [rank] * num_layers
+    elif isinstance(rank, Sequence) and not isinstance(rank, str):
+        ranks = list(rank)
+    else:
+        raise ValueError(f"rank must be an integer or a list of integers (one per attention layer), got {rank!r}")
+    if len(ranks) != num_layers:
+        raise ValueError(f"got {len(ranks)} ranks but the model has {num_layers} attention layers")
+    for layer, value in enumerate(ranks):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= full_rank:
+            raise ValueError(
+                f"rank {value!r} for layer {layer} is invalid: it must be an integer in [1, {full_rank}] "
+                f"(heads x head_dim; {full_rank} is exact)"
+            )
+    return ranks
