@@ -1,10 +1,12 @@
 """collab-attn: collaborative multi-head attention (Cordonnier, Loukas & Jaggi, 2020).
 
-Importing the package registers the collaborative BERT-family models with the transformers Auto classes.
+Importing the package registers the collaborative BERT-family models and the from-scratch classifier with the
+transformers Auto classes.
 """
 
 from collab_attn.decomposition.decompose import HeadDecomposition, decompose_heads
 from collab_attn.models import hf as _hf  # noqa: F401  (registers the Auto classes)
+from collab_attn.models import scratch as _scratch  # noqa: F401  (registers the from-scratch classifier)
 from collab_attn.models.conversion import ReparamReport, reparametrize
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 

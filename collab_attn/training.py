@@ -20,15 +20,17 @@ log = logging.getLogger(__name__)
 def training_args(
     output_dir: Path, seed: int, recipe: dict, checkpoint_every: int | None = None
 ) -> transformers.TrainingArguments:
+    """TrainingArguments from ``recipe`` (its fields; ``enabled`` is ignored). No evaluation unless the recipe asks
+    for it (``eval_strategy``, ``eval_steps``, ...); checkpoints only with ``checkpoint_every``."""
     recipe = {k: v for k, v in recipe.items() if k != "enabled"}
     # Two checkpoints are kept so that one interrupted while being written leaves the previous one whole.
     saving = (
         {"save_strategy": "steps", "save_steps": checkpoint_every, "save_total_limit": 2}
         if checkpoint_every else {"save_strategy": "no"}
     )
+    defaults = {"eval_strategy": "no", "dataloader_num_workers": 0, "dataloader_pin_memory": torch.cuda.is_available()}
     return transformers.TrainingArguments(
-        output_dir=str(output_dir), seed=seed, report_to=[], eval_strategy="no", dataloader_num_workers=0,
-        dataloader_pin_memory=torch.cuda.is_available(), **saving, **recipe,
+        output_dir=str(output_dir), seed=seed, report_to=[], **{**defaults, **recipe}, **saving
     )
 
 
