@@ -49,8 +49,6 @@ def model_spectra(model: nn.Module) -> list[tuple[str, dict[str, torch.Tensor]]]
     family = family_of(model.config)
     spectra = []
     for name, module in attention_modules(model, family):
-        heads, head_dim = family.num_heads(module), module.attention_head_size
-        w_query = getattr(module, family.query).weight.float().cpu().view(heads, head_dim, -1)
-        w_key = getattr(module, family.key).weight.float().cpu().view(heads, head_dim, -1)
+        w_query, w_key, _, _ = family.head_weights(module)
         spectra.append((name, layer_spectra(w_query, w_key)))
     return spectra

@@ -33,9 +33,7 @@ def _query_key_weights(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     family = family_of(model.config)
     weights = []
     for _, module in attention_modules(model, family):
-        heads, head_dim = family.num_heads(module), module.attention_head_size
-        w_query = getattr(module, family.query).weight.detach().float().cpu().view(heads, head_dim, -1)
-        w_key = getattr(module, family.key).weight.detach().float().cpu().view(heads, head_dim, -1)
+        w_query, w_key, _, _ = family.head_weights(module)
         weights.append((w_query, w_key))
     return weights
 

@@ -27,6 +27,7 @@ from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
     Family,
     InstalledLayer,
+    family_of,
     find_attention,
     install_layers,
     is_collaborative,
@@ -43,15 +44,7 @@ def _count(module: nn.Module) -> int:
 
 
 def _layer_weights(name: str, module: nn.Module, family: Family) -> LayerWeights:
-    heads, head_dim = family.num_heads(module), module.attention_head_size
-    query, key = getattr(module, family.query), getattr(module, family.key)
-
-    def rows(tensor: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
-        return None if tensor is None else tensor.detach().float().cpu().view(heads, head_dim, *shape)
-
-    weights = LayerWeights(
-        name, rows(query.weight, -1), rows(key.weight, -1), rows(query.bias), rows(key.bias)
-    )
+    weights = LayerWeights(name, *family.head_weights(module))
     check_finite(name, query=weights.w_query, key=weights.w_key, query_bias=weights.b_query)
     return weights
 
@@ -86,10 +79,11 @@ def check_request(config, method: str, rank, tucker_core_size: int | None = None
     _check_options(method, {"tucker_core_size": tucker_core_size})
     if is_collaborative(config):
         raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
+    family_of(config)  # refuses unsupported and rotary families with the reason
     with torch.device("meta"):
         skeleton = AutoModel.from_config(config)
     family, found = find_attention(skeleton)
-    heads, head_dim = family.num_heads(found[0][1]), found[0][1].attention_head_size
+    heads, head_dim = family.num_heads(found[0][1]), family.head_dim(found[0][1])
     ranks, _ = _check_ranks(method, rank, len(found), heads * head_dim)
     if method == "svd":
         methods.check_svd_ranks(ranks, heads)
@@ -100,12 +94,12 @@ def _plan(model: nn.Module, rank, method: str, seed: int, options: dict, calibra
         raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
     options = _check_options(method, options)
     family, found = find_attention(model)
-    heads, head_dim = family.num_heads(found[0][1]), found[0][1].attention_head_size
+    heads, head_dim = family.num_heads(found[0][1]), family.head_dim(found[0][1])
     ranks, budget = _check_ranks(method, rank, len(found), heads * head_dim)
     if calibration is not None:
         if not isinstance(calibration, Calibration):
             raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")
-        calibration.check_matches([name for name, _ in found], getattr(found[0][1], family.query).in_features)
+        calibration.check_matches([name for name, _ in found], family.d_in(found[0][1]))
     request = Request(
         [_layer_weights(name, module, family) for name, module in found], ranks, budget, seed, options,
         calibration, [query_key_count(module, family) for _, module in found], progress,
@@ -132,22 +126,23 @@ def _fill(entry: InstalledLayer, planned: LayerPlan, family: Family) -> None:
             put(layer.mixing if name == "mixing" else layer.mixing_core, getattr(planned, name))
     if planned.content_bias is not None:
         put(layer.content_bias.weight, planned.content_bias)
-    head_dim = old.attention_head_size
+    head_dim = family.head_dim(old)
     index = None if planned.kept_heads is None else torch.tensor(
         [h * head_dim + i for h in planned.kept_heads for i in range(head_dim)]
     )
-    value = getattr(old, family.value)
-    put(layer.value.weight, value.weight if index is None else value.weight[index])
-    if value.bias is not None:
-        put(layer.value.bias, value.bias if index is None else value.bias[index])
+    weight, bias = family.projection(old, "value")
+    put(layer.value.weight, weight if index is None else weight[index])
+    if bias is not None:
+        put(layer.value.bias, bias if index is None else bias[index])
     if family.output is not None:
         source, target = getattr(old, family.output), layer.output
     else:  # beside the attention module; replaced only where heads were removed
         source, target = entry.old_outer_output, entry.new_outer_output
     if target is not None:
-        put(target.weight, source.weight if index is None else source.weight[:, index])
-        if source.bias is not None:
-            put(target.bias, source.bias)
+        weight, bias = family.output_weights(source)
+        put(target.weight, weight if index is None else weight[:, index])
+        if bias is not None:
+            put(target.bias, bias)
     if layer.LayerNorm is not None:
         layer.LayerNorm.load_state_dict(old.LayerNorm.state_dict())
 

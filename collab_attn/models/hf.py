@@ -13,125 +13,24 @@ model type instead of building a different model.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import transformers
 from huggingface_hub.dataclasses import strict
 from torch import nn
-from transformers.models.albert.modeling_albert import AlbertAttention
-from transformers.models.bert.modeling_bert import BertSelfAttention
-from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
-from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 
+from collab_attn.models.families import (  # noqa: F401  (re-exported: the HF layer's vocabulary)
+    COLLAB_PREFIX,
+    FAMILIES,
+    Family,
+    attention_modules,
+    family_of,
+    find_attention,
+    is_collaborative,
+)
 from collab_attn.models.layers import CollaborativeSelfAttention, ConcatenatedSelfAttention, ConvertedSelfAttention
 from collab_attn.nn.attention import CollaborativeAttention
-
-COLLAB_PREFIX = "collab_attn_"
-
-
-@dataclass(frozen=True)
-class Family:
-    """Where a model family keeps its self-attention and what its parts are called."""
-
-    model_type: str
-    config_class: type
-    attention_class: type
-    query: str
-    key: str
-    value: str
-    output: str | None  # output projection inside the attention module (DistilBERT, ALBERT)
-    dropout: str
-    has_residual_norm: bool = False  # ALBERT: dropout + residual + LayerNorm inside the attention module
-
-    @property
-    def collab_model_type(self) -> str:
-        return COLLAB_PREFIX + self.model_type
-
-    def num_heads(self, module: nn.Module) -> int:
-        return getattr(module, "num_attention_heads", None) or module.n_heads
-
-    def bias(self, module: nn.Module) -> bool:
-        return getattr(module, self.query).bias is not None
-
-    def output_projection(self, model: nn.Module, name: str) -> nn.Linear:
-        """The linear map that reads layer ``name``'s concatenated head outputs: inside the attention module
-        (DistilBERT, ALBERT) or beside it (BERT, RoBERTa: ``<attention>.output.dense``)."""
-        return model.get_submodule(self.output_projection_name(name))
-
-    def output_projection_name(self, name: str) -> str:
-        return f"{name}.{self.output}" if self.output is not None else f"{name.rpartition('.')[0]}.output.dense"
-
-    def build_layer(self, module: nn.Module, spec: LayerSpec) -> ConvertedSelfAttention:
-        """An empty converted layer shaped by ``spec`` to replace ``module`` (same device and dtype)."""
-        query = getattr(module, self.query)
-        common = dict(
-            head_dim=module.attention_head_size,
-            dropout=getattr(module, self.dropout).p,
-            bias=self.bias(module),
-            output_projection=self.output is not None,
-            is_causal=bool(getattr(module, "is_causal", False)),
-            residual_norm_eps=module.LayerNorm.eps if self.has_residual_norm else None,
-            hidden_dropout=module.output_dropout.p if self.has_residual_norm else 0.0,
-        )
-        if spec.collaborative:
-            layer = CollaborativeSelfAttention(
-                query.in_features, spec.num_heads, spec.size, tucker_core_size=spec.core_size, **common
-            )
-        else:
-            layer = ConcatenatedSelfAttention(
-                query.in_features, spec.num_heads, spec.size // spec.num_heads,
-                query_key_bias=common["bias"] and not spec.content_bias,
-                content_bias=common["bias"] and spec.content_bias,
-                logit_scale=1.0 / math.sqrt(module.attention_head_size), **common,
-            )
-        return layer.to(device=query.weight.device, dtype=query.weight.dtype)
-
-
-FAMILIES: dict[str, Family] = {
-    "bert": Family("bert", transformers.BertConfig, BertSelfAttention, "query", "key", "value", None, "dropout"),
-    "roberta": Family(
-        "roberta", transformers.RobertaConfig, RobertaSelfAttention, "query", "key", "value", None, "dropout"
-    ),
-    "distilbert": Family(
-        "distilbert", transformers.DistilBertConfig, DistilBertSelfAttention, "q_lin", "k_lin", "v_lin", "out_lin",
-        "dropout",
-    ),
-    "albert": Family(
-        "albert", transformers.AlbertConfig, AlbertAttention, "query", "key", "value", "dense", "attention_dropout",
-        has_residual_norm=True,
-    ),
-}
-
-
-def family_of(config) -> Family:
-    """The family of a (plain or collaborative) config; a clear error for anything else."""
-    model_type = config.model_type.removeprefix(COLLAB_PREFIX)
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"unsupported architecture {config.model_type!r}: collab_attn converts the self-attention of "
-            f"{', '.join(FAMILIES)} models"
-        )
-    return FAMILIES[model_type]
-
-
-def is_collaborative(config) -> bool:
-    return config.model_type.startswith(COLLAB_PREFIX)
-
-
-def attention_modules(model: nn.Module, family: Family) -> list[tuple[str, nn.Module]]:
-    """The distinct self-attention modules of ``model`` in layer order (ALBERT's shared layers count once)."""
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, family.attention_class)]
-
-
-def find_attention(model: nn.Module) -> tuple[Family, list[tuple[str, nn.Module]]]:
-    """The family of ``model`` and its distinct self-attention modules; a clear error when there are none."""
-    family = family_of(model.config)
-    found = attention_modules(model, family)
-    if not found:
-        raise ValueError(f"found no {family.attention_class.__name__} modules in {type(model).__name__}")
-    return family, found
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -210,6 +109,33 @@ class InstalledLayer:
     new_outer_output: nn.Linear | None = None
 
 
+def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> ConvertedSelfAttention:
+    """An empty converted layer shaped by ``spec`` to replace ``module`` (same device, dtype and call contract)."""
+    weight, bias = family.projection(module, "query")
+    common = dict(
+        head_dim=family.head_dim(module),
+        dropout=family.dropout_p(module, family.dropout),
+        bias=bias is not None,
+        output_projection=family.output is not None,
+        logit_scale=family.logit_scale(module),
+        is_causal=bool(getattr(module, "is_causal", False)),
+        layer_idx=getattr(module, "layer_idx", None),
+        output_dropout=family.dropout_p(module, family.output_dropout) if family.output_dropout else None,
+        residual_norm_eps=module.LayerNorm.eps if family.has_residual_norm else None,
+    )
+    if spec.collaborative:
+        layer = CollaborativeSelfAttention(
+            weight.shape[1], spec.num_heads, spec.size, tucker_core_size=spec.core_size, **common
+        )
+    else:
+        layer = ConcatenatedSelfAttention(
+            weight.shape[1], spec.num_heads, spec.size // spec.num_heads,
+            query_key_bias=common["bias"] and not spec.content_bias,
+            content_bias=common["bias"] and spec.content_bias, **common,
+        )
+    return layer.to(device=weight.device, dtype=weight.dtype)
+
+
 def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
     """Replace every self-attention module by an empty converted one shaped by ``layout`` and retag the model and
     config as collaborative. A layer with fewer heads also gets a narrower output projection (BERT, RoBERTa: the
@@ -220,12 +146,12 @@ def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
         raise ValueError(f"got {len(layout.ranks)} ranks for {len(found)} attention layers")
     installed = []
     for (name, module), spec in zip(found, layout.specs(family.num_heads(found[0][1]))):
-        layer = family.build_layer(module, spec)
+        layer = build_layer(family, module, spec)
         replace_module(model, name, layer)
         entry = InstalledLayer(name, module, layer)
-        width = spec.num_heads * module.attention_head_size
-        if family.output is None and width != family.num_heads(module) * module.attention_head_size:
+        if family.output is None and spec.num_heads != family.num_heads(module):
             old = family.output_projection(model, name)
+            width = spec.num_heads * family.head_dim(module)
             new = nn.Linear(width, old.out_features, bias=old.bias is not None).to(old.weight)
             entry.old_outer_output, entry.new_outer_output = old, new
             replace_module(model, family.output_projection_name(name), new)
@@ -263,7 +189,8 @@ def query_key_count(module: nn.Module, family: Family) -> int:
     if isinstance(module, ConvertedSelfAttention):
         counts = module.parameter_counts()
         return sum(counts.get(part, 0) for part in QUERY_KEY_PARTS)
-    return sum(p.numel() for name in (family.query, family.key) for p in getattr(module, name).parameters())
+    tensors = [t for part in ("query", "key") for t in family.projection(module, part) if t is not None]
+    return sum(t.numel() for t in tensors)
 
 
 def attention_parameters(model: nn.Module) -> dict[str, int]:

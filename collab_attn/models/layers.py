@@ -3,30 +3,51 @@
 A converted layer is either collaborative (``CollaborativeSelfAttention``: ``cp``, ``tucker``) or concatenated heads
 (``ConcatenatedSelfAttention``: ``svd``, ``prune``). Both take ``(hidden_states, attention_mask, **kwargs)`` and
 return ``(output, attention_weights)``, with weights only when ``output_attentions=True`` is passed down.
-``residual_norm_eps`` adds ALBERT's dropout, residual connection and LayerNorm, which live inside ALBERT's attention
-module. What they cannot do (cross-attention, a key/value cache) raises rather than being ignored.
+``output_dropout`` adds GPT-2's dropout after the output projection, and ``residual_norm_eps`` ALBERT's dropout,
+residual connection and LayerNorm, both inside those families' attention modules.
+
+Key/value cache (decoders): a ``DynamicCache`` (or the self-attention half of an ``EncoderDecoderCache``) holds, per
+layer and token, what ``_pack`` makes of the new keys: for collaborative heads one shared key of width D~ plus one
+content-bias logit per head, ``(batch, 1, tokens, D~ + heads)``, and the per-head values ``(batch, heads, tokens,
+head_dim)``; for concatenated heads each head's key (and content logit). New tokens attend to the cache and
+themselves, with the causal mask aligned to the last query. Every keyword a transformers 5.x model passes down is
+either honoured or refused: nothing is silently ignored.
 """
 
 from __future__ import annotations
 
 from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 
 # Every name under which transformers 5.x hands a self-attention module its key/value cache.
 CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
+# Keywords that would change what attention computes and that these layers do not implement: packed sequences
+# (flash-attention varlen), head masks, sliding windows, attention sinks, rotary position embeddings. Given, they
+# raise. Others pass through untouched because attention has nothing to do with them (the model already acted on
+# use_cache, position_ids, cache_position; num_items_in_batch is for the loss).
+REFUSED_KEYWORDS = (
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "encoder_attention_mask",
+    "sliding_window", "s_aux", "sinks", "position_embeddings",
+)
 
 
 class ConvertedSelfAttention(nn.Module):
     """What both converted layers add to their attention module: the transformers call contract."""
 
-    def _init_contract(self, d_model: int, is_causal: bool, residual_norm_eps: float | None, hidden_dropout: float):
+    def _init_contract(
+        self,
+        d_model: int,
+        is_causal: bool,
+        layer_idx: int | None,
+        output_dropout: float | None,
+        residual_norm_eps: float | None,
+    ):
         self.is_causal = is_causal
-        if residual_norm_eps is None:
-            self.output_dropout = self.LayerNorm = None
-        else:
-            self.output_dropout = nn.Dropout(hidden_dropout)
-            self.LayerNorm = nn.LayerNorm(d_model, eps=residual_norm_eps)
+        self.layer_idx = layer_idx
+        self.output_dropout = None if output_dropout is None else nn.Dropout(output_dropout)
+        self.LayerNorm = None if residual_norm_eps is None else nn.LayerNorm(d_model, eps=residual_norm_eps)
 
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
         if encoder_hidden_states is not None:
@@ -34,21 +55,47 @@ class ConvertedSelfAttention(nn.Module):
                 f"{type(self).__name__} converts self-attention only; cross-attention (encoder_hidden_states) is "
                 "not supported"
             )
-        cached = [name for name in CACHE_KEYWORDS if kwargs.get(name) is not None]
-        if cached:
-            raise NotImplementedError(
-                f"{type(self).__name__} has no key/value cache but was given one ({cached[0]}=); run the model "
-                "with use_cache=False"
+        caches = [kwargs.pop(name) for name in CACHE_KEYWORDS if kwargs.get(name) is not None]
+        need_weights = bool(kwargs.pop("output_attentions", False))
+        refused = sorted(k for k in REFUSED_KEYWORDS if kwargs.get(k) is not None)
+        if refused or len(caches) > 1:
+            raise TypeError(
+                f"{type(self).__name__} cannot honour "
+                + (f"the keyword(s) {refused}" if refused else "two caches at once")
+                + "; it takes hidden_states, attention_mask, one key/value cache and output_attentions"
             )
         output, weights = super().forward(
             hidden_states,
             attention_mask=attention_mask,
             is_causal=self.is_causal and attention_mask is None,
-            need_weights=bool(kwargs.get("output_attentions", False)),
+            need_weights=need_weights,
+            kv_cache=self._cache_update(caches[0]) if caches else None,
         )
+        if self.output_dropout is not None:
+            output = self.output_dropout(output)
         if self.LayerNorm is not None:
-            output = self.LayerNorm(hidden_states + self.output_dropout(output))
+            output = self.LayerNorm(hidden_states + output)
         return output, weights
+
+    def _cache_update(self, cache):
+        """The ``kv_cache`` hook of the attention module: append this call's keys and values to ``cache``."""
+        if isinstance(cache, EncoderDecoderCache):
+            cache = cache.self_attention_cache
+        if self.layer_idx is None:
+            raise ValueError(f"{type(self).__name__} was built without a layer_idx and cannot use a cache")
+        layers = getattr(cache, "layers", [])
+        layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
+        dynamic = isinstance(cache, DynamicCache) and (
+            type(layer) is DynamicLayer if layer is not None else cache.layer_class_to_replicate is DynamicLayer
+        )
+        if not dynamic:
+            raise NotImplementedError(
+                f"a {type(cache).__name__} ({type(layer).__name__ if layer is not None else 'no layer'}) cannot hold "
+                "collaborative keys: static, sliding-window, quantized and offloaded-static caches preallocate "
+                "heads x head_dim per token. Use the default DynamicCache (generate(..., cache_implementation="
+                "'dynamic') or no cache_implementation)"
+            )
+        return lambda keys, values: cache.update(keys, values, self.layer_idx)
 
 
 class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention):
@@ -66,16 +113,18 @@ class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention)
         bias: bool,
         output_projection: bool,
         tucker_core_size: int | None = None,
+        logit_scale: float | None = None,
         is_causal: bool = False,
+        layer_idx: int | None = None,
+        output_dropout: float | None = None,
         residual_norm_eps: float | None = None,
-        hidden_dropout: float = 0.0,
     ):
         CollaborativeAttention.__init__(
             self, d_model, num_heads, rank, head_dim=head_dim, dropout=dropout, bias=bias,
-            output_projection=output_projection, tucker_core_size=tucker_core_size,
+            output_projection=output_projection, tucker_core_size=tucker_core_size, logit_scale=logit_scale,
             mixing_init="concatenate" if rank % num_heads == 0 else "ones",
         )
-        self._init_contract(d_model, is_causal, residual_norm_eps, hidden_dropout)
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
 
 class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention):
@@ -96,12 +145,13 @@ class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention):
         logit_scale: float,
         output_projection: bool,
         is_causal: bool = False,
+        layer_idx: int | None = None,
+        output_dropout: float | None = None,
         residual_norm_eps: float | None = None,
-        hidden_dropout: float = 0.0,
     ):
         MultiHeadAttention.__init__(
             self, d_model, num_heads, head_dim=head_dim, query_key_head_dim=query_key_head_dim, dropout=dropout,
             bias=bias, query_key_bias=query_key_bias, content_bias=content_bias, logit_scale=logit_scale,
             output_projection=output_projection,
         )
-        self._init_contract(d_model, is_causal, residual_norm_eps, hidden_dropout)
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)

@@ -135,23 +135,28 @@ class _Attention(nn.Module):
         counts["total"] = sum(counts.values())
         return counts
 
-    def _inputs(self, query_states, key_value_states, attention_mask, is_causal):
+    def _keys_values_mask(self, query_states, key_value_states, attention_mask, is_causal, kv_cache):
+        """Keys, content logits, values and the additive mask over every key the queries attend to.
+
+        ``kv_cache``, when given, is called with this call's packed keys (``_pack``: (B, 1 or H, S, width)) and values
+        (B, H, S, head_dim) and returns those of every position so far (a key/value cache's update); the mask then
+        covers the cached positions too, and a causal mask is aligned to the last query."""
         keys_from = query_states if key_value_states is None else key_value_states
-        bias = additive_mask(
-            attention_mask, is_causal, query_states.shape[1], keys_from.shape[1], query_states.dtype,
-            query_states.device,
-        )
+        keys = self._key_heads(self.key(keys_from))
+        content = None if self.content_bias is None else self.content_bias(keys_from)  # (B, S, H)
         values = self.value(keys_from).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        return keys_from, bias, values
-
-    def _with_content_bias(self, keys_from: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """Add the content bias logits ``scale * c_h . y_s`` (one offset per head and key, (B, H, 1, S)) to ``bias``.
-
-        ``bq_h . Wk_h y_s`` does not depend on the query, so the query bias of head ``h`` is exactly this term."""
-        if self.content_bias is None:
-            return bias
-        content = self.content_bias(keys_from).transpose(1, 2)[:, :, None, :] * self.scale
-        return content if bias is None else bias + content
+        if kv_cache is not None:
+            packed, values = kv_cache(self._pack(keys, content), values)
+            keys, content = self._unpack(packed)
+        bias = additive_mask(
+            attention_mask, is_causal, query_states.shape[1], values.shape[2], query_states.dtype, query_states.device
+        )
+        if content is not None:
+            # bq_h . Wk_h y_s does not depend on the query: one logit offset per head and key, (B, H, 1, S). The
+            # query bias of head h is exactly this term.
+            content = content.transpose(1, 2)[:, :, None, :] * self.scale
+            bias = content if bias is None else bias + content
+        return keys, values, bias
 
     def _finish(self, context: torch.Tensor) -> torch.Tensor:
         return context if self.output is None else self.output(context)
@@ -205,14 +210,27 @@ class MultiHeadAttention(_Attention):
         attention_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
+        kv_cache=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keys_from, bias, values = self._inputs(query_states, key_value_states, attention_mask, is_causal)
-        shape = (self.num_heads, self.query_key_head_dim)
-        queries = self.query(query_states).unflatten(-1, shape).transpose(1, 2)
-        keys = self.key(keys_from).unflatten(-1, shape).transpose(1, 2)
-        bias = self._with_content_bias(keys_from, bias)
+        keys, values, bias = self._keys_values_mask(
+            query_states, key_value_states, attention_mask, is_causal, kv_cache
+        )
+        queries = self._key_heads(self.query(query_states))
         context, weights = attend(queries, keys, values, bias, self.scale, self._dropout(), need_weights)
         return self._finish(context), weights
+
+    def _key_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, H * k) -> (B, H, S, k)."""
+        return x.unflatten(-1, (self.num_heads, self.query_key_head_dim)).transpose(1, 2)
+
+    def _pack(self, keys: torch.Tensor, content: torch.Tensor | None) -> torch.Tensor:
+        """What a cache stores per key: each head's key, and its content logit as one more column, (B, H, S, k[+1])."""
+        return keys if content is None else torch.cat([keys, content.transpose(1, 2)[..., None]], dim=-1)
+
+    def _unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.content_bias is None:
+            return packed, None
+        return packed[..., :-1], packed[..., -1].transpose(1, 2)
 
 
 class CollaborativeAttention(_Attention):
@@ -222,6 +240,7 @@ class CollaborativeAttention(_Attention):
     reproduces concatenated heads exactly when ``rank = num_heads * head_dim``; ``"ones"`` lets every head use
     every dimension; ``"random"`` draws each entry from a standard normal (for training from scratch).
     ``tucker_core_size``: mix with full matrices built from a core of that many ``rank x rank`` slices.
+    ``logit_scale``: what the logits are multiplied by (default ``1 / sqrt(head_dim)``).
     ``fused``: ``None`` lets ``use_fused`` pick the faster path per call; ``True`` / ``False`` force one (a plain
     attribute, not saved with the weights).
     """
@@ -242,8 +261,11 @@ class CollaborativeAttention(_Attention):
         output_projection: bool = True,
         mixing_init: str = "concatenate",
         tucker_core_size: int | None = None,
+        logit_scale: float | None = None,
     ):
         super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        if logit_scale is not None:
+            self.scale = logit_scale
         if not isinstance(rank, int) or rank <= 0:
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
         if mixing_init not in MIXING_INITS:
@@ -319,8 +341,11 @@ class CollaborativeAttention(_Attention):
         attention_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         need_weights: bool = False,
+        kv_cache=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keys_from, bias, values = self._inputs(query_states, key_value_states, attention_mask, is_causal)
+        keys, values, bias = self._keys_values_mask(
+            query_states, key_value_states, attention_mask, is_causal, kv_cache
+        )  # keys: (B, S, rank), one per position, shared by all heads
         batch, tgt_len, _ = query_states.shape
         heads, rank = self.num_heads, self.rank
         # Head h's logits: (X Wq~) (scale * M_h) (Y Wk~)^T + scale * 1 (Y c_h)^T, M_h = diag(m_h) for CP. The scale
@@ -332,8 +357,6 @@ class CollaborativeAttention(_Attention):
             queries = shared_queries[:, None].expand(-1, heads, -1, -1) * (self.mixing * self.scale)[:, None, :]
         else:
             queries = torch.einsum("btr,hrs->bhts", shared_queries, self.mixing_matrices() * self.scale)
-        keys = self.key(keys_from)  # (B, S, rank): one key per position, shared by all heads
-        bias = self._with_content_bias(keys_from, bias)
         if self.use_fused(need_weights, keys.shape[1], keys.device.type):
             # The fused kernel wants queries, keys and values of one width: zero columns change no dot product.
             width = max(rank, self.head_dim)
@@ -358,6 +381,20 @@ class CollaborativeAttention(_Attention):
             context = torch.matmul(F.dropout(weights, p=self._dropout()), values)
         context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
         return self._finish(context), (weights if need_weights else None)
+
+
+    def _key_heads(self, keys: torch.Tensor) -> torch.Tensor:
+        return keys  # (B, S, rank): one key per position, shared by all heads
+
+    def _pack(self, keys: torch.Tensor, content: torch.Tensor | None) -> torch.Tensor:
+        """What a cache stores per key: the shared key and the heads' content logits, (B, 1, S, rank [+ heads])."""
+        return (keys if content is None else torch.cat([keys, content], dim=-1))[:, None]
+
+    def _unpack(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        packed = packed[:, 0]
+        if self.content_bias is None:
+            return packed, None
+        return packed[..., : self.rank], packed[..., self.rank :]
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:

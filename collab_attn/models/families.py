@@ -1,0 +1,195 @@
+"""The model families ``reparametrize`` converts, and where each keeps its self-attention weights.
+
+Encoders: BERT, RoBERTa, DistilBERT, ALBERT (any head class; BERT and RoBERTa also as decoders). Decoders: GPT-2
+(query, key and value fused in one ``Conv1D``, ``c_attn``) and OPT. Every family here adds learned absolute
+positions to the embeddings, so ``Wq_h^T Wk_h`` is what each head's logits are made of. Rotary-position families are
+refused: the rotation acts between the query and key projections (``x^T Wq_h^T R(j - i) Wk_h y``), so the head
+product depends on the relative position and one CP decomposition of ``Wq_h^T Wk_h`` cannot represent it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch import nn
+from transformers.models.albert.modeling_albert import AlbertAttention
+from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.distilbert.modeling_distilbert import DistilBertSelfAttention
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+from transformers.models.opt.modeling_opt import OPTAttention
+from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
+
+COLLAB_PREFIX = "collab_attn_"
+PARTS = ("query", "key", "value")
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a model family keeps its self-attention and what its parts are called.
+
+    ``query``/``key``/``value``: the projections' attribute names (``nn.Linear``; GPT-2: one fused ``Conv1D``, the
+    same name three times); ``output``: the output projection inside the attention module (None: beside it, as
+    BERT's ``<attention>.output.dense``); ``dropout``: the attention-weight dropout (a module or a float);
+    ``output_dropout``: a dropout after the output projection inside the module (GPT-2, ALBERT);
+    ``has_residual_norm``: ALBERT's residual connection + LayerNorm inside the attention module.
+    """
+
+    model_type: str
+    config_class: type
+    attention_class: type
+    query: str
+    key: str
+    value: str
+    output: str | None
+    dropout: str
+    output_dropout: str | None = None
+    has_residual_norm: bool = False
+    decoder: bool = False  # always causal (GPT-2, OPT); BERT and RoBERTa are causal with is_decoder=True
+
+    @property
+    def collab_model_type(self) -> str:
+        return COLLAB_PREFIX + self.model_type
+
+    @property
+    def fused(self) -> bool:
+        return self.query == self.key == self.value
+
+    def num_heads(self, module: nn.Module) -> int:
+        for name in ("num_attention_heads", "n_heads", "num_heads"):
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"{type(module).__name__} has no head count")
+
+    def head_dim(self, module: nn.Module) -> int:
+        return getattr(module, "attention_head_size", None) or module.head_dim
+
+    def logit_scale(self, module: nn.Module) -> float:
+        """What the logits are multiplied by: ``1/sqrt(head_dim)``, and GPT-2's ``scale_attn_*`` options."""
+        return float(module.scaling)
+
+    def dropout_p(self, module: nn.Module, name: str | None) -> float:
+        if name is None:
+            return 0.0
+        value = getattr(module, name)
+        return value.p if isinstance(value, nn.Module) else float(value)
+
+    def projection(self, module: nn.Module, part: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (out, in) weight and the bias of the query, key or value projection, as an ``nn.Linear`` holds them."""
+        layer = getattr(module, getattr(self, part))
+        if not self.fused:
+            return layer.weight, layer.bias
+        width = layer.weight.shape[1] // 3  # Conv1D: weight (in, 3 * out)
+        columns = slice(PARTS.index(part) * width, (PARTS.index(part) + 1) * width)
+        return layer.weight[:, columns].T, layer.bias[columns]
+
+    def d_in(self, module: nn.Module) -> int:
+        return self.projection(module, "query")[0].shape[1]
+
+    def bias(self, module: nn.Module) -> bool:
+        return self.projection(module, "query")[1] is not None
+
+    def head_weights(self, module: nn.Module):
+        """(heads, head_dim, d_in) query and key weights and (heads, head_dim) biases (float32, CPU, detached)."""
+        heads, head_dim = self.num_heads(module), self.head_dim(module)
+        tensors = []
+        for part in ("query", "key"):
+            weight, bias = self.projection(module, part)
+            tensors.append(weight.detach().float().cpu().reshape(heads, head_dim, -1))
+            tensors.append(None if bias is None else bias.detach().float().cpu().reshape(heads, head_dim))
+        w_query, b_query, w_key, b_key = tensors
+        return w_query, w_key, b_query, b_key
+
+    def output_projection_name(self, name: str) -> str:
+        return f"{name}.{self.output}" if self.output is not None else f"{name.rpartition('.')[0]}.output.dense"
+
+    def output_projection(self, model: nn.Module, name: str) -> nn.Module:
+        """The map that reads layer ``name``'s concatenated head outputs: inside the attention module (DistilBERT,
+        ALBERT, GPT-2, OPT) or beside it (BERT, RoBERTa: ``<attention>.output.dense``)."""
+        return model.get_submodule(self.output_projection_name(name))
+
+    def output_weights(self, projection: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An output projection's (out, in) weight and bias (GPT-2's ``Conv1D`` stores the weight transposed)."""
+        weight = projection.weight if isinstance(projection, nn.Linear) else projection.weight.T
+        return weight, projection.bias
+
+    def is_self_attention(self, module: nn.Module) -> bool:
+        return isinstance(module, self.attention_class) and not getattr(module, "is_cross_attention", False)
+
+    def check(self, config) -> None:
+        """Refuse settings of this family's attention that a converted layer cannot reproduce."""
+        if getattr(config, "reorder_and_upcast_attn", False):
+            raise ValueError(
+                "reorder_and_upcast_attn=True (GPT-2's float32 scores under mixed precision) is not reproduced by "
+                "collaborative attention; load the model with reorder_and_upcast_attn=False"
+            )
+
+
+FAMILIES: dict[str, Family] = {
+    "bert": Family("bert", transformers.BertConfig, BertSelfAttention, "query", "key", "value", None, "dropout"),
+    "roberta": Family(
+        "roberta", transformers.RobertaConfig, RobertaSelfAttention, "query", "key", "value", None, "dropout"
+    ),
+    "distilbert": Family(
+        "distilbert", transformers.DistilBertConfig, DistilBertSelfAttention, "q_lin", "k_lin", "v_lin", "out_lin",
+        "dropout",
+    ),
+    "albert": Family(
+        "albert", transformers.AlbertConfig, AlbertAttention, "query", "key", "value", "dense", "attention_dropout",
+        output_dropout="output_dropout", has_residual_norm=True,
+    ),
+    "gpt2": Family(
+        "gpt2", transformers.GPT2Config, GPT2Attention, "c_attn", "c_attn", "c_attn", "c_proj", "attn_dropout",
+        output_dropout="resid_dropout", decoder=True,
+    ),
+    "opt": Family(
+        "opt", transformers.OPTConfig, OPTAttention, "q_proj", "k_proj", "v_proj", "out_proj", "dropout", decoder=True
+    ),
+}
+
+
+def _is_rotary(config) -> bool:
+    rope = ("rope_theta", "rope_parameters", "rope_scaling", "rotary_dim", "rotary_pct", "partial_rotary_factor")
+    return any(getattr(config, name, None) is not None for name in rope) or "rotary" in str(
+        getattr(config, "position_embedding_type", "")
+    )
+
+
+def family_of(config) -> Family:
+    """The family of a (plain or collaborative) config; a clear error for anything else."""
+    model_type = config.model_type.removeprefix(COLLAB_PREFIX)
+    if model_type not in FAMILIES:
+        if _is_rotary(config):
+            raise ValueError(
+                f"{config.model_type!r} uses rotary position embeddings, which collab_attn cannot convert: the "
+                "rotation acts between the query and key projections, so each head's product Wq_h^T Wk_h depends "
+                "on the relative position and one CP decomposition of it cannot represent the model. A rotary "
+                "variant would keep a small rotary part per head beside the shared collaborative part (as partial-"
+                f"RoPE conversions do). Supported: {', '.join(FAMILIES)}"
+            )
+        raise ValueError(
+            f"unsupported architecture {config.model_type!r}: collab_attn converts the self-attention of "
+            f"{', '.join(FAMILIES)} models"
+        )
+    family = FAMILIES[model_type]
+    family.check(config)
+    return family
+
+
+def is_collaborative(config) -> bool:
+    return config.model_type.startswith(COLLAB_PREFIX)
+
+
+def attention_modules(model: nn.Module, family: Family) -> list[tuple[str, nn.Module]]:
+    """The distinct self-attention modules of ``model`` in layer order (ALBERT's shared layers count once)."""
+    return [(name, module) for name, module in model.named_modules() if family.is_self_attention(module)]
+
+
+def find_attention(model: nn.Module) -> tuple[Family, list[tuple[str, nn.Module]]]:
+    """The family of ``model`` and its distinct self-attention modules; a clear error when there are none."""
+    family = family_of(model.config)
+    found = attention_modules(model, family)
+    if not found:
+        raise ValueError(f"found no {family.attention_class.__name__} modules in {type(model).__name__}")
+    return family, found
