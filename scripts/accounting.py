@@ -1,13 +1,14 @@
-"""Parameter and FLOP accounting of concatenated vs collaborative attention, as Markdown tables.
+"""Parameter, FLOP and key/value cache accounting of concatenated vs collaborative attention, as Markdown tables.
 
-    python scripts/accounting.py                                   # MiniLM and BERT-base sizes
+    python scripts/accounting.py                                   # MiniLM, BERT-base and GPT-2 small sizes
     python scripts/accounting.py --preset bert-base --seq-len 512
     python scripts/accounting.py --d-model 1024 --heads 16 --layers 24 --ranks 1024 512 256 128 64
     python scripts/accounting.py --method tucker --output experiments/accounting/tucker.md
 
 For each size: one layer's parameters as the number of heads changes at fixed d_model, the parameters per
-component at each rank (default d, 3d/4, d/2, d/3, d/4, d/6, d/8 and head_dim), and the FLOPs per token at
-``--seq-len``. Bad input exits with status 2 and one ``error: ...`` line on stderr.
+component at each rank (default d, 3d/4, d/2, d/3, d/4, d/6, d/8 and head_dim), the FLOPs per token at
+``--seq-len`` and the key/value cache bytes per token when the model decodes (``--dtype-bytes``, default 2).
+Bad input exits with status 2 and one ``error: ...`` line on stderr.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collab_attn.files import write_text_atomic
 PRESETS = {
     "minilm": {"d_model": 384, "num_heads": 12, "num_layers": 6, "title": "MiniLM (all-MiniLM-L6-v2)"},
     "bert-base": {"d_model": 768, "num_heads": 12, "num_layers": 12, "title": "BERT-base"},
+    "gpt2": {"d_model": 768, "num_heads": 12, "num_layers": 12, "title": "GPT-2 small"},
 }
 
 
@@ -45,6 +47,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--method", choices=METHODS, default="cp")
     parser.add_argument("--tucker-core-size", type=int, help="Tucker core size (default: heads)")
     parser.add_argument("--no-bias", action="store_true", help="projections without biases")
+    parser.add_argument("--dtype-bytes", type=int, default=2, choices=(1, 2, 4),
+                        help="bytes per cached number (2: float16/bfloat16, 4: float32)")
     parser.add_argument("--output", type=Path, help="also write the tables to this Markdown file")
     args = parser.parse_args(argv)
     if (args.d_model is None) != (args.heads is None):
@@ -61,7 +65,7 @@ def tables(args: argparse.Namespace) -> str:
         table(
             size["d_model"], size["num_heads"], args.ranks, args.seq_len, num_layers=size["num_layers"],
             head_counts=args.head_counts, bias=not args.no_bias, method=args.method,
-            tucker_core_size=args.tucker_core_size, title=size["title"],
+            tucker_core_size=args.tucker_core_size, title=size["title"], dtype_bytes=args.dtype_bytes,
         )
         for size in sizes
     )

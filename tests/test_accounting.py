@@ -128,7 +128,10 @@ def test_table_markdown():
     text = table(384, 12, num_layers=6)
     assert text.startswith("### d_model=384, 12 heads of 32, 6 layers")
     assert "| concatenated | 147,840 | 147,840 | 147,840 | 147,840 | 0 | 0 | 591,360 | 100.0% | 3,548,160 |" in text
-    assert text.count("| cp, D~=384 |") == 2 and "| cp, D~=32 |" in text  # parameters and FLOPs
+    assert text.count("| cp, D~=384 |") == 3 and "| cp, D~=32 |" in text  # parameters, FLOPs and cache bytes
+    # cache per token and layer in 2-byte numbers: keys + values 2 x 384 before; at D~=96: 96 + 12 heads + 384
+    assert "| concatenated | 768 | 768 | 1,536 | 100.0% | 9,216 |" in text
+    assert "| cp, D~=96 | 216 | 768 | 984 | 64.1% | 5,904 |" in text
     assert text.count("| 591,360 |") >= 6  # one row per head count in the heads table
 
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
 from collab_attn import reparametrize
+from collab_attn.analysis.accounting import cache_bytes_per_token
 from collab_attn.models.layers import CollaborativeSelfAttention, ConvertedSelfAttention
 
 VOCAB, D, HEADS = 120, 48, 4
@@ -142,7 +143,10 @@ def test_cache_at_quarter_rank_holds_fewer_bytes(family):
 
     before, after = cache_bytes(original), cache_bytes(converted(original, D // 4, n_iter_max=3))
     # per token and layer: keys 48 + values 48 floats before; one shared key of 12, 4 content logits, values 48 after
-    assert after / before == pytest.approx((12 + 4 + 48) / (48 + 48))
+    assert after < before and after / before == pytest.approx((12 + 4 + 48) / (48 + 48))
+    tokens_layers = ids.numel() * 2
+    assert before == tokens_layers * cache_bytes_per_token(D, HEADS, dtype_bytes=4)["total"]
+    assert after == tokens_layers * cache_bytes_per_token(D, HEADS, D // 4, dtype_bytes=4)["total"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -118,6 +118,26 @@ def attention_flops_per_token(
     return flops
 
 
+def cache_bytes_per_token(
+    d_model: int,
+    num_heads: int,
+    rank: int | None = None,
+    *,
+    head_dim: int | None = None,
+    bias: bool = True,
+    dtype_bytes: int = 2,
+) -> dict[str, int]:
+    """Key/value cache bytes per token and layer of a decoder (``collab_attn.models.layers``' cache layout).
+
+    Concatenated heads cache every head's key and value, ``2 heads x head_dim`` numbers. Collaborative heads cache
+    one shared key of width D~, plus (with ``bias``) each head's content-bias logit, plus the per-head values:
+    ``D~ + heads + heads x head_dim``. ``dtype_bytes``: 2 for float16/bfloat16, 4 for float32."""
+    head_dim = _check(d_model, num_heads, head_dim, rank, "cp")
+    values = num_heads * head_dim
+    keys = values if rank is None else rank + (num_heads if bias else 0)
+    return {"keys": keys * dtype_bytes, "values": values * dtype_bytes, "total": (keys + values) * dtype_bytes}
+
+
 def default_ranks(d_model: int, num_heads: int) -> list[int]:
     """d, 3d/4, d/2, d/3, d/4, d/6, d/8 and head_dim (where collaborative scores cost as much as concatenated)."""
     ranks = [d_model * 3 // 4, d_model // 2, d_model // 3, d_model // 4, d_model // 6, d_model // 8]
@@ -186,6 +206,22 @@ def flops_table(
     return _markdown(header, rows)
 
 
+def cache_table(
+    d_model: int, num_heads: int, ranks: Sequence[int], num_layers: int = 1, bias: bool = True, dtype_bytes: int = 2
+) -> str:
+    """Key/value cache bytes per token, per layer and for the whole model, concatenated first."""
+    concat = cache_bytes_per_token(d_model, num_heads, bias=bias, dtype_bytes=dtype_bytes)
+    rows = []
+    for rank in [None, *ranks]:
+        cache = cache_bytes_per_token(d_model, num_heads, rank, bias=bias, dtype_bytes=dtype_bytes)
+        rows.append([
+            "concatenated" if rank is None else f"cp, D~={rank}", f"{cache['keys']:,}", f"{cache['values']:,}",
+            f"{cache['total']:,}", _percent(cache["total"], concat["total"]), f"{num_layers * cache['total']:,}",
+        ])
+    header = ["attention", "keys", "values", "bytes / token / layer", "vs concat", f"x {num_layers} layers"]
+    return _markdown(header, rows)
+
+
 def table(
     d_model: int,
     num_heads: int,
@@ -198,9 +234,10 @@ def table(
     method: str = "cp",
     tucker_core_size: int | None = None,
     title: str | None = None,
+    dtype_bytes: int = 2,
 ) -> str:
-    """The three tables (heads at fixed d_model, parameters per rank, FLOPs per token per rank) as Markdown, under a
-    ``### title: sizes`` heading. ``ranks`` defaults to ``default_ranks``."""
+    """The four tables (heads at fixed d_model, parameters per rank, FLOPs per token per rank, cache bytes per token
+    per rank) as Markdown, under a ``### title: sizes`` heading. ``ranks`` defaults to ``default_ranks``."""
     if num_layers <= 0 or any(h <= 0 for h in head_counts):
         raise ValueError(f"num_layers and head_counts must be positive, got {num_layers} and {list(head_counts)}")
     ranks = list(ranks) if ranks else default_ranks(d_model, num_heads)
@@ -219,4 +256,7 @@ def table(
         f"FLOPs per token per layer at sequence length {seq_len} (multiply-add = 2 FLOPs; softmax, biases and "
         "masks not counted; see `collab_attn.analysis.accounting.attention_flops_per_token`):",
         flops_table(d_model, num_heads, ranks, seq_len, bias, method),
+        f"Key/value cache bytes per token when it runs as a decoder ({dtype_bytes}-byte numbers; collaborative "
+        "heads cache one shared key of width D~ and one content-bias logit per head, and the per-head values):",
+        cache_table(d_model, num_heads, ranks, num_layers, bias, dtype_bytes),
     ])
