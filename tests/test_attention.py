@@ -114,6 +114,7 @@ def test_fused_path_choice():
     assert layer.eval().use_fused(need_weights=False, src_len=512)
     assert not layer.use_fused(need_weights=False, src_len=512, device_type="cuda")  # GPU: explicit is faster
     assert not layer.use_fused(need_weights=False, src_len=128)  # short: explicit logits are faster
+    assert not layer.use_fused(need_weights=False, src_len=4096, tgt_len=1)  # decoding: never pad the cached values
     assert not layer.use_fused(need_weights=True, src_len=512)  # weights need the explicit path
     assert not layer.train().use_fused(need_weights=False, src_len=512)  # training: explicit path
     assert not wide.eval().use_fused(need_weights=False, src_len=512)  # values padded to a wide rank cost more

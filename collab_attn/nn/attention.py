@@ -311,7 +311,9 @@ class CollaborativeAttention(_Attention):
             return torch.diag_embed(self.mixing)
         return torch.einsum("hg,grs->hrs", self.mixing, self.mixing_core)
 
-    def use_fused(self, need_weights: bool, src_len: int, device_type: str = "cpu") -> bool:
+    def use_fused(
+        self, need_weights: bool, src_len: int, device_type: str = "cpu", tgt_len: int | None = None
+    ) -> bool:
         """Whether ``forward`` takes the fused ``scaled_dot_product_attention`` path rather than explicit logits.
 
         ``self.fused`` (True / False) forces a path; weights always need the explicit one. By default the fused
@@ -320,7 +322,9 @@ class CollaborativeAttention(_Attention):
         needs queries and values of one width, so the values are padded with zeros to the rank, which costs more
         than the logits save when the rank is wide or the sequence short. In training (dropout, backward) the
         explicit path is as fast or faster. On a CUDA GPU (H100, float32 and bfloat16) the explicit path was as fast
-        or faster in every case measured, so it is the default there.
+        or faster in every case measured, so it is the default there. A few queries against many keys (decoding
+        with a cache, ``tgt_len`` below ``FUSED_MIN_KEYS``) take the explicit path: their logits are small, while
+        padding the cached values would copy all of them at every step.
         Measured: experiments/benchmarks/README.md, sections 3 (CPU) and 4 (H100).
         """
         if need_weights:
@@ -331,6 +335,7 @@ class CollaborativeAttention(_Attention):
             device_type == "cpu"
             and not self.training
             and src_len >= self.FUSED_MIN_KEYS
+            and (tgt_len is None or tgt_len >= self.FUSED_MIN_KEYS)
             and self.rank <= self.FUSED_MAX_RANK_RATIO * self.head_dim
         )
 
@@ -357,7 +362,7 @@ class CollaborativeAttention(_Attention):
             queries = shared_queries[:, None].expand(-1, heads, -1, -1) * (self.mixing * self.scale)[:, None, :]
         else:
             queries = torch.einsum("btr,hrs->bhts", shared_queries, self.mixing_matrices() * self.scale)
-        if self.use_fused(need_weights, keys.shape[1], keys.device.type):
+        if self.use_fused(need_weights, keys.shape[1], keys.device.type, tgt_len):
             # The fused kernel wants queries, keys and values of one width: zero columns change no dot product.
             width = max(rank, self.head_dim)
             context = F.scaled_dot_product_attention(
