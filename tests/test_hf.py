@@ -153,3 +153,22 @@ def test_every_method_saves_and_loads_with_identical_outputs(tmp_path, family, m
     if method == "prune":
         assert report.model_params_after < report.model_params_before
         assert loaded.config.collab_heads == [len(kept) for kept in report.details["kept_heads"]]
+
+
+@pytest.mark.parametrize("mixing_init, check", [
+    ("ones", lambda m: torch.equal(m, torch.ones_like(m))),
+    ("random", lambda m: 0.5 < m.std() < 1.5),
+])
+def test_a_collaborative_decoder_built_from_a_config_takes_its_mixing_init(tmp_path, mixing_init, check):
+    """Training a decoder from scratch: the mixing starts as the config says, and saves and loads with it."""
+    config = collab_attn.models.hf._COLLAB_CONFIGS["gpt2"](
+        n_embd=32, n_head=4, n_layer=2, vocab_size=65, n_positions=16, collab_ranks=[16, 8],
+        collab_mixing_init=mixing_init, bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    layers = [m for m in model.modules() if isinstance(m, CollaborativeSelfAttention)]
+    assert [layer.rank for layer in layers] == [16, 8] and all(check(layer.mixing.detach()) for layer in layers)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.collab_mixing_init == mixing_init
+    assert torch.equal(loaded.transformer.h[0].attn.mixing, layers[0].mixing)

@@ -1,13 +1,15 @@
-"""Hugging Face integration: converted BERT-family models that save, load and run like any other.
+"""Hugging Face integration: converted models that save, load, train and generate like any other.
 
-For each supported family (BERT, RoBERTa, DistilBERT, ALBERT) this module defines a config class with its own
+For each supported family (``collab_attn.models.families``: BERT, RoBERTa, DistilBERT, ALBERT, GPT-2, OPT) this module
+defines a config class with its own
 ``model_type`` (``collab_attn_bert``, ...) and one model class per head class of that family (``CollabBertModel``,
 ``CollabBertForSequenceClassification``, ...), each a subclass of the transformers class it mirrors whose
 self-attention modules are converted layers (``collab_attn.models.layers``). The config records the conversion
 method (``collab_method``) and the per-layer sizes (``collab_ranks``: query/key size per layer; ``collab_heads``:
-heads per layer where pruning removed some; ``collab_tucker_core_size``), from which the model class rebuilds the
-layers. Importing ``collab_attn`` registers them with the Auto classes, so ``AutoModel*.from_pretrained`` loads a
-converted checkpoint of any method. Without ``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*``
+heads per layer where pruning removed some; ``collab_tucker_core_size``; ``collab_mixing_init`` for a model built
+from a config to train from scratch: ``"ones"`` or ``"random"``), from which the model class rebuilds the layers.
+Importing ``collab_attn`` registers them with the Auto classes, so ``AutoModel*.from_pretrained`` loads a converted
+checkpoint of any method. Without ``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*``
 model type instead of building a different model.
 """
 
@@ -61,6 +63,7 @@ class LayerSpec:
     size: int
     core_size: int | None = None
     content_bias: bool = True
+    mixing_init: str | None = None  # collaborative layers built from a config: None means block mixing where it fits
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Layout:
     ranks: list[int]
     heads: list[int] | None = None  # per layer, where pruning changed the head count
     tucker_core_size: int | None = None
+    mixing_init: str | None = None  # models built from a config to train from scratch: "ones" or "random"
 
     def __post_init__(self):
         if self.method not in CONVERSION_METHODS:
@@ -83,7 +87,7 @@ class Layout:
         collaborative = self.method in COLLABORATIVE_METHODS
         return [
             LayerSpec(collaborative, h, r, self.tucker_core_size,
-                      CONCATENATED_METHODS.get(self.method, {}).get("content_bias", True))
+                      CONCATENATED_METHODS.get(self.method, {}).get("content_bias", True), self.mixing_init)
             for r, h in zip(self.ranks, heads)
         ]
 
@@ -94,7 +98,7 @@ class Layout:
                 f"{type(config).__name__} needs config.collab_ranks; convert a model with collab_attn.reparametrize"
             )
         return cls(config.collab_method, list(config.collab_ranks), config.collab_heads,
-                   config.collab_tucker_core_size)
+                   config.collab_tucker_core_size, config.collab_mixing_init)
 
 
 @dataclass
@@ -125,7 +129,8 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
     )
     if spec.collaborative:
         layer = CollaborativeSelfAttention(
-            weight.shape[1], spec.num_heads, spec.size, tucker_core_size=spec.core_size, **common
+            weight.shape[1], spec.num_heads, spec.size, tucker_core_size=spec.core_size, mixing_init=spec.mixing_init,
+            **common,
         )
     else:
         layer = ConcatenatedSelfAttention(
@@ -174,6 +179,7 @@ def _retag(model: nn.Module, layout: Layout) -> None:
             config.collab_ranks = list(layout.ranks)
             config.collab_heads = None if layout.heads is None else list(layout.heads)
             config.collab_tucker_core_size = layout.tucker_core_size
+            config.collab_mixing_init = layout.mixing_init
             if type(module) in _COLLAB_MODELS:
                 module.__class__ = _COLLAB_MODELS[type(module)]
                 # transformers keys the output recorders (output_attentions=True) by class
@@ -208,13 +214,14 @@ def _collab_config_class(family: Family) -> type:
     namespace = {
         "__annotations__": {
             "collab_method": str, "collab_ranks": list[int] | None, "collab_heads": list[int] | None,
-            "collab_tucker_core_size": int | None,
+            "collab_tucker_core_size": int | None, "collab_mixing_init": str | None,
         },
         "model_type": family.collab_model_type,
         "collab_method": "cp",
         "collab_ranks": None,
         "collab_heads": None,
         "collab_tucker_core_size": None,
+        "collab_mixing_init": None,
     }
     name = "Collab" + family.config_class.__name__
     cls = strict(type(name, (family.config_class,), namespace))

@@ -113,6 +113,7 @@ class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention)
         bias: bool,
         output_projection: bool,
         tucker_core_size: int | None = None,
+        mixing_init: str | None = None,
         logit_scale: float | None = None,
         is_causal: bool = False,
         layer_idx: int | None = None,
@@ -122,7 +123,7 @@ class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention)
         CollaborativeAttention.__init__(
             self, d_model, num_heads, rank, head_dim=head_dim, dropout=dropout, bias=bias,
             output_projection=output_projection, tucker_core_size=tucker_core_size, logit_scale=logit_scale,
-            mixing_init="concatenate" if rank % num_heads == 0 else "ones",
+            mixing_init=mixing_init or ("concatenate" if rank % num_heads == 0 else "ones"),
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
