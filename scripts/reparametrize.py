@@ -1,10 +1,15 @@
-"""Convert a pretrained BERT-family checkpoint to collaborative attention, check it, and save it.
+"""Convert a pretrained BERT-family checkpoint to collaborative attention (or SVD-truncated heads), check it, save it.
 
     python scripts/reparametrize.py                                   # MiniLM, CP, rank 192
     python scripts/reparametrize.py collab=tucker collab.rank=128 output_dir=outputs/tucker128 overwrite=true
+    python scripts/reparametrize.py collab=svd collab.rank=96                # the SVD-truncated heads baseline
     python scripts/reparametrize.py model=path/to/checkpoint 'collab.rank=[384,256,256,192,192,128]'
     python scripts/reparametrize.py collab.budget=mean:128                   # per-layer ranks, same size as 128
     python scripts/reparametrize.py collab.calibration=../shared/data/glue/SST-2/train.tsv   # activation-aware
+
+The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
+labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
+``collab=none`` converts nothing.
 
 Everything is validated before anything is written. The converted model (task head kept), its tokenizer and
 ``reparam_report.json`` (the per-layer report, the comparison with the original model, the settings) are
@@ -25,26 +30,32 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from collab_attn import reparametrize
-from collab_attn.decomposition.decompose import METHODS
-from collab_attn.decomposition.rank_selection import RankBudget
-from collab_attn.glue.tasks import load_texts
-from collab_attn.models.calibration import calibration_from_texts
+from collab_attn.glue.pipeline import calibrate
 from collab_attn.models.checkpoints import (
     finalize_output_dir,
     load_model_and_tokenizer,
     prepare_output_dir,
     resolve_model,
 )
+from collab_attn.models.settings import MethodSettings
 
 log = logging.getLogger("reparametrize")
 
 
-def _rank(value):
-    """The configured rank as an int or a list of ints (reparametrize checks the values)."""
-    ok = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
-    if ok(value) or (isinstance(value, list) and value and all(ok(x) for x in value)):
-        return value
-    raise ValueError(f"collab.rank must be an integer or a list of integers (one per layer), got {value!r}")
+def method_settings(collab: dict) -> MethodSettings:
+    """The ``collab`` group as settings this script can run: ``cp``, ``tucker`` or ``svd``."""
+    method = MethodSettings.from_config(collab)
+    if method.method == "none":
+        raise ValueError("collab=none means 'no reparametrization' and is only for the GLUE pipeline; choose "
+                         "collab=cp, collab=tucker or collab=svd")
+    if method.method == "prune":
+        raise ValueError(
+            "collab=prune scores the heads on a task's labelled training examples with a model fine-tuned on that "
+            "task, so it runs through the GLUE pipeline: python scripts/train_glue.py task=<task> collab=prune "
+            "collab.rank=<rank> refit=none data.glue_dir=<glue folder> (refit=none stops after the pruning)"
+        )
+    method.check_calibration_source(task_allowed=False)
+    return method
 
 
 @torch.no_grad()
@@ -70,39 +81,18 @@ def compare(original, converted, tokenizer, sentences) -> dict:
 def run(cfg: DictConfig) -> dict:
     """Convert ``cfg.model``, compare it with the original, save it to ``cfg.output_dir``; return the report."""
     settings = OmegaConf.to_container(cfg, resolve=True)  # resolve once: the default output_dir has a timestamp
-    collab = settings["collab"]
-    if collab["method"] not in METHODS:
-        hint = " (collab=none means 'no reparametrization' and is only for the GLUE pipeline)"
-        raise ValueError(
-            f"collab.method={collab['method']!r} cannot be reparametrized; choose collab=cp or collab=tucker"
-            + (hint if collab["method"] == "none" else "")
-        )
-    budget = collab.get("budget")
-    rank = str(RankBudget.parse(budget)) if budget is not None else _rank(collab["rank"])
-    source = collab.get("calibration")
-    texts = None
-    if source is not None:
-        if source == "task":
-            raise ValueError("collab.calibration=task means the task's training texts and is only for the GLUE "
-                             "pipeline; pass a text file (one text per line) or a GLUE train.tsv/dev.tsv")
-        texts = load_texts(source, limit=collab.get("calibration_samples", 512), seed=settings["seed"])
+    method = method_settings(settings["collab"])
     path = resolve_model(settings["model"])
     tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
     torch.manual_seed(settings["seed"])
 
     log.info("loading %s (%s)", settings["model"], path)
     model, tokenizer = load_model_and_tokenizer(path, model_class=None)
+    method.check_model(model.config)
     original = copy.deepcopy(model)
-    calibration = None
-    if texts is not None:
-        log.info("calibrating on %d texts from %s", len(texts), source)
-        calibration = calibration_from_texts(
-            model, tokenizer, texts, max_length=collab.get("calibration_max_length", 128)
-        )
+    calibration = calibrate(model, tokenizer, method, settings["seed"])
     report = reparametrize(
-        model, rank, collab["method"], settings["seed"], solver=collab.get("solver", "implicit"),
-        init=collab["init"], n_iter_max=collab["n_iter_max"], tol=collab["tol"],
-        tucker_core_size=collab["tucker_core_size"], calibration=calibration, progress=True,
+        model, seed=settings["seed"], calibration=calibration, progress=True, **method.reparametrize_kwargs()
     )
     print(report.table())
 
@@ -125,7 +115,7 @@ def run(cfg: DictConfig) -> dict:
     )
     result = {
         **report.to_dict(), "comparison": comparison, "model": settings["model"], "model_path": path,
-        "rank": rank, "seed": settings["seed"], "config": settings,
+        "rank": method.rank_request, "seed": settings["seed"], "config": settings,
     }
 
     try:

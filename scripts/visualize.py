@@ -1,14 +1,17 @@
 """Look inside: attention of a BERT-family model and of its collaborative conversion, side by side.
 
     python scripts/visualize.py                                   # MiniLM, CP, rank 128, the default sentence
-    python scripts/visualize.py rank=384 output_dir=outputs/views-exact
+    python scripts/visualize.py collab.rank=384 output_dir=outputs/views-exact
+    python scripts/visualize.py collab=tucker collab.rank=64
     python scripts/visualize.py 'sentence="Is the museum open?"' 'sentence_pair="It opens at ten."' causal=true
 
 Writes into ``output_dir``: ``head_view.html`` and ``model_view.html`` (BertViz, original and collaborative side
 by side over the same tokens), ``mixing.png`` (heads x rank mixing per layer), ``head_statistics.png``
 (effective rank, conversion error and energy of each head's ``Wq_h^T Wk_h``), ``attention_difference.png`` and
 ``attention_worst_head.png`` (|original - collaborative| attention), ``summary.json`` and an ``index.html`` that
-links them. Bad input exits with status 2 and one ``error: ...`` line on stderr, writing nothing.
+links them. The conversion is the ``collab`` group (cp or tucker, one rank), read once into ``MethodSettings``;
+``collab.calibration=<text file>`` fits the attention logits on those texts. Bad input exits with status 2 and
+one ``error: ...`` line on stderr, writing nothing.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from collab_attn.analysis import plots
 from collab_attn.analysis.views import collaborative_copy, comparison_page, load_for_viewing, sentence_attention
-from collab_attn.decomposition.decompose import METHODS
+from collab_attn.glue.pipeline import calibrate
 from collab_attn.models.checkpoints import finalize_output_dir, prepare_output_dir, resolve_model
+from collab_attn.models.settings import DECOMPOSITIONS, MethodSettings
 
 log = logging.getLogger("visualize")
 
@@ -41,23 +45,28 @@ FILES = {
 }
 
 
-def _check(settings: dict) -> None:
-    rank = settings["rank"]
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ValueError(f"rank must be one integer, got {rank!r}")
-    if settings["method"] not in METHODS:
-        raise ValueError(f"unknown method {settings['method']!r}; choose one of {METHODS}")
+def _check(settings: dict) -> MethodSettings:
+    """The settings this script can show, as ``MethodSettings``: collaborative heads (cp, tucker) at one rank."""
+    method = MethodSettings.from_config(settings["collab"])
+    if method.method not in DECOMPOSITIONS:
+        raise ValueError(f"collab.method={method.method} has no collaborative heads to show; choose collab=cp or "
+                         "collab=tucker")
+    if method.budget is not None or type(method.rank) is not int:
+        raise ValueError(f"collab.rank must be one integer (and collab.budget null), got "
+                         f"{method.budget or method.rank!r}")
+    method.check_calibration_source(task_allowed=False)
     if not isinstance(settings["causal"], bool):
         raise ValueError(f"causal must be true or false, got {settings['causal']!r}")
     for key in ("sentence", "sentence_pair"):
         value = settings[key]
         if not (isinstance(value, str) and value.strip()) and not (key == "sentence_pair" and value is None):
             raise ValueError(f"{key} must be a non-empty string (quote it: '{key}=\"...\"'), got {value!r}")
+    return method
 
 
-def _index(settings: dict, summary: dict) -> str:
-    rows = [("model", f"{settings['model']} ({summary['model_path']})"), ("method", settings["method"]),
-            ("rank", settings["rank"]), ("causal", settings["causal"]), ("tokens", " ".join(summary["tokens"])),
+def _index(settings: dict, method: MethodSettings, summary: dict) -> str:
+    rows = [("model", f"{settings['model']} ({summary['model_path']})"), ("method", method.label),
+            ("rank", method.rank), ("causal", settings["causal"]), ("tokens", " ".join(summary["tokens"])),
             ("mean relative error of the decomposition", f"{summary['mean_relative_error']:.4f}"),
             ("attention parameters", f"{summary['attention_params_before']:,} -> "
                                      f"{summary['attention_params_after']:,}"),
@@ -74,19 +83,19 @@ def _index(settings: dict, summary: dict) -> str:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Convert ``cfg.model`` at ``cfg.rank``, render the views and plots into ``cfg.output_dir``; return the summary."""
+    """Convert ``cfg.model`` as ``cfg.collab`` says, render the views and plots into ``cfg.output_dir``; return the
+    summary."""
     settings = OmegaConf.to_container(cfg, resolve=True)
-    _check(settings)
+    method = _check(settings)
     path = resolve_model(settings["model"])
     tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
     torch.manual_seed(settings["seed"])
 
     log.info("loading %s (%s)", settings["model"], path)
     original, tokenizer = load_for_viewing(path, causal=settings["causal"])
-    converted, report = collaborative_copy(
-        original, settings["rank"], settings["method"], settings["seed"], init=settings["init"],
-        n_iter_max=settings["n_iter_max"], tucker_core_size=settings["tucker_core_size"],
-    )
+    method.check_model(original.config)
+    calibration = calibrate(original, tokenizer, method, settings["seed"])
+    converted, report = collaborative_copy(original, method, settings["seed"], calibration=calibration)
     print(report.table())
     sentences = settings["sentence"], settings["sentence_pair"]
     maps = {"original": sentence_attention(original, tokenizer, *sentences),
@@ -101,7 +110,7 @@ def run(cfg: DictConfig) -> dict:
         "head_statistics": {name: values.tolist() for name, values in stats.items()}, "config": settings,
     }
 
-    what = f"{settings['method'].upper()} rank {settings['rank']}"
+    what = f"{method.label.upper()} rank {method.rank}"
     panels = [("original (concatenated heads)", maps["original"]),
               (f"collaborative ({what})", maps["collaborative"])]
     intro = (f"{settings['model']}: {' '.join(maps['original'].tokens)}"
@@ -112,11 +121,11 @@ def run(cfg: DictConfig) -> dict:
             page = comparison_page(panels, view, f"{view} view: original vs collaborative ({what})", intro)
             (tmp / f"{view}_view.html").write_text(page)
         plots.plot_mixing(converted, tmp / "mixing.png")
-        plots.plot_head_statistics(stats, tmp / "head_statistics.png", settings["rank"])
+        plots.plot_head_statistics(stats, tmp / "head_statistics.png", method.rank)
         plots.plot_attention_difference(maps["original"], maps["collaborative"], tmp / "attention_difference.png")
         plots.plot_worst_head(maps["original"], maps["collaborative"], tmp / "attention_worst_head.png")
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        (tmp / "index.html").write_text(_index(settings, summary))
+        (tmp / "index.html").write_text(_index(settings, method, summary))
         out = finalize_output_dir(tmp, settings["output_dir"])
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

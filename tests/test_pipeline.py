@@ -21,6 +21,7 @@ from collab_attn.glue import pipeline
 from collab_attn.glue.summary import before_after, before_after_markdown, load_results, summarize, table, to_markdown
 from collab_attn.glue.tracking import wandb_mode
 from collab_attn.models.checkpoints import resolve_model
+from collab_attn.models.settings import MethodSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -45,17 +46,7 @@ def tiny(tmp_path, *overrides: str) -> dict:
     )
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        *[[f"task={t}"] for t in ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")],
-        ["collab=tucker"], ["collab=none"], ["refit=none"], ["logger=none"], ["trainer=smoke"],
-        ["+experiment=smoke"], ["+experiment=minilm_mrpc_rte"], ["+experiment=minilm_glue"],
-    ],
-)
-def test_every_config_composes(overrides):
-    resolved = settings(*overrides)
-    assert {"model", "task", "data", "collab", "trainer", "refit", "logger", "output_root"} <= set(resolved)
+# Every config group and experiment composing, and its values reaching the library: tests/test_configs.py
 
 
 def test_slurm_launcher_composes():
@@ -106,6 +97,8 @@ def test_job_dirs_separate_what_matters(tmp_path):
         (["collab.calibration=/no/texts.txt"], FileNotFoundError, "collab.calibration=/no/texts.txt: no such file"),
         (["weights=scratch"], ValueError, "weights='scratch': choose 'pretrained'"),
         (["weights=random", "finetune=false"], ValueError, "weights=random needs finetune=true"),
+        (["+collab.importance_samples=8"], ValueError, "collab.importance_samples does not apply to collab.method=cp"),
+        (["collab.method=svd"], ValueError, r"collab.solver does not apply to collab.method=svd; .*\(collab=svd\)"),
     ],
 )
 def test_bad_input_stops_before_training(tmp_path, overrides, error, message):
@@ -199,13 +192,14 @@ def test_calibration_is_measured_only_where_a_layer_is_approximated(tmp_path, mo
     monkeypatch.setattr(pipeline, "calibration_from_texts", lambda model, tokenizer, texts, **kw: calls.append(texts))
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=384))
     for rank in (384, [384] * 6):
-        collab = {"method": "cp", "rank": rank, "calibration": str(texts)}
-        assert pipeline.calibrate(model, None, collab, None, None, seed=0) is None
+        method = MethodSettings(method="cp", rank=rank, calibration=str(texts))
+        assert pipeline.calibrate(model, None, method, seed=0) is None
     assert calls == []
-    for collab in ({"method": "cp", "rank": 128}, {"method": "cp", "rank": [384] * 5 + [128]},
-                   {"method": "cp", "rank": 384, "budget": "mean:128"}):
-        pipeline.calibrate(model, None, {**collab, "calibration": str(texts)}, None, None, seed=0)
+    for collab in ({"rank": 128}, {"rank": [384] * 5 + [128]}, {"rank": 384, "budget": "mean:128"}):
+        pipeline.calibrate(model, None, MethodSettings(method="cp", calibration=str(texts), **collab), seed=0)
     assert calls == [["a sentence", "another one"]] * 3
+    with pytest.raises(ValueError, match="collab.calibration=task means the task's training texts"):
+        pipeline.calibrate(model, None, MethodSettings(method="cp", rank=128, calibration="task"), seed=0)
 
 
 @pytest.mark.glue

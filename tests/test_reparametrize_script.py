@@ -71,6 +71,8 @@ def test_default_config_composes_and_resolves():
         (["collab=tucker", "collab.rank=64", "collab.tucker_core_size=6"], "tucker", 64),
         (["collab.rank=[384,256,256,192,192,128]"], "cp", [384, 256, 256, 192, 192, 128]),
         (["collab=none"], "none", None),
+        (["collab=svd"], "svd", 192),
+        (["collab=prune"], "prune", 192),
     ],
 )
 def test_config_overrides(overrides, method, rank):
@@ -121,6 +123,37 @@ def test_low_rank(tmp_path):
     assert json.loads((out / "config.json").read_text())["collab_ranks"] == [128] * 6
 
 
+def test_svd_writes_a_checkpoint_like_cp(tmp_path, minilm_path):
+    out = tmp_path / "out"
+    result = script.run(config("collab=svd", "collab.rank=96", f"output_dir={out}"))
+    assert result["method"] == "svd" and result["rank"] == 96 and len(result["layers"]) == 6
+    assert all(0 < layer["relative_error"] < 1 for layer in result["layers"])
+    assert result["attention_params_after"] < result["attention_params_before"]
+    assert {"config.json", "model.safetensors", "reparam_report.json"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "reparam_report.json").read_text())["config"]["collab"] == {"method": "svd", "rank": 96}
+
+    reloaded = AutoModel.from_pretrained(out).eval()
+    converted = AutoModel.from_pretrained(minilm_path).eval()
+    collab_attn.reparametrize(converted, 96, "svd", progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    batch = tokenizer(["A short one.", "A longer sentence that pads the first."], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected, got = converted(**batch).last_hidden_state, reloaded(**batch).last_hidden_state
+    assert torch.allclose(expected, got, rtol=0, atol=1e-6)
+
+
+def test_calibration_texts_from_a_file(tmp_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("The museum opens at ten.\nIt rained all day.\nIs it open on Mondays?\nThey walked home.\n")
+    out = tmp_path / "out"
+    plain = script.run(config("collab.rank=128", "collab.n_iter_max=2", f"output_dir={tmp_path / 'plain'}"))
+    aware = script.run(config("collab.rank=128", "collab.n_iter_max=2", f"collab.calibration={texts}",
+                              "collab.calibration_samples=3", f"output_dir={out}"))
+    assert aware["config"]["collab"]["calibration"] == str(texts) and (out / "config.json").is_file()
+    errors = [[layer["relative_error"] for layer in result["layers"]] for result in (plain, aware)]
+    assert errors[0] != errors[1]
+
+
 def test_tucker_with_per_layer_ranks(tmp_path):
     ranks = [384, 384, 256, 192, 128, 64]
     out = tmp_path / "out"
@@ -160,7 +193,12 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path):
         (["collab.rank=[384,384]"], ValueError, "got 2 ranks"),
         (["collab.rank=abc"], ValueError, "collab.rank must be an integer"),
         (["collab=none"], ValueError, "collab=none"),
-        (["collab.method=svd"], ValueError, "cannot be reparametrized"),
+        (["collab=prune"], ValueError, r"collab=prune .* python scripts/train_glue.py task=<task> collab=prune"),
+        (["collab.method=svd"], ValueError, r"collab.budget does not apply to collab.method=svd|collab.solver"),
+        (["collab=svd", "collab.rank=100"], ValueError, "not a multiple of the 12 heads"),
+        (["collab.calibration=task"], ValueError, "only for the GLUE pipeline"),
+        (["collab.calibration=/no/texts.txt"], FileNotFoundError, "collab.calibration=/no/texts.txt: no such file"),
+        (["+collab.importance_data=x.tsv"], ValueError, "unknown key collab.importance_data"),
         (["model=/no/such/checkpoint"], FileNotFoundError, "no checkpoint at /no/such/checkpoint"),
         (["model=./missing-checkpoint"], FileNotFoundError, "no checkpoint at"),
         (["model=nobody-has-this-model-xyz"], FileNotFoundError, "HF_HUB_OFFLINE"),

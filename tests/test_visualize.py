@@ -21,6 +21,7 @@ from collab_attn.analysis.views import (
     load_for_viewing,
     sentence_attention,
 )
+from collab_attn.models.settings import MethodSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "visualize.py"
@@ -29,7 +30,8 @@ script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(script)
 
 SENTENCE, PAIR = "The animal didn't cross the street because it was too tired.", "It had walked all day."
-LOW_RANK = {"init": "random", "n_iter_max": 2, "progress": False}
+EXACT = MethodSettings(method="cp", rank=384)
+LOW_RANK = MethodSettings(method="cp", rank=24, init="random", n_iter_max=2)
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +41,12 @@ def original():
 
 @pytest.fixture(scope="module")
 def exact(original):
-    return collaborative_copy(original[0], 384, progress=False)[0]
+    return collaborative_copy(original[0], EXACT, progress=False)[0]
 
 
 @pytest.fixture(scope="module")
 def low(original):
-    return collaborative_copy(original[0], 24, **LOW_RANK)[0]
+    return collaborative_copy(original[0], LOW_RANK, progress=False)[0]
 
 
 def bertviz_params(page: str) -> list[dict]:
@@ -103,7 +105,7 @@ def test_page_holds_both_models_attention(original, low):
 
 def test_causal_models_attend_only_to_the_past(minilm_path):
     model, tokenizer = load_for_viewing(minilm_path, causal=True)
-    converted = collaborative_copy(model, 384, progress=False)[0]
+    converted = collaborative_copy(model, EXACT, progress=False)[0]
     for viewed in (model, converted):
         maps = sentence_attention(viewed, tokenizer, SENTENCE)
         assert all(layer.triu(1).abs().max() < 1e-6 for layer in maps.layers)
@@ -129,7 +131,7 @@ def config(*overrides: str):
 
 def test_script_writes_views_and_plots(tmp_path):
     out = tmp_path / "views"
-    summary = script.run(config("rank=384", f"output_dir={out}", 'sentence="Is the museum open?"',
+    summary = script.run(config("collab.rank=384", f"output_dir={out}", 'sentence="Is the museum open?"',
                                 'sentence_pair="It opens at ten."'))
     assert sorted(p.name for p in out.iterdir()) == sorted(["index.html", *script.FILES])
     assert [p.name for p in tmp_path.iterdir()] == ["views"]  # no temporary directory left behind
@@ -146,12 +148,27 @@ def test_script_writes_views_and_plots(tmp_path):
     assert all(f'href="{name}"' in index for name in script.FILES)
 
 
+def test_script_fits_on_calibration_texts(tmp_path, monkeypatch):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("The museum opens at ten.\nIt rained all day.\nIs it open on Mondays?\nThey walked home.\n")
+    seen = []
+    real = script.calibrate
+    monkeypatch.setattr(script, "calibrate", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    summary = script.run(config("collab.rank=96", "collab.n_iter_max=2", f"collab.calibration={texts}",
+                                "collab.calibration_samples=3", f"output_dir={tmp_path / 'out'}"))
+    assert seen and seen[0] is not None and summary["config"]["collab"]["calibration"] == str(texts)
+    assert (tmp_path / "out" / "index.html").is_file() and summary["mean_relative_error"] > 0
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rank=999"], "rank 999"),
-        (["rank=[24,24]"], "rank must be one integer"),
-        (["method=svd"], "unknown method"),
+        (["collab.rank=999"], "rank 999"),
+        (["collab.rank=[24,24]"], "collab.rank must be one integer"),
+        (["collab.budget=mean:128"], "collab.rank must be one integer (and collab.budget null)"),
+        (["collab=svd"], "collab.method=svd has no collaborative heads to show"),
+        (["collab.calibration=task"], "collab.calibration=task means the task's training texts"),
+        (["+collab.importance=3"], "unknown key collab.importance"),
         (["sentence=[a,b]"], "sentence must be a non-empty string"),
         (["sentence_pair=''"], "sentence_pair must be a non-empty string"),
         (["model=/no/such/checkpoint"], "no checkpoint at"),
@@ -171,8 +188,9 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path):
 
 def test_cli_bad_input_exits_2(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "method=svd", f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path}/h"],
+        [sys.executable, str(SCRIPT), "collab=svd", f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path}/h"],
         cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120,
     )
-    assert done.returncode == 2 and done.stderr.startswith("error: unknown method") and done.stderr.count("\n") == 1
+    assert done.returncode == 2 and done.stderr.startswith("error: collab.method=svd has no")
+    assert done.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()

@@ -2,7 +2,7 @@
 
 - ``load_for_viewing``: a BERT-family checkpoint with eager attention (the only implementation that returns
   attention maps for the original modules), optionally as a causal decoder (``is_decoder=True``).
-- ``collaborative_copy``: a converted copy of such a model (the original is left alone).
+- ``collaborative_copy``: a copy of such a model converted as ``MethodSettings`` say (the original is left alone).
 - ``attention_maps``: run a (possibly padded) batch with ``output_attentions=True`` and return, per sequence,
   its tokens and the per-layer attention maps with padded positions sliced off.
 - ``comparison_page``: one HTML page with the BertViz head view or model view of several models side by side.
@@ -22,6 +22,7 @@ from transformers import AutoModel
 from collab_attn.models.checkpoints import load_model_and_tokenizer, resolve_model
 from collab_attn.models.conversion import ReparamReport, reparametrize
 from collab_attn.models.hf import family_of, is_collaborative
+from collab_attn.models.settings import MethodSettings
 
 CAUSAL_FAMILIES = ("bert", "roberta")
 _REQUIRE_JS = re.compile(r'<script src="[^"]*require[^"]*"></script>')
@@ -52,10 +53,16 @@ def load_for_viewing(name_or_path: str = "minilm", causal: bool = False):
     return model.eval(), tokenizer
 
 
-def collaborative_copy(model, rank: int, method: str = "cp", seed: int = 0, **kwargs) -> tuple[object, ReparamReport]:
-    """A deep copy of ``model`` converted by ``reparametrize(copy, rank, method, seed, **kwargs)``, and the report."""
+def collaborative_copy(
+    model, method: MethodSettings, seed: int = 0, *, calibration=None, progress: bool = True
+) -> tuple[object, ReparamReport]:
+    """A deep copy of ``model`` converted as ``method`` says (``reparametrize(copy, seed=seed, calibration=...,
+    **method.reparametrize_kwargs())``), and the report. ``calibration``: input statistics of ``model`` for
+    activation-aware fitting (``collab_attn.glue.pipeline.calibrate``), or None."""
     converted = copy.deepcopy(model)
-    report = reparametrize(converted, rank, method, seed, **kwargs)
+    report = reparametrize(
+        converted, seed=seed, calibration=calibration, progress=progress, **method.reparametrize_kwargs()
+    )
     return converted.eval(), report
 
 

@@ -1,5 +1,7 @@
 """The GLUE pipeline as plain functions: fine-tune -> evaluate -> reparametrize -> evaluate -> re-fine-tune ->
-evaluate. Hydra lives in ``scripts/train_glue.py``; everything here takes the resolved config as a plain dict.
+evaluate. Hydra lives in ``scripts/train_glue.py``; ``run_job`` takes the resolved config as a plain dict, builds
+the typed method settings once (``MethodSettings.from_config(settings["collab"])``) and hands each stage what it
+needs.
 
 A job is one (task, model, collab method, rank, seed, recipe). Its results are one JSON line per stage in
 ``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<recipe hash>/results.jsonl``, written only
@@ -23,25 +25,23 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from collab_attn.decomposition.decompose import METHODS
-from collab_attn.decomposition.rank_selection import RankBudget
 from collab_attn.files import exclusive_lock, write_text_atomic
 from collab_attn.glue import tasks as glue
 from collab_attn.glue.tracking import make_tracker
-from collab_attn.models.baselines import BASELINES, check_rank, head_importance, prune_heads, truncate_heads
 from collab_attn.models.calibration import calibration_from_texts
 from collab_attn.models.checkpoints import resolve_model
-from collab_attn.models.conversion import ReparamReport, per_layer_ranks, reparametrize
-from collab_attn.models.hf import CollaborativeSelfAttention, attention_modules, family_of
+from collab_attn.models.conversion import ReparamReport, reparametrize
+from collab_attn.models.hf import attention_parameters, family_of
+from collab_attn.models.importance import head_importance
+from collab_attn.models.settings import MethodSettings
 from collab_attn.training import train, training_args
 
 log = logging.getLogger(__name__)
 
 STAGES = ("finetuned", "reparam", "refit")
 RESULTS_FILE = "results.jsonl"
-_QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")
 
 
 # TrainingArguments fields that change what is logged, not what is learned: left out of the recipe hashes.
@@ -85,32 +85,18 @@ def rank_tag(rank) -> str:
     return "-".join(map(str, rank)) if isinstance(rank, list) else str(rank)
 
 
-def method_label(collab: dict) -> str:
-    """The method as results and tables name it: ``cp``, ``tucker`` or ``none``, then ``-tensorly`` for the
-    paper's dense solver and ``-aware`` for activation-aware fitting."""
-    label = collab["method"]
-    if label != "none":
-        label += "-tensorly" if collab.get("solver", "implicit") == "tensorly" else ""
-        label += "-aware" if collab.get("calibration") else ""
-    return label
-
-
-def collab_rank(collab: dict):
-    """What the job asks ``reparametrize`` for: the budget string when one is set, else the rank(s)."""
-    return collab["budget"] if collab.get("budget") else collab.get("rank")
-
-
 def job_name(settings: dict) -> str:
-    collab = settings["collab"]
-    method = method_label(collab)
-    if method != "none":
-        method += f"-r{rank_tag(collab_rank(collab)).replace(':', '')}"
+    collab = MethodSettings.from_config(settings["collab"])
+    method = collab.label
+    if collab.converts:
+        method += f"-r{rank_tag(collab.rank_request).replace(':', '')}"
     task = glue.get_task(settings["task"]["name"]).name
     return f"{task}/{model_label(settings)}/{method}/seed{settings['seed']}"
 
 
 def job_dir(settings: dict) -> Path:
-    """Where a job's results go; the recipe hash keeps runs with different settings apart."""
+    """Where a job's results go; the recipe hash keeps runs with different settings apart. It hashes the composed
+    groups as they are (the ``collab`` dict included, not ``MethodSettings``): committed runs are found by it."""
     recipe = {k: settings[k] for k in ("model", "task", "collab", "finetune")}
     recipe.update(trainer=_recipe(settings["trainer"]), refit=_recipe(settings["refit"]))
     recipe["data"] = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
@@ -144,32 +130,14 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def attention_parameters(model: torch.nn.Module) -> dict[str, int]:
-    """Parameters of the self-attention modules (all of them, and the query/key part), plain or collaborative."""
-    collaborative = [m for m in model.modules() if isinstance(m, CollaborativeSelfAttention)]
-    if collaborative:
-        counts = [layer.parameter_counts() for layer in collaborative]
-        return {
-            "attention_params": sum(c["total"] for c in counts),
-            "query_key_params": sum(c.get(part, 0) for c in counts for part in _QUERY_KEY_PARTS),
-        }
-    family = family_of(model.config)
-    layers = [module for _, module in attention_modules(model, family)]
-    return {
-        "attention_params": sum(p.numel() for layer in layers for p in layer.parameters()),
-        "query_key_params": sum(
-            p.numel() for layer in layers for name in (family.query, family.key)
-            for p in getattr(layer, name).parameters()
-        ),
-    }
-
-
-def validate(settings: dict) -> tuple[glue.GlueTask, str]:
-    """Check everything that can be checked before any training; returns the task and the model path."""
+def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings]:
+    """Check everything that can be checked before any training; returns the task, the model path and the
+    method settings."""
     task = glue.get_task(settings["task"]["name"])
+    method = MethodSettings.from_config(settings["collab"])
     path = resolve_model(settings["model"])
     config = AutoConfig.from_pretrained(path)
-    family = family_of(config)
+    family_of(config)
     weights = settings.get("weights", "pretrained")
     if weights not in ("pretrained", "random"):
         raise ValueError(f"weights={weights!r}: choose 'pretrained' (the checkpoint) or 'random' (its architecture, "
@@ -179,32 +147,8 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str]:
         raise ValueError(f"checkpoint_every must be a positive number of training steps or null, got {every!r}")
     if random_weights(settings) and not settings["finetune"]:
         raise ValueError("weights=random needs finetune=true: a freshly initialized model has to be trained first")
-    collab = settings["collab"]
-    if collab["method"] not in ("none", *METHODS, *BASELINES):
-        raise ValueError(f"unknown collab.method {collab['method']!r}; choose one of {('none', *METHODS, *BASELINES)}")
-    if collab["method"] != "none":
-        with torch.device("meta"):
-            skeleton = AutoModel.from_config(config)
-        found = attention_modules(skeleton, family)
-        heads, head_dim = family.num_heads(found[0][1]), found[0][1].attention_head_size
-        full_rank = heads * head_dim
-        if collab["method"] in BASELINES:
-            if collab.get("budget"):
-                raise ValueError(f"collab.budget does not apply to collab.method={collab['method']}; set collab.rank")
-            check_rank(collab["method"], collab["rank"], len(found), heads, head_dim)
-            samples = collab.get("importance_samples", 256)
-            if collab["method"] == "prune" and not (type(samples) is int and samples > 0):
-                raise ValueError(f"collab.importance_samples must be a positive integer, got {samples!r}")
-        elif collab.get("budget"):
-            RankBudget.parse(collab["budget"])
-        else:
-            per_layer_ranks(collab["rank"], len(found), full_rank)
-        source = collab.get("calibration")
-        if source and source != "task" and not Path(source).is_file():
-            raise FileNotFoundError(
-                f"collab.calibration={source}: no such file; use 'task' (the task's training texts), a text file "
-                "(one text per line) or a GLUE train.tsv/dev.tsv"
-            )
+    method.check_model(config)
+    method.check_calibration_source(task_allowed=True)
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     for group in ("trainer", "refit"):
         unknown = sorted(set(settings[group]) - fields - {"enabled"})
@@ -216,7 +160,7 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str]:
             f"data.glue_dir={glue_dir} does not exist (relative to {os.getcwd()}); point it at the folder that "
             "holds CoLA/, SST-2/, ... or set data.glue_dir=null to load nyu-mll/glue from the Hub"
         )
-    return task, path
+    return task, path, method
 
 
 def load_data(task: glue.GlueTask, data_cfg: dict, tokenizer):
@@ -294,16 +238,19 @@ def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str
     return metrics
 
 
-def stage_record(settings, task, stage, metrics, model, report: ReparamReport | None, seconds) -> dict:
-    collab = settings["collab"]
+def stage_record(
+    stage: str, task: glue.GlueTask, model_name: str, method: MethodSettings, seed: int, metrics: dict, model,
+    report: ReparamReport | None, seconds: float,
+) -> dict:
+    """One line of ``results.jsonl``: what was run, its metrics, its parameter counts."""
     return {
         "stage": stage,
         "task": task.name,
-        "model": settings["model"] + _weights_suffix(settings),
-        "method": method_label(collab),
-        "rank": _record_rank(collab, report),
-        "budget": collab.get("budget"),
-        "seed": settings["seed"],
+        "model": model_name,
+        "method": method.label,
+        "rank": method.record_rank(report),
+        "budget": method.budget,
+        "seed": seed,
         **metrics,
         "main_metric": task.main_metric,
         "model_params": sum(p.numel() for p in model.parameters()),
@@ -314,50 +261,46 @@ def stage_record(settings, task, stage, metrics, model, report: ReparamReport | 
     }
 
 
-def _record_rank(collab: dict, report: ReparamReport | None):
-    """The rank the table shows: the configured one, or the per-layer ranks a budget chose."""
-    if collab["method"] == "none":
-        return None
-    if collab.get("budget") and report is not None:
-        return [layer.rank for layer in report.layers]
-    return collab_rank(collab)
+def _given(**options) -> dict:
+    """The options that are set: an unset one (None) is left to the called function's default."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
-def calibrate(model, tokenizer, collab: dict, task: glue.GlueTask, glue_dir, seed: int):
-    """Input statistics for activation-aware fitting (``collab.calibration``), or None when it is off or when every
-    layer keeps its full key/query size (an exact conversion has nothing to fit)."""
-    source, limit = collab.get("calibration"), collab.get("calibration_samples", 512)
-    if not source or _keeps_full_size(collab_rank(collab), model.config.hidden_size):
+def calibrate(model, tokenizer, method: MethodSettings, seed: int, task: glue.GlueTask | None = None, glue_dir=None):
+    """Input statistics for activation-aware fitting (``collab.calibration``: a text file, a GLUE .tsv, or ``task``,
+    the task's training texts), or None when it is off or when every layer keeps its full key/query size (an exact
+    conversion has nothing to fit)."""
+    if not method.calibrated or method.keeps_full_size(model.config.hidden_size):
         return None
-    if source == "task":
-        texts = glue.task_texts(task, glue_dir, "train", limit=limit, seed=seed)
+    sample = _given(limit=method.calibration_samples)
+    if method.calibration == "task":
+        if task is None:
+            method.check_calibration_source(task_allowed=False)
+        texts = glue.task_texts(task, glue_dir, "train", seed=seed, **sample)
     else:
-        texts = glue.load_texts(source, limit=limit, seed=seed)
-    return calibration_from_texts(model, tokenizer, texts, max_length=collab.get("calibration_max_length", 128))
+        texts = glue.load_texts(method.calibration, seed=seed, **sample)
+    log.info("calibrating on %d texts from %s", len(texts), method.calibration)
+    return calibration_from_texts(model, tokenizer, texts, **_given(max_length=method.calibration_max_length))
 
 
-def _keeps_full_size(rank, width: int) -> bool:
-    ranks = rank if isinstance(rank, (list, tuple)) else [rank]
-    return all(isinstance(r, int) and r == width for r in ranks)
-
-
-def reparametrize_stage(model, tokenizer, data, task: glue.GlueTask, settings: dict) -> ReparamReport:
-    """The ``reparam`` stage, in place: collaborative heads (``cp``, ``tucker``) or a baseline at the same
-    key/query size (``svd``: SVD-truncated heads; ``prune``: head pruning by importance on the training split)."""
-    collab, seed = settings["collab"], settings["seed"]
-    if collab["method"] == "svd":
-        return truncate_heads(model, collab["rank"])
-    if collab["method"] == "prune":
-        importance = head_importance(
-            model, data["train"], transformers.DataCollatorWithPadding(tokenizer),
-            samples=collab.get("importance_samples", 256), batch_size=collab.get("importance_batch_size", 32),
-            seed=seed,
+def reparametrize_stage(
+    model, tokenizer, method: MethodSettings, seed: int, *, task: glue.GlueTask | None = None, glue_dir=None,
+    train_data=None,
+) -> ReparamReport:
+    """The ``reparam`` stage, in place: collaborative heads (``cp``, ``tucker``; calibrated on ``collab.calibration``
+    when set) or a baseline at the same key/query size (``svd``: SVD-truncated heads; ``prune``: head pruning by
+    importance on ``train_data``, labelled task examples)."""
+    measured = {}
+    if method.method == "prune":
+        if train_data is None:
+            raise ValueError("collab=prune needs labelled task examples to score the heads on")
+        measured["importance"] = head_importance(
+            model, train_data, transformers.DataCollatorWithPadding(tokenizer), seed=seed,
+            **_given(samples=method.importance_samples, batch_size=method.importance_batch_size),
         )
-        return prune_heads(model, collab["rank"], importance)
-    calibration = calibrate(model, tokenizer, collab, task, settings["data"]["glue_dir"], seed)
-    solver_keys = ("solver", "init", "n_iter_max", "tol", "tucker_core_size")
-    options = {k: collab[k] for k in solver_keys if k in collab}
-    return reparametrize(model, collab_rank(collab), collab["method"], seed, calibration=calibration, **options)
+    elif method.calibrated:
+        measured["calibration"] = calibrate(model, tokenizer, method, seed, task, glue_dir)
+    return reparametrize(model, seed=seed, **method.reparametrize_kwargs(), **measured)
 
 
 def _summary_line(name: str, record: dict) -> str:
@@ -377,7 +320,7 @@ def run_job(settings: dict) -> list[dict]:
     if (out / RESULTS_FILE).is_file():
         print(f"[{name}] results exist in {out}; skipping")
         return read_results(out / RESULTS_FILE)
-    task, path = validate(settings)
+    task, path, method = validate(settings)
     out.mkdir(parents=True, exist_ok=True)
     scratch = out / f".scratch-{os.getpid()}"
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -390,13 +333,16 @@ def run_job(settings: dict) -> list[dict]:
         checkpoint, resumed = finetuned_checkpoint(settings, task, path, data, tokenizer)
         model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
         stages = ["finetuned"]
-        if settings["collab"]["method"] != "none":
+        if method.converts:
             stages += ["reparam", "refit"] if settings["refit"]["enabled"] else ["reparam"]
         report, history = None, []
         evaluate_model = functools.partial(evaluate, model, data, tokenizer, task, eval_batch, scratch / "eval")
         for stage in stages:
             if stage == "reparam":
-                report = reparametrize_stage(model, tokenizer, data, task, settings)
+                report = reparametrize_stage(
+                    model, tokenizer, method, settings["seed"], task=task, glue_dir=settings["data"]["glue_dir"],
+                    train_data=data["train"],
+                )
             elif stage == "refit":
                 refit = {**settings["trainer"], **settings["refit"]}
                 run = train(
@@ -408,7 +354,10 @@ def run_job(settings: dict) -> list[dict]:
                 finetuned_metrics(settings, checkpoint, evaluate_model) if stage == "finetuned" else evaluate_model()
             )
             # a stage that resumed interrupted training also counts the time of the runs before it
-            record = stage_record(settings, task, stage, metrics, model, report, time.perf_counter() - start + resumed)
+            record = stage_record(
+                stage, task, settings["model"] + _weights_suffix(settings), method, settings["seed"], metrics, model,
+                report, time.perf_counter() - start + resumed,
+            )
             start, resumed = time.perf_counter(), 0.0
             records.append(record)
             tracker.log_stage(record, history)
