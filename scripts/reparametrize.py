@@ -1,4 +1,4 @@
-"""Convert a pretrained BERT-family checkpoint to collaborative attention (or SVD-truncated heads), check it, save it.
+"""Convert a pretrained checkpoint to collaborative attention (or SVD-truncated heads), check it, save it.
 
     python scripts/reparametrize.py                                   # MiniLM, CP, rank 192
     python scripts/reparametrize.py collab=tucker collab.rank=128 output_dir=outputs/tucker128 overwrite=true
@@ -6,10 +6,15 @@
     python scripts/reparametrize.py model=path/to/checkpoint 'collab.rank=[384,256,256,192,192,128]'
     python scripts/reparametrize.py collab.budget=mean:128                   # per-layer ranks, same size as 128
     python scripts/reparametrize.py collab.calibration=../shared/data/glue/SST-2/train.tsv   # activation-aware
+    python scripts/reparametrize.py model=path/to/gpt2-checkpoint collab.rank=192            # a decoder
 
 The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
 labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
 ``collab=none`` converts nothing.
+
+Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
+RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
+(``max_new_tokens``, decoded with the key/value cache): how many tokens agree before the first difference.
 
 Everything is validated before anything is written. The converted model (task head kept), its tokenizer and
 ``reparam_report.json`` (the per-layer report, the comparison with the original model, the settings) are
@@ -37,6 +42,7 @@ from collab_attn.models.checkpoints import (
     prepare_output_dir,
     resolve_model,
 )
+from collab_attn.models.families import family_of
 from collab_attn.models.settings import MethodSettings
 
 log = logging.getLogger("reparametrize")
@@ -78,6 +84,36 @@ def compare(original, converted, tokenizer, sentences) -> dict:
     return result
 
 
+def is_decoder(model) -> bool:
+    return family_of(model.config).decoder or bool(getattr(model.config, "is_decoder", False))
+
+
+@torch.no_grad()
+def compare_generation(original, converted, tokenizer, prompts, max_new_tokens: int) -> dict:
+    """Per prompt (no padding): max |difference| of the logits, and the greedy continuations of both models with how
+    many new tokens agree before the first difference."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")
+        logits = [m.eval()(**ids, use_cache=False).logits for m in (original, converted)]
+        start = ids["input_ids"].shape[1]
+        tokens = [
+            m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)[0, start:]
+            for m in (original, converted)
+        ]
+        differ = (tokens[0] != tokens[1]).nonzero()
+        rows.append({
+            "prompt": prompt,
+            "logits_max_abs_diff": (logits[0] - logits[1]).abs().max().item(),
+            "same_tokens_before_first_difference": int(differ[0, 0]) if len(differ) else len(tokens[0]),
+            "new_tokens": len(tokens[0]),
+            "original": tokenizer.decode(tokens[0]),
+            "converted": tokenizer.decode(tokens[1]),
+        })
+    return {"prompts": rows, "max_abs_diff": max(r["logits_max_abs_diff"] for r in rows)}
+
+
 def run(cfg: DictConfig) -> dict:
     """Convert ``cfg.model``, compare it with the original, save it to ``cfg.output_dir``; return the report."""
     settings = OmegaConf.to_container(cfg, resolve=True)  # resolve once: the default output_dir has a timestamp
@@ -96,19 +132,29 @@ def run(cfg: DictConfig) -> dict:
     )
     print(report.table())
 
-    comparison = compare(original, model, tokenizer, settings["compare_sentences"])
+    if is_decoder(model):
+        comparison = compare_generation(
+            original, model, tokenizer, settings["compare_prompts"], settings["max_new_tokens"]
+        )
+        for row in comparison["prompts"]:
+            print(f"\n{row['prompt']!r}: logits |diff| max {row['logits_max_abs_diff']:.3e}; "
+                  f"{row['same_tokens_before_first_difference']}/{row['new_tokens']} greedy tokens agree"
+                  f"\n  original:  {row['original']!r}\n  converted: {row['converted']!r}")
+    else:
+        comparison = compare(original, model, tokenizer, settings["compare_sentences"])
     comparison.update(
         model_params_before=report.model_params_before, model_params_after=report.model_params_after,
         attention_params_before=report.attention_params_before,
         attention_params_after=report.attention_params_after,
     )
     logits = comparison.get("logits_max_abs_diff")
-    print(
-        f"\nconverted vs original on {comparison['sentences']} sentences ({comparison['tokens']} tokens, "
-        f"{comparison['padding_tokens']} padding): last hidden state |diff| "
-        f"max {comparison['max_abs_diff']:.3e}, mean {comparison['mean_abs_diff']:.3e}"
-        + ("" if logits is None else f"; logits |diff| max {logits:.3e}")
-    )
+    if "sentences" in comparison:
+        print(
+            f"\nconverted vs original on {comparison['sentences']} sentences ({comparison['tokens']} tokens, "
+            f"{comparison['padding_tokens']} padding): last hidden state |diff| "
+            f"max {comparison['max_abs_diff']:.3e}, mean {comparison['mean_abs_diff']:.3e}"
+            + ("" if logits is None else f"; logits |diff| max {logits:.3e}")
+        )
     print(
         f"parameters: model {comparison['model_params_before']:,} -> {comparison['model_params_after']:,}, "
         f"attention {comparison['attention_params_before']:,} -> {comparison['attention_params_after']:,}"

@@ -83,3 +83,15 @@ def random_batch(lengths=(11, 7, 3), vocab=120, seed=0) -> dict[str, torch.Tenso
     input_ids = torch.randint(5, vocab, (len(lengths), max(lengths)), generator=g)
     attention_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def character_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A tokenizer of lowercase letters and space, one token per character (ids 3-29; 0 pad, 1 bos, 2 eos)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, " ": 3, **{chr(97 + i): 4 + i for i in range(26)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )

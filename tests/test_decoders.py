@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import transformers
+from conftest import character_tokenizer
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
@@ -166,22 +167,10 @@ def test_save_and_load_round_trip(tmp_path, family, method):
 def test_text_generation_pipeline_runs_on_a_saved_decoder(tmp_path):
     model = converted(decoder("gpt2"), 12, n_iter_max=3)
     model.save_pretrained(tmp_path)
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_character_tokenizer(), bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
-    tokenizer.save_pretrained(tmp_path)
+    character_tokenizer().save_pretrained(tmp_path)
     generate = transformers.pipeline("text-generation", model=str(tmp_path), device="cpu")
     text = generate("abc", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert text.startswith("abc") and len(text) > 3
-
-
-def _character_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{chr(97 + i): 3 + i for i in range(26)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return tokenizer
 
 
 # Spelled out rather than taken from the library, so that a name dropped there fails here.

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from conftest import character_tokenizer
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import collab_attn
 from collab_attn.models.checkpoints import (
@@ -140,6 +142,29 @@ def test_svd_writes_a_checkpoint_like_cp(tmp_path, minilm_path):
     with torch.no_grad():
         expected, got = converted(**batch).last_hidden_state, reloaded(**batch).last_hidden_state
     assert torch.allclose(expected, got, rtol=0, atol=1e-6)
+
+
+def test_a_decoder_is_compared_on_greedy_continuations(tmp_path):
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "gpt2"
+    config = transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=40, n_positions=64,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(checkpoint)
+    character_tokenizer().save_pretrained(checkpoint)
+    prompts = "compare_prompts=[the cat sat,once upon a time]"
+    exact = script.run(config_for_decoder(checkpoint, tmp_path / "exact", "collab.rank=48", prompts))
+    assert [row["same_tokens_before_first_difference"] for row in exact["comparison"]["prompts"]] == [20, 20]
+    assert exact["comparison"]["max_abs_diff"] < 1e-4
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "exact")).__name__ == "CollabGPT2LMHeadModel"
+
+    reduced = script.run(config_for_decoder(checkpoint, tmp_path / "reduced", "collab.rank=12", prompts))
+    rows = reduced["comparison"]["prompts"]
+    assert len(rows) == 2 and all(0 <= row["same_tokens_before_first_difference"] <= 20 for row in rows)
+    assert reduced["comparison"]["max_abs_diff"] > 1e-4 and rows[0]["original"] and rows[0]["converted"]
+
+
+def config_for_decoder(checkpoint, out, *overrides):
+    return config(f"model={checkpoint}", f"output_dir={out}", "collab.n_iter_max=3", *overrides)
 
 
 def test_calibration_texts_from_a_file(tmp_path):
