@@ -143,3 +143,31 @@ def test_half_precision_model_converts_in_its_own_dtype():
     with torch.no_grad():
         after = model(**batch).logits.float()
     torch.testing.assert_close(after, before, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("method, rank", [("cp", 96), ("svd", 96)])
+def test_a_converted_gpt2_decodes_on_the_gpu_as_on_the_cpu(method, rank):
+    """GPT-2 converted on the GPU: cached decoding equals recomputation, and greedy generation with the cache gives
+    the tokens it gives without the cache and on the CPU."""
+    from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=384, n_layer=2, n_head=12, vocab_size=1000, n_positions=128, pad_token_id=0)
+    cpu = AutoModelForCausalLM.from_config(config).eval()
+    gpu = AutoModelForCausalLM.from_config(config).eval().to(GPU)
+    gpu.load_state_dict(cpu.state_dict())
+    options = {"n_iter_max": 5} if method == "cp" else {}
+    for model in (cpu, gpu):
+        reparametrize(model, rank, method, progress=False, **options)
+    ids = torch.randint(5, 1000, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = gpu(ids.to(GPU), use_cache=False).logits
+        cache = DynamicCache()
+        pieces = [gpu(ids[:, :8].to(GPU), cache=cache, use_cache=True).logits]
+        pieces += [gpu(ids[:, i:i + 1].to(GPU), cache=cache, use_cache=True).logits for i in range(8, 12)]
+        torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(full.cpu(), cpu(ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
+    settings = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    with_cache = gpu.generate(ids.to(GPU), use_cache=True, **settings)
+    assert torch.equal(with_cache, gpu.generate(ids.to(GPU), use_cache=False, **settings))
+    assert torch.equal(with_cache.cpu(), cpu.generate(ids, **settings))
