@@ -5,6 +5,8 @@ The model is a randomly initialized BERT of MiniLM's shape (hidden 384, 12 heads
 neither the packaged checkpoint nor a network.
 """
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
@@ -154,8 +156,7 @@ def test_a_converted_gpt2_decodes_on_the_gpu_as_on_the_cpu(method, rank):
     torch.manual_seed(0)
     config = GPT2Config(n_embd=384, n_layer=2, n_head=12, vocab_size=1000, n_positions=128, pad_token_id=0)
     cpu = AutoModelForCausalLM.from_config(config).eval()
-    gpu = AutoModelForCausalLM.from_config(config).eval().to(GPU)
-    gpu.load_state_dict(cpu.state_dict())
+    gpu = copy.deepcopy(cpu).to(GPU)
     options = {"n_iter_max": 5} if method == "cp" else {}
     for model in (cpu, gpu):
         reparametrize(model, rank, method, progress=False, **options)
