@@ -1,0 +1,157 @@
+"""Convert a trained character model (concatenated heads) at smaller query/key sizes, then re-train it briefly.
+
+For each method and key size: load the trained model, convert it with ``collab_attn.reparametrize``, measure the
+validation loss (the fixed validation blocks of ``collab_attn.lm.data``), re-train it for ``retrain_fraction`` of
+the recipe's iterations (same recipe otherwise: warm-up, cosine schedule over the shorter run, batch, clipping;
+training blocks drawn with ``seed + 1``, evaluation every quarter of the re-training) and sample text with the
+cache before and after. Methods:
+
+- ``cp``: CP decomposition of the stacked head products (collaborative heads);
+- ``cp-aware``: the same fitted to the attention logits on training text (``collect_calibration`` over
+  ``calibration_blocks`` training blocks);
+- ``svd``: SVD-truncated concatenated heads of query/key size ``key_size / n_head``;
+- ``prune``: head pruning within the same query/key parameters, heads ranked by Michel et al.'s importance on
+  ``importance_samples`` training blocks (the model's own next-character loss);
+- ``none``: no conversion, only the re-training (a control: what the extra iterations alone give).
+
+Each (method, key size) writes ``<output_dir>/runs/<method>-k<key size>.json`` atomically and is skipped when it
+exists.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import default_data_collator
+
+import collab_attn
+from collab_attn.files import write_text_atomic
+from collab_attn.lm import data as lm_data
+from collab_attn.lm.models import cache_bytes, parameter_counts
+from collab_attn.lm.runs import learning_curve, recipe_fields, train_model, use_bf16
+from collab_attn.lm.sampling import sample_text
+from collab_attn.models.calibration import collect_calibration
+from collab_attn.models.importance import head_importance
+
+METHODS = ("none", "cp", "cp-aware", "svd", "prune")
+RESULT_VERSION = 1
+
+
+@torch.no_grad()
+def validation_loss(model, blocks: lm_data.Blocks, batch_size: int, bf16: bool) -> float:
+    """Mean next-character loss over ``blocks`` (the Trainer's evaluation: the mean of equal-size batch means)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    losses = []
+    try:
+        for begin in range(0, len(blocks), batch_size):
+            items = [blocks[i] for i in range(begin, min(begin + batch_size, len(blocks)))]
+            batch = {k: v.to(device) for k, v in default_data_collator(items).items()}
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                losses.append(float(model(**batch).loss) * len(items))
+    finally:
+        model.train(was_training)
+    return sum(losses) / len(blocks)
+
+
+def load_trained(model_dir: str | Path, corpus: lm_data.CharCorpus):
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"no trained model at {model_dir}: train it first (scripts/train_lm.py) or pass "
+                                "model_dir=<folder>")
+    vocab = json.loads((model_dir / "vocab.json").read_text()) if (model_dir / "vocab.json").is_file() else None
+    if vocab is not None and vocab != corpus.chars:
+        raise ValueError(f"{model_dir} was trained on another vocabulary than {len(corpus.chars)} characters here")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    if getattr(model.config, "collab_ranks", None):
+        raise ValueError(f"{model_dir} is already converted; start from a concatenated-heads model")
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def convert(model, method: str, key_size: int, corpus, settings: dict, seed: int):
+    """Convert ``model`` in place; returns the report (None for ``none``)."""
+    if method == "none":
+        return None
+    if method == "cp-aware":
+        blocks = lm_data.Blocks(corpus.train, settings["block_size"], settings["calibration_blocks"], seed)
+        cal = collect_calibration(model, lm_data.input_batches(blocks, 64, len(blocks)))
+        return collab_attn.reparametrize(model, key_size, method="cp", seed=seed, calibration=cal, progress=False)
+    if method == "prune":
+        blocks = lm_data.Blocks(corpus.train, settings["block_size"], settings["importance_samples"], seed)
+        scores = head_importance(model, blocks, default_data_collator, samples=len(blocks), batch_size=64, seed=seed)
+        return collab_attn.reparametrize(model, key_size, method="prune", importance=scores, progress=False)
+    return collab_attn.reparametrize(model, key_size, method=method, seed=seed, progress=False)
+
+
+def plan(settings: dict) -> list[tuple[str, int]]:
+    methods = list(settings["methods"])
+    bad = sorted(set(methods) - set(METHODS))
+    if bad or not methods:
+        raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {methods}")
+    d = settings["model"]["n_embd"]
+    keys = [d // 2, d // 4, d // 8] if settings.get("key_sizes") is None else [int(k) for k in settings["key_sizes"]]
+    return [(m, d if m == "none" else k) for m in methods for k in (keys[:1] if m == "none" else keys)]
+
+
+def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
+    """Every (method, key size) in ``settings`` (the resolved ``configs/convert_lm.yaml``) without a result yet."""
+    runs = plan(settings)
+    fields = recipe_fields(settings, progress)
+    fraction = float(settings["retrain_fraction"])
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"retrain_fraction must be in [0, 1], got {fraction}")
+    retrain_steps = math.ceil(fraction * fields["max_steps"])
+    if settings.get("threads"):
+        torch.set_num_threads(int(settings["threads"]))
+    corpus = lm_data.load_corpus(settings["data"]["path"])
+    seed, bf16 = int(settings["seed"]), use_bf16(settings.get("bf16", "auto"))
+    batch = fields["per_device_eval_batch_size"]
+    val = lm_data.val_blocks(corpus, settings["block_size"], batch, settings["eval_iters"])
+    out = Path(settings["output_dir"])
+    original = load_trained(settings["model_dir"], corpus)
+    base = {
+        "version": RESULT_VERSION, "model_dir": str(settings["model_dir"]), "recipe": settings.get("recipe_name"),
+        "original_val_loss": validation_loss(original, val, batch, bf16),
+        "original_parameters": parameter_counts(original), "original_cache_bytes_per_token_bf16": cache_bytes(original),
+        "retrain_steps": retrain_steps, "seed": seed,
+    }
+    print(f"original model: val loss {base['original_val_loss']:.4f}", flush=True)
+    records = []
+    for number, (method, key) in enumerate(runs, 1):
+        name = f"{method}-k{key}"
+        path = out / "runs" / f"{name}.json"
+        if path.exists():
+            print(f"[{number}/{len(runs)}] {name}: done already, skipping", flush=True)
+            records.append(json.loads(path.read_text()))
+            continue
+        print(f"[{number}/{len(runs)}] {name}", flush=True)
+        model = load_trained(settings["model_dir"], corpus)
+        report = convert(model, method, key, corpus, settings, seed)
+        record = {
+            **base, "name": name, "method": method, "key_size": key,
+            "relative_error": report.mean_relative_error if report is not None else 0.0,
+            "convert_seconds": report.seconds if report is not None else 0.0,
+            "parameters": parameter_counts(model), "cache_bytes_per_token_bf16": cache_bytes(model),
+            "converted_val_loss": validation_loss(model, val, batch, bf16),
+            "converted_sample": sample_text(model, corpus, settings["sample_chars"], seed),
+        }
+        if retrain_steps:
+            steps = {"max_steps": retrain_steps, "eval_steps": max(1, retrain_steps // 4)}
+            run, _ = train_model(settings, corpus, model, seed + 1, out / ".checkpoints" / name, progress, steps)
+            curve = learning_curve(run.history)
+            record.update({
+                "retrain_curve": curve, "retrained_val_loss": curve[-1]["val_loss"],
+                "retrained_best_val_loss": min(p["val_loss"] for p in curve), "retrain_seconds": run.seconds,
+                "retrained_sample": sample_text(model, corpus, settings["sample_chars"], seed),
+            })
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+        print(f"{name}: val loss {record['converted_val_loss']:.4f} converted, "
+              f"{record.get('retrained_val_loss', float('nan')):.4f} re-trained", flush=True)
+        records.append(record)
+    return records

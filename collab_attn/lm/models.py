@@ -1,0 +1,104 @@
+"""The GPT-2-architecture character models: nanoGPT's GPT as a ``GPT2LMHeadModel`` config (tied embeddings, GELU,
+dropout on embeddings, attention and residuals), and the same architecture with a smaller query/key size.
+
+``kind`` and ``key_size`` (the query/key width of a layer, D_k for concatenated heads, D~ for collaborative ones):
+
+- ``concat`` at ``key_size = n_embd``: the plain ``GPT2LMHeadModel`` (nanoGPT's model);
+- ``concat`` below it: concatenated heads of query/key head size ``key_size / n_head`` (values keep ``n_embd /
+  n_head``), the library's ``collab_method="svd"`` layout built from a config;
+- ``collab``: collaborative heads with shared query/key projections of width ``key_size`` and one mixing vector per
+  head, started ``random`` (N(0, 1)) or at ``ones`` (``collab_method="cp"``).
+
+Both converted layouts keep GPT-2's logit scale ``1 / sqrt(n_embd / n_head)`` and replace the query/key biases by a
+per-head content bias (the key bias never changes a softmax row). GPT-2 initializes its attention output projection
+with std ``0.02 / sqrt(2 n_layer)`` and its biases at zero; ``build_model`` does the same for the converted layers
+so that every variant starts alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import transformers
+
+from collab_attn.models.hf import _COLLAB_CONFIGS, attention_parameters
+from collab_attn.models.layers import ConvertedSelfAttention
+
+KINDS = ("concat", "collab")
+MIXING_INITS = ("random", "ones")
+MODEL_KEYS = ("n_layer", "n_head", "n_embd", "dropout")
+
+
+def gpt_config(
+    vocab_size: int,
+    block_size: int,
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    dropout: float = 0.0,
+    kind: str = "concat",
+    key_size: int | None = None,
+    mixing_init: str = "random",
+) -> transformers.GPT2Config:
+    """The config of one variant; bad combinations raise ``ValueError``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
+    if n_embd % n_head:
+        raise ValueError(f"n_embd={n_embd} is not a multiple of n_head={n_head}")
+    key_size = n_embd if key_size is None else int(key_size)
+    if not 0 < key_size <= n_embd:
+        raise ValueError(f"key_size must be in 1..n_embd={n_embd}, got {key_size}")
+    common = dict(
+        vocab_size=vocab_size, n_positions=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, activation_function="gelu",
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    if kind == "concat" and key_size == n_embd:
+        return transformers.GPT2Config(**common)
+    if kind == "concat":
+        if key_size % n_head:
+            raise ValueError(f"concatenated heads need key_size a multiple of n_head={n_head}, got {key_size}")
+        return _COLLAB_CONFIGS["gpt2"](**common, collab_method="svd", collab_ranks=[key_size] * n_layer)
+    if mixing_init not in MIXING_INITS:
+        raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
+    return _COLLAB_CONFIGS["gpt2"](
+        **common, collab_method="cp", collab_ranks=[key_size] * n_layer, collab_mixing_init=mixing_init
+    )
+
+
+def build_model(config: transformers.GPT2Config, seed: int) -> transformers.PreTrainedModel:
+    """A freshly initialized model for ``config`` (seeded), converted layers initialized as GPT-2's."""
+    transformers.set_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    std = config.initializer_range / math.sqrt(2 * config.n_layer)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, ConvertedSelfAttention):
+                module.output.weight.normal_(0.0, std)
+                content = getattr(module, "content_bias", None)
+                if content is not None:
+                    content.weight.zero_()
+    return model
+
+
+def key_size_of(model) -> int:
+    """The query/key width of the model's first attention layer."""
+    ranks = getattr(model.config, "collab_ranks", None)
+    return int(ranks[0]) if ranks else model.config.n_embd
+
+
+def parameter_counts(model) -> dict[str, int]:
+    """All parameters (tied embeddings once), those of attention, and those forming the attention scores."""
+    return {"total": sum(p.numel() for p in model.parameters()), **attention_parameters(model)}
+
+
+def cache_bytes(model, dtype_bytes: int = 2) -> int:
+    """Key/value cache bytes per token over all layers, as the library's cache stores them
+    (``collab_attn.models.layers``; ``collab_attn.analysis.accounting.cache_bytes_per_token`` per layer): plain
+    GPT-2 caches ``2 x n_embd`` numbers per layer; a converted layer its key of width ``key_size`` plus one
+    content-bias logit per head, and the ``n_embd`` values."""
+    config = model.config
+    ranks = getattr(config, "collab_ranks", None)
+    keys = [rank + config.n_head for rank in ranks] if ranks else [config.n_embd] * config.n_layer
+    return sum((k + config.n_embd) * dtype_bytes for k in keys)

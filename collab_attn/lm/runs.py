@@ -1,0 +1,219 @@
+"""Training runs on Tiny Shakespeare through the library's one training path (``collab_attn.training.train``).
+
+A run is one (attention kind, key size, mixing init, seed) trained with one recipe (``configs/lm_recipe/``): the
+Trainer's AdamW, linear warm-up then cosine decay to ``min_lr``, gradient clipping, bf16 autocast where the GPU has
+it. The validation blocks are evaluated at step 0, every ``eval_steps`` and at the end; the best validation loss is
+the minimum over those evaluations (nanoGPT's ``best_val_loss``). Each run writes ``<output_dir>/runs/<name>.json``
+atomically when it has finished and is skipped when that file exists; with ``checkpoint_every`` an interrupted run
+continues from its last checkpoint. Models named in ``save_models`` are saved under ``<output_dir>/models/<name>``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import default_data_collator
+
+from collab_attn.files import write_text_atomic
+from collab_attn.lm import data as lm_data
+from collab_attn.lm.models import KINDS, MODEL_KEYS, build_model, cache_bytes, gpt_config, parameter_counts
+from collab_attn.lm.sampling import sample_text
+from collab_attn.training import train, training_args
+
+RESULT_VERSION = 1
+LOSS_KEYS = ("loss", "eval_loss")
+
+
+def use_bf16(setting) -> bool:
+    """``bf16: auto`` means bf16 autocast on a CUDA GPU that supports it, float32 elsewhere."""
+    if setting == "auto":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return bool(setting)
+
+
+def recipe_fields(settings: dict, progress: bool = True) -> dict:
+    """TrainingArguments fields of every run: the recipe's ``trainer`` plus evaluation at step 0 and every
+    ``eval_steps``, batches read in order (they were drawn with the seed), loss-only evaluation, and every key of
+    a block kept (the Trainer would drop ``shift_labels``, not being a ``forward`` argument, and the model would
+    then shift the targets once more and learn to predict the character after next). Raises
+    ``ValueError`` on anything TrainingArguments refuses."""
+    fields = dict(settings["trainer"])
+    for key in ("max_steps", "eval_steps", "per_device_train_batch_size"):
+        if not isinstance(fields.get(key), int) or fields[key] <= 0:
+            raise ValueError(f"trainer.{key} must be a positive integer, got {fields.get(key)!r}")
+    if fields.get("gradient_accumulation_steps", 1) != 1:
+        raise ValueError("gradient_accumulation_steps is not supported: the blocks are drawn per optimizer step")
+    fields = {
+        "logging_steps": fields["eval_steps"], "per_device_eval_batch_size": fields["per_device_train_batch_size"],
+        **fields, "eval_strategy": "steps", "eval_on_start": True, "train_sampling_strategy": "sequential",
+        "prediction_loss_only": True, "remove_unused_columns": False, "disable_tqdm": not progress,
+        "bf16": use_bf16(settings.get("bf16", "auto")),
+    }
+    try:
+        training_args(Path(settings["output_dir"]) / ".checkpoints", 0, fields, settings.get("checkpoint_every"))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"bad trainer settings: {err}") from err
+    return fields
+
+
+def run_name(kind: str, key_size: int, seed: int, mixing_init: str = "random") -> str:
+    mixing = "-ones" if kind == "collab" and mixing_init == "ones" else ""
+    return f"{kind}{mixing}-k{key_size}-seed{seed}"
+
+
+def signature(settings: dict) -> dict:
+    """What must agree for a stored run to be reused: everything that changes a run except its kind, key size,
+    mixing and seed (not the output folder, checkpointing, threads, progress bars or bf16 'auto')."""
+    trainer = {k: v for k, v in settings["trainer"].items() if k not in ("disable_tqdm", "dataloader_num_workers")}
+    return {
+        "version": RESULT_VERSION,
+        "data": Path(settings["data"]["path"]).name,
+        "model": {k: settings["model"][k] for k in MODEL_KEYS},
+        "block_size": settings["block_size"],
+        "eval_iters": settings["eval_iters"],
+        "trainer": trainer,
+    }
+
+
+def check_model_settings(settings: dict) -> None:
+    unknown = sorted(set(settings["model"]) - set(MODEL_KEYS))
+    if unknown:
+        raise ValueError(f"unknown model settings {unknown}; choose from {MODEL_KEYS}")
+
+
+def learning_curve(history: Sequence[dict]) -> list[dict]:
+    """One point per evaluation of a Trainer log history: step, validation loss, and the train loss and learning
+    rate logged at that step (None where nothing was). A step evaluated twice (resumed runs) keeps its last."""
+    logged = {entry["step"]: entry for entry in history if "loss" in entry}
+    points = {}
+    for entry in history:
+        if "eval_loss" in entry:
+            train_log = logged.get(entry["step"], {})
+            points[entry["step"]] = {"step": entry["step"], "val_loss": entry["eval_loss"],
+                                     "train_loss": train_log.get("loss"), "lr": train_log.get("learning_rate")}
+    return [points[s] for s in sorted(points)]
+
+
+def train_model(settings: dict, corpus, model, seed: int, checkpoints: Path, progress: bool = True,
+                overrides: dict | None = None):
+    """Train ``model`` with the recipe in ``settings`` (``overrides``: TrainingArguments fields that replace the
+    recipe's, e.g. a shorter ``max_steps`` with the schedule over that many steps); returns the ``TrainingRun`` and
+    the training tokens it processed."""
+    fields = {**recipe_fields(settings, progress), **(overrides or {})}
+    batch, block = fields["per_device_train_batch_size"], settings["block_size"]
+    blocks = lm_data.train_blocks(corpus, block, batch, fields["max_steps"], seed)
+    val = lm_data.val_blocks(corpus, block, fields["per_device_eval_batch_size"], settings["eval_iters"])
+    run = train(model, blocks, default_data_collator, fields, seed, checkpoints, settings.get("checkpoint_every"),
+                eval_dataset=val)
+    return run, fields["max_steps"] * batch * block
+
+
+def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progress: bool = True) -> dict:
+    """Train one variant (or read its stored result) and return its record."""
+    out = Path(settings["output_dir"])
+    mixing = settings.get("mixing_init", "random")
+    name = run_name(kind, key_size, seed, mixing)
+    path = out / "runs" / f"{name}.json"
+    sig = signature(settings)
+    if path.exists():
+        record = json.loads(path.read_text())
+        if record.get("signature") != sig:
+            raise ValueError(f"{path} was made with different settings; use another output_dir or delete it")
+        print(f"{name}: done already (best val loss {record['best_val_loss']:.4f}), skipping", flush=True)
+        return record
+    config = gpt_config(corpus.vocab_size, settings["block_size"], **settings["model"], kind=kind,
+                        key_size=key_size, mixing_init=mixing)
+    model = build_model(config, seed)
+    if torch.cuda.is_available():
+        model.cuda()
+    run, tokens = train_model(settings, corpus, model, seed, out / ".checkpoints" / name, progress)
+    curve = learning_curve(run.history)
+    eval_seconds = sum(entry.get("eval_runtime", 0.0) for entry in run.history)
+    train_seconds = run.seconds - eval_seconds
+    best = min(curve, key=lambda p: p["val_loss"])
+    record = {
+        "name": name, "attention": kind, "key_size": key_size, "mixing_init": mixing if kind == "collab" else None,
+        "seed": seed, "recipe": settings.get("recipe_name"), "signature": sig,
+        "parameters": parameter_counts(model), "cache_bytes_per_token_bf16": cache_bytes(model, 2),
+        "best_val_loss": best["val_loss"], "best_step": best["step"], "final_val_loss": curve[-1]["val_loss"],
+        "curve": curve, "train_seconds": train_seconds, "resumed_seconds": run.resumed_seconds,
+        "tokens_per_second": tokens / train_seconds if train_seconds > 0 else None,
+        "bf16": use_bf16(settings.get("bf16", "auto")),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "threads": torch.get_num_threads(),
+        "sample": sample_text(model, corpus, settings.get("sample_chars", 300), seed),
+    }
+    if any(fnmatch.fnmatch(name, pattern) for pattern in settings.get("save_models") or []):
+        model.save_pretrained(out / "models" / name)
+        write_text_atomic(out / "models" / name / "vocab.json", json.dumps(corpus.chars) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+    log_to_tracker(settings, record)
+    print(f"{name}: best val loss {record['best_val_loss']:.4f} at step {best['step']}, "
+          f"{record['tokens_per_second'] or 0:,.0f} tokens/s", flush=True)
+    return record
+
+
+def log_to_tracker(settings: dict, record: dict) -> None:
+    """``logger=wandb``: one W&B run per training run (offline unless ``WANDB_MODE``/``logger.mode`` says
+    otherwise) with the learning curve and the summary numbers."""
+    logger = settings.get("logger") or {}
+    if logger.get("name") != "wandb":
+        return
+    import wandb
+
+    run = wandb.init(project=logger.get("project", "collab-attn"), entity=logger.get("entity"),
+                     name=f"{record['recipe']}-{record['name']}", group=f"shakespeare_char-{record['recipe']}",
+                     tags=logger.get("tags") or None, config=record["signature"],
+                     mode=logger.get("mode") or os.environ.get("WANDB_MODE", "offline"),
+                     dir=str(settings["output_dir"]), reinit="finish_previous")
+    for point in record["curve"]:
+        run.log({k: v for k, v in point.items() if v is not None}, step=point["step"])
+    run.summary.update({k: record[k] for k in ("best_val_loss", "tokens_per_second", "cache_bytes_per_token_bf16")})
+    run.finish()
+
+
+def key_sizes_for(n_embd: int, key_sizes: Sequence[int] | None) -> list[int]:
+    """As given, or ``n_embd``, ``/2``, ``/4``, ``/8``."""
+    return [n_embd // div for div in (1, 2, 4, 8)] if key_sizes is None else [int(k) for k in key_sizes]
+
+
+def plan(settings: dict) -> list[tuple[str, int, int]]:
+    """(kind, key size, seed) of every sweep run, seed by seed, largest key first, concatenated first."""
+    kinds = list(settings["kinds"])
+    bad = sorted(set(kinds) - set(KINDS))
+    if bad or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
+    seeds = [int(s) for s in settings["seeds"]]
+    if not seeds:
+        raise ValueError("seeds is empty")
+    keys = key_sizes_for(settings["model"]["n_embd"], settings.get("key_sizes"))
+    return [(kind, key, seed) for seed in seeds for key in keys for kind in kinds]
+
+
+def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> None:
+    """Every setting and every run's model config, before any training."""
+    check_model_settings(settings)
+    recipe_fields(settings)
+    for kind, key, _ in runs:
+        gpt_config(2, settings["block_size"], **settings["model"], kind=kind, key_size=key,
+                   mixing_init=settings.get("mixing_init", "random"))
+
+
+def run_many(settings: dict, runs: Sequence[tuple[str, int, int]], progress: bool = True) -> list[dict]:
+    """Train (or skip) each of ``runs`` in turn; returns their records."""
+    validate(settings, runs)
+    if settings.get("threads"):
+        torch.set_num_threads(int(settings["threads"]))
+    corpus = lm_data.load_corpus(settings["data"]["path"])
+    records = []
+    for number, (kind, key, seed) in enumerate(runs, 1):
+        print(f"[{number}/{len(runs)}] {run_name(kind, key, seed, settings.get('mixing_init', 'random'))}",
+              flush=True)
+        records.append(train_run(settings, corpus, kind, key, seed, progress))
+    return records

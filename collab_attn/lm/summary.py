@@ -1,0 +1,193 @@
+"""Tables, learning curves and samples of the Tiny Shakespeare runs, from their result JSONs.
+
+Layout read (``experiments/shakespeare_char/``): ``<recipe>/runs/*.json`` (from scratch, ``collab_attn.lm.runs``)
+and ``<recipe>/convert/runs/*.json`` (conversions, ``collab_attn.lm.convert``) for each recipe folder found.
+``write_summary`` writes ``curves_<recipe>.png`` per recipe and replaces the part of ``README.md`` between
+``RESULTS_BEGIN`` and ``RESULTS_END`` (appended when missing) with the tables and samples; the rest of the README
+is left as written.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from collab_attn.files import replacing, write_text_atomic
+
+NANOGPT = {"gpu": 1.4697, "cpu": 1.88}  # nanoGPT's README: best val loss of its two shakespeare_char configs
+RESULTS_BEGIN = "<!-- results: written by scripts/summarize_lm.py -->"
+RESULTS_END = "<!-- end of results -->"
+METHOD_ORDER = ("none", "cp", "cp-aware", "svd", "prune")
+
+
+def read_runs(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def variant(record: dict) -> str:
+    return "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
+
+
+def _groups(records: Sequence[dict]) -> dict[tuple[str, int], list[dict]]:
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for record in records:
+        groups.setdefault((variant(record), record["key_size"]), []).append(record)
+    return dict(sorted(groups.items(), key=lambda item: (-item[0][1], item[0][0])))
+
+
+def scratch_table(records: Sequence[dict]) -> str:
+    """One row per (attention, key size): best validation loss mean ± std over seeds, and the sizes."""
+    lines = [
+        "| attention | key size | q/k params | params | KV cache bytes/token (bf16) | best val loss | final val loss "
+        "| seeds | tokens/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for (kind, key), runs in _groups(records).items():
+        best, best_std = _mean_std([r["best_val_loss"] for r in runs])
+        final, final_std = _mean_std([r["final_val_loss"] for r in runs])
+        speed = [r["tokens_per_second"] for r in runs if r.get("tokens_per_second")]
+        p, cache = runs[0]["parameters"], runs[0]["cache_bytes_per_token_bf16"]
+        lines.append(
+            f"| {kind} | {key} | {p['query_key_params']:,} | {p['total']:,} | {cache:,} "
+            f"| {best:.4f} ± {best_std:.4f} | {final:.4f} ± {final_std:.4f} "
+            f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} "
+            f"| {statistics.fmean(speed) if speed else float('nan'):,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def conversion_table(records: Sequence[dict]) -> str:
+    """One row per (method, key size): validation loss converted and re-trained, next to the original's."""
+    if not records:
+        return ""
+    first = records[0]
+    p = first["original_parameters"]
+    lines = [
+        f"Original model (`{first['model_dir']}`): val loss {first['original_val_loss']:.4f}, q/k params "
+        f"{p['query_key_params']:,}, KV cache {first['original_cache_bytes_per_token_bf16']:,} bytes/token. "
+        f"Re-training: {first['retrain_steps']} iterations.",
+        "",
+        "| method | key size | q/k params | KV cache bytes/token | rel. error | val loss converted "
+        "| val loss re-trained (final / best) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = sorted(records, key=lambda r: (METHOD_ORDER.index(r["method"]), -r["key_size"]))
+    for r in order:
+        retrained = (f"{r['retrained_val_loss']:.4f} / {r['retrained_best_val_loss']:.4f}"
+                     if "retrained_val_loss" in r else "-")
+        method = "none (re-training only)" if r["method"] == "none" else r["method"]
+        lines.append(
+            f"| {method} | {r['key_size']} | {r['parameters']['query_key_params']:,} "
+            f"| {r['cache_bytes_per_token_bf16']:,} | {r['relative_error']:.3f} | {r['converted_val_loss']:.4f} "
+            f"| {retrained} |"
+        )
+    return "\n".join(lines)
+
+
+def _sample_block(title: str, text: str) -> list[str]:
+    return [f"**{title}**", "", "```text", text.strip("\n"), "```", ""]
+
+
+def samples_markdown(scratch: Sequence[dict], converted: Sequence[dict]) -> str:
+    lines = []
+    for (kind, key), runs in _groups(scratch).items():
+        run = min(runs, key=lambda r: r["seed"])
+        lines += _sample_block(f"{kind}, key size {key}, seed {run['seed']} (from scratch)", run["sample"])
+    for r in sorted(converted, key=lambda r: (METHOD_ORDER.index(r["method"]), -r["key_size"])):
+        lines += _sample_block(f"{r['method']} at {r['key_size']}, converted", r["converted_sample"])
+        if "retrained_sample" in r:
+            lines += _sample_block(f"{r['method']} at {r['key_size']}, re-trained", r["retrained_sample"])
+    return "\n".join(lines)
+
+
+def plot_curves(records: Sequence[dict], recipe: str, path: Path) -> Path:
+    """Left: validation loss against iteration, mean over seeds; colour = key size, solid = concatenated,
+    dashed = collaborative (dotted: ones mixing). Right: best validation loss against key size, mean ± std."""
+    from matplotlib.figure import Figure
+
+    groups = _groups(records)
+    keys = sorted({k for _, k in groups}, reverse=True)
+    colours = {k: f"C{i}" for i, k in enumerate(keys)}
+    styles = {"concat": "-", "collab": "--", "collab (ones)": ":"}
+    fig = Figure(figsize=(12, 4.5))
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+    for (kind, key), runs in groups.items():
+        by_step = [{p["step"]: p["val_loss"] for p in r["curve"]} for r in runs]
+        steps = sorted(set.intersection(*(set(c) for c in by_step)) - {0})
+        left.plot(steps, [statistics.fmean(c[s] for c in by_step) for s in steps], styles[kind],
+                  color=colours[key], label=f"{kind} {key}")
+    reference = NANOGPT.get(recipe)
+    for kind in styles:
+        rows = [(key, _mean_std([r["best_val_loss"] for r in runs])) for (k, key), runs in groups.items()
+                if k == kind]
+        if rows:
+            right.errorbar([k for k, _ in rows], [m for _, (m, _) in rows], yerr=[s for _, (_, s) in rows],
+                           fmt="o" + styles[kind], capsize=3, label=kind)
+    for ax in (left, right):
+        if reference:
+            ax.axhline(reference, color="grey", lw=0.8, ls=":", label=f"nanoGPT {reference}")
+        ax.grid(alpha=0.3)
+    left.set_xlabel("iteration")
+    left.set_ylabel("validation loss")
+    left.set_title(f"{recipe} recipe: validation loss, mean over seeds")
+    left.legend(fontsize=7, ncol=2)
+    right.set_xscale("log", base=2)
+    right.set_xticks(keys, [str(k) for k in keys])
+    right.set_xlabel("query/key size")
+    right.set_ylabel("best validation loss")
+    right.set_title("best validation loss, mean ± std")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    return path
+
+
+def results_markdown(root: Path) -> str:
+    """The generated README part: per recipe folder, the from-scratch table, the conversion table, the samples."""
+    parts = [RESULTS_BEGIN, ""]
+    for folder in sorted(p for p in root.iterdir() if (p / "runs").is_dir()):
+        scratch = read_runs(folder / "runs")
+        converted = read_runs(folder / "convert" / "runs") if (folder / "convert" / "runs").is_dir() else []
+        recipe = scratch[0].get("recipe") if scratch else folder.name
+        parts += [f"### `{folder.name}`: {recipe} recipe", ""]
+        if scratch:
+            reference = NANOGPT.get(recipe)
+            parts += [f"From scratch ({len(scratch)} runs; nanoGPT's reference for this recipe: {reference}; "
+                      f"device {scratch[0].get('device')}).", "", scratch_table(scratch), ""]
+            if (root / f"curves_{folder.name}.png").exists():
+                parts += [f"![learning curves](curves_{folder.name}.png)", ""]
+        if converted:
+            parts += ["Conversion of the concatenated seed-0 model:", "", conversion_table(converted), ""]
+        parts += ["<details><summary>samples</summary>", "", samples_markdown(scratch, converted), "</details>", ""]
+    return "\n".join(parts + [RESULTS_END]) + "\n"
+
+
+def write_summary(root: str | Path) -> Path:
+    """Plots per recipe folder and the README's results part; returns the README's path."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no results folder {root}")
+    folders = [p for p in sorted(root.iterdir()) if (p / "runs").is_dir()]
+    if not folders:
+        raise FileNotFoundError(f"no <recipe>/runs/*.json under {root}")
+    for folder in folders:
+        scratch = read_runs(folder / "runs")
+        if scratch:
+            plot_curves(scratch, scratch[0].get("recipe") or folder.name, root / f"curves_{folder.name}.png")
+    readme = root / "README.md"
+    text = readme.read_text() if readme.exists() else "# Tiny Shakespeare, character level\n\n"
+    generated = results_markdown(root)
+    if RESULTS_BEGIN in text and RESULTS_END in text:
+        head, rest = text.split(RESULTS_BEGIN, 1)
+        tail = rest.split(RESULTS_END, 1)[1].lstrip("\n")
+        text = head + generated + ("\n" + tail if tail else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + generated
+    return write_text_atomic(readme, text)

@@ -1,0 +1,241 @@
+"""Character-level language modelling (collab_attn/lm, scripts/train_lm.py, scripts/convert_lm.py,
+scripts/summarize_lm.py) on tiny models and a made-up text; the real Tiny Shakespeare where it is present."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from transformers import default_data_collator
+
+import collab_attn
+from collab_attn.lm import data, models, runs, summary
+from collab_attn.lm.convert import validation_loss
+from collab_attn.lm.sampling import sample_text
+from collab_attn.training import training_args
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = ROOT / "../shared/data/tinyshakespeare/input.txt"
+TEXT = "".join(f"{w} to be, or not to be: that is the question {i % 7}.\n" for i, w in
+               enumerate(["To", "Or", "So", "Ay"] * 40))
+TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "block_size=16", "eval_iters=2",
+        "trainer.max_steps=6", "trainer.eval_steps=3", "trainer.logging_steps=3",
+        "trainer.per_device_train_batch_size=4", "trainer.warmup_steps=1", "threads=1", "progress=false",
+        "sample_chars=20", "checkpoint_every=null"]
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "input.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def settings_for(primary: str, *overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return OmegaConf.to_container(compose(primary, overrides=list(overrides)), resolve=True)
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def nanogpt_prepare(text: str):
+    """nanoGPT's data/shakespeare_char/prepare.py, verbatim in substance."""
+    chars = sorted(list(set(text)))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    n = len(text)
+    return chars, [stoi[c] for c in text[: int(n * 0.9)]], [stoi[c] for c in text[int(n * 0.9):]]
+
+
+def test_vocabulary_and_split_match_nanogpt_on_a_made_up_text():
+    corpus = data.corpus_from_text(TEXT)
+    chars, train, val = nanogpt_prepare(TEXT)
+    assert corpus.chars == chars and corpus.train.tolist() == train and corpus.val.tolist() == val
+    assert corpus.decode(corpus.encode("to be")) == "to be"
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        corpus.encode("Z")
+    with pytest.raises(ValueError, match="at least 20"):
+        data.corpus_from_text("short")
+
+
+@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="Tiny Shakespeare is not beside the project")
+def test_vocabulary_and_split_match_nanogpt_on_tiny_shakespeare():
+    corpus = data.load_corpus(SHAKESPEARE)
+    chars, train, val = nanogpt_prepare(SHAKESPEARE.read_text())
+    assert corpus.chars == chars and corpus.vocab_size == 65
+    assert (len(corpus.train), len(corpus.val)) == (1_003_854, 111_540)  # what nanoGPT's prepare.py prints
+    assert corpus.train[:1000].tolist() == train[:1000] and corpus.val[-1000:].tolist() == val[-1000:]
+
+
+def test_a_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        data.load_corpus(tmp_path / "nope.txt")
+
+
+def test_blocks_are_seeded_and_targets_are_the_next_characters():
+    corpus = data.corpus_from_text(TEXT)
+    a, b, c = (data.train_blocks(corpus, 16, 4, 5, seed) for seed in (0, 0, 1))
+    assert len(a) == 20 and torch.equal(a.offsets, b.offsets) and not torch.equal(a.offsets, c.offsets)
+    item = a[3]
+    start = int(a.offsets[3])
+    assert item["input_ids"].tolist() == corpus.train[start : start + 16].tolist()
+    assert item["shift_labels"].tolist() == corpus.train[start + 1 : start + 17].tolist()
+    val = data.val_blocks(corpus, 16, 4, 2)
+    assert torch.equal(val.offsets, data.val_blocks(corpus, 16, 4, 2).offsets) and int(val.offsets.max()) < len(
+        corpus.val) - 16
+
+
+@pytest.mark.parametrize("kind, key", [("concat", 16), ("concat", 8), ("collab", 4)])
+def test_every_variant_gets_the_same_batches_with_their_targets(text_file, tmp_path, kind, key):
+    """The Trainer's batches are the seeded blocks in order, next-character targets included (the Trainer drops
+    keys that are not forward() arguments unless told not to)."""
+    settings = settings_for("train_lm", *TINY, f"data.path={text_file}", f"output_dir={tmp_path}")
+    corpus = data.load_corpus(text_file)
+    model = models.build_model(models.gpt_config(corpus.vocab_size, 16, 1, 2, 16, kind=kind, key_size=key), 0)
+    blocks = data.train_blocks(corpus, 16, 4, 6, seed=0)
+    args = training_args(tmp_path / "ck", 0, runs.recipe_fields(settings, False))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=blocks, data_collator=default_data_collator,
+                                   eval_dataset=blocks)
+    first = next(iter(trainer.get_train_dataloader()))
+    expected = default_data_collator([blocks[i] for i in range(4)])
+    assert set(first) == set(expected) and all(torch.equal(first[k], expected[k]) for k in expected)
+
+
+def test_the_trained_loss_is_the_next_character_loss(text_file, tmp_path):
+    settings = settings_for("train_lm", *TINY, f"data.path={text_file}", f"output_dir={tmp_path}")
+    corpus = data.load_corpus(text_file)
+    model = models.build_model(models.gpt_config(corpus.vocab_size, 16, 1, 2, 16), 0)
+    val = data.val_blocks(corpus, 16, 4, 2)
+    batch = default_data_collator([val[i] for i in range(len(val))])
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
+    assert validation_loss(model, val, 4, bf16=False) == pytest.approx(float(expected), rel=1e-5)
+    run, tokens = runs.train_model(settings, corpus, model, 0, tmp_path / "ck", progress=False)
+    curve = runs.learning_curve(run.history)
+    assert curve[0]["step"] == 0 and curve[0]["val_loss"] == pytest.approx(float(expected), rel=1e-4)
+    assert tokens == 6 * 4 * 16
+
+
+def test_a_tiny_model_learns(text_file, tmp_path):
+    settings = settings_for("train_lm", *TINY, f"data.path={text_file}", f"output_dir={tmp_path}",
+                            "trainer.max_steps=40", "trainer.eval_steps=20", "trainer.learning_rate=3e-3")
+    corpus = data.load_corpus(text_file)
+    model = models.build_model(models.gpt_config(corpus.vocab_size, 16, 1, 2, 16, kind="collab", key_size=8), 0)
+    run, _ = runs.train_model(settings, corpus, model, 0, tmp_path / "ck", progress=False)
+    curve = runs.learning_curve(run.history)
+    assert curve[-1]["val_loss"] < curve[0]["val_loss"] - 0.5
+
+
+def test_concat_and_collab_at_full_key_size_with_block_mixing_compute_the_same_logits():
+    concat = models.build_model(models.gpt_config(30, 16, 2, 4, 32), 0).eval()
+    ids = torch.randint(0, 30, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = concat(input_ids=ids).logits
+        collab_attn.reparametrize(concat, 32, method="cp", progress=False)  # at full rank: block mixing, exact
+        after = concat(input_ids=ids).logits
+    assert models.key_size_of(concat) == 32 and torch.allclose(before, after, atol=1e-5)
+
+
+def test_configs_sizes_and_refusals():
+    plain = models.build_model(models.gpt_config(65, 64, 4, 4, 128), 0)
+    assert type(plain).__name__ == "GPT2LMHeadModel" and plain.lm_head.weight is plain.transformer.wte.weight
+    assert plain.config.activation_function == "gelu" and plain.config.attn_pdrop == 0.0
+    narrow = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="concat", key_size=32), 0)
+    collab = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="collab", key_size=16,
+                                                  mixing_init="ones"), 0)
+    assert models.cache_bytes(plain) == 4 * 2 * 128 * 2
+    assert models.cache_bytes(collab) == 4 * (16 + 4 + 128) * 2
+    counts = [models.parameter_counts(m)["query_key_params"] for m in (plain, narrow, collab)]
+    assert counts[0] > counts[1] > counts[2]
+    for layer in collab.transformer.h:
+        assert torch.equal(layer.attn.mixing, torch.ones_like(layer.attn.mixing))
+        assert float(layer.attn.output.weight.detach().std()) == pytest.approx(0.02 / 8 ** 0.5, rel=0.1)
+    for bad, message in [({"kind": "mlp"}, "unknown attention"), ({"key_size": 0}, "key_size"),
+                         ({"key_size": 30}, "multiple of n_head"), ({"kind": "collab", "mixing_init": "x"},
+                                                                    "mixing_init")]:
+        with pytest.raises(ValueError, match=message):
+            models.gpt_config(65, 64, 4, 4, 128, **bad)
+
+
+def test_samples_longer_than_the_context_use_the_cache():
+    corpus = data.corpus_from_text(TEXT)
+    model = models.build_model(models.gpt_config(corpus.vocab_size, 8, 1, 2, 16, kind="collab", key_size=4), 0)
+    text = sample_text(model, corpus, 30, seed=3)
+    assert len(text) == 30 and set(text) <= set(corpus.chars) and text == sample_text(model, corpus, 30, seed=3)
+
+
+def test_the_script_writes_each_run_once_and_a_rerun_skips_it(text_file, tmp_path, capsys):
+    script = load_script("train_lm")
+    out = tmp_path / "out"
+    overrides = [*TINY, f"data.path={text_file}", f"output_dir={out}", "mode=sweep", "kinds=[concat,collab]",
+                 "key_sizes=[16,4]", "seeds=[0]"]
+    cfg = compose_cfg("train_lm", overrides)
+    first = script.run(cfg)
+    names = sorted(p.stem for p in (out / "runs").glob("*.json"))
+    assert names == ["collab-k16-seed0", "collab-k4-seed0", "concat-k16-seed0", "concat-k4-seed0"]
+    record = json.loads((out / "runs" / "collab-k4-seed0.json").read_text())
+    assert record["best_val_loss"] == min(p["val_loss"] for p in record["curve"]) and record["tokens_per_second"] > 0
+    assert [p["step"] for p in record["curve"]] == [0, 3, 6] and len(record["sample"]) == 20
+    assert (out / "models" / "concat-k16-seed0" / "config.json").is_file()
+    second = script.run(cfg)
+    assert second == first and capsys.readouterr().out.count("skipping") == 4
+    with pytest.raises(ValueError, match="different settings"):
+        script.run(compose_cfg("train_lm", [*overrides, "trainer.learning_rate=0.01"]))
+    with pytest.raises(ValueError, match="unknown mode"):
+        script.run(compose_cfg("train_lm", [*overrides, "mode=nope"]))
+
+
+def compose_cfg(primary: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(primary, overrides=overrides)
+
+
+def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path, capsys):
+    train_dir = tmp_path / "shakespeare_char" / "cpu"
+    load_script("train_lm").run(compose_cfg("train_lm", [*TINY, f"data.path={text_file}", f"output_dir={train_dir}",
+                                                          "trainer.max_steps=10"]))
+    convert = compose_cfg("convert_lm", [
+        f"data.path={text_file}", f"train_dir={train_dir}", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
+        "block_size=16", "eval_iters=2", "trainer.max_steps=10", "trainer.per_device_train_batch_size=4",
+        "trainer.warmup_steps=1", "key_sizes=[4]", "calibration_blocks=8", "importance_samples=8",
+        "retrain_fraction=0.2", "threads=1", "progress=false", "sample_chars=12", "checkpoint_every=null",
+    ])
+    records = load_script("convert_lm").run(convert)
+    assert [r["name"] for r in records] == ["none-k16", "cp-k4", "cp-aware-k4", "svd-k4", "prune-k4"]
+    none, cp4 = records[0], records[1]
+    assert none["converted_val_loss"] == pytest.approx(none["original_val_loss"], rel=1e-5)
+    assert cp4["parameters"]["query_key_params"] < none["parameters"]["query_key_params"]
+    assert all(r["retrain_curve"][-1]["step"] == 2 and len(r["retrained_sample"]) == 12 for r in records)
+    assert load_script("convert_lm").run(convert) == records  # a rerun skips every result
+
+    readme = summary.write_summary(tmp_path / "shakespeare_char")
+    text = readme.read_text()
+    assert summary.RESULTS_BEGIN in text and "| cp-aware | 4 |" in text and "| concat | 16 |" in text
+    assert (tmp_path / "shakespeare_char" / "curves_cpu.png").stat().st_size > 0
+    readme.write_text("# notes\n\nkept\n\n" + text)
+    assert summary.write_summary(tmp_path / "shakespeare_char").read_text().count(summary.RESULTS_BEGIN) == 1
+    assert "kept" in readme.read_text()
+
+
+def test_bad_settings_fail_before_training(text_file, tmp_path):
+    script = load_script("train_lm")
+    base = [*TINY, f"data.path={text_file}", f"output_dir={tmp_path}"]
+    for extra, message in [(["attention=mlp"], "unknown attention"), (["trainer.max_steps=0"], "max_steps"),
+                           (["+model.bias=false"], "unknown model settings"),
+                           ([f"data.path={tmp_path / 'none.txt'}"], "no text")]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            script.run(compose_cfg("train_lm", [*base, *extra]))
+    assert not (tmp_path / "runs").exists()
