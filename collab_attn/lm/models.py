@@ -96,9 +96,12 @@ def parameter_counts(model) -> dict[str, int]:
 def cache_bytes(model, dtype_bytes: int = 2) -> int:
     """Key/value cache bytes per token over all layers, as the library's cache stores them
     (``collab_attn.models.layers``; ``collab_attn.analysis.accounting.cache_bytes_per_token`` per layer): plain
-    GPT-2 caches ``2 x n_embd`` numbers per layer; a converted layer its key of width ``key_size`` plus one
-    content-bias logit per head, and the ``n_embd`` values."""
+    GPT-2 caches ``2 x n_embd`` numbers per layer; a converted layer with ``h`` heads its key of width ``key_size``
+    plus one content-bias logit per head, and ``h x n_embd / n_head`` values (pruning leaves fewer heads)."""
     config = model.config
+    head_dim = config.n_embd // config.n_head
     ranks = getattr(config, "collab_ranks", None)
-    keys = [rank + config.n_head for rank in ranks] if ranks else [config.n_embd] * config.n_layer
-    return sum((k + config.n_embd) * dtype_bytes for k in keys)
+    if not ranks:
+        return config.n_layer * 2 * config.n_embd * dtype_bytes
+    heads = getattr(config, "collab_heads", None) or [config.n_head] * len(ranks)
+    return sum((rank + h + h * head_dim) * dtype_bytes for rank, h in zip(ranks, heads))
