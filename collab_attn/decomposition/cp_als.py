@@ -11,9 +11,13 @@ the per-head projections (``A``, ``B`` stacked: (heads * head_dim) x d_in) inste
 
 which costs ``O(heads * head_dim * d_in * rank)`` per update instead of ``O(heads * d_in^2 * rank)`` (plus a
 Khatri-Rao product of ``d_in^2 x rank`` that dense solvers build). The update order (mixing, query, key), the
-Gram-matrix solve and the stopping rule (absolute change of the relative error below ``tol``) are those of
-tensorly's ``parafac``, so from the same initialization both follow the same path up to rounding; tests check
-that. The arithmetic runs in float64.
+Gram-matrix solve are those of tensorly's ``parafac``, so from the same initialization both follow the same path up to
+rounding; tests check that. The arithmetic runs in float64 (the four large products per iteration optionally in
+float32), on the device the projections are on.
+
+Stopping rule (``converged``, CP and Tucker): stop once the relative error improved by less than ``tol`` of its value
+in each of the last ``patience`` iterations (one quiet iteration is not enough: line search makes every other step
+larger), or once the fit is exact to rounding (error below ``EXACT_FIT``). ``tol=0`` runs every iteration.
 
 ``init="svd"`` takes ``Q`` and ``K`` from the leading eigenvectors of the query and key unfoldings' Gram
 matrices ``sum_h A_h^T B_h B_h^T A_h`` and ``sum_h B_h^T A_h A_h^T B_h`` (the left singular vectors tensorly's
@@ -33,6 +37,24 @@ import torch
 
 CP_INITS = ("svd", "random")
 SINGLE_PRECISION_UNTIL = 0.03  # relative error below which cp_als switches float32 products to float64
+# Default stopping rule: < 0.05% relative improvement in each of 3 iterations in a row. On MiniLM it stops after
+# 15-60 iterations below the error of the paper's 100 random-init iterations at every rank from 64 to 256
+# (experiments/benchmarks/README.md, section 6).
+DEFAULT_TOL = 5e-4
+DEFAULT_PATIENCE = 3
+EXACT_FIT = 1e-7  # relative errors below this are rounding noise (the error is a difference of squared norms)
+
+
+def converged(errors: list[float], tol: float, patience: int = DEFAULT_PATIENCE) -> bool:
+    """The stopping rule (see the module doc) on the errors so far, one per iteration."""
+    if not tol or not errors:
+        return False
+    if errors[-1] < EXACT_FIT:
+        return True
+    if len(errors) <= patience:
+        return False
+    recent = errors[-patience - 1 :]
+    return all(abs(before - after) < tol * after for before, after in zip(recent, recent[1:]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -46,11 +68,14 @@ class HeadProducts:
     compressed version): only the products matter.
     """
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float64):
+    def __init__(
+        self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype = torch.float64, device: torch.device | str = None
+    ):
         if a.dim() != 3 or a.shape != b.shape:
             raise ValueError(f"A and B must both be (heads, head_dim, d_in), got {tuple(a.shape)} and {tuple(b.shape)}")
-        self.a = a.detach().to("cpu", dtype)
-        self.b = b.detach().to("cpu", dtype)
+        device = a.device if device is None else torch.device(device)
+        self.a = a.detach().to(device, dtype)
+        self.b = b.detach().to(device, dtype)
         self.heads, self.head_dim, self.d_in = self.a.shape
         self.a_flat = self.a.reshape(-1, self.d_in)  # (heads * head_dim, d_in)
         self.b_flat = self.b.reshape(-1, self.d_in)
@@ -59,6 +84,10 @@ class HeadProducts:
     @property
     def shape(self) -> tuple[int, int, int]:
         return self.heads, self.d_in, self.d_in
+
+    @property
+    def device(self) -> torch.device:
+        return self.a.device
 
     def head_grams(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``A_h A_h^T`` and ``B_h B_h^T``: (heads, head_dim, head_dim) each."""
@@ -107,12 +136,15 @@ def leading_eigenvectors(gram: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     return vectors * signs, values.clamp_min(0)
 
 
-def _solve_gram(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """``rhs @ gram^{-1}`` for a symmetric PSD ``gram`` (rank x rank); a least-squares fallback if singular."""
-    try:
-        return torch.linalg.solve(gram, rhs.T).T  # what tensorly does: solve(G^T, mttkrp^T)^T
-    except RuntimeError:  # singular: e.g. a zero column in a factor
-        return torch.linalg.lstsq(gram, rhs.T, driver="gelsd").solution.T
+def _inverse_gram(gram: torch.Tensor) -> torch.Tensor:
+    """The inverse of a symmetric PSD ``gram`` (rank x rank, float64) by Cholesky; the pseudo-inverse if it is
+    singular (e.g. a zero column in a factor). ALS multiplies each right-hand side by it: ``rhs @ gram^{-1}`` is
+    tensorly's ``solve(G^T, mttkrp^T)^T``, but one rank^3 inversion lets the large product run in the factors'
+    precision."""
+    factor, info = torch.linalg.cholesky_ex(gram)
+    if int(info) == 0:
+        return torch.cholesky_inverse(factor)
+    return torch.linalg.pinv(gram, hermitian=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -144,29 +176,26 @@ def cp_init(
     """Initial (mixing, query, key).
 
     ``"svd"``: leading eigenvectors of the query/key unfolding Grams (what tensorly's ``init="svd"`` gives for
-    those modes, up to signs); the mixing from the head unfolding scaled by its singular values, padded with
-    uniform noise past ``heads`` columns like tensorly (unused: the mixing is updated first).
+    those modes, up to signs; computed in single precision: ALS only starts from them); the mixing is ones (ALS
+    updates it first, so its initial value is never used).
     ``"random"``: uniform [0, 1) factors drawn as tensorly's ``random_cp`` draws them for this seed.
     A (mixing, query, key) tuple is used as given.
     """
     heads, d_in, _ = tensor.shape
+    device = tensor.device
     if isinstance(init, (tuple, list)):
-        mixing, query, key = (torch.as_tensor(f).detach().to("cpu", torch.float64).clone() for f in init)
+        mixing, query, key = (torch.as_tensor(f).detach().to(device, torch.float64).clone() for f in init)
         if mixing.shape != (heads, rank) or query.shape != (d_in, rank) or key.shape != (d_in, rank):
             raise ValueError("init factors must be (heads, rank), (d_in, rank), (d_in, rank)")
         return mixing, query, key
     rng = np.random.RandomState(seed)
     if init == "random":
-        return tuple(torch.from_numpy(rng.random_sample((size, rank))) for size in (heads, d_in, d_in))
+        return tuple(torch.from_numpy(rng.random_sample((size, rank))).to(device) for size in (heads, d_in, d_in))
     if init != "svd":
         raise ValueError(f"unknown init {init!r}; choose one of {CP_INITS} or pass (mixing, query, key)")
-    vectors, values = leading_eigenvectors(tensor.head_unfolding_gram(), min(rank, heads))
-    mixing = vectors * values.sqrt()
-    if rank > heads:
-        mixing = torch.cat([mixing, torch.from_numpy(rng.random_sample((heads, rank - heads)))], dim=1)
-    query, _ = leading_eigenvectors(tensor.query_unfolding_gram(), rank)
-    key, _ = leading_eigenvectors(tensor.key_unfolding_gram(), rank)
-    return mixing, query, key
+    query, _ = leading_eigenvectors(tensor.query_unfolding_gram().float(), rank)
+    key, _ = leading_eigenvectors(tensor.key_unfolding_gram().float(), rank)
+    return torch.ones(heads, rank, dtype=torch.float64, device=device), query.double(), key.double()
 
 
 def cp_als(
@@ -176,7 +205,8 @@ def cp_als(
     *,
     init="svd",
     n_iter_max: int = 100,
-    tol: float = 1e-8,
+    tol: float = DEFAULT_TOL,
+    patience: int = DEFAULT_PATIENCE,
     seed: int = 0,
     linesearch: bool = False,
     matmul_dtype: torch.dtype = torch.float64,
@@ -184,14 +214,15 @@ def cp_als(
 ) -> CPResult:
     """Rank-``rank`` CP of ``T[h] = w_query[h]^T w_key[h]`` by ALS on the projections (see the module doc).
 
-    Stops after ``n_iter_max`` iterations or once the relative error changes by less than ``tol`` between two
-    iterations (tensorly's ``abs_rec_error`` rule; ``tol=0`` never stops early). ``linesearch`` extrapolates the
+    Stops after ``n_iter_max`` iterations or by the stopping rule (``converged``: relative improvement below ``tol``
+    in ``patience`` iterations in a row; ``tol=0`` never stops early). ``linesearch`` extrapolates the
     factors every other iteration from the sixth on, as tensorly's ``parafac(linesearch=True)`` does (jump
     ``iteration ** (1 / acc_pow)``, kept only if it lowers the error): on attention heads it reaches the error
-    of plain ALS in about 60% of the work. ``matmul_dtype=torch.float32`` runs the four large products of each
-    iteration in single precision (twice as fast; Grams, solves and errors stay float64) until the relative
-    error falls below ``SINGLE_PRECISION_UNTIL``, then in double. ``l2_reg`` adds
-    ``l2_reg * I`` to each Gram matrix. Deterministic for a given ``seed``.
+    of plain ALS in about 60% of the work. ``matmul_dtype=torch.float32`` keeps the factors and every product of
+    their size in single precision (about twice as fast); the rank x rank Gram matrices, their inverses and the
+    errors stay float64. Below a relative error of ``SINGLE_PRECISION_UNTIL`` it goes on in double. ``l2_reg``
+    adds ``l2_reg * I`` to each Gram matrix. Runs on the device of ``w_query`` (or of the ``HeadProducts``).
+    Deterministic for a given ``seed``.
     """
     tensor = w_query if isinstance(w_query, HeadProducts) else HeadProducts(w_query, w_key)
     heads, head_dim = tensor.heads, tensor.head_dim
@@ -199,60 +230,75 @@ def cp_als(
     norm_sq = tensor.norm_sq()
     if norm_sq == 0:
         return CPResult(torch.zeros_like(mixing), query, key, [0.0], True)
-    ridge = l2_reg * torch.eye(rank, dtype=torch.float64)
-    a_flat, b_flat = tensor.a_flat.to(matmul_dtype), tensor.b_flat.to(matmul_dtype)
+    ridge = l2_reg * torch.eye(rank, dtype=torch.float64, device=tensor.device)
+    dtype = matmul_dtype
+    a_flat, b_flat = tensor.a_flat.to(dtype), tensor.b_flat.to(dtype)
+    mixing, query, key = (f.to(dtype) for f in (mixing, query, key))
 
     def times(flat: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:  # (heads, head_dim, rank)
-        return (flat @ factor.to(matmul_dtype)).to(torch.float64).view(heads, head_dim, rank)
+        return (flat @ factor).view(heads, head_dim, rank)
 
     def transposed_times(flat: torch.Tensor, per_head: torch.Tensor) -> torch.Tensor:  # (d_in, rank)
-        return (flat.T @ per_head.reshape(-1, rank).to(matmul_dtype)).to(torch.float64)
+        return flat.T @ per_head.reshape(-1, rank)
 
-    def error(mixing, query, key, inner) -> float:
-        norm_approx_sq = float(((mixing.T @ mixing) * (query.T @ query) * (key.T @ key)).sum())
-        return abs(norm_sq + norm_approx_sq - 2 * inner) ** 0.5 / norm_sq**0.5
+    def gram(factor: torch.Tensor) -> torch.Tensor:  # (rank, rank), float64
+        return (factor.T @ factor).to(torch.float64)
+
+    def solve(gram_product: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:  # rhs @ (gram_product + ridge)^-1
+        return rhs @ _inverse_gram(gram_product + ridge).to(rhs.dtype)
+
+    def error(grams, inner: torch.Tensor) -> float:
+        norm_approx_sq = float((grams[0] * grams[1] * grams[2]).sum())
+        return abs(norm_sq + norm_approx_sq - 2 * float(inner)) ** 0.5 / norm_sq**0.5
 
     result = CPResult(mixing, query, key)
     a_query, b_key = times(a_flat, query), None
+    gram_query, gram_key = gram(query), gram(key)
     acc_pow, acc_fail, max_fail = 2.0, 0, 4  # tensorly's line search settings
     for iteration in range(n_iter_max):
         last = (mixing, query, key)
         # mixing: M[h] <- sum_a (A_h Q)[a] * (B_h K)[a], then the Gram solve
         if b_key is None:
             b_key = times(b_flat, key)
-        gram_query, gram_key = query.T @ query, key.T @ key
-        mixing = _solve_gram(gram_query * gram_key + ridge, (a_query * b_key).sum(1))
-        gram_mixing = mixing.T @ mixing
+        mixing = solve(gram_query * gram_key, (a_query * b_key).sum(1))
+        gram_mixing = gram(mixing)
         # query: A^T ((B K) * M)
-        query = _solve_gram(gram_mixing * gram_key + ridge, transposed_times(a_flat, b_key * mixing[:, None]))
+        query = solve(gram_mixing * gram_key, transposed_times(a_flat, b_key * mixing[:, None]))
+        gram_query = gram(query)
         # key: B^T ((A Q) * M)
         a_query = times(a_flat, query)
         mttkrp_key = transposed_times(b_flat, a_query * mixing[:, None])
-        key = _solve_gram(gram_mixing * (query.T @ query) + ridge, mttkrp_key)
-        b_key = None
+        key = solve(gram_mixing * gram_query, mttkrp_key)
+        gram_key, b_key = gram(key), None
         # ||T - T^||^2 = ||T||^2 + ||T^||^2 - 2 <T, T^>, with <T, T^> from the last MTTKRP (tensorly's trick)
-        current = error(mixing, query, key, float((mttkrp_key * key).sum()))
+        current = error((gram_mixing, gram_query, gram_key), (mttkrp_key * key).sum(dtype=torch.float64))
         if linesearch and iteration % 2 == 0 and iteration > 5:
             jump = iteration ** (1.0 / acc_pow)
             trial = [old + (new - old) * jump for old, new in zip(last, (mixing, query, key))]
             trial_a_query, trial_b_key = times(a_flat, trial[1]), times(b_flat, trial[2])
-            trial_error = error(*trial, float(((trial_a_query * trial_b_key).sum(1) * trial[0]).sum()))
+            trial_grams = tuple(gram(f) for f in trial)
+            trial_inner = ((trial_a_query * trial_b_key).sum(1) * trial[0]).sum(dtype=torch.float64)
+            trial_error = error(trial_grams, trial_inner)
             if trial_error < current:
                 (mixing, query, key), current, acc_fail = trial, trial_error, 0
                 a_query, b_key = trial_a_query, trial_b_key
+                _, gram_query, gram_key = trial_grams
             else:
                 acc_fail += 1
                 if acc_fail == max_fail:
                     acc_pow, acc_fail = acc_pow + 1.0, 0
         result.errors.append(current)
-        if matmul_dtype != torch.float64 and current < SINGLE_PRECISION_UNTIL:
-            # single-precision products leave ~1e-7 noise in the squared error: go on in double near an exact fit
-            matmul_dtype = torch.float64
+        if dtype != torch.float64 and current < SINGLE_PRECISION_UNTIL:
+            # single precision leaves ~1e-7 noise in the squared error: go on in double near an exact fit
+            dtype = torch.float64
             a_flat, b_flat = tensor.a_flat, tensor.b_flat
-        if tol and len(result.errors) > 1 and abs(result.errors[-2] - result.errors[-1]) < tol:
+            mixing, query, key = (f.to(dtype) for f in (mixing, query, key))
+            a_query, b_key = times(a_flat, query), None
+            gram_query, gram_key = gram(query), gram(key)
+        if converged(result.errors, tol, patience):
             result.converged = True
             break
-    result.mixing, result.query, result.key = mixing, query, key
+    result.mixing, result.query, result.key = (f.to(torch.float64) for f in (mixing, query, key))
     return result
 
 
@@ -293,7 +339,8 @@ def tucker_hooi(
     *,
     init: str = "svd",
     n_iter_max: int = 100,
-    tol: float = 1e-8,
+    tol: float = DEFAULT_TOL,
+    patience: int = DEFAULT_PATIENCE,
     seed: int = 0,
 ) -> TuckerResult:
     """Tucker with ranks (core_size, rank, rank) by HOOI from the projections.
@@ -301,8 +348,8 @@ def tucker_hooi(
     ``init="svd"`` is the HOSVD (leading eigenvectors of each unfolding's Gram), ``"random"`` orthonormalized
     uniform noise drawn from ``seed``. Each HOOI step (modes in tensorly's order: heads, query, key) replaces one
     factor by the leading eigenvectors of the Gram matrix of the tensor projected on the two other factors; these
-    Grams come from ``A``, ``B`` and the factors at ``O(d_in^2 * heads * head_dim)`` cost. Stops like tensorly's
-    ``tucker`` (change of the relative error below ``tol``, from the third iteration on).
+    Grams come from ``A``, ``B`` and the factors at ``O(d_in^2 * heads * head_dim)`` cost. Stops by the rule of
+    ``converged`` (as ``cp_als``). Runs on the device of the projections.
     """
     tensor = w_query if isinstance(w_query, HeadProducts) else HeadProducts(w_query, w_key)
     heads, head_dim, d_in = tensor.heads, tensor.head_dim, tensor.d_in
@@ -314,12 +361,14 @@ def tucker_hooi(
         key, _ = leading_eigenvectors(tensor.key_unfolding_gram(), rank)
     elif init == "random":
         rng = np.random.RandomState(seed)
-        query, key = (torch.linalg.qr(torch.from_numpy(rng.random_sample((d_in, rank))))[0] for _ in range(2))
+        query, key = (
+            torch.linalg.qr(torch.from_numpy(rng.random_sample((d_in, rank))).to(tensor.device))[0] for _ in range(2)
+        )
     else:
         raise ValueError(f"unknown init {init!r} for Tucker; choose 'svd' or 'random'")
     result = TuckerResult(torch.empty(0), query, key, torch.empty(0))
     a_query = (a_flat @ query).view(heads, head_dim, rank)
-    for iteration in range(n_iter_max):
+    for _ in range(n_iter_max):
         # heads: leading eigenvectors of the Gram of Q^T T[h] K over heads
         b_key = (b_flat @ key).view(heads, head_dim, rank)
         flat = (a_query.transpose(1, 2) @ b_key).reshape(heads, -1)
@@ -336,7 +385,7 @@ def tucker_hooi(
         # orthonormal factors: ||T - T^||^2 = ||T||^2 - ||core||^2
         result.errors.append(max(norm_sq - float((core**2).sum()), 0.0) ** 0.5 / norm_sq**0.5)
         result.mixing, result.query, result.key, result.core = mixing, query, key, core
-        if tol and iteration > 1 and abs(result.errors[-2] - result.errors[-1]) < tol:
+        if converged(result.errors, tol, patience):
             result.converged = True
             break
     return result

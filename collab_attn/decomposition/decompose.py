@@ -26,7 +26,15 @@ import tensorly as tl
 import torch
 from tensorly.decomposition import parafac, tucker
 
-from collab_attn.decomposition.cp_als import HeadProducts, cp_als, cp_relative_error, tucker_hooi, tucker_relative_error
+from collab_attn.decomposition.cp_als import (
+    DEFAULT_PATIENCE,
+    DEFAULT_TOL,
+    HeadProducts,
+    cp_als,
+    cp_relative_error,
+    tucker_hooi,
+    tucker_relative_error,
+)
 from collab_attn.decomposition.whitening import whitening_pair
 
 METHODS = ("cp", "tucker")
@@ -101,19 +109,23 @@ def decompose_heads(
     solver: str = "implicit",
     init="svd",
     n_iter_max: int = 100,
-    tol: float = 1e-8,
+    tol: float = DEFAULT_TOL,
+    patience: int = DEFAULT_PATIENCE,
     tucker_core_size: int | None = None,
     linesearch: bool | None = None,
     covariance: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     whitening_eps: float | None = None,
+    device: torch.device | str | None = None,
 ) -> HeadDecomposition:
     """Decompose the head products of one attention layer at the given rank.
 
     ``w_query`` and ``w_key`` are (heads, head_dim, d_in): the per-head rows of the query and key
     ``nn.Linear`` weights (``weight.view(heads, head_dim, d_in)``). ``init`` is ``"svd"`` or ``"random"`` (the
-    paper's code used random init with 100 iterations); ``seed`` fixes every random choice. ``n_iter_max`` and
-    ``tol`` (stop once the relative error changes by less than ``tol`` between iterations) mean the same for both
-    solvers. For Tucker, ``tucker_core_size`` (default: heads) is the size of the head mode of the core.
+    paper's code used random init with 100 iterations); ``seed`` fixes every random choice. ``n_iter_max`` caps the
+    iterations of both solvers. The implicit solver stops once the relative error improved by less than ``tol`` of
+    its value in each of ``patience`` iterations in a row (``cp_als.converged``; ``tol=0`` runs every iteration);
+    tensorly applies its own rule to ``tol`` (absolute change of the error below ``tol``, once). For Tucker,
+    ``tucker_core_size`` (default: heads) is the size of the head mode of the core.
 
     ``solver``: ``"implicit"`` (ALS from the projections, see ``cp_als``; its large products run in
     float32, the rest in float64) or ``"tensorly"`` (dense tensor, tensorly). ``linesearch`` (CP only): extrapolate
@@ -124,6 +136,8 @@ def decompose_heads(
     or a (query side, key side) pair; see ``collab_attn.models.calibration``. ``whitening_eps`` regularizes it (a
     fraction of its mean eigenvalue; default ``calibration.DEFAULT_EPS``). ``relative_error`` stays the error of
     the raw products; ``weighted_error`` is the error of the whitened ones.
+
+    ``device``: where the decomposition runs (None: where ``w_query`` is); the factors come back on it, in float32.
 
     CP factors are returned balanced: unit-norm mixing columns, query and key columns of equal norm.
     """
@@ -143,25 +157,29 @@ def decompose_heads(
     core_size = tucker_core_size or heads
 
     start = time.perf_counter()
-    raw = HeadProducts(w_query, w_key)
+    raw = HeadProducts(w_query, w_key, device=device)
     if covariance is None:
         work, back_query, back_key = raw, None, None
     else:
-        (s_query, back_query), (s_key, back_key) = whitening_pair(covariance, d_in, whitening_eps)
+        (s_query, back_query), (s_key, back_key) = (
+            tuple(m.to(raw.device) for m in pair) for pair in whitening_pair(covariance, d_in, whitening_eps)
+        )
         work = HeadProducts(raw.a @ s_query, raw.b @ s_key)
 
     weighted_error, n_iter = None, None
     if solver == "implicit":
         if method == "cp":
             fit = cp_als(
-                work, None, rank, init=init, n_iter_max=n_iter_max, tol=tol, seed=seed,
+                work, None, rank, init=init, n_iter_max=n_iter_max, tol=tol, patience=patience, seed=seed,
                 linesearch=True if linesearch is None else linesearch, matmul_dtype=torch.float32,
             )
             factors = (fit.mixing, fit.query, fit.key, None)
         else:
             if init not in ("svd", "random"):
                 raise ValueError(f"unknown init {init!r}; choose 'svd' or 'random'")
-            fit = tucker_hooi(work, None, rank, core_size, init=init, n_iter_max=n_iter_max, tol=tol, seed=seed)
+            fit = tucker_hooi(
+                work, None, rank, core_size, init=init, n_iter_max=n_iter_max, tol=tol, patience=patience, seed=seed
+            )
             factors = (fit.mixing, fit.query, fit.key, fit.core)
         n_iter = len(fit.errors)
     else:
@@ -172,6 +190,8 @@ def decompose_heads(
         query, key = back_query @ query, back_key @ key
     if core is None:
         mixing, query, key = _balance_cp(mixing, query, key)
+    if query.is_cuda:
+        torch.cuda.synchronize(query.device)
     seconds = time.perf_counter() - start
     result = HeadDecomposition(
         method, query.float(), key.float(), mixing.float(), None if core is None else core.float(),
@@ -194,7 +214,7 @@ def _tensorly(products, rank, method, seed, init, n_iter_max, tol, core_size, li
         warnings.filterwarnings("ignore", message=".*n_eigenvecs.*larger than", category=UserWarning)
         if method == "cp":
             if isinstance(init, (tuple, list)):
-                init = (None, [torch.as_tensor(f, dtype=products.dtype) for f in init])
+                init = (None, [torch.as_tensor(f, dtype=products.dtype, device=products.device) for f in init])
             weights, (mixing, shared_query, shared_key) = parafac(
                 products, rank, n_iter_max=n_iter_max, init=init, tol=tol, random_state=seed,
                 linesearch=bool(linesearch),

@@ -177,6 +177,7 @@ def reparametrize(
     calibration: Calibration | None = None,
     importance=None,
     progress: bool = True,
+    device: torch.device | str | None = None,
 ) -> ReparamReport:
     """Convert every self-attention layer of a BERT, RoBERTa, DistilBERT or ALBERT model (any head class) in place.
 
@@ -189,9 +190,11 @@ def reparametrize(
     - ``"cp"`` (mixing vectors, the paper's method) or ``"tucker"`` (mixing matrices from a core of
       ``tucker_core_size`` slices, default: heads). ``solver``: ``"implicit"`` (ALS on the projections, the
       default) or ``"tensorly"`` (dense, the paper's); ``init`` (default ``"svd"``), ``n_iter_max`` (100), ``tol``
-      (1e-8) and ``seed`` go to ``decompose_heads``. ``calibration``: input statistics of this model's attention
-      layers (``collab_attn.models.calibration``) for activation-aware fitting; the report then also gives each
-      layer's whitened error.
+      (5e-4: stop once the error improves by less than 0.05% in 3 iterations in a row) and ``seed`` go to
+      ``decompose_heads``. ``device``: where the decompositions run (None: the model's device; ``"cuda"`` for a
+      model on the CPU works too); the converted model stays where it was. ``calibration``: input statistics of
+      this model's attention layers (``collab_attn.models.calibration``) for activation-aware fitting; the report
+      then also gives each layer's whitened error.
     - ``"svd"``: SVD-truncated concatenated heads of query/key size ``rank / heads`` (a multiple of the heads).
     - ``"prune"``: head pruning within collaborative attention's query/key parameters at ``rank``;
       ``importance``: a ``HeadImportance`` (``collab_attn.models.importance.head_importance`` on task data) or one
@@ -201,7 +204,7 @@ def reparametrize(
     error leaves it as it was. Returns a per-layer report.
     """
     options = {"solver": solver, "init": init, "n_iter_max": n_iter_max, "tol": tol,
-               "tucker_core_size": tucker_core_size, "importance": importance}
+               "tucker_core_size": tucker_core_size, "importance": importance, "device": device}
     if calibration is not None and method not in ("cp", "tucker"):
         raise ValueError(f"calibration does not apply to method={method!r}: only cp and tucker fit the logits")
     family, found, plan = _plan(model, rank, method, seed, options, calibration, progress)

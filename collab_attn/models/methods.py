@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from collab_attn.decomposition.cp_als import HeadProducts
+from collab_attn.decomposition.cp_als import DEFAULT_TOL, HeadProducts
 from collab_attn.decomposition.decompose import SOLVERS, decompose_heads
 from collab_attn.decomposition.rank_selection import RankSelection, query_key_params, select_ranks
 from collab_attn.decomposition.truncation import truncate_head_products
@@ -33,7 +33,8 @@ from collab_attn.models.hf import Layout
 from collab_attn.models.importance import HeadImportance
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, register_method
 
-DECOMPOSITION_OPTIONS = {"solver": "implicit", "init": "svd", "n_iter_max": 100, "tol": 1e-8}
+# device: where the decompositions run; None: where the model's weights are
+DECOMPOSITION_OPTIONS = {"solver": "implicit", "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL, "device": None}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def _decomposition_planner(method: str):
                 fit = decompose_heads(
                     layer.w_query, layer.w_key, rank, method, request.seed, solver=options["solver"],
                     init=options["init"], n_iter_max=options["n_iter_max"], tol=options["tol"],
-                    tucker_core_size=core_size, covariance=covariance, whitening_eps=eps,
+                    tucker_core_size=core_size, covariance=covariance, whitening_eps=eps, device=options["device"],
                 )
                 planned = LayerPlan(fit.shared_query.T, fit.shared_key.T, fit.mixing, fit.core,
                                     relative_error=fit.relative_error, weighted_error=fit.weighted_error)

