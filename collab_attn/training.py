@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from collab_attn import distributed
+
 log = logging.getLogger(__name__)
 
 
@@ -21,14 +23,21 @@ def training_args(
     output_dir: Path, seed: int, recipe: dict, checkpoint_every: int | None = None
 ) -> transformers.TrainingArguments:
     """TrainingArguments from ``recipe`` (its fields; ``enabled`` is ignored). No evaluation unless the recipe asks
-    for it (``eval_strategy``, ``eval_steps``, ...); checkpoints only with ``checkpoint_every``."""
-    recipe = {k: v for k, v in recipe.items() if k != "enabled"}
+    for it (``eval_strategy``, ``eval_steps``, ...); checkpoints only with ``checkpoint_every``. Launched in several
+    processes, ``per_device_train_batch_size`` stays the batch of one optimizer step: each process takes its share."""
+    recipe = distributed.split_batch({k: v for k, v in recipe.items() if k != "enabled"})
     # Two checkpoints are kept so that one interrupted while being written leaves the previous one whole.
     saving = (
         {"save_strategy": "steps", "save_steps": checkpoint_every, "save_total_limit": 2}
         if checkpoint_every else {"save_strategy": "no"}
     )
     defaults = {"eval_strategy": "no", "dataloader_num_workers": 0, "dataloader_pin_memory": torch.cuda.is_available()}
+    if distributed.world_size() > 1:
+        # Sequence-classification heads take **kwargs but ignore num_items_in_batch: averaging it across processes
+        # would multiply their loss and gradients by the process count.
+        defaults["average_tokens_across_devices"] = False
+        if not torch.cuda.is_available():
+            defaults["use_cpu"] = True  # without it the Trainer runs one independent copy per process on the CPU
     return transformers.TrainingArguments(
         output_dir=str(output_dir), seed=seed, report_to=[], **{**defaults, **recipe}, **saving
     )
@@ -90,7 +99,7 @@ def train(
     weights, optimizer, scheduler and RNG states are saved to ``checkpoints`` every that many steps, and a call
     that finds a checkpoint there continues from it (the Trainer's resumption: the same batches and dropout as an
     uninterrupted run). ``checkpoints`` is removed at the end."""
-    resume = last_complete_checkpoint(checkpoints) if checkpoint_every else None
+    resume = distributed.from_main(last_complete_checkpoint(checkpoints)) if checkpoint_every else None
     clock = _TrainingClock.resuming(resume)
     trainer = transformers.Trainer(
         model=model, args=training_args(checkpoints, seed, recipe, checkpoint_every), train_dataset=train_dataset,
@@ -99,5 +108,7 @@ def train(
     if resume is not None:
         log.info("resuming training from %s (%.0f s of training before)", resume, clock.earlier)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    shutil.rmtree(checkpoints, ignore_errors=True)
+    distributed.barrier()  # every process has written its part of the last checkpoint
+    if distributed.is_main():
+        shutil.rmtree(checkpoints, ignore_errors=True)
     return TrainingRun(clock.seconds(), clock.earlier, trainer.state.log_history)

@@ -3,19 +3,27 @@
     python scripts/train_glue.py task=mrpc data.glue_dir=../shared/data/glue collab.rank=128
     python scripts/train_glue.py -m task=mrpc,rte collab.rank=384,256,128 seed=0,1,2
     python scripts/train_glue.py -m +experiment=minilm_mrpc_rte data.glue_dir=../shared/data/glue
+    torchrun --nproc_per_node=2 scripts/train_glue.py task=mrpc data.glue_dir=../shared/data/glue collab.rank=128
 
 Each job appends nothing until it has finished: its results.jsonl appears whole at the end, and a job whose
 results exist is skipped, so an interrupted sweep resumes by running the same command again. Bad input
 (ValueError, FileNotFoundError) exits with status 2 and one ``error: ...`` line, before any training.
+Launched in several processes (torchrun, accelerate launch), every process trains and rank 0 alone writes: the
+other ranks keep Hydra from writing its run folder and logs too.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from collab_attn.distributed import is_main
 from collab_attn.glue.pipeline import run_job
 
 
@@ -23,14 +31,27 @@ def run(cfg: DictConfig) -> list[dict]:
     return run_job(OmegaConf.to_container(cfg, resolve=True))
 
 
+def _quiet_replica() -> None:
+    """Hydra's folders and log file of a rank other than 0 go to a temporary folder, removed at exit."""
+    scratch = tempfile.mkdtemp(prefix=f"train_glue-rank{os.environ['RANK']}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    sys.argv += [
+        f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}", "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+    ]
+
+
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train_glue")
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        if is_main():
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
 
 if __name__ == "__main__":
+    if not is_main():
+        _quiet_replica()
     main()

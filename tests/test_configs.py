@@ -246,13 +246,14 @@ def test_visualize_script_passes_the_composed_values(option, tmp_path, monkeypat
 @pytest.mark.parametrize("trainer", options("trainer"))
 @pytest.mark.parametrize("refit", options("refit"))
 def test_training_gets_the_composed_recipe(trainer, refit, tmp_path, monkeypatch):
-    """``train`` receives the trainer group (fine-tuning) and the trainer group updated by the refit group
-    (re-fine-tuning), as composed; the data, the evaluation and the conversion are stubbed out."""
+    """``train`` receives the trainer group (fine-tuning) and the trainer group updated by the fields the refit group
+    sets (re-fine-tuning; a null one is the trainer's), as composed; the data, the evaluation and the conversion are
+    stubbed out."""
     settings = resolved("train_glue", f"trainer={trainer}", f"refit={refit}", "logger=none",
                         f"output_root={tmp_path}", "collab=svd", "collab.rank=96")
     calls = []
 
-    def train(model, data, collator, recipe, seed, checkpoints, every):
+    def train(model, data, collator, recipe, seed, checkpoints, every, callbacks=()):
         calls.append((recipe, seed, every))
         return SimpleNamespace(seconds=0.0, resumed_seconds=0.0, history=[])
 
@@ -263,7 +264,9 @@ def test_training_gets_the_composed_recipe(trainer, refit, tmp_path, monkeypatch
     records = pipeline.run_job(settings)
     expected = [(settings["trainer"], 0, settings["checkpoint_every"])]
     if settings["refit"]["enabled"]:
-        expected.append(({**settings["trainer"], **settings["refit"]}, 0, settings["checkpoint_every"]))
+        refit_set = {k: v for k, v in settings["refit"].items() if v is not None}
+        expected.append(({**settings["trainer"], **refit_set}, 0, settings["checkpoint_every"]))
+        assert expected[-1][0]["max_steps"] == settings["trainer"]["max_steps"]  # refit=paper leaves it to trainer
     assert calls == expected
     assert [r["stage"] for r in records] == ["finetuned", "reparam", "refit"][: len(expected) + 1]
 

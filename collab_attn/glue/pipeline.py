@@ -23,13 +23,15 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from collab_attn.files import exclusive_lock, write_text_atomic
+from collab_attn import distributed
+from collab_attn.files import write_text_atomic
 from collab_attn.glue import tasks as glue
-from collab_attn.glue.tracking import make_tracker
+from collab_attn.glue.tracking import NoTracker, make_tracker
 from collab_attn.models.calibration import calibration_from_texts
 from collab_attn.models.checkpoints import resolve_model
 from collab_attn.models.conversion import ReparamReport, reparametrize
@@ -94,11 +96,26 @@ def job_name(settings: dict) -> str:
     return f"{task}/{model_label(settings)}/{method}/seed{settings['seed']}"
 
 
+def refit_recipe(settings: dict) -> dict:
+    """The re-fine-tuning's TrainingArguments: ``trainer.*`` with the fields the ``refit`` group sets replaced; a
+    field it leaves out or sets to null (``max_steps`` in ``refit=paper``) is the trainer's."""
+    return {**settings["trainer"], **{k: v for k, v in settings["refit"].items() if v is not None}}
+
+
+def _hashed_refit(settings: dict) -> dict:
+    """The ``refit`` group as the job hash sees it: a null field with the trainer's value it inherits. Until
+    ``configs/refit/paper.yaml`` said ``max_steps: null`` it said ``max_steps: -1``, so a run with ``trainer.max_steps``
+    set still re-fine-tuned for every epoch. Committed jobs (max_steps -1 in both groups) hash as they did and keep
+    their folders; a short run (``trainer.max_steps=4``) gets a folder of its own."""
+    trainer = settings["trainer"]
+    return {k: trainer[k] if v is None and k in trainer else v for k, v in _recipe(settings["refit"]).items()}
+
+
 def job_dir(settings: dict) -> Path:
     """Where a job's results go; the recipe hash keeps runs with different settings apart. It hashes the composed
     groups as they are (the ``collab`` dict included, not ``MethodSettings``): committed runs are found by it."""
     recipe = {k: settings[k] for k in ("model", "task", "collab", "finetune")}
-    recipe.update(trainer=_recipe(settings["trainer"]), refit=_recipe(settings["refit"]))
+    recipe.update(trainer=_recipe(settings["trainer"]), refit=_hashed_refit(settings))
     recipe["data"] = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
     return Path(settings["output_root"]) / "runs" / f"{job_name(settings)}-{_digest(_with_weights(recipe, settings))}"
 
@@ -184,7 +201,8 @@ def evaluate(
     trainer = transformers.Trainer(model=model, args=args, data_collator=collator)
     metrics = {}
     for i, split in enumerate(splits or task.eval_splits):
-        prediction = trainer.predict(data[split], metric_key_prefix=split)
+        prediction = trainer.predict(data[split], metric_key_prefix=split)  # gathered from every process
+        _check_once(prediction.label_ids, data[split]["labels"], split)
         values = glue.glue_metrics(task, prediction.predictions, prediction.label_ids)
         prefix = "" if i == 0 else split.removeprefix("validation_") + "_"
         metrics.update({prefix + k: v for k, v in values.items()})
@@ -192,16 +210,24 @@ def evaluate(
     return metrics
 
 
-def finetuned_checkpoint(settings, task, path, data, tokenizer) -> tuple[Path, float]:
+def _check_once(predicted_labels, labels, split: str) -> None:
+    """Predictions cover the split once, in order (several processes each predict a shard, then gather)."""
+    predicted, expected = np.asarray(predicted_labels, np.float32).ravel(), np.asarray(labels, np.float32).ravel()
+    if predicted.shape != expected.shape or not np.array_equal(predicted, expected):
+        raise RuntimeError(f"{split}: {predicted.size} predictions do not match its {expected.size} examples in order")
+
+
+def finetuned_checkpoint(settings, task, path, data, tokenizer, callbacks=()) -> tuple[Path, float]:
     """Fine-tune ``path`` on the task once per (model, task, seed, recipe) and cache it; reuse it afterwards. Jobs
     that need the same fine-tuned model at once (a parallel sweep) take turns: the first trains, the others wait
     for it and reuse its model. Returns the model's folder and the training seconds of interrupted earlier runs
-    that this call resumed (0 when none)."""
+    that this call resumed (0 when none). Launched in several processes, all train and rank 0 alone holds the lock
+    and saves the model."""
     if not settings["finetune"]:
         return Path(path), 0.0
     target = finetuned_dir(settings)
-    with exclusive_lock(target.with_name(f"{target.name}.lock")):
-        if (target / "config.json").is_file():
+    with distributed.main_lock(target.with_name(f"{target.name}.lock")):
+        if distributed.from_main((target / "config.json").is_file()):
             log.info("reusing the fine-tuned model in %s", target)
             return target, 0.0
         transformers.set_seed(settings["seed"])
@@ -214,12 +240,14 @@ def finetuned_checkpoint(settings, task, path, data, tokenizer) -> tuple[Path, f
         run = train(
             model, data["train"], transformers.DataCollatorWithPadding(tokenizer), settings["trainer"],
             settings["seed"], checkpoints_dir(settings, "finetuned"), settings["checkpoint_every"],
+            callbacks=list(callbacks),
         )
-        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "finetune.json").write_text(json.dumps({"seconds": run.seconds, "settings": settings}, indent=2))
-        tmp.rename(target)
+        if distributed.is_main():
+            tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "finetune.json").write_text(json.dumps({"seconds": run.seconds, "settings": settings}, indent=2))
+            tmp.rename(target)
     return target, run.resumed_seconds
 
 
@@ -231,10 +259,12 @@ def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str
         return evaluate_fn()
     data = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
     cache = checkpoint / f"eval-{_digest(data)}.json"
-    if cache.is_file():
-        return json.loads(cache.read_text())
+    cached = distributed.from_main(json.loads(cache.read_text()) if cache.is_file() else None)
+    if cached is not None:
+        return cached
     metrics = evaluate_fn()
-    write_text_atomic(cache, json.dumps(metrics))
+    if distributed.is_main():
+        write_text_atomic(cache, json.dumps(metrics))
     return metrics
 
 
@@ -315,27 +345,34 @@ def _summary_line(name: str, record: dict) -> str:
 
 
 def run_job(settings: dict) -> list[dict]:
-    """Run (or skip, if its results exist) one job; returns its result records."""
+    """Run (or skip, if its results exist) one job; returns its result records. Launched in several processes
+    (torchrun, accelerate launch, SLURM tasks), every process trains and evaluates, and rank 0 alone writes."""
+    distributed.setup()
+    main = distributed.is_main()
     name, out = job_name(settings), job_dir(settings)
-    if (out / RESULTS_FILE).is_file():
-        print(f"[{name}] results exist in {out}; skipping")
-        return read_results(out / RESULTS_FILE)
+    if distributed.from_main((out / RESULTS_FILE).is_file()):
+        if main:
+            print(f"[{name}] results exist in {out}; skipping")
+        return distributed.from_main(read_results(out / RESULTS_FILE) if main else None)
     task, path, method = validate(settings)
-    out.mkdir(parents=True, exist_ok=True)
-    scratch = out / f".scratch-{os.getpid()}"
     tokenizer = AutoTokenizer.from_pretrained(path)
-    data = load_data(task, settings["data"], tokenizer)
-    tracker = make_tracker(settings["logger"], name, settings["sweep_name"], settings, out)
+    data = load_data(task, settings["data"], tokenizer)  # before any folder exists: bad data leaves nothing behind
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    scratch = out / f".scratch-{os.getpid()}"
+    tracker = make_tracker(settings["logger"], name, settings["sweep_name"], settings, out) if main else NoTracker()
     eval_batch = settings["trainer"].get("per_device_eval_batch_size", 64)
     records, summary = [], {}
     try:
         start = time.perf_counter()
-        checkpoint, resumed = finetuned_checkpoint(settings, task, path, data, tokenizer)
+        checkpoint, resumed = finetuned_checkpoint(
+            settings, task, path, data, tokenizer, callbacks=tracker.training_callbacks("finetuned")
+        )
         model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
         stages = ["finetuned"]
         if method.converts:
             stages += ["reparam", "refit"] if settings["refit"]["enabled"] else ["reparam"]
-        report, history = None, []
+        report = None
         evaluate_model = functools.partial(evaluate, model, data, tokenizer, task, eval_batch, scratch / "eval")
         for stage in stages:
             if stage == "reparam":
@@ -343,13 +380,14 @@ def run_job(settings: dict) -> list[dict]:
                     model, tokenizer, method, settings["seed"], task=task, glue_dir=settings["data"]["glue_dir"],
                     train_data=data["train"],
                 )
+                distributed.sync_parameters(model)  # each process converted its copy; rank 0's is the one saved
             elif stage == "refit":
-                refit = {**settings["trainer"], **settings["refit"]}
                 run = train(
-                    model, data["train"], transformers.DataCollatorWithPadding(tokenizer), refit, settings["seed"],
-                    checkpoints_dir(settings, stage), settings["checkpoint_every"],
+                    model, data["train"], transformers.DataCollatorWithPadding(tokenizer), refit_recipe(settings),
+                    settings["seed"], checkpoints_dir(settings, stage), settings["checkpoint_every"],
+                    callbacks=tracker.training_callbacks(stage),
                 )
-                history, resumed = run.history, run.resumed_seconds
+                resumed = run.resumed_seconds
             metrics = (
                 finetuned_metrics(settings, checkpoint, evaluate_model) if stage == "finetuned" else evaluate_model()
             )
@@ -360,13 +398,16 @@ def run_job(settings: dict) -> list[dict]:
             )
             start, resumed = time.perf_counter(), 0.0
             records.append(record)
-            tracker.log_stage(record, history)
-            print(_summary_line(name, record))
+            tracker.log_stage(record)
+            if main:
+                print(_summary_line(name, record))
             summary.update({f"{stage}/main": record["main"], "query_key_params": record["query_key_params"]})
-        write_text_atomic(out / RESULTS_FILE, "".join(json.dumps(r) + "\n" for r in records))
+        if main:
+            write_text_atomic(out / RESULTS_FILE, "".join(json.dumps(r) + "\n" for r in records))
         compression = records[-1]["query_key_params"] / records[0]["query_key_params"]
         summary.update(rank=records[-1]["rank"], query_key_compression=compression)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         tracker.finish(summary)
+    distributed.barrier()  # the next job of a sweep starts when rank 0 has written this one's results
     return records

@@ -1,5 +1,7 @@
 """Experiment tracking for the GLUE pipeline: Weights & Biases (offline unless the user's settings say otherwise)
-or nothing. One tracker per job; ``finish`` is always called, so each job of a multirun closes its own run."""
+or nothing. One tracker per job; ``finish`` is always called, so each job of a multirun closes its own run.
+Training curves (loss, learning rate, gradient norm, any evaluation during training) are logged while the Trainer
+runs, through ``training_callbacks``; each stage's metrics when the stage ends."""
 
 from __future__ import annotations
 
@@ -8,17 +10,24 @@ import os
 from pathlib import Path
 from typing import Protocol
 
+import transformers
+
 
 class Tracker(Protocol):
-    def log_stage(self, record: dict, train_history: list[dict]) -> None: ...
+    def training_callbacks(self, stage: str) -> list[transformers.TrainerCallback]: ...
+
+    def log_stage(self, record: dict) -> None: ...
 
     def finish(self, summary: dict) -> None: ...
 
 
 class NoTracker:
-    """``logger=none``: the results stay in results.jsonl only."""
+    """``logger=none`` (and every process but rank 0): the results stay in results.jsonl only."""
 
-    def log_stage(self, record: dict, train_history: list[dict]) -> None:
+    def training_callbacks(self, stage: str) -> list[transformers.TrainerCallback]:
+        return []
+
+    def log_stage(self, record: dict) -> None:
         pass
 
     def finish(self, summary: dict) -> None:
@@ -54,13 +63,13 @@ class WandbTracker:
             dir=str(run_dir), mode=wandb_mode(mode), reinit="finish_previous",
         )
 
-    def log_stage(self, record: dict, train_history: list[dict]) -> None:
-        stage = record["stage"]
+    def training_callbacks(self, stage: str) -> list[transformers.TrainerCallback]:
         self.run.define_metric(f"{stage}/train_step")
         self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/train_step")
-        for entry in train_history:
-            if "loss" in entry:
-                self.run.log({f"{stage}/train_step": entry["step"], f"{stage}/train_loss": entry["loss"]})
+        return [_LiveCurves(self.run, stage)]
+
+    def log_stage(self, record: dict) -> None:
+        stage = record["stage"]
         numbers = {
             k: v for k, v in record.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("rank", "seed")
@@ -70,6 +79,27 @@ class WandbTracker:
     def finish(self, summary: dict) -> None:
         self.run.summary.update(summary)
         self.run.finish()
+
+
+class _LiveCurves(transformers.TrainerCallback):
+    """Each of the Trainer's logs, as it is made, into the run: ``<stage>/train_loss`` (the Trainer's ``loss``),
+    ``<stage>/learning_rate``, ``<stage>/grad_norm``, ``<stage>/eval_*`` against ``<stage>/train_step``; the
+    Trainer's closing average loss as ``<stage>/train_loss_average``."""
+
+    _RENAMED = {"loss": "train_loss", "train_loss": "train_loss_average"}
+
+    def __init__(self, run, stage: str):
+        self.run, self.stage = run, stage
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        numbers = {
+            f"{self.stage}/{self._RENAMED.get(k, k)}": v for k, v in (logs or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        if numbers:
+            self.run.log({f"{self.stage}/train_step": state.global_step, **numbers})
 
 
 def make_tracker(logger_cfg: dict, name: str, group: str, config: dict, run_dir: Path) -> Tracker:

@@ -16,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from collab_attn.models.hf import AUTO_CLASSES
@@ -57,12 +58,25 @@ def resolve_model(name_or_path: str = "minilm") -> str:
             raise FileNotFoundError(
                 f"checkpoint directory {path} has no weights (expected one of {', '.join(WEIGHT_FILES)})"
             )
+        _check_safetensors(path)
         return str(path)
     if path.exists():
         raise ValueError(f"{path} is a file, not a checkpoint directory")
     if _looks_like_path(name):
         raise FileNotFoundError(f"no checkpoint at {path}")
     return name
+
+
+def _check_safetensors(folder: Path) -> None:
+    """Refuse a truncated or corrupted ``*.safetensors`` file before anything loads it (reads only its header)."""
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(
+                f"{weights} is truncated or corrupted ({err}); copy or save the checkpoint again"
+            ) from None
 
 
 def _load_error(name: str, what: str, err: Exception) -> Exception:
