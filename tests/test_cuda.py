@@ -172,3 +172,25 @@ def test_a_converted_gpt2_decodes_on_the_gpu_as_on_the_cpu(method, rank):
     with_cache = gpu.generate(ids.to(GPU), use_cache=True, **settings)
     assert torch.equal(with_cache, gpu.generate(ids.to(GPU), use_cache=False, **settings))
     assert torch.equal(with_cache.cpu(), cpu.generate(ids, **settings))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_key_head_dim", [4, 8, 16])
+def test_narrow_query_key_heads_train_on_the_gpu(dtype, query_key_head_dim):
+    """Concatenated heads whose queries and keys are narrower than their values (SVD-truncated heads, small-key
+    models trained from scratch): forward and backward on the GPU in float32 and bfloat16, as on the CPU."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(128, 4, query_key_head_dim=query_key_head_dim)
+    x = torch.randn(3, 20, 128)
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, 15:] = 0
+    expected, _ = layer(x, attention_mask=mask, is_causal=True)
+    gpu = copy.deepcopy(layer).to(GPU).train()
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        out, _ = gpu(x.to(GPU), attention_mask=mask.to(GPU), is_causal=True)
+        out.float().square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpu.parameters())
+    gpu.eval()
+    with torch.no_grad():
+        got, _ = gpu(x.to(GPU), attention_mask=mask.to(GPU), is_causal=True)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)

@@ -81,10 +81,12 @@ def attend(
     """softmax(query key^T * scale + bias) value, per head.
 
     query (B, H, T, E), key (B, H | 1, S, E), value (B, H, S, Dv), bias broadcastable to (B, H, T, S).
-    Returns the context (B, T, H * Dv) and, when asked, the attention weights (B, H, T, S).
+    Returns the context (B, T, H * Dv) and, when asked, the attention weights (B, H, T, S). The fused
+    ``scaled_dot_product_attention`` runs unless weights are asked for, or unless ``E != Dv`` on a GPU, where its
+    memory-efficient kernel finds no kernel for some such pairs in half precision ("cutlassF: no kernel found").
     """
     batch, heads, tgt_len, _ = query.shape
-    if need_weights:
+    if need_weights or (query.shape[-1] != value.shape[-1] and query.device.type != "cpu"):
         logits = torch.matmul(query, key.transpose(-1, -2)) * scale
         if bias is not None:
             logits = logits + bias
