@@ -69,7 +69,7 @@ def conversion_table(records: Sequence[dict]) -> str:
     first = records[0]
     p = first["original_parameters"]
     lines = [
-        f"Original model (`{first['model_dir']}`): val loss {first['original_val_loss']:.4f}, q/k params "
+        f"Original model (`{Path(first['model_dir']).name}`): val loss {first['original_val_loss']:.4f}, q/k params "
         f"{p['query_key_params']:,}, KV cache {first['original_cache_bytes_per_token_bf16']:,} bytes/token. "
         f"Re-training: {first['retrain_steps']} iterations.",
         "",
