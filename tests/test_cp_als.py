@@ -129,6 +129,22 @@ def test_planted_structure_is_recovered_and_the_stopping_rule_fires():
     assert result.relative_error < 1e-5 and result.n_iter < 1000
 
 
+def test_a_rank_above_the_tensors_cp_rank_stays_finite():
+    """Rank 8 to 20 on an exact rank-4 CP (4 heads): columns past the fourth get zero mixing, so the Gram matrices
+    are singular; Cholesky still "succeeds" on some of them, and its ~1/eps inverse used to overflow the float32
+    factors (NaN Grams, then eigh failing to converge). Numerically singular Grams take the minimum-norm solve."""
+    w_query, w_key = planted(heads=4, head_dim=6, d_in=24, rank=4)
+    tensor = HeadProducts(w_query, w_key)
+    for rank in (8, 12, 16, 20):
+        for dtype in (torch.float32, torch.float64):
+            fit = cp_als(w_query, w_key, rank, n_iter_max=10, tol=0, linesearch=True, matmul_dtype=dtype)
+            assert all(math.isfinite(e) for e in fit.errors) and max(fit.errors) < 1
+            assert all(torch.isfinite(f).all() for f in (fit.mixing, fit.query, fit.key))
+            assert fit.relative_error < 1e-3  # rank 4 itself reaches 2e-5 in these 10 iterations
+            dense_error = cp_relative_error(tensor, fit.mixing, fit.query, fit.key)
+            assert dense_error == pytest.approx(fit.relative_error, abs=1e-6)
+
+
 def test_tol_stops_early_and_zero_tol_runs_every_iteration():
     w_query, w_key = random_heads()
     assert cp_als(w_query, w_key, 6, n_iter_max=50, tol=0).n_iter == 50

@@ -137,13 +137,26 @@ def leading_eigenvectors(gram: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
 
 
 def _inverse_gram(gram: torch.Tensor) -> torch.Tensor:
-    """The inverse of a symmetric PSD ``gram`` (rank x rank, float64) by Cholesky; the pseudo-inverse if it is
-    singular (e.g. a zero column in a factor). ALS multiplies each right-hand side by it: ``rhs @ gram^{-1}`` is
-    tensorly's ``solve(G^T, mttkrp^T)^T``, but one rank^3 inversion lets the large product run in the factors'
-    precision."""
+    """The inverse of a symmetric PSD ``gram`` (rank x rank, float64) by Cholesky, or its pseudo-inverse (the
+    minimum-norm least-squares solve) where it is numerically singular. ALS multiplies each right-hand side by it:
+    ``rhs @ gram^{-1}`` is tensorly's ``solve(G^T, mttkrp^T)^T``, but one rank^3 inversion lets the large product run
+    in the factors' precision.
+
+    Cholesky succeeds on many numerically singular Grams (e.g. a factor column orthogonal to the tensor, as when the
+    rank exceeds the tensor's CP rank: its mixing column is zero), and its inverse is then rounding noise of size
+    ~1/eps: the factors jump by ~1e15 and, in float32, overflow to inf (the next Gram is NaN and ``pinv``'s ``eigh``
+    fails). So the Cholesky inverse is kept only while ``tr(G) tr(G^-1)`` (an upper bound on the condition number
+    of a PSD matrix, at most ``rank^2`` times too large, and free) stays below ``1 / (rank * eps)``, where ``pinv``
+    starts dropping eigenvalues; above, ``pinv`` gives the same solve for a merely ill-conditioned Gram.
+    """
     factor, info = torch.linalg.cholesky_ex(gram)
     if int(info) == 0:
-        return torch.cholesky_inverse(factor)
+        inverse = torch.cholesky_inverse(factor)
+        condition_bound = float(gram.diagonal().sum() * inverse.diagonal().sum())
+        if condition_bound * gram.shape[-1] * torch.finfo(gram.dtype).eps < 1:  # False if NaN
+            return inverse
+    if not bool(torch.isfinite(gram).all()):  # pinv's eigh would only say that it failed to converge
+        raise FloatingPointError("CP-ALS diverged: a Gram matrix of the factors holds inf or NaN")
     return torch.linalg.pinv(gram, hermitian=True)
 
 
