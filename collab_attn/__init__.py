@@ -1,6 +1,6 @@
 """collab-attn: collaborative multi-head attention (Cordonnier, Loukas & Jaggi, 2020).
 
-Importing the package registers the collaborative BERT-family models and the from-scratch classifier with the
+Importing the package registers the converted models (encoders and decoders) and the from-scratch classifier with the
 transformers Auto classes.
 """
 
