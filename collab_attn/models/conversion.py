@@ -70,32 +70,35 @@ def _check_options(method: str, options: dict) -> dict:
     return {name: default if options.get(name) is None else options[name] for name, default in accepted.items()}
 
 
-def check_request(config, method: str, rank, tucker_core_size: int | None = None) -> None:
-    """Check, before any training, that a model with this transformers ``config`` converts with ``method`` at
-    ``rank`` (family, rank range, a budget's syntax, the method's own rank rule); raises a ValueError that says what
-    to change. Builds the model's skeleton on the meta device: no weights are read."""
-    from transformers import AutoModel
-
-    _check_options(method, {"tucker_core_size": tucker_core_size})
-    if is_collaborative(config):
-        raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
-    family_of(config)  # refuses unsupported and rotary families with the reason
-    with torch.device("meta"):
-        skeleton = AutoModel.from_config(config)
-    family, found = find_attention(skeleton)
-    heads, head_dim = family.num_heads(found[0][1]), family.head_dim(found[0][1])
-    ranks, _ = _check_ranks(method, rank, len(found), heads * head_dim)
-    if method == "svd":
-        methods.check_svd_ranks(ranks, heads)
-
-
-def _plan(model: nn.Module, rank, method: str, seed: int, options: dict, calibration, progress: bool):
+def _validate(model: nn.Module, method: str, rank, options: dict):
+    """Every check a conversion passes before planning, for every method: the method and its options, a model that
+    is not converted yet and has attention modules of a supported family, ranks (or a budget) in range and the
+    method's own rank rule. Returns the family, the attention modules, the ranks or budget and the options."""
+    options = _check_options(method, options)
     if is_collaborative(model.config):
         raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
-    options = _check_options(method, options)
     family, found = find_attention(model)
     heads, head_dim = family.num_heads(found[0][1]), family.head_dim(found[0][1])
     ranks, budget = _check_ranks(method, rank, len(found), heads * head_dim)
+    if ranks is not None and METHODS[method].check_ranks is not None:
+        METHODS[method].check_ranks(ranks, heads)
+    return family, found, ranks, budget, options
+
+
+def check_request(config, method: str, rank, tucker_core_size: int | None = None) -> None:
+    """Check, before any training, that a model with this transformers ``config`` converts with ``method`` at
+    ``rank`` (``_validate`` on the model's skeleton, built on the meta device: no weights are read); raises a
+    ValueError that says what to change."""
+    from transformers import AutoModel
+
+    family_of(config)  # unsupported and rotary families are refused with the reason before anything is built
+    with torch.device("meta"):
+        skeleton = AutoModel.from_config(config)
+    _validate(skeleton, method, rank, {"tucker_core_size": tucker_core_size})
+
+
+def _plan(model: nn.Module, rank, method: str, seed: int, options: dict, calibration, progress: bool):
+    family, found, ranks, budget, options = _validate(model, method, rank, options)
     if calibration is not None:
         if not isinstance(calibration, Calibration):
             raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")

@@ -136,9 +136,8 @@ def check_svd_ranks(ranks: Sequence[int], heads: int) -> None:
             )
 
 
-@register_method("svd")
+@register_method("svd", check_ranks=check_svd_ranks)
 def plan_svd(request: Request) -> Plan:
-    check_svd_ranks(request.ranks, request.weights[0].heads)
     layers = []
     for layer, rank in zip(tqdm(request.weights, desc="svd", disable=not request.progress), request.ranks):
         start = time.perf_counter()

@@ -93,14 +93,18 @@ METHODS: dict[str, Planner] = {}
 OPTIONS: dict[str, dict] = {}
 
 
-def register_method(name: str, options: dict | None = None, budgets: bool = False) -> Callable[[Planner], Planner]:
+def register_method(
+    name: str, options: dict | None = None, budgets: bool = False, check_ranks: Callable | None = None
+) -> Callable[[Planner], Planner]:
     """Register ``planner`` as conversion method ``name``; ``options``: its keyword options and their defaults;
-    ``budgets``: whether it takes a global rank budget (``"mean:128"``) instead of ranks."""
+    ``budgets``: whether it takes a global rank budget (``"mean:128"``) instead of ranks; ``check_ranks(ranks,
+    heads)``: the method's own rule for the per-layer ranks, raising a ValueError (run before any planning)."""
 
     def decorate(planner: Planner) -> Planner:
         METHODS[name] = planner
         OPTIONS[name] = dict(options or {})
         planner.takes_budgets = budgets
+        planner.check_ranks = check_ranks
         return planner
 
     return decorate
