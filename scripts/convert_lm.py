@@ -11,11 +11,10 @@ Bad input (ValueError, FileNotFoundError) exits with status 2 and one ``error: .
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from collab_attn.cli import run_or_exit
 from collab_attn.lm.convert import run_conversions
 
 
@@ -27,11 +26,7 @@ def run(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="convert_lm")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

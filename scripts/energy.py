@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import shutil
-import sys
 
 import hydra
 import matplotlib
@@ -18,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from collab_attn.analysis.energy import KINDS, model_spectra, rank_for_energy  # noqa: E402
+from collab_attn.cli import run_or_exit  # noqa: E402
 from collab_attn.models.checkpoints import finalize_output_dir, load_model_and_tokenizer, prepare_output_dir  # noqa: E402
 
 LABELS = {"query": "stacked queries Wq", "key": "stacked keys Wk", "products": "head products Wq_h^T Wk_h"}
@@ -70,11 +70,7 @@ def run(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="energy")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

@@ -28,13 +28,13 @@ import copy
 import json
 import logging
 import shutil
-import sys
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from collab_attn import reparametrize
+from collab_attn.cli import run_or_exit
 from collab_attn.glue.pipeline import calibrate
 from collab_attn.models.checkpoints import (
     finalize_output_dir,
@@ -179,11 +179,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="reparametrize")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import tempfile
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from collab_attn.cli import run_or_exit
 from collab_attn.distributed import is_main
 from collab_attn.glue.pipeline import run_job
 
@@ -43,12 +44,7 @@ def _quiet_replica() -> None:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train_glue")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        if is_main():
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg, report=is_main())
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ Tables and plots: scripts/summarize_lm.py.
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from collab_attn.cli import run_or_exit
 from collab_attn.lm.runs import plan, run_many
 
 MODES = ("train", "sweep")
@@ -39,11 +38,7 @@ def run(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train_lm")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

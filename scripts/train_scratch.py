@@ -13,11 +13,10 @@ Bad input (ValueError, FileNotFoundError) exits with status 2 and one ``error: .
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from collab_attn.cli import run_or_exit
 from collab_attn.glue.scratch import run_sweep
 
 
@@ -29,11 +28,7 @@ def run(cfg: DictConfig) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="scratch")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":

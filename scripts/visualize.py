@@ -20,7 +20,6 @@ import html
 import json
 import logging
 import shutil
-import sys
 
 import hydra
 import torch
@@ -28,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from collab_attn.analysis import plots
 from collab_attn.analysis.views import collaborative_copy, comparison_page, load_for_viewing, sentence_attention
+from collab_attn.cli import run_or_exit
 from collab_attn.glue.pipeline import calibrate
 from collab_attn.models.checkpoints import finalize_output_dir, prepare_output_dir, resolve_model
 from collab_attn.models.settings import DECOMPOSITIONS, MethodSettings
@@ -137,11 +137,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="visualize")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_or_exit(run, cfg)
 
 
 if __name__ == "__main__":
