@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402,F401  (registers the collaborative model classes)
-from collab_attn.models.hf import _COLLAB_CONFIGS  # noqa: E402
+from collab_attn.models.hf import collab_config_class  # noqa: E402
 
 D_MODEL, HEADS, LAYERS = 768, 12, 12
 
@@ -46,7 +46,7 @@ def build(rank: int | None, positions: int, device: str, dtype: torch.dtype) -> 
     if rank is None:
         config = transformers.GPT2Config(**sizes)
     else:
-        config = _COLLAB_CONFIGS["gpt2"](**sizes, collab_ranks=[rank] * LAYERS)
+        config = collab_config_class("gpt2")(**sizes, collab_ranks=[rank] * LAYERS)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 

@@ -161,7 +161,7 @@ def test_every_method_saves_and_loads_with_identical_outputs(tmp_path, family, m
 ])
 def test_a_collaborative_decoder_built_from_a_config_takes_its_mixing_init(tmp_path, mixing_init, check):
     """Training a decoder from scratch: the mixing starts as the config says, and saves and loads with it."""
-    config = collab_attn.models.hf._COLLAB_CONFIGS["gpt2"](
+    config = collab_attn.models.hf.collab_config_class("gpt2")(
         n_embd=32, n_head=4, n_layer=2, vocab_size=65, n_positions=16, collab_ranks=[16, 8],
         collab_mixing_init=mixing_init, bos_token_id=0, eos_token_id=0,
     )

@@ -22,7 +22,7 @@ import math
 import torch
 import transformers
 
-from collab_attn.models.hf import _COLLAB_CONFIGS, attention_parameters
+from collab_attn.models.hf import attention_parameters, collab_config_class
 from collab_attn.models.layers import ConvertedSelfAttention
 
 KINDS = ("concat", "collab")
@@ -59,10 +59,10 @@ def gpt_config(
     if kind == "concat":
         if key_size % n_head:
             raise ValueError(f"concatenated heads need key_size a multiple of n_head={n_head}, got {key_size}")
-        return _COLLAB_CONFIGS["gpt2"](**common, collab_method="svd", collab_ranks=[key_size] * n_layer)
+        return collab_config_class("gpt2")(**common, collab_method="svd", collab_ranks=[key_size] * n_layer)
     if mixing_init not in MIXING_INITS:
         raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
-    return _COLLAB_CONFIGS["gpt2"](
+    return collab_config_class("gpt2")(
         **common, collab_method="cp", collab_ranks=[key_size] * n_layer, collab_mixing_init=mixing_init
     )
 

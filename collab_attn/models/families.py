@@ -87,9 +87,6 @@ class Family:
     def d_in(self, module: nn.Module) -> int:
         return self.projection(module, "query")[0].shape[1]
 
-    def bias(self, module: nn.Module) -> bool:
-        return self.projection(module, "query")[1] is not None
-
     def head_weights(self, module: nn.Module):
         """(heads, head_dim, d_in) query and key weights and (heads, head_dim) biases (float32, CPU, detached)."""
         heads, head_dim = self.num_heads(module), self.head_dim(module)

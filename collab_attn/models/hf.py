@@ -260,6 +260,15 @@ _COLLAB_CONFIGS: dict[str, type] = {}
 _COLLAB_MODELS: dict[type, type] = {}
 
 
+def collab_config_class(model_type: str) -> type:
+    """The collaborative config class of a family (``"bert"``, ``"gpt2"``, ...): build one with ``collab_ranks`` (and
+    ``collab_mixing_init``) to train a collaborative model from scratch with the Auto classes."""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"unknown family {model_type!r}; choose one of {', '.join(FAMILIES)}")
+    return _COLLAB_CONFIGS[family.model_type]
+
+
 def register() -> None:
     """Register the collaborative configs and models with the transformers Auto classes (idempotent)."""
     for family in FAMILIES.values():
