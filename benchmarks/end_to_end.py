@@ -2,6 +2,7 @@
 
     python benchmarks/end_to_end.py --threads 1                                   # CPU, the default grid
     python benchmarks/end_to_end.py --threads 1 --cases 32x128 --modes infer --repeats 9
+    python benchmarks/end_to_end.py --threads 1 --cases 32x128 1x512 --modes infer --one-piece --clock cpu
     python benchmarks/end_to_end.py --device cuda --repeats 20 --warmup 3         # GPU (float32, TF32 off)
 
 The packaged MiniLM (``AutoModel``, its default attention implementation: ``sdpa``) and copies converted with
@@ -17,14 +18,17 @@ For each case (batch x sequence length) and mode the table gives the median time
 original from the same rounds, and beside it the ratio of FLOPs: the attention FLOPs per token
 (``collab_attn.analysis.accounting.attention_flops_per_token``) plus the feed-forward block's, which conversion
 does not change (``4 d_model d_ff``: two matrix products), over all layers. Before timing, each converted model's
-output is compared with a collaborative copy that is computed with the library's explicit path forced, so an
-optimization of the layer cannot change the outputs unnoticed. Results: ``experiments/benchmarks/end_to_end_<device>
-.{md,json}`` (``--out``).
+output is compared with a collaborative copy that is computed with the library's explicit path forced, all
+logits in one piece, so an optimization of the layer cannot change the outputs unnoticed. ``--one-piece`` also
+times each converted model with its logits in one piece instead of the CPU blocks of ``CPU_LOGITS_BLOCK``
+(``collab_attn/nn/attention.py``), side by side in the same rounds.
+Results: ``experiments/benchmarks/end_to_end_<device>.{md,json}`` (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -41,6 +45,20 @@ sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402
 from collab_attn.analysis.accounting import attention_flops_per_token  # noqa: E402
+from collab_attn.nn import attention  # noqa: E402
+
+ONE_PIECE = " (one piece)"
+
+
+@contextlib.contextmanager
+def logits_in_one_piece():
+    """The explicit path with all logits at once, as before it ran in CPU blocks (``CPU_LOGITS_BLOCK``)."""
+    block = attention.CPU_LOGITS_BLOCK
+    attention.CPU_LOGITS_BLOCK = 1 << 62
+    try:
+        yield
+    finally:
+        attention.CPU_LOGITS_BLOCK = block
 
 
 def load_models(ranks: list[int], device: torch.device) -> dict[str, torch.nn.Module]:
@@ -104,7 +122,8 @@ def check_outputs(models: dict, device: torch.device) -> float:
                 module.fused = False
         with torch.inference_mode():
             a = model.eval()(input_ids=input_ids, attention_mask=mask).last_hidden_state
-            b = reference(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            with logits_in_one_piece():
+                b = reference(input_ids=input_ids, attention_mask=mask).last_hidden_state
         worst = max(worst, float((a - b)[mask.bool()].abs().max()))
     return worst
 
@@ -120,10 +139,11 @@ def measure(models, batch: int, seq: int, mode: str, repeats: int, warmup: int, 
     for _ in range(repeats):  # round robin: a change of load hits every model alike
         for name, model in models.items():
             synchronize(device)
-            start = clock()
-            one_step(model, input_ids, mode)
-            synchronize(device)
-            times[name].append(clock() - start)
+            with logits_in_one_piece() if name.endswith(ONE_PIECE) else contextlib.nullcontext():
+                start = clock()
+                one_step(model, input_ids, mode)
+                synchronize(device)
+                times[name].append(clock() - start)
     return times
 
 
@@ -141,6 +161,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: time each step by this process's CPU time (CPU only; less disturbed by other load)")
+    parser.add_argument("--one-piece", action="store_true",
+                        help="also time each converted model with its logits in one piece (no CPU blocks)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -155,6 +177,8 @@ def main(argv=None) -> dict:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {name}, load {os.getloadavg()[0]:.2f}")
     models = load_models(args.ranks, device)
     worst = check_outputs(models, device)
+    if args.one_piece:
+        models.update({name + ONE_PIECE: model for name, model in list(models.items()) if name != "original"})
     print(f"outputs: max |difference| to the explicit path {worst:.2e}", flush=True)
     names = list(models)
     header = ("| mode | batch | seq | original ms | " + " | ".join(f"{n} ms (time, FLOPs)" for n in names[1:]) + " |")

@@ -93,15 +93,17 @@ def train(
     seed: int,
     checkpoints: Path,
     checkpoint_every: int | None = None,
+    trainer_class: type[transformers.Trainer] = transformers.Trainer,
     **trainer_kwargs,
 ) -> TrainingRun:
     """Train ``model`` on ``train_dataset`` with ``recipe`` (TrainingArguments fields). With ``checkpoint_every``,
     weights, optimizer, scheduler and RNG states are saved to ``checkpoints`` every that many steps, and a call
     that finds a checkpoint there continues from it (the Trainer's resumption: the same batches and dropout as an
-    uninterrupted run). ``checkpoints`` is removed at the end."""
+    uninterrupted run). ``checkpoints`` is removed at the end. ``trainer_class`` (a ``Trainer`` subclass, such as
+    ``distillation.DistillationTrainer``) takes ``trainer_kwargs`` beside the Trainer's own."""
     resume = distributed.from_main(last_complete_checkpoint(checkpoints)) if checkpoint_every else None
     clock = _TrainingClock.resuming(resume)
-    trainer = transformers.Trainer(
+    trainer = trainer_class(
         model=model, args=training_args(checkpoints, seed, recipe, checkpoint_every), train_dataset=train_dataset,
         data_collator=data_collator, callbacks=[clock, *trainer_kwargs.pop("callbacks", [])], **trainer_kwargs,
     )

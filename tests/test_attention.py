@@ -108,6 +108,33 @@ def test_fused_and_explicit_paths_agree(rank, tucker, masking):
         torch.testing.assert_close(grads[True][name], grads[False][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("masking", ["padding", "causal", "both", "none"])
+def test_inference_in_cpu_blocks_equals_one_piece(monkeypatch, masking):
+    """At inference on the CPU the explicit path runs a few batch elements at a time (CPU_LOGITS_BLOCK): the
+    same output as all at once, with padding, causal and content-bias logits, and the same cached decoding."""
+    import collab_attn.nn.attention as attention
+
+    torch.manual_seed(0)
+    layer = CollaborativeAttention(D_MODEL, HEADS, 12, mixing_init="random").eval()
+    layer.fused = False
+    x = torch.randn(5, 7, D_MODEL)
+    mask = padding_mask([7, 5, 2, 6, 1], 7) if masking in ("padding", "both") else None
+    is_causal = masking in ("causal", "both")
+    calls, explicit = [], layer._explicit
+    layer._explicit = lambda queries, *rest: calls.append(len(queries)) or explicit(queries, *rest)
+    with torch.inference_mode():
+        whole, _ = layer(x, attention_mask=mask, is_causal=is_causal)
+        pieces = []
+        for block in (HEADS * 7 * 7, 2 * HEADS * 7 * 7 + 1):  # one element per block, then two (the last alone)
+            monkeypatch.setattr(attention, "CPU_LOGITS_BLOCK", block)
+            pieces.append(layer(x, attention_mask=mask, is_causal=is_causal)[0])
+    assert calls == [5, 1, 1, 1, 1, 1, 2, 2, 1]
+    for blocked in pieces:
+        torch.testing.assert_close(blocked, whole, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():  # with no gradient to keep, the blocks run outside inference mode too
+        torch.testing.assert_close(layer(x, attention_mask=mask, is_causal=is_causal)[0], whole, atol=1e-6, rtol=1e-5)
+
+
 def test_fused_path_choice():
     layer = CollaborativeAttention(768, 12, 192, mixing_init="ones")  # rank = 3 head widths
     wide = CollaborativeAttention(768, 12, 384, mixing_init="ones")

@@ -23,6 +23,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from collab_attn.distillation import DistillationTrainer, DistillSettings
 from collab_attn.glue import pipeline
 from collab_attn.models.settings import CHOICES, TAKES, MethodSettings
 
@@ -174,7 +175,7 @@ def _recorder(calls: list, stop: bool = False):
         calls.append((args, kwargs))
         if stop:
             raise _Stop
-        return SimpleNamespace(seconds=0.0, mean_relative_error=0.0, layers=[])
+        return SimpleNamespace(seconds=0.0, mean_relative_error=0.0, layers=[], details={})
     return record
 
 
@@ -253,8 +254,12 @@ def test_training_gets_the_composed_recipe(trainer, refit, tmp_path, monkeypatch
                         f"output_root={tmp_path}", "collab=svd", "collab.rank=96")
     calls = []
 
-    def train(model, data, collator, recipe, seed, checkpoints, every, callbacks=()):
+    def train(model, data, collator, recipe, seed, checkpoints, every, callbacks=(), **distillation):
         calls.append((recipe, seed, every))
+        if distillation:
+            assert distillation["trainer_class"] is DistillationTrainer
+            assert distillation["distill"] == DistillSettings(**settings["refit"]["distill"])
+            assert distillation["teacher"].name_or_path == str(pipeline.finetuned_dir(settings))
         return SimpleNamespace(seconds=0.0, resumed_seconds=0.0, history=[])
 
     monkeypatch.setattr(pipeline, "train", train)
@@ -264,7 +269,7 @@ def test_training_gets_the_composed_recipe(trainer, refit, tmp_path, monkeypatch
     records = pipeline.run_job(settings)
     expected = [(settings["trainer"], 0, settings["checkpoint_every"])]
     if settings["refit"]["enabled"]:
-        refit_set = {k: v for k, v in settings["refit"].items() if v is not None}
+        refit_set = {k: v for k, v in settings["refit"].items() if v is not None and k != "distill"}
         expected.append(({**settings["trainer"], **refit_set}, 0, settings["checkpoint_every"]))
         assert expected[-1][0]["max_steps"] == settings["trainer"]["max_steps"]  # refit=paper leaves it to trainer
     assert calls == expected

@@ -194,3 +194,28 @@ def test_narrow_query_key_heads_train_on_the_gpu(dtype, query_key_head_dim):
     with torch.no_grad():
         got, _ = gpu(x.to(GPU), attention_mask=mask.to(GPU), is_causal=True)
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_distillation_trains_on_the_gpu_with_a_cpu_teacher_moved_there(tmp_path):
+    """refit=distill's trainer on a GPU: the teacher, handed over on the CPU, runs on the student's device, the
+    loss terms are finite, and the teacher's weights do not move."""
+    import transformers
+
+    from collab_attn.distillation import DistillationTrainer, DistillSettings
+
+    teacher = minilm_shaped_bert()
+    teacher.config._attn_implementation = "eager"  # its attention maps are needed
+    student = copy.deepcopy(teacher)
+    reparametrize(student, 64, method="cp", n_iter_max=3, progress=False)
+    data = [{**{k: v[i] for k, v in padded_batch("cpu").items()}, "labels": torch.tensor(i % 2)} for i in range(4)]
+    args = transformers.TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+                                          report_to=[], bf16=True)
+    settings = DistillSettings(alpha=0.5, temperature=2.0, hidden_weight=0.1, attention_weight=0.1)
+    before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    trainer = DistillationTrainer(model=student, args=args, train_dataset=data, teacher=teacher, distill=settings,
+                                  regression=False)
+    trainer.train()
+    assert next(trainer.teacher.parameters()).device.type == "cuda"
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs and all(torch.isfinite(torch.tensor(entry["distill_attention_loss"])) for entry in logs)
+    assert all(torch.equal(before[k], v.cpu()) for k, v in trainer.teacher.state_dict().items())

@@ -100,3 +100,25 @@ def test_two_processes_train_together_and_rank0_writes_once(tmp_path, glue_dir):
 def _settings(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return OmegaConf.to_container(compose(config_name="train_glue", overrides=overrides), resolve=True)
+
+
+@pytest.mark.glue
+def test_two_processes_distill_a_pruned_model(tmp_path, glue_dir):
+    """refit=distill under two processes: each process runs the teacher on its share of the batch beside the
+    student (a pruned one, so the attention term maps each kept head to its teacher head); one job, every loss term
+    logged, and the distilled job's settings recorded."""
+    overrides = [
+        "task=mrpc", f"data.glue_dir={glue_dir}", "trainer=smoke", "trainer.max_steps=2", "data.max_train_samples=16",
+        "data.max_eval_samples=25", "collab=prune", "collab.rank=128", "collab.importance_samples=16",
+        "refit=distill", "refit.distill.hidden_weight=0.1", "refit.distill.attention_weight=0.1",
+        "trainer.logging_steps=1", f"output_root={tmp_path / 'out'}",
+    ]
+    run = _launch(overrides, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (results,) = (tmp_path / "out").glob("runs/*/*/*/*/results.jsonl")
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["stage"] for r in records] == ["finetuned", "reparam", "refit"]
+    assert records[-1]["distill"]["attention_weight"] == 0.1
+    logged = run.stdout + run.stderr
+    for term in ("label_loss", "teacher_loss", "hidden_loss", "attention_loss"):
+        assert f"'distill_{term}'" in logged

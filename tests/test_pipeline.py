@@ -222,7 +222,9 @@ def test_interrupted_job_leaves_no_results(tmp_path, glue_dir, monkeypatch):
     [
         ("finetuned", ["trainer.max_steps=5", "collab.method=none"]),
         ("refit", ["trainer.max_steps=1", "refit.max_steps=5", "collab.rank=96"]),
+        ("refit", ["trainer.max_steps=1", "refit=distill", "refit.max_steps=5", "collab.rank=96"]),
     ],
+    ids=["finetuned", "refit", "refit-distill"],
 )
 def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, monkeypatch, stage, steps):
     """A job killed in its fifth training step, run again, takes the one step left after its step-4 checkpoint and

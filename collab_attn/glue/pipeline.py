@@ -29,6 +29,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from collab_attn import distributed
+from collab_attn.distillation import DistillationTrainer, DistillSettings, load_teacher
 from collab_attn.files import write_text_atomic
 from collab_attn.glue import tasks as glue
 from collab_attn.glue.tracking import NoTracker, make_tracker
@@ -98,8 +99,26 @@ def job_name(settings: dict) -> str:
 
 def refit_recipe(settings: dict) -> dict:
     """The re-fine-tuning's TrainingArguments: ``trainer.*`` with the fields the ``refit`` group sets replaced; a
-    field it leaves out or sets to null (``max_steps`` in ``refit=paper``) is the trainer's."""
-    return {**settings["trainer"], **{k: v for k, v in settings["refit"].items() if v is not None}}
+    field it leaves out or sets to null (``max_steps`` in ``refit=paper``) is the trainer's. The ``distill`` block
+    (``refit=distill``) is not a TrainingArguments field: ``refit_trainer`` reads it."""
+    refit = {k: v for k, v in settings["refit"].items() if v is not None and k != "distill"}
+    return {**settings["trainer"], **refit}
+
+
+def refit_trainer(settings: dict, task: glue.GlueTask, teacher_path: Path, report: ReparamReport | None) -> dict:
+    """``train``'s extra arguments for the re-fine-tuning: none for plain re-fine-tuning (cross-entropy, or MSE for
+    STS-B); with ``refit.distill`` the distillation trainer, its teacher (the job's fine-tuned model) and, for a
+    pruned student, the teacher heads each layer kept."""
+    distill = DistillSettings.from_refit(settings["refit"])
+    if distill is None:
+        return {}
+    return {
+        "trainer_class": DistillationTrainer,
+        "teacher": load_teacher(teacher_path, attention_maps=bool(distill.attention_weight)),
+        "distill": distill,
+        "regression": task.is_regression,
+        "teacher_heads": report.details.get("kept_heads") if report else None,
+    }
 
 
 def _hashed_refit(settings: dict) -> dict:
@@ -167,8 +186,9 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings]:
     method.check_model(config)
     method.check_calibration_source(task_allowed=True)
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    for group in ("trainer", "refit"):
-        unknown = sorted(set(settings[group]) - fields - {"enabled"})
+    DistillSettings.from_refit(settings["refit"])
+    for group, own in (("trainer", set()), ("refit", {"enabled", "distill"})):
+        unknown = sorted(set(settings[group]) - fields - own)
         if unknown:
             raise ValueError(f"{group}.{unknown[0]} is not a transformers.TrainingArguments field; remove or rename it")
     glue_dir = settings["data"]["glue_dir"]
@@ -270,9 +290,10 @@ def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str
 
 def stage_record(
     stage: str, task: glue.GlueTask, model_name: str, method: MethodSettings, seed: int, metrics: dict, model,
-    report: ReparamReport | None, seconds: float,
+    report: ReparamReport | None, seconds: float, distill: DistillSettings | None = None,
 ) -> dict:
-    """One line of ``results.jsonl``: what was run, its metrics, its parameter counts."""
+    """One line of ``results.jsonl``: what was run, its metrics, its parameter counts; a job re-fine-tuned with
+    distillation records its settings (``distill``) on every line."""
     return {
         "stage": stage,
         "task": task.name,
@@ -288,6 +309,7 @@ def stage_record(
         "decomposition_seconds": report.seconds if report else None,
         "mean_relative_error": report.mean_relative_error if report else None,
         "seconds": seconds,
+        **({"distill": dataclasses.asdict(distill)} if distill else {}),
     }
 
 
@@ -385,7 +407,7 @@ def run_job(settings: dict) -> list[dict]:
                 run = train(
                     model, data["train"], transformers.DataCollatorWithPadding(tokenizer), refit_recipe(settings),
                     settings["seed"], checkpoints_dir(settings, stage), settings["checkpoint_every"],
-                    callbacks=tracker.training_callbacks(stage),
+                    callbacks=tracker.training_callbacks(stage), **refit_trainer(settings, task, checkpoint, report),
                 )
                 resumed = run.resumed_seconds
             metrics = (
@@ -394,7 +416,7 @@ def run_job(settings: dict) -> list[dict]:
             # a stage that resumed interrupted training also counts the time of the runs before it
             record = stage_record(
                 stage, task, settings["model"] + _weights_suffix(settings), method, settings["seed"], metrics, model,
-                report, time.perf_counter() - start + resumed,
+                report, time.perf_counter() - start + resumed, DistillSettings.from_refit(settings["refit"]),
             )
             start, resumed = time.perf_counter(), 0.0
             records.append(record)

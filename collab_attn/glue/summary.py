@@ -23,7 +23,8 @@ STAGE_LABELS = {"finetuned": "original (fine-tuned)", "reparam": "reparametrized
 
 def load_results(sweep_dir: str | Path, tasks: list[str] | None = None) -> pd.DataFrame:
     """One row per (job, stage) from every results.jsonl below ``sweep_dir`` (``job``: the directory holding it);
-    only ``tasks`` when given, so that the table's average is over those tasks."""
+    only ``tasks`` when given, so that the table's average is over those tasks. A job re-fine-tuned with
+    distillation has its settings in its method (``cp-aware + KD a0.5 T2``): its rows are its own."""
     files = sorted(Path(sweep_dir).rglob("results.jsonl"))
     if not files:
         raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
@@ -38,7 +39,20 @@ def load_results(sweep_dir: str | Path, tasks: list[str] | None = None) -> pd.Da
         rows = [row for row in rows if row["task"] in wanted]
     frame = pd.DataFrame(rows)
     frame["rank"] = [_rank_label(row.get("rank")) for row in rows]
+    frame["method"] = [row["method"] + _distill_label(row.get("distill")) for row in rows]
     return frame
+
+
+def _distill_label(distill: dict | None) -> str:
+    """How a job re-fine-tuned with distillation is told apart from the same method re-fine-tuned plainly:
+    ``" + KD a0.5 T2"`` (plus ``h<weight>`` and ``att<weight>`` for the per-layer terms that are on)."""
+    if not distill:
+        return ""
+    label = f" + KD a{distill['alpha']:g} T{distill['temperature']:g}"
+    for key, short in (("hidden_weight", "h"), ("attention_weight", "att")):
+        if distill.get(key):
+            label += f" {short}{distill[key]:g}"
+    return label
 
 
 def _task_order(task: str) -> int:

@@ -354,41 +354,52 @@ class CollaborativeAttention(_Attention):
             query_states, key_value_states, attention_mask, is_causal, kv_cache
         )  # keys: (B, S, rank), one per position, shared by all heads
         batch, tgt_len, _ = query_states.shape
-        heads, rank = self.num_heads, self.rank
-        # Head h's logits: (X Wq~) (scale * M_h) (Y Wk~)^T + scale * 1 (Y c_h)^T, M_h = diag(m_h) for CP. The scale
-        # goes into the small factors (mixing, content bias), never into a (batch, heads, tgt, src) tensor.
         shared_queries = self.query(query_states)  # (B, T, rank)
-        if self.mixing_core is None:
-            # Mixed queries q_t * m_h, (B, H, T, rank). Expanding before the product keeps the loop over a
-            # contiguous output: broadcasting (B, 1, T, rank) * (H, 1, rank) directly is several times slower.
-            queries = shared_queries[:, None].expand(-1, heads, -1, -1) * (self.mixing * self.scale)[:, None, :]
-        else:
-            queries = torch.einsum("btr,hrs->bhts", shared_queries, self.mixing_matrices() * self.scale)
         if self.use_fused(need_weights, keys.shape[1], keys.device.type, tgt_len):
             # The fused kernel wants queries, keys and values of one width: zero columns change no dot product.
-            width = max(rank, self.head_dim)
+            width = max(self.rank, self.head_dim)
             context = F.scaled_dot_product_attention(
-                _widen(queries, width),
-                _widen(keys, width)[:, None].expand(-1, heads, -1, -1),
+                _widen(self._mixed(shared_queries), width),
+                _widen(keys, width)[:, None].expand(-1, self.num_heads, -1, -1),
                 _widen(values, width),
                 attn_mask=bias,
                 dropout_p=self._dropout(),
                 scale=1.0,
             )[..., : self.head_dim]
             weights = None
+        elif need_weights or keys.device.type != "cpu" or torch.is_grad_enabled() and (
+            shared_queries.requires_grad or keys.requires_grad or values.requires_grad
+        ):  # blocks pay at inference on the CPU only; with gradients the backward of the pieces costs more
+            context, weights = self._explicit(shared_queries, keys, values, bias)
         else:
-            # All heads' logits in one bmm, (B, H * T, rank) x (B, rank, S): the shared keys are never copied per
-            # head, and their gradient is one product instead of a per-head one summed over heads.
-            logits = torch.bmm(queries.flatten(1, 2), keys.transpose(1, 2)).unflatten(1, (heads, tgt_len))
-            if bias is not None:
-                # In place when no gradient flows (saves a (B, H, T, S) tensor); with gradients, an in-place update of
-                # the unflattened view would make the backward copy the whole logits back into the bmm output.
-                logits = logits + bias if logits.requires_grad else logits.add_(bias)
-            weights = logits.softmax(dim=-1)
-            context = torch.matmul(F.dropout(weights, p=self._dropout()), values)
+            context, weights = _in_cpu_blocks(self._explicit, shared_queries, keys, values, bias), None
         context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
         return self._finish(context), (weights if need_weights else None)
 
+    def _mixed(self, shared_queries: torch.Tensor) -> torch.Tensor:
+        """Each head's queries (B, H, T, rank) from the shared ones (B, T, rank): q_t (scale * M_h), M_h = diag(m_h)
+        for CP. Head h's logits are then (X Wq~) (scale * M_h) (Y Wk~)^T + scale * 1 (Y c_h)^T: the scale goes into
+        the small factors (mixing, content bias), never into a (batch, heads, tgt, src) tensor."""
+        if self.mixing_core is not None:
+            return torch.einsum("btr,hrs->bhts", shared_queries, self.mixing_matrices() * self.scale)
+        # Expanding before the product keeps the loop over a contiguous output: broadcasting (B, 1, T, rank) *
+        # (H, 1, rank) directly is several times slower.
+        expanded = shared_queries[:, None].expand(-1, self.num_heads, -1, -1)
+        return expanded * (self.mixing * self.scale)[:, None, :]
+
+    def _explicit(self, shared_queries, keys, values, bias) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context (B, H, T, head_dim) and weights from shared queries (B, T, rank) and keys (B, S, rank)."""
+        queries = self._mixed(shared_queries)
+        heads, tgt_len = queries.shape[1:3]
+        # All heads' logits in one bmm, (B, H * T, rank) x (B, rank, S): the shared keys are never copied per
+        # head, and their gradient is one product instead of a per-head one summed over heads.
+        logits = torch.bmm(queries.flatten(1, 2), keys.transpose(1, 2)).unflatten(1, (heads, tgt_len))
+        if bias is not None:
+            # In place when no gradient flows (saves a (B, H, T, S) tensor); with gradients, an in-place update of
+            # the unflattened view would make the backward copy the whole logits back into the bmm output.
+            logits = logits + bias if logits.requires_grad else logits.add_(bias)
+        weights = logits.softmax(dim=-1)
+        return torch.matmul(F.dropout(weights, p=self._dropout()), values), weights
 
     def _key_heads(self, keys: torch.Tensor) -> torch.Tensor:
         return keys  # (B, S, rank): one key per position, shared by all heads
@@ -402,6 +413,29 @@ class CollaborativeAttention(_Attention):
         if self.content_bias is None:
             return packed, None
         return packed[..., : self.rank], packed[..., self.rank :]
+
+
+# Logits per block on the CPU: about 2^20 float32 values (4 MiB), so that a block's scores, softmax and weighted
+# sum run while it is still in the cache, instead of streaming all (B, H, T, S) logits through memory four times.
+CPU_LOGITS_BLOCK = 1 << 20
+
+
+def _in_cpu_blocks(explicit, queries, keys, values, bias) -> torch.Tensor:
+    """``explicit(queries, keys, values, bias)``'s context computed a block of batch elements at a time, as many
+    as keep the block's logits within ``CPU_LOGITS_BLOCK`` (one at least). queries (B, T, r), keys (B, S, r),
+    values (B, H, S, d), bias broadcastable to (B, H, T, S)."""
+    batch, tgt_len, _ = queries.shape
+    step = max(1, CPU_LOGITS_BLOCK // (values.shape[1] * tgt_len * keys.shape[1]))
+    if step >= batch:
+        return explicit(queries, keys, values, bias)[0]
+
+    def rows(tensor, start):
+        return tensor if tensor is None or tensor.shape[0] == 1 else tensor[start : start + step]
+
+    return torch.cat([
+        explicit(rows(queries, start), rows(keys, start), rows(values, start), rows(bias, start))[0]
+        for start in range(0, batch, step)
+    ])
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
