@@ -6,6 +6,7 @@ job straight after the conversion.
     python scripts/summarize.py outputs/glue                 # writes summary.md/.csv/.png into outputs/glue
     python scripts/summarize.py experiments/minilm_mrpc_rte --out experiments/minilm_mrpc_rte
     python scripts/summarize.py experiments/minilm_glue --tasks cola,mrpc,stsb,rte --out experiments/minilm_glue/4tasks
+    python scripts/summarize.py experiments/minilm_glue --seeds 0 --out experiments/minilm_glue/seed0
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ def main(argv: list[str] | None = None) -> int:
         "--tasks", default=None,
         help="comma-separated tasks to keep (e.g. cola,mrpc,stsb,rte); the average column is over these",
     )
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds to keep (e.g. 0), to compare rows on "
+                        "the same seeds")
     args = parser.parse_args(argv)
     tasks = args.tasks.split(",") if args.tasks else None
     try:
-        paths = summarize(args.sweep_dir, args.out, tasks)
+        seeds = [int(seed) for seed in args.seeds.split(",")] if args.seeds else None
+    except ValueError:
+        print(f"error: --seeds={args.seeds!r}: give comma-separated integers, e.g. --seeds 0,1", file=sys.stderr)
+        return 2
+    try:
+        paths = summarize(args.sweep_dir, args.out, tasks, seeds)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

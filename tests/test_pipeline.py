@@ -373,6 +373,22 @@ def test_summary_over_chosen_tasks(tmp_path):
         load_results(tmp_path, tasks=["mrcp"])
 
 
+def test_summary_over_chosen_seeds(tmp_path):
+    """``seeds=`` keeps those seeds' rows only, so rows with different seeds can be compared on the same ones."""
+    rows = [_record("mrpc", s, 128, seed, m + seed / 10, 40)
+            for seed in (0, 1) for s, m in (("finetuned", 0.8), ("reparam", 0.5), ("refit", 0.7))]
+    _write_results(tmp_path, rows)
+    both = before_after(load_results(tmp_path))
+    assert both.iloc[1].mrpc_refit == pytest.approx(75.0) and both.iloc[1].seeds == 2
+    first = before_after(load_results(tmp_path, seeds=[0]))
+    assert first.iloc[1].mrpc_refit == pytest.approx(70.0) and first.iloc[1].seeds == 1
+    with pytest.raises(ValueError, match=r"no results for seed\(s\) \[7\]"):
+        load_results(tmp_path, seeds=[7])
+    script = ROOT / "scripts" / "summarize.py"
+    run = subprocess.run([sys.executable, str(script), str(tmp_path), "--seeds", "one"], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.startswith("error: --seeds='one'")
+
+
 def test_summary_of_originals_only_has_no_compression_plot(tmp_path):
     """A control sweep (``collab.method=none``: fine-tuned models only) gets its table, and no plot of accuracy
     against a compression that no job made."""

@@ -21,9 +21,12 @@ STAGE_LABELS = {"finetuned": "original (fine-tuned)", "reparam": "reparametrized
                 "refit": "reparametrized + re-fine-tuned"}
 
 
-def load_results(sweep_dir: str | Path, tasks: list[str] | None = None) -> pd.DataFrame:
+def load_results(
+    sweep_dir: str | Path, tasks: list[str] | None = None, seeds: list[int] | None = None
+) -> pd.DataFrame:
     """One row per (job, stage) from every results.jsonl below ``sweep_dir`` (``job``: the directory holding it);
-    only ``tasks`` when given, so that the table's average is over those tasks. A job re-fine-tuned with
+    only ``tasks`` when given, so that the table's average is over those tasks, and only ``seeds`` when given (to
+    compare rows on the same seeds). A job re-fine-tuned with
     distillation has its settings in its method (``cp-aware + KD a0.5 T2``): its rows are its own."""
     files = sorted(Path(sweep_dir).rglob("results.jsonl"))
     if not files:
@@ -37,6 +40,10 @@ def load_results(sweep_dir: str | Path, tasks: list[str] | None = None) -> pd.Da
             missing = ", ".join(sorted(wanted - found))
             raise ValueError(f"no results for task(s) {missing} under {sweep_dir}; it has {', '.join(sorted(found))}")
         rows = [row for row in rows if row["task"] in wanted]
+    if seeds is not None:
+        rows = [row for row in rows if row["seed"] in seeds]
+        if not rows:
+            raise ValueError(f"no results for seed(s) {seeds} under {sweep_dir}")
     frame = pd.DataFrame(rows)
     frame["rank"] = [_rank_label(row.get("rank")) for row in rows]
     frame["method"] = [row["method"] + _distill_label(row.get("distill")) for row in rows]
@@ -242,11 +249,13 @@ def plot(wide: pd.DataFrame, path: Path) -> None:
 
 
 def summarize(
-    sweep_dir: str | Path, out_dir: str | Path | None = None, tasks: list[str] | None = None
+    sweep_dir: str | Path, out_dir: str | Path | None = None, tasks: list[str] | None = None,
+    seeds: list[int] | None = None,
 ) -> dict[str, Path]:
     """Write summary.md, summary.csv, compression_vs_accuracy.png where some job compressed a model, and
-    before_after.md where jobs were re-fine-tuned (over ``tasks`` only, when given); return their paths."""
-    frame = load_results(sweep_dir, tasks)
+    before_after.md where jobs were re-fine-tuned (over ``tasks`` and ``seeds`` only, when given); return their
+    paths."""
+    frame = load_results(sweep_dir, tasks, seeds)
     wide = table(frame)
     out = Path(out_dir or sweep_dir)
     out.mkdir(parents=True, exist_ok=True)
