@@ -147,7 +147,7 @@ class DistillationTrainer(transformers.Trainer):
         self.teacher = teacher.eval().requires_grad_(False).to(self.args.device)
         self.distill, self.regression, self.teacher_heads = distill, regression, teacher_heads
         self.loss_is_scaled_for_ga = False  # a per-batch mean: the Trainer divides it over accumulated batches
-        self._sums, self._counts = defaultdict(float), defaultdict(int)
+        self._sums, self._counts = {}, defaultdict(int)  # detached tensors: no device sync until a log
 
     def _outputs_wanted(self) -> dict:
         return {"output_hidden_states": bool(self.distill.hidden_weight),
@@ -165,13 +165,13 @@ class DistillationTrainer(transformers.Trainer):
         if model.training:
             for name, value in terms.items():
                 if name != "loss":
-                    self._sums[name] += value.item()
+                    self._sums[name] = self._sums.get(name, 0) + value.detach()
                     self._counts[name] += 1
         return (terms["loss"], outputs) if return_outputs else terms["loss"]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: add each term's mean since the last one
-            logs.update({f"distill_{name}": self._sums[name] / self._counts[name] for name in self._sums})
+            logs.update({f"distill_{name}": (total / self._counts[name]).item() for name, total in self._sums.items()})
             self._sums.clear()
             self._counts.clear()
         super().log(logs, start_time)

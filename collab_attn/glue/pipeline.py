@@ -105,11 +105,12 @@ def refit_recipe(settings: dict) -> dict:
     return {**settings["trainer"], **refit}
 
 
-def refit_trainer(settings: dict, task: glue.GlueTask, teacher_path: Path, report: ReparamReport | None) -> dict:
+def refit_trainer(
+    distill: DistillSettings | None, task: glue.GlueTask, teacher_path: Path, report: ReparamReport | None
+) -> dict:
     """``train``'s extra arguments for the re-fine-tuning: none for plain re-fine-tuning (cross-entropy, or MSE for
     STS-B); with ``refit.distill`` the distillation trainer, its teacher (the job's fine-tuned model) and, for a
     pruned student, the teacher heads each layer kept."""
-    distill = DistillSettings.from_refit(settings["refit"])
     if distill is None:
         return {}
     return {
@@ -385,6 +386,7 @@ def run_job(settings: dict) -> list[dict]:
     tracker = make_tracker(settings["logger"], name, settings["sweep_name"], settings, out) if main else NoTracker()
     eval_batch = settings["trainer"].get("per_device_eval_batch_size", 64)
     records, summary = [], {}
+    distill = DistillSettings.from_refit(settings["refit"])
     try:
         start = time.perf_counter()
         checkpoint, resumed = finetuned_checkpoint(
@@ -407,7 +409,7 @@ def run_job(settings: dict) -> list[dict]:
                 run = train(
                     model, data["train"], transformers.DataCollatorWithPadding(tokenizer), refit_recipe(settings),
                     settings["seed"], checkpoints_dir(settings, stage), settings["checkpoint_every"],
-                    callbacks=tracker.training_callbacks(stage), **refit_trainer(settings, task, checkpoint, report),
+                    callbacks=tracker.training_callbacks(stage), **refit_trainer(distill, task, checkpoint, report),
                 )
                 resumed = run.resumed_seconds
             metrics = (
@@ -416,7 +418,7 @@ def run_job(settings: dict) -> list[dict]:
             # a stage that resumed interrupted training also counts the time of the runs before it
             record = stage_record(
                 stage, task, settings["model"] + _weights_suffix(settings), method, settings["seed"], metrics, model,
-                report, time.perf_counter() - start + resumed, DistillSettings.from_refit(settings["refit"]),
+                report, time.perf_counter() - start + resumed, distill,
             )
             start, resumed = time.perf_counter(), 0.0
             records.append(record)
