@@ -8,13 +8,13 @@ Variants, all with the same d_model, heads, value and output projections:
 
 - ``concat``: ``MultiHeadAttention`` (heads of d_model / heads; fused ``scaled_dot_product_attention``);
 - ``collab-R``: ``CollaborativeAttention`` at rank R (d_model/4 and d_model/2 by default), this package's layer
-  as it runs by default: all heads' logits in one ``bmm`` against the shared keys, or the fused kernel at
-  inference on long sequences (``CollaborativeAttention.use_fused``);
+  as it runs by default: all heads' logits in one ``bmm`` against the shared keys, at inference on the CPU one
+  batch element and a block of query rows at a time (``CollaborativeAttention._in_cpu_blocks``);
 - ``paper-R``: the same parameters computed the way the paper's code does it: mixed queries materialized
   (batch, heads, seq, R), one ``matmul`` with the shared keys, content bias, explicit softmax and dropout, a
   second ``matmul`` with the values;
 - with ``--forced-paths``, also ``explicit-R`` and ``fused-R``: the library's layer forced onto one path
-  (``layer.fused = False / True``), to check the automatic choice.
+  (``layer.fused = False / True``); ``fused-R`` is the fused kernel with the values padded to the rank.
 
 For each (batch, seq) the variants run in turn, ``--repeats`` rounds after a warm-up, and the table gives the
 median per variant and its ratio to ``concat`` (``train``: forward + backward of a scalar loss in train mode with
@@ -82,7 +82,7 @@ def build(d_model: int, heads: int, ranks: list[int], dropout: float, forced_pat
         for name, cls in variants.items():
             layer = cls(d_model, heads, rank, dropout=dropout, mixing_init="random")
             layer.load_state_dict(ours.state_dict())
-            layer.fused = {"explicit": False, "fused": True}.get(name)
+            layer.fused = name == "fused"
             layers[f"{name}-{rank}"] = layer
     return layers
 

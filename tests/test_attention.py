@@ -108,45 +108,107 @@ def test_fused_and_explicit_paths_agree(rank, tucker, masking):
         torch.testing.assert_close(grads[True][name], grads[False][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("masking", ["padding", "causal", "both", "none"])
-def test_inference_in_cpu_blocks_equals_one_piece(monkeypatch, masking):
-    """At inference on the CPU the explicit path runs a few batch elements at a time (CPU_LOGITS_BLOCK): the
-    same output as all at once, with padding, causal and content-bias logits, and the same cached decoding."""
+def test_mask_alike_for_every_query_is_reduced_to_one_row():
+    """On the CPU, a 4-D mask that repeats one row for every query (how transformers passes padding) becomes one row,
+    which the blocked path can carry in the keys; a causal one keeps its rows."""
+    padding = padding_mask([4, 2], 4).bool()[:, None, None, :].expand(2, 1, 4, 4)
+    reduced = additive_mask(padding.contiguous(), False, 4, 4, torch.float32, torch.device("cpu"))
+    assert reduced.shape == (2, 1, 1, 4)
+    assert torch.equal(reduced[1, 0, 0] < 0, torch.tensor([False, False, True, True]))
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None].expand(2, 1, 4, 4) & padding
+    assert additive_mask(causal, False, 4, 4, torch.float32, torch.device("cpu")).shape == (2, 1, 4, 4)
+
+
+def growing_cache():
+    """A key/value cache for ``kv_cache=``: appends each call's packed keys and values along the positions."""
+    store = {}
+
+    def update(packed, values):
+        for name, new in (("packed", packed), ("values", values)):
+            store[name] = torch.cat([store[name], new], dim=2) if name in store else new
+        return store["packed"], store["values"]
+
+    return update
+
+
+def run_blocked(monkeypatch, block, layer, *args, **kwargs):
+    """``layer(*args, **kwargs)`` at inference with ``CPU_LOGITS_BLOCK = block``, and how many times the blocked
+    path ran."""
     import collab_attn.nn.attention as attention
 
+    monkeypatch.setattr(attention, "CPU_LOGITS_BLOCK", block)
+    calls, blocked = [], layer._in_cpu_blocks
+    monkeypatch.setattr(layer, "_in_cpu_blocks", lambda *a: calls.append(1) or blocked(*a))
+    with torch.inference_mode():
+        output = layer(*args, **kwargs)[0]
+    monkeypatch.undo()
+    return output, len(calls)
+
+
+@pytest.mark.parametrize("tucker", [None, 3])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("masking", ["padding", "causal", "both", "none", "float-4d", "padding-4d", "-inf-padding"])
+def test_inference_in_cpu_blocks_equals_one_piece(monkeypatch, masking, bias, tucker):
+    """At inference on the CPU the explicit path runs one batch element and a few query rows at a time
+    (CPU_LOGITS_BLOCK), with the content logits and a padding mask carried by extra key columns: the same output
+    as all logits at once, whatever the mask, with or without content bias, CP or Tucker mixing."""
     torch.manual_seed(0)
-    layer = CollaborativeAttention(D_MODEL, HEADS, 12, mixing_init="random").eval()
-    layer.fused = False
+    layer = CollaborativeAttention(D_MODEL, HEADS, 12, bias=bias, tucker_core_size=tucker, mixing_init="random")
+    layer.eval().fused = False
     x = torch.randn(5, 7, D_MODEL)
     mask = padding_mask([7, 5, 2, 6, 1], 7) if masking in ("padding", "both") else None
+    if masking == "float-4d":  # per query row: cannot ride in the keys
+        mask = torch.randn(5, 1, 7, 7)
+    if masking == "padding-4d":  # padding as transformers passes it, one row per query
+        mask = padding_mask([7, 5, 2, 6, 1], 7).bool()[:, None, None, :].expand(5, 1, 7, 7).contiguous()
+    if masking == "-inf-padding":  # a float mask added as it is: -inf must not meet the other heads' zeros
+        mask = torch.zeros(5, 1, 1, 7).masked_fill(padding_mask([7, 5, 2, 6, 1], 7)[:, None, None] == 0, -torch.inf)
     is_causal = masking in ("causal", "both")
-    calls, explicit = [], layer._explicit
-    layer._explicit = lambda queries, *rest: calls.append(len(queries)) or explicit(queries, *rest)
-    with torch.inference_mode():
-        whole, _ = layer(x, attention_mask=mask, is_causal=is_causal)
-        pieces = []
-        for block in (HEADS * 7 * 7, 2 * HEADS * 7 * 7 + 1):  # one element per block, then two (the last alone)
-            monkeypatch.setattr(attention, "CPU_LOGITS_BLOCK", block)
-            pieces.append(layer(x, attention_mask=mask, is_causal=is_causal)[0])
-    assert calls == [5, 1, 1, 1, 1, 1, 2, 2, 1]
-    for blocked in pieces:
+    whole, calls = run_blocked(monkeypatch, 1 << 40, layer, x, attention_mask=mask, is_causal=is_causal)
+    assert calls == 0
+    # a whole element per block; three query rows (the last block one row); one row
+    for block in (HEADS * 7 * 7, HEADS * 3 * 7, 1):
+        blocked, calls = run_blocked(monkeypatch, block, layer, x, attention_mask=mask, is_causal=is_causal)
+        assert calls == 1
         torch.testing.assert_close(blocked, whole, atol=1e-6, rtol=1e-5)
     with torch.no_grad():  # with no gradient to keep, the blocks run outside inference mode too
         torch.testing.assert_close(layer(x, attention_mask=mask, is_causal=is_causal)[0], whole, atol=1e-6, rtol=1e-5)
 
 
-def test_fused_path_choice():
-    layer = CollaborativeAttention(768, 12, 192, mixing_init="ones")  # rank = 3 head widths
-    wide = CollaborativeAttention(768, 12, 384, mixing_init="ones")
-    assert layer.eval().use_fused(need_weights=False, src_len=512)
-    assert not layer.use_fused(need_weights=False, src_len=512, device_type="cuda")  # GPU: explicit is faster
-    assert not layer.use_fused(need_weights=False, src_len=128)  # short: explicit logits are faster
-    assert not layer.use_fused(need_weights=False, src_len=4096, tgt_len=1)  # decoding: never pad the cached values
-    assert not layer.use_fused(need_weights=True, src_len=512)  # weights need the explicit path
-    assert not layer.train().use_fused(need_weights=False, src_len=512)  # training: explicit path
-    assert not wide.eval().use_fused(need_weights=False, src_len=512)  # values padded to a wide rank cost more
-    layer.fused = True
-    assert layer.use_fused(need_weights=False, src_len=16) and not layer.use_fused(need_weights=True, src_len=16)
+def test_cached_decoding_in_cpu_blocks_equals_one_piece(monkeypatch):
+    """Decoding with a cache: the causal mask of one new query is a key-side bias and rides in the key columns."""
+    torch.manual_seed(0)
+    layer = CollaborativeAttention(D_MODEL, HEADS, 12, mixing_init="random").eval()
+    x = torch.randn(3, 9, D_MODEL)
+    outputs = {}
+    for block in (1 << 40, 1):
+        cache = growing_cache()
+        steps = [run_blocked(monkeypatch, block, layer, x[:, :6], is_causal=True, kv_cache=cache)[0]]
+        steps += [run_blocked(monkeypatch, block, layer, x[:, t : t + 1], is_causal=True, kv_cache=cache)[0]
+                  for t in range(6, 9)]
+        outputs[block] = torch.cat(steps, dim=1)
+    torch.testing.assert_close(outputs[1], outputs[1 << 40], atol=1e-6, rtol=1e-5)
+    with torch.inference_mode():  # and both equal the causal pass over the whole sequence
+        torch.testing.assert_close(outputs[1], layer(x, is_causal=True)[0], atol=1e-6, rtol=1e-5)
+
+
+def test_explicit_path_by_default_fused_on_request(monkeypatch):
+    """The fused kernel (values padded to the rank) was slower everywhere measured: it runs only when asked for, and
+    never when weights are asked for."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    counted = lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    layer = CollaborativeAttention(D_MODEL, HEADS, 12, mixing_init="ones").eval()
+    x = torch.randn(2, 300, D_MODEL)
+    with torch.inference_mode():
+        layer(x)
+        layer.train()(x)
+        assert calls == []
+        layer.eval().fused = True
+        layer(x)
+        assert calls == [1]
+        layer(x, need_weights=True)
+        assert calls == [1]
 
 
 @pytest.mark.parametrize("module_name", ["mha", "collab"])

@@ -15,8 +15,8 @@ Both modules take the same inputs: ``query_states`` (batch, tgt, d_model), optio
 (batch, src, kv_dim) for cross-attention, an ``attention_mask`` and ``is_causal``; they return
 ``(output, weights)`` where ``weights`` is (batch, heads, tgt, src) when ``need_weights=True``, else ``None``.
 ``MultiHeadAttention`` runs ``scaled_dot_product_attention`` without weights and a plain softmax with them.
-``CollaborativeAttention`` computes all heads' logits in one ``bmm`` against the shared keys, and uses the fused
-kernel only where it is faster: inference on long sequences on CPU (see ``CollaborativeAttention.use_fused``).
+``CollaborativeAttention`` computes all heads' logits in one ``bmm`` against the shared keys; at inference on the
+CPU it does so one batch element and a block of query rows at a time (``CollaborativeAttention._in_cpu_blocks``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def additive_mask(
     - 3-D (batch, tgt, src) or 4-D (batch, 1 | heads, tgt, src) booleans: True where attention is allowed;
     - 3-D or 4-D floats: added to the logits as they are (0 to keep, a large negative number to block).
     Blocked positions get the dtype's most negative finite value rather than -inf, so a row with every key
-    blocked gives uniform weights instead of NaN.
+    blocked gives uniform weights instead of NaN. On the CPU a 3-D or 4-D mask that is the same for every query (a
+    padding mask as transformers passes it, (batch, 1, tgt, src)) comes back as (batch, 1, 1, src): it then rides in
+    the logits product of ``CollaborativeAttention._in_cpu_blocks`` (on a GPU the check would wait for the device).
     """
     blocked = torch.finfo(dtype).min
     mask = None
@@ -58,6 +60,8 @@ def additive_mask(
             raise ValueError(
                 f"attention_mask must be 2-D (batch, src), 3-D or 4-D, got shape {tuple(attention_mask.shape)}"
             )
+        if keep.device.type == "cpu" and keep.shape[2] > 1 and torch.equal(keep, keep[:, :, :1].expand_as(keep)):
+            keep = keep[:, :, :1]
         if keep.dtype == torch.bool:
             mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, blocked)
         else:
@@ -243,12 +247,13 @@ class CollaborativeAttention(_Attention):
     every dimension; ``"random"`` draws each entry from a standard normal (for training from scratch).
     ``tucker_core_size``: mix with full matrices built from a core of that many ``rank x rank`` slices.
     ``logit_scale``: what the logits are multiplied by (default ``1 / sqrt(head_dim)``).
-    ``fused``: ``None`` lets ``use_fused`` pick the faster path per call; ``True`` / ``False`` force one (a plain
-    attribute, not saved with the weights).
+    ``fused``: ``True`` runs ``scaled_dot_product_attention`` instead of explicit logits unless weights are asked
+    for (a plain attribute, not saved with the weights). The kernel needs queries and values of one width, so the
+    values are padded with zeros to the rank: it was slower than the explicit path in every case measured, on the
+    CPU (which runs the explicit path in cache-sized blocks at inference) and on an H100, but it never holds the
+    (batch, heads, tgt, src) logits, which may matter for memory when training on long sequences on a GPU.
+    Measured: experiments/benchmarks/README.md, sections 4 and 10.
     """
-
-    FUSED_MIN_KEYS = 256  # fused kernel at inference from this many key positions on ...
-    FUSED_MAX_RANK_RATIO = 3  # ... when rank <= this many head widths (the values are padded to the rank)
 
     def __init__(
         self,
@@ -279,7 +284,7 @@ class CollaborativeAttention(_Attention):
             )
         self.rank = rank
         self.mixing_init = mixing_init
-        self.fused: bool | None = None
+        self.fused = False
         self.query = nn.Linear(d_model, rank, bias=False)
         self.key = nn.Linear(self.kv_dim, rank, bias=False)
         self.content_bias = nn.Linear(self.kv_dim, num_heads, bias=False) if bias else None
@@ -313,34 +318,6 @@ class CollaborativeAttention(_Attention):
             return torch.diag_embed(self.mixing)
         return torch.einsum("hg,grs->hrs", self.mixing, self.mixing_core)
 
-    def use_fused(
-        self, need_weights: bool, src_len: int, device_type: str = "cpu", tgt_len: int | None = None
-    ) -> bool:
-        """Whether ``forward`` takes the fused ``scaled_dot_product_attention`` path rather than explicit logits.
-
-        ``self.fused`` (True / False) forces a path; weights always need the explicit one. By default the fused
-        kernel runs on CPU at inference on keys of ``FUSED_MIN_KEYS`` or more positions when the rank is at most
-        ``FUSED_MAX_RANK_RATIO`` head widths: it never materializes the (batch, heads, tgt, src) logits, but it
-        needs queries and values of one width, so the values are padded with zeros to the rank, which costs more
-        than the logits save when the rank is wide or the sequence short. In training (dropout, backward) the
-        explicit path is as fast or faster. On a CUDA GPU (H100, float32 and bfloat16) the explicit path was as fast
-        or faster in every case measured, so it is the default there. A few queries against many keys (decoding
-        with a cache, ``tgt_len`` below ``FUSED_MIN_KEYS``) take the explicit path: their logits are small, while
-        padding the cached values would copy all of them at every step.
-        Measured: experiments/benchmarks/README.md, sections 3 (CPU) and 4 (H100).
-        """
-        if need_weights:
-            return False
-        if self.fused is not None:
-            return self.fused
-        return (
-            device_type == "cpu"
-            and not self.training
-            and src_len >= self.FUSED_MIN_KEYS
-            and (tgt_len is None or tgt_len >= self.FUSED_MIN_KEYS)
-            and self.rank <= self.FUSED_MAX_RANK_RATIO * self.head_dim
-        )
-
     def forward(
         self,
         query_states: torch.Tensor,
@@ -355,7 +332,7 @@ class CollaborativeAttention(_Attention):
         )  # keys: (B, S, rank), one per position, shared by all heads
         batch, tgt_len, _ = query_states.shape
         shared_queries = self.query(query_states)  # (B, T, rank)
-        if self.use_fused(need_weights, keys.shape[1], keys.device.type, tgt_len):
+        if self.fused and not need_weights:
             # The fused kernel wants queries, keys and values of one width: zero columns change no dot product.
             width = max(self.rank, self.head_dim)
             context = F.scaled_dot_product_attention(
@@ -367,12 +344,10 @@ class CollaborativeAttention(_Attention):
                 scale=1.0,
             )[..., : self.head_dim]
             weights = None
-        elif need_weights or keys.device.type != "cpu" or torch.is_grad_enabled() and (
-            shared_queries.requires_grad or keys.requires_grad or values.requires_grad
-        ):  # blocks pay at inference on the CPU only; with gradients the backward of the pieces costs more
-            context, weights = self._explicit(shared_queries, keys, values, bias)
+        elif not need_weights and _blocks_pay(shared_queries, keys, values, self.num_heads):
+            return self._finish(self._in_cpu_blocks(shared_queries, keys, values, bias).flatten(2)), None
         else:
-            context, weights = _in_cpu_blocks(self._explicit, shared_queries, keys, values, bias), None
+            context, weights = self._explicit(shared_queries, keys, values, bias)
         context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
         return self._finish(context), (weights if need_weights else None)
 
@@ -414,28 +389,65 @@ class CollaborativeAttention(_Attention):
             return packed, None
         return packed[..., : self.rank], packed[..., self.rank :]
 
+    def _in_cpu_blocks(self, shared_queries, keys, values, bias) -> torch.Tensor:
+        """The explicit path's context, (B, T, H, head_dim), one batch element and as many query rows at a time as
+        keep the block's logits within ``CPU_LOGITS_BLOCK`` (one row at least), for inference on the CPU.
 
-# Logits per block on the CPU: about 2^20 float32 values (4 MiB), so that a block's scores, softmax and weighted
-# sum run while it is still in the cache, instead of streaming all (B, H, T, S) logits through memory four times.
+        The block's mixed queries, logits and weights stay in the core's cache and are written in place into
+        buffers allocated once; the weighted sum goes straight to its place in the output. A bias that does not
+        depend on the query (content logits, padding) rides in the logits product: the keys get one column per
+        head holding that head's bias, and head ``h``'s queries a one-hot column ``e_h``, so no pass over the logits
+        adds it. shared_queries (B, T, rank), keys (B, S, rank), values (B, H, S, head_dim), bias broadcastable to
+        (B, H, T, S)."""
+        batch, tgt_len, rank = shared_queries.shape
+        heads, src_len = self.num_heads, keys.shape[1]
+        bias_columns = 0
+        if bias is not None:
+            bias = bias.reshape((1,) * (4 - bias.dim()) + bias.shape)  # a causal mask alone is (T, S)
+        if bias is not None and bias.shape[2] == 1:
+            # (B, S, H); -inf would make NaN of the zeros that the other heads' queries put against it
+            per_key = bias[:, :, 0].transpose(1, 2).expand(batch, src_len, heads).clamp(min=torch.finfo(bias.dtype).min)
+            keys, bias, bias_columns = torch.cat([keys, per_key], dim=-1), None, heads
+        rows = max(1, min(tgt_len, CPU_LOGITS_BLOCK // (heads * src_len)))
+        queries = shared_queries.new_empty(heads, rows, rank + bias_columns)
+        if bias_columns:
+            queries[..., rank:] = torch.eye(heads, dtype=queries.dtype)[:, None, :]
+        logits = shared_queries.new_empty(heads, rows, src_len)
+        context = shared_queries.new_empty(batch, tgt_len, heads, self.head_dim)
+        tucker = self.mixing_core is not None
+        mixing = (self.mixing_matrices() if tucker else self.mixing[:, None, :]) * self.scale
+        dropout = self._dropout()
+        for b in range(batch):
+            keys_t = keys[b].T.expand(heads, -1, -1)  # the shared keys, one view for every head
+            for start in range(0, tgt_len, rows):
+                stop = min(start + rows, tgt_len)
+                block_queries, block_logits = queries[:, : stop - start], logits[:, : stop - start]
+                if tucker:
+                    block_queries[..., :rank] = torch.matmul(shared_queries[b, start:stop], mixing)
+                else:
+                    torch.mul(shared_queries[b, None, start:stop], mixing, out=block_queries[..., :rank])
+                torch.bmm(block_queries, keys_t, out=block_logits)
+                if bias is not None:
+                    block_logits.add_(bias[b if bias.shape[0] > 1 else 0, :, start:stop])
+                torch.softmax(block_logits, dim=-1, out=block_logits)
+                if dropout:
+                    F.dropout(block_logits, p=dropout, inplace=True)
+                torch.bmm(block_logits, values[b], out=context[b, start:stop].transpose(0, 1))
+        return context
+
+
+# Logits per block on the CPU: 2^20 float32 values (4 MiB), so that a block's scores, softmax and weighted sum run
+# while it is still in the cache instead of streaming all (B, H, T, S) logits through memory four times; inputs
+# with fewer logits run in one piece. Of 2^16 to 2^22, 2^20 was among the fastest at every size measured.
 CPU_LOGITS_BLOCK = 1 << 20
 
 
-def _in_cpu_blocks(explicit, queries, keys, values, bias) -> torch.Tensor:
-    """``explicit(queries, keys, values, bias)``'s context computed a block of batch elements at a time, as many
-    as keep the block's logits within ``CPU_LOGITS_BLOCK`` (one at least). queries (B, T, r), keys (B, S, r),
-    values (B, H, S, d), bias broadcastable to (B, H, T, S)."""
-    batch, tgt_len, _ = queries.shape
-    step = max(1, CPU_LOGITS_BLOCK // (values.shape[1] * tgt_len * keys.shape[1]))
-    if step >= batch:
-        return explicit(queries, keys, values, bias)[0]
-
-    def rows(tensor, start):
-        return tensor if tensor is None or tensor.shape[0] == 1 else tensor[start : start + step]
-
-    return torch.cat([
-        explicit(rows(queries, start), rows(keys, start), rows(values, start), rows(bias, start))[0]
-        for start in range(0, batch, step)
-    ])
+def _blocks_pay(queries, keys, values, heads: int) -> bool:
+    """Whether ``_in_cpu_blocks`` runs: on the CPU, with no gradient to keep (the backward of the pieces costs more
+    than they save), on more logits than one block."""
+    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
+    logits = queries.shape[0] * heads * queries.shape[1] * keys.shape[1]
+    return keys.device.type == "cpu" and not needs_grad and logits > CPU_LOGITS_BLOCK
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:
