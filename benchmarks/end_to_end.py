@@ -3,12 +3,14 @@
     python benchmarks/end_to_end.py --threads 1                                   # CPU, the default grid
     python benchmarks/end_to_end.py --threads 1 --cases 32x128 --modes infer --repeats 9
     python benchmarks/end_to_end.py --threads 1 --cases 32x128 1x512 --modes infer --one-piece --clock cpu
+    python benchmarks/end_to_end.py --threads 1 --cases 32x128 --modes infer --padded --clock cpu
     python benchmarks/end_to_end.py --device cuda --repeats 20 --warmup 3         # GPU (float32, TF32 off)
 
 The packaged MiniLM (``AutoModel``, its default attention implementation: ``sdpa``) and copies converted with
 ``reparametrize`` at each of ``--ranks`` (192, 128, 64 by default; the decomposition runs a few iterations only:
 the weights' values do not change the time) run in turn, round robin, ``--repeats`` rounds after ``--warmup``,
-on random token ids without padding (``attention_mask`` all ones, so every model skips its mask).
+on random token ids without padding (``attention_mask`` all ones, so every model skips its mask), or with
+``--padded`` every other sequence padded to three quarters of its length, as in a batch of GLUE pairs.
 
 - ``infer``: a forward pass in eval mode under ``torch.inference_mode``;
 - ``train``: a training step without the optimizer: forward in train mode (dropout on), the mean of the last
@@ -45,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402
 from collab_attn.analysis.accounting import attention_flops_per_token  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.nn import attention  # noqa: E402
 
 ONE_PIECE = " (one piece)"
@@ -92,15 +95,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_step(model, input_ids, mode: str) -> None:
+def one_step(model, inputs: dict, mode: str) -> None:
     if mode == "train":
         model.train()
         model.zero_grad(set_to_none=True)
-        model(input_ids=input_ids).last_hidden_state.pow(2).mean().backward()
+        model(**inputs).last_hidden_state.pow(2).mean().backward()
     else:
         model.eval()
         with torch.inference_mode():
-            model(input_ids=input_ids)
+            model(**inputs)
 
 
 def check_outputs(models: dict, device: torch.device) -> float:
@@ -129,19 +132,22 @@ def check_outputs(models: dict, device: torch.device) -> float:
 
 
 def measure(models, batch: int, seq: int, mode: str, repeats: int, warmup: int, device,
-            clock=time.perf_counter) -> dict[str, list]:
+            clock=time.perf_counter, padded: bool = False) -> dict[str, list]:
     g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(1000, 20000, (batch, seq), generator=g).to(device)
+    inputs = {"input_ids": torch.randint(1000, 20000, (batch, seq), generator=g).to(device)}
+    if padded:  # every other sequence three quarters long
+        inputs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long, device=device)
+        inputs["attention_mask"][1::2, seq * 3 // 4:] = 0
     times: dict[str, list] = {name: [] for name in models}
     for _ in range(warmup):
         for model in models.values():
-            one_step(model, input_ids, mode)
+            one_step(model, inputs, mode)
     for _ in range(repeats):  # round robin: a change of load hits every model alike
         for name, model in models.items():
             synchronize(device)
             with logits_in_one_piece() if name.endswith(ONE_PIECE) else contextlib.nullcontext():
                 start = clock()
-                one_step(model, input_ids, mode)
+                one_step(model, inputs, mode)
                 synchronize(device)
                 times[name].append(clock() - start)
     return times
@@ -163,6 +169,8 @@ def main(argv=None) -> dict:
                         help="cpu: time each step by this process's CPU time (CPU only; less disturbed by other load)")
     parser.add_argument("--one-piece", action="store_true",
                         help="also time each converted model with its logits in one piece (no CPU blocks)")
+    parser.add_argument("--padded", action="store_true",
+                        help="pad every other sequence to three quarters of its length (attention_mask)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -191,7 +199,7 @@ def main(argv=None) -> dict:
                 continue
             load = os.getloadavg()[0]
             clock = time.process_time if args.clock == "cpu" else time.perf_counter
-            times = measure(models, batch, seq, mode, args.repeats, args.warmup, device, clock)
+            times = measure(models, batch, seq, mode, args.repeats, args.warmup, device, clock, args.padded)
             medians = {n: statistics.median(t) for n, t in times.items()}
             flops = {n: model_flops_per_token(m, seq) for n, m in models.items()}
             cells = [f"{medians[n] * 1e3:.1f} ({medians[n] / medians['original']:.2f}x, "
@@ -202,15 +210,17 @@ def main(argv=None) -> dict:
                             "flops_per_token": flops, "load_before": load})
     table = "\n".join(rows)
     result = {"command": command.strip(), "torch": torch.__version__, "device": name, "clock": args.clock,
+              "padded": args.padded,
               "threads": torch.get_num_threads(), "max_abs_difference_to_explicit_path": worst, "records": records}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(
+    write_text_atomic(out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
+    padding = ", every other sequence padded to three quarters" if args.padded else ""
+    write_text_atomic(
+        out.with_suffix(".md"),
         f"# End-to-end latency, MiniLM against its conversions\n\n`{result['command']}`\n\n{name}, torch "
-        f"{torch.__version__}, {result['threads']} threads, {args.clock} clock. Medians of {args.repeats} round-robin "
-        f"rounds; in "
-        f"parentheses the ratio to the original's time, then the ratio of FLOPs (attention + feed-forward).\n\n"
-        + table + "\n"
+        f"{torch.__version__}, {result['threads']} threads, {args.clock} clock{padding}. Medians of {args.repeats} "
+        "round-robin rounds; in parentheses the ratio to the original's time, then the ratio of FLOPs (attention + "
+        "feed-forward).\n\n" + table + "\n",
     )
     print(table)
     return result
