@@ -42,6 +42,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask  # noqa: E402
 
 
@@ -221,15 +222,16 @@ def main(argv=None) -> dict:
         "parameters": params, "variants_vs_ours_max_abs_diff": same, "results": records, "table": table,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(
+    write_text_atomic(args.out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
+    write_text_atomic(
+        args.out.with_suffix(".md"),
         f"# Attention layer latency ({'GPU' if on_gpu else 'CPU'}: {hardware})\n\n`{result['command']}`\n\n"
         f"d_model {args.d_model}, {args.heads} heads, collaborative ranks {ranks}, {args.dtype}; "
         f"median of {args.repeats} round-robin repeats ({args.clock} clock), {result['threads']} torch threads, "
         f"torch {torch.__version__}; ratios are to `concat` measured in the same round. Parameters per layer: "
         + ", ".join(f"{k} {v:,}" for k, v in params.items())
         + f". Load average before the rows: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs.\n\n"
-        + table + "\n"
+        + table + "\n",
     )
     return result
 

@@ -1,0 +1,45 @@
+"""The benchmark scripts still run: a tiny case of each that the README's latency claims rest on."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_end_to_end_times_the_original_and_a_conversion(tmp_path, padded):
+    end_to_end = load("end_to_end")
+    argv = ["--threads", "1", "--ranks", "64", "--cases", "2x48", "--modes", "infer", "train", "--repeats", "1",
+            "--warmup", "0", "--one-piece", "--out", str(tmp_path / "e2e")] + (["--padded"] if padded else [])
+    result = end_to_end.main(argv)
+    assert result["max_abs_difference_to_explicit_path"] < 1e-4  # the blocked path against all logits at once
+    assert [(r["mode"], r["batch"], r["seq"]) for r in result["records"]] == [("infer", 2, 48), ("train", 2, 48)]
+    for record in result["records"]:
+        assert set(record["median"]) == {"original", "collab-64", "collab-64 (one piece)"}
+        assert all(t > 0 for t in record["median"].values())
+    assert json.loads((tmp_path / "e2e.json").read_text())["padded"] is padded
+    table = (tmp_path / "e2e.md").read_text()
+    assert ("padded to three quarters" in table) is padded and "| infer | 2 | 48 |" in table
+
+
+def test_attention_latency_compares_every_variant(tmp_path):
+    """Batch 2, 600 positions: more logits than one CPU block, so ``collab`` times the blocked path beside the
+    forced one-piece (``explicit``) and fused ones; the script's own check finds the variants computing alike."""
+    attention_latency = load("attention_latency")
+    argv = ["--d-model", "48", "--heads", "4", "--ranks", "16", "--batch", "2", "--seq", "600", "--modes", "infer",
+            "--forced-paths", "--threads", "1", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "lat")]
+    result = attention_latency.main(argv)
+    assert result["variants_vs_ours_max_abs_diff"] < 1e-4
+    (record,) = result["results"]
+    assert set(record["median_seconds"]) == {"concat", "collab-16", "paper-16", "explicit-16", "fused-16"}
+    assert "| infer | 2 | 600 |" in (tmp_path / "lat.md").read_text()
