@@ -86,6 +86,25 @@ def test_fused_path_equals_explicit_softmax(pair, module_name):
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_narrow_query_key_heads_at_inference_take_the_flash_kernel(is_causal):
+    """SVD-truncated heads (queries and keys narrower than values): at inference on the CPU they are padded to the
+    value width for the flash kernel, with the same output as the explicit softmax; with gradients they are not."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(D_MODEL, HEADS, query_key_head_dim=3).eval()
+    x = torch.randn(2, 6, D_MODEL)
+    mask = padding_mask([6, 3], 6)
+    explicit, _ = layer(x, attention_mask=mask, is_causal=is_causal, need_weights=True)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), profile() as prof:
+            fused, _ = layer(x, attention_mask=mask, is_causal=is_causal)
+        torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
+        flash = any("flash_attention" in event.key for event in prof.key_averages())
+        assert flash is not grad
+
+
 @pytest.mark.parametrize("rank, tucker", [(12, None), (4, None), (8, 3)])  # rank above, below, at head_dim
 @pytest.mark.parametrize("masking", ["padding", "causal", "both"])
 def test_fused_and_explicit_paths_agree(rank, tucker, masking):

@@ -88,8 +88,14 @@ def attend(
     Returns the context (B, T, H * Dv) and, when asked, the attention weights (B, H, T, S). The fused
     ``scaled_dot_product_attention`` runs unless weights are asked for, or unless ``E != Dv`` on a GPU, where its
     memory-efficient kernel finds no kernel for some such pairs in half precision ("cutlassF: no kernel found").
+    On the CPU its flash kernel wants ``E == Dv`` (else it falls back to an unfused one, slower at inference),
+    so at inference narrower queries and keys (SVD-truncated heads) are padded with zero columns to ``Dv``, which
+    changes no dot product; training keeps the unfused kernel (with dropout and a backward the padding did not pay).
     """
-    batch, heads, tgt_len, _ = query.shape
+    batch, heads, tgt_len, width = query.shape
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+    if query.device.type == "cpu" and width < value.shape[-1] and not need_weights and not needs_grad:
+        query, key = _widen(query, value.shape[-1]), _widen(key, value.shape[-1])
     if need_weights or (query.shape[-1] != value.shape[-1] and query.device.type != "cpu"):
         logits = torch.matmul(query, key.transpose(-1, -2)) * scale
         if bias is not None:
