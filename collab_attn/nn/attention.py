@@ -148,7 +148,8 @@ class _Attention(nn.Module):
         return counts
 
     def _keys_values_mask(self, query_states, key_value_states, attention_mask, is_causal, kv_cache):
-        """Keys, content logits, values and the additive mask over every key the queries attend to.
+        """Keys, values, the additive mask over every key the queries attend to, and the content logits (B, H, 1, S)
+        (None without content bias); ``_plus(mask, content)`` is the whole bias of the logits.
 
         ``kv_cache``, when given, is called with this call's packed keys (``_pack``: (B, 1 or H, S, width)) and values
         (B, H, S, head_dim) and returns those of every position so far (a key/value cache's update); the mask then
@@ -160,15 +161,14 @@ class _Attention(nn.Module):
         if kv_cache is not None:
             packed, values = kv_cache(self._pack(keys, content), values)
             keys, content = self._unpack(packed)
-        bias = additive_mask(
+        mask = additive_mask(
             attention_mask, is_causal, query_states.shape[1], values.shape[2], query_states.dtype, query_states.device
         )
         if content is not None:
             # bq_h . Wk_h y_s does not depend on the query: one logit offset per head and key, (B, H, 1, S). The
             # query bias of head h is exactly this term.
             content = content.transpose(1, 2)[:, :, None, :] * self.scale
-            bias = content if bias is None else bias + content
-        return keys, values, bias
+        return keys, values, mask, content
 
     def _finish(self, context: torch.Tensor) -> torch.Tensor:
         return context if self.output is None else self.output(context)
@@ -224,10 +224,11 @@ class MultiHeadAttention(_Attention):
         need_weights: bool = False,
         kv_cache=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keys, values, bias = self._keys_values_mask(
+        keys, values, mask, content = self._keys_values_mask(
             query_states, key_value_states, attention_mask, is_causal, kv_cache
         )
         queries = self._key_heads(self.query(query_states))
+        bias = _plus(mask, content)
         context, weights = attend(queries, keys, values, bias, self.scale, self._dropout(), need_weights)
         return self._finish(context), weights
 
@@ -333,7 +334,7 @@ class CollaborativeAttention(_Attention):
         need_weights: bool = False,
         kv_cache=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keys, values, bias = self._keys_values_mask(
+        keys, values, mask, content = self._keys_values_mask(
             query_states, key_value_states, attention_mask, is_causal, kv_cache
         )  # keys: (B, S, rank), one per position, shared by all heads
         batch, tgt_len, _ = query_states.shape
@@ -345,15 +346,15 @@ class CollaborativeAttention(_Attention):
                 _widen(self._mixed(shared_queries), width),
                 _widen(keys, width)[:, None].expand(-1, self.num_heads, -1, -1),
                 _widen(values, width),
-                attn_mask=bias,
+                attn_mask=_plus(mask, content),
                 dropout_p=self._dropout(),
                 scale=1.0,
             )[..., : self.head_dim]
             weights = None
         elif not need_weights and _blocks_pay(shared_queries, keys, values, self.num_heads):
-            return self._finish(self._in_cpu_blocks(shared_queries, keys, values, bias).flatten(2)), None
+            return self._finish(self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2)), None
         else:
-            context, weights = self._explicit(shared_queries, keys, values, bias)
+            context, weights = self._explicit(shared_queries, keys, values, _plus(mask, content))
         context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
         return self._finish(context), (weights if need_weights else None)
 
@@ -395,25 +396,29 @@ class CollaborativeAttention(_Attention):
             return packed, None
         return packed[..., : self.rank], packed[..., self.rank :]
 
-    def _in_cpu_blocks(self, shared_queries, keys, values, bias) -> torch.Tensor:
+    def _in_cpu_blocks(self, shared_queries, keys, values, mask, content) -> torch.Tensor:
         """The explicit path's context, (B, T, H, head_dim), one batch element and as many query rows at a time as
         keep the block's logits within ``CPU_LOGITS_BLOCK`` (one row at least), for inference on the CPU.
 
         The block's mixed queries, logits and weights stay in the core's cache and are written in place into
-        buffers allocated once; the weighted sum goes straight to its place in the output. A bias that does not
-        depend on the query (content logits, padding) rides in the logits product: the keys get one column per
-        head holding that head's bias, and head ``h``'s queries a one-hot column ``e_h``, so no pass over the logits
-        adds it. shared_queries (B, T, rank), keys (B, S, rank), values (B, H, S, head_dim), bias broadcastable to
-        (B, H, T, S)."""
+        buffers allocated once; the weighted sum goes straight to its place in the output. The biases that do not
+        depend on the query (the content logits, a padding mask) ride in the logits product: the keys get one column
+        per head holding that head's bias, and head ``h``'s queries a one-hot column ``e_h``, so no pass over the
+        logits adds them; a mask that does (causal) is added block by block. shared_queries (B, T, rank), keys
+        (B, S, rank), values (B, H, S, head_dim), mask broadcastable to (B, H, T, S), content (B, H, 1, S)."""
         batch, tgt_len, rank = shared_queries.shape
         heads, src_len = self.num_heads, keys.shape[1]
+        if mask is not None:
+            mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape)  # a causal mask alone is (T, S)
+        per_key = content
+        if mask is not None and mask.shape[2] == 1:
+            per_key, mask = _plus(mask, content), None
         bias_columns = 0
-        if bias is not None:
-            bias = bias.reshape((1,) * (4 - bias.dim()) + bias.shape)  # a causal mask alone is (T, S)
-        if bias is not None and bias.shape[2] == 1:
+        if per_key is not None:
             # (B, S, H); -inf would make NaN of the zeros that the other heads' queries put against it
-            per_key = bias[:, :, 0].transpose(1, 2).expand(batch, src_len, heads).clamp(min=torch.finfo(bias.dtype).min)
-            keys, bias, bias_columns = torch.cat([keys, per_key], dim=-1), None, heads
+            per_key = per_key[:, :, 0].transpose(1, 2).expand(batch, src_len, heads)
+            keys = torch.cat([keys, per_key.clamp(min=torch.finfo(per_key.dtype).min)], dim=-1)
+            bias_columns = heads
         rows = max(1, min(tgt_len, CPU_LOGITS_BLOCK // (heads * src_len)))
         queries = shared_queries.new_empty(heads, rows, rank + bias_columns)
         if bias_columns:
@@ -433,8 +438,8 @@ class CollaborativeAttention(_Attention):
                 else:
                     torch.mul(shared_queries[b, None, start:stop], mixing, out=block_queries[..., :rank])
                 torch.bmm(block_queries, keys_t, out=block_logits)
-                if bias is not None:
-                    block_logits.add_(bias[b if bias.shape[0] > 1 else 0, :, start:stop])
+                if mask is not None:
+                    block_logits.add_(mask[b if mask.shape[0] > 1 else 0, :, start:stop])
                 torch.softmax(block_logits, dim=-1, out=block_logits)
                 if dropout:
                     F.dropout(block_logits, p=dropout, inplace=True)
@@ -446,6 +451,13 @@ class CollaborativeAttention(_Attention):
 # while it is still in the cache instead of streaming all (B, H, T, S) logits through memory four times; inputs
 # with fewer logits run in one piece. Of 2^16 to 2^22, 2^20 was among the fastest at every size measured.
 CPU_LOGITS_BLOCK = 1 << 20
+
+
+def _plus(mask: torch.Tensor | None, content: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole additive bias of the logits: the mask plus the content logits, either of which may be None."""
+    if content is None or mask is None:
+        return content if mask is None else mask
+    return mask + content
 
 
 def _blocks_pay(queries, keys, values, heads: int) -> bool:
