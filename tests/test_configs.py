@@ -323,9 +323,10 @@ SWEEPS = [
     ("minilm_glue", True, f"{_G} refit=distill task=mrpc seed=0 collab.calibration=task collab.rank=128 "
                           "refit.distill.alpha=0,0.5 refit.distill.temperature=1,4"),
     # ... and the race, seed 0, with the group's defaults (alpha 0.5, T 4)
-    ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,rte,cola,stsb collab.calibration=task collab.rank=128"),
-    ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,rte,cola,stsb collab=prune collab.rank=128"),
-    ("minilm_glue", False, f"{_G} refit=distill seed=0 task=mrpc collab=svd collab.rank=60"),
+    ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,rte,cola,stsb collab.calibration=task "
+                          "collab.rank=128,64"),
+    ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,rte,cola,stsb collab=prune collab.rank=128,64"),
+    ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,cola,rte collab=svd collab.rank=60"),
     # experiments/minilm_mrpc_rte/README.md
     ("minilm_mrpc_rte", True, f"+experiment=minilm_mrpc_rte {GLUE}"),
     ("minilm_mrpc_rte", False, f"+experiment=minilm_mrpc_rte {GLUE} task=mrpc collab.rank=128 collab.calibration=task"),
