@@ -449,7 +449,8 @@ class CollaborativeAttention(_Attention):
 
 # Logits per block on the CPU: 2^20 float32 values (4 MiB), so that a block's scores, softmax and weighted sum run
 # while it is still in the cache instead of streaming all (B, H, T, S) logits through memory four times; inputs
-# with fewer logits run in one piece. Of 2^16 to 2^22, 2^20 was among the fastest at every size measured.
+# with fewer logits run in one piece. Of 2^16 to 2^22, tried on MiniLM's layer at lengths 128 to 1,024 (1 thread),
+# 2^20 was as fast as any within the noise.
 CPU_LOGITS_BLOCK = 1 << 20
 
 
