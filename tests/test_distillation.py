@@ -3,6 +3,7 @@ tiny job end to end."""
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -208,3 +209,10 @@ def test_summaries_keep_distilled_jobs_apart_from_plain_ones(tmp_path):
     assert "| m | prune | 64 | 40.0 → 70.0 | 70.0 | -10.0 | 1 |" in markdown
     assert "| m | prune + KD a0.5 T2 | 64 | 40.0 → 76.0 | 76.0 | -4.0 | 1 |" in markdown
     assert "| m | prune + KD a0 T1 h0.1 | 64 | 40.0 → 78.0 | 78.0 | -2.0 | 1 |" in markdown
+
+
+def test_the_dataclass_defaults_are_the_configs_chosen_ones():
+    import yaml
+
+    block = yaml.safe_load((Path(__file__).parents[1] / "configs/refit/distill.yaml").read_text())["distill"]
+    assert DistillSettings() == DistillSettings.from_config(block)

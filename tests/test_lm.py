@@ -239,3 +239,32 @@ def test_bad_settings_fail_before_training(text_file, tmp_path):
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             script.run(compose_cfg("train_lm", [*base, *extra]))
     assert not (tmp_path / "runs").exists()
+
+
+def test_wandb_runs_go_online_only_when_a_key_is_set(monkeypatch, tmp_path):
+    import wandb
+
+    modes = []
+
+    class Run:
+        summary = {}
+
+        def log(self, *args, **kwargs):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: modes.append(kwargs["mode"]) or Run())
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / ".netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    record = {"recipe": "r", "name": "n", "signature": {}, "curve": [{"step": 1, "val_loss": 2.0}],
+              "best_val_loss": 2.0, "tokens_per_second": 1.0, "cache_bytes_per_token_bf16": 4}
+    settings = {"logger": {"name": "wandb"}, "output_dir": tmp_path}
+    runs.log_to_tracker(settings, record)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    runs.log_to_tracker(settings, record)
+    runs.log_to_tracker({**settings, "logger": {"name": "wandb", "mode": "disabled"}}, record)
+    assert modes == ["offline", "online", "disabled"]

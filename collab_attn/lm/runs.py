@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from transformers import default_data_collator
 
 from collab_attn.files import write_text_atomic
+from collab_attn.glue.tracking import wandb_mode
 from collab_attn.lm import data as lm_data
 from collab_attn.lm.models import KINDS, MODEL_KEYS, build_model, cache_bytes, gpt_config, parameter_counts
 from collab_attn.lm.sampling import sample_text
@@ -160,8 +160,8 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
 
 
 def log_to_tracker(settings: dict, record: dict) -> None:
-    """``logger=wandb``: one W&B run per training run (offline unless ``WANDB_MODE``/``logger.mode`` says
-    otherwise) with the learning curve and the summary numbers."""
+    """``logger=wandb``: one W&B run per training run with the learning curve and the summary numbers; the mode is
+    chosen as for the GLUE jobs (``logger.mode``, else ``WANDB_MODE``, else online only when a key is set)."""
     logger = settings.get("logger") or {}
     if logger.get("name") != "wandb":
         return
@@ -170,7 +170,7 @@ def log_to_tracker(settings: dict, record: dict) -> None:
     run = wandb.init(project=logger.get("project", "collab-attn"), entity=logger.get("entity"),
                      name=f"{record['recipe']}-{record['name']}", group=f"shakespeare_char-{record['recipe']}",
                      tags=logger.get("tags") or None, config=record["signature"],
-                     mode=logger.get("mode") or os.environ.get("WANDB_MODE", "offline"),
+                     mode=wandb_mode(logger.get("mode")),
                      dir=str(settings["output_dir"]), reinit="finish_previous")
     for point in record["curve"]:
         run.log({k: v for k, v in point.items() if v is not None}, step=point["step"])
