@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+import yaml
 from conftest import small_config
 from test_pipeline import settings, tiny
 
@@ -212,7 +213,5 @@ def test_summaries_keep_distilled_jobs_apart_from_plain_ones(tmp_path):
 
 
 def test_the_dataclass_defaults_are_the_configs_chosen_ones():
-    import yaml
-
     block = yaml.safe_load((Path(__file__).parents[1] / "configs/refit/distill.yaml").read_text())["distill"]
     assert DistillSettings() == DistillSettings.from_config(block)

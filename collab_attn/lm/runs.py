@@ -19,7 +19,7 @@ import torch
 from transformers import default_data_collator
 
 from collab_attn.files import write_text_atomic
-from collab_attn.glue.tracking import wandb_mode
+from collab_attn.glue.tracking import WandbTracker
 from collab_attn.lm import data as lm_data
 from collab_attn.lm.models import KINDS, MODEL_KEYS, build_model, cache_bytes, gpt_config, parameter_counts
 from collab_attn.lm.sampling import sample_text
@@ -160,22 +160,20 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
 
 
 def log_to_tracker(settings: dict, record: dict) -> None:
-    """``logger=wandb``: one W&B run per training run with the learning curve and the summary numbers; the mode is
-    chosen as for the GLUE jobs (``logger.mode``, else ``WANDB_MODE``, else online only when a key is set)."""
+    """``logger=wandb``: one W&B run per training run with the learning curve and the summary numbers, through the
+    GLUE jobs' tracker, so the mode is chosen as for them (``logger.mode``, else ``WANDB_MODE``, else online
+    only when a key is set)."""
     logger = settings.get("logger") or {}
     if logger.get("name") != "wandb":
         return
-    import wandb
-
-    run = wandb.init(project=logger.get("project", "collab-attn"), entity=logger.get("entity"),
-                     name=f"{record['recipe']}-{record['name']}", group=f"shakespeare_char-{record['recipe']}",
-                     tags=logger.get("tags") or None, config=record["signature"],
-                     mode=wandb_mode(logger.get("mode")),
-                     dir=str(settings["output_dir"]), reinit="finish_previous")
+    tracker = WandbTracker(
+        logger.get("project", "collab-attn"), f"{record['recipe']}-{record['name']}",
+        f"shakespeare_char-{record['recipe']}", record["signature"], Path(settings["output_dir"]), logger.get("mode"),
+        logger.get("entity"), logger.get("tags"),
+    )
     for point in record["curve"]:
-        run.log({k: v for k, v in point.items() if v is not None}, step=point["step"])
-    run.summary.update({k: record[k] for k in ("best_val_loss", "tokens_per_second", "cache_bytes_per_token_bf16")})
-    run.finish()
+        tracker.run.log({k: v for k, v in point.items() if v is not None}, step=point["step"])
+    tracker.finish({k: record[k] for k in ("best_val_loss", "tokens_per_second", "cache_bytes_per_token_bf16")})
 
 
 def key_sizes_for(n_embd: int, key_sizes: Sequence[int] | None) -> list[int]:
