@@ -27,7 +27,7 @@ def load_results(
     """One row per (job, stage) from every results.jsonl below ``sweep_dir`` (``job``: the directory holding it);
     only ``tasks`` when given, so that the table's average is over those tasks, and only ``seeds`` when given (to
     compare rows on the same seeds). A job re-fine-tuned with
-    distillation has its settings in its method (``cp-aware + KD a0.5 T2``): its rows are its own."""
+    distillation has its settings in its method (``cp-aware + KD a0.5 T4``): its rows are its own."""
     files = sorted(Path(sweep_dir).rglob("results.jsonl"))
     if not files:
         raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
@@ -52,7 +52,7 @@ def load_results(
 
 def _distill_label(distill: dict | None) -> str:
     """How a job re-fine-tuned with distillation is told apart from the same method re-fine-tuned plainly:
-    ``" + KD a0.5 T2"`` (plus ``h<weight>`` and ``att<weight>`` for the per-layer terms that are on)."""
+    ``" + KD a0.5 T4"`` (plus ``h<weight>`` and ``att<weight>`` for the per-layer terms that are on)."""
     if not distill:
         return ""
     label = f" + KD a{distill['alpha']:g} T{distill['temperature']:g}"
