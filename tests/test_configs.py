@@ -327,10 +327,10 @@ SWEEPS = [
                           "collab.rank=128,64"),
     ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,rte,cola,stsb collab=prune collab.rank=128,64"),
     ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,cola,rte,stsb collab=svd collab.rank=60"),
-    # ... and seed 1
-    ("minilm_glue", True, f"{_G} refit=distill seed=1 task=mrpc,rte,cola,stsb collab.calibration=task "
+    # ... and seeds 1 and 2
+    ("minilm_glue", True, f"{_G} refit=distill seed=1,2 task=mrpc,rte,cola,stsb collab.calibration=task "
                           "collab.rank=128,64"),
-    ("minilm_glue", True, f"{_G} refit=distill seed=1 task=mrpc,rte,cola,stsb collab=prune collab.rank=128,64"),
+    ("minilm_glue", True, f"{_G} refit=distill seed=1,2 task=mrpc,rte,cola,stsb collab=prune collab.rank=128,64"),
     # experiments/minilm_mrpc_rte/README.md
     ("minilm_mrpc_rte", True, f"+experiment=minilm_mrpc_rte {GLUE}"),
     ("minilm_mrpc_rte", False, f"+experiment=minilm_mrpc_rte {GLUE} task=mrpc collab.rank=128 collab.calibration=task"),
