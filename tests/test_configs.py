@@ -186,7 +186,7 @@ def test_glue_stage_passes_the_composed_values(option, extra, monkeypatch):
         pytest.skip("calibration is an option of the decompositions")
     settings = resolved("train_glue", f"collab={option}", *extra)
     collab = settings["collab"]
-    task, _, method = pipeline.validate(settings)
+    task, _, method, _ = pipeline.validate(settings)
     if option == "none":
         assert not method.converts
         return
@@ -326,11 +326,14 @@ SWEEPS = [
     ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,rte,cola,stsb collab.calibration=task "
                           "collab.rank=128,64"),
     ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,rte,cola,stsb collab=prune collab.rank=128,64"),
-    ("minilm_glue", True, f"{_G} refit=distill seed=0 task=mrpc,cola,rte,stsb collab=svd collab.rank=60"),
-    # ... and seeds 1 and 2
+    # ... and seeds 1 and 2 (SVD at 60: every seed in one command)
     ("minilm_glue", True, f"{_G} refit=distill seed=1,2 task=mrpc,rte,cola,stsb collab.calibration=task "
                           "collab.rank=128,64"),
     ("minilm_glue", True, f"{_G} refit=distill seed=1,2 task=mrpc,rte,cola,stsb collab=prune collab.rank=128,64"),
+    ("minilm_glue", True, f"{_G} refit=distill seed=0,1,2 task=mrpc,cola,rte,stsb collab=svd collab.rank=60"),
+    # ... and SST-2 (seed 0, one epoch) at 128
+    *[("minilm_glue", True, f"{_G} refit=distill {_SST2} refit.num_train_epochs=1 {m} collab.rank=128")
+      for m in ("collab.calibration=task", "collab=prune")],
     # experiments/minilm_mrpc_rte/README.md
     ("minilm_mrpc_rte", True, f"+experiment=minilm_mrpc_rte {GLUE}"),
     ("minilm_mrpc_rte", False, f"+experiment=minilm_mrpc_rte {GLUE} task=mrpc collab.rank=128 collab.calibration=task"),

@@ -167,9 +167,9 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings]:
-    """Check everything that can be checked before any training; returns the task, the model path and the
-    method settings."""
+def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings, DistillSettings | None]:
+    """Check everything that can be checked before any training; returns the task, the model path, the method
+    settings and the distillation settings (None without ``refit.distill``)."""
     task = glue.get_task(settings["task"]["name"])
     method = MethodSettings.from_config(settings["collab"])
     path = resolve_model(settings["model"])
@@ -187,7 +187,7 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings]:
     method.check_model(config)
     method.check_calibration_source(task_allowed=True)
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    DistillSettings.from_refit(settings["refit"])
+    distill = DistillSettings.from_refit(settings["refit"])
     for group, own in (("trainer", set()), ("refit", {"enabled", "distill"})):
         unknown = sorted(set(settings[group]) - fields - own)
         if unknown:
@@ -198,7 +198,7 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings]:
             f"data.glue_dir={glue_dir} does not exist (relative to {os.getcwd()}); point it at the folder that "
             "holds CoLA/, SST-2/, ... or set data.glue_dir=null to load nyu-mll/glue from the Hub"
         )
-    return task, path, method
+    return task, path, method, distill
 
 
 def load_data(task: glue.GlueTask, data_cfg: dict, tokenizer):
@@ -377,7 +377,7 @@ def run_job(settings: dict) -> list[dict]:
         if main:
             print(f"[{name}] results exist in {out}; skipping")
         return distributed.from_main(read_results(out / RESULTS_FILE) if main else None)
-    task, path, method = validate(settings)
+    task, path, method, distill = validate(settings)
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = load_data(task, settings["data"], tokenizer)  # before any folder exists: bad data leaves nothing behind
     if main:
@@ -386,7 +386,6 @@ def run_job(settings: dict) -> list[dict]:
     tracker = make_tracker(settings["logger"], name, settings["sweep_name"], settings, out) if main else NoTracker()
     eval_batch = settings["trainer"].get("per_device_eval_batch_size", 64)
     records, summary = [], {}
-    distill = DistillSettings.from_refit(settings["refit"])
     try:
         start = time.perf_counter()
         checkpoint, resumed = finetuned_checkpoint(
