@@ -14,6 +14,10 @@ measurement is one forward pass of ``--batch`` new tokens against that cache (``
 to ``context`` after each step; the models take turns step by step, so machine noise falls on all of them alike. The
 table gives the median over ``--repeats`` steps after ``--warmup`` and the cache bytes (``DynamicCache`` tensors,
 all layers). Results: ``experiments/benchmarks/decode_<device>_<dtype>.{md,json}``.
+
+``--prefill`` times the prompt pass instead: ``context`` tokens through an empty cache with the causal mask, logits
+for the last position only (``logits_to_keep=1``, as ``generate`` asks), the models again taking turns. Results:
+``experiments/benchmarks/prefill_<device>_<dtype>.{md,json}``.
 """
 
 from __future__ import annotations
@@ -83,11 +87,49 @@ def decode_step(model, cache: DynamicCache, ids: torch.Tensor, mask: torch.Tenso
     return seconds
 
 
+def prefill(model, ids: torch.Tensor) -> float:
+    """Seconds for the prompt pass of ``ids`` into an empty cache, logits of the last position only."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     positions = max(args.contexts) + 8
     variants = {"original": None} | {f"collab D~={rank}": rank for rank in args.ranks}
     models = {name: build(rank, positions, args.device, dtype) for name, rank in variants.items()}
+    return (prefill_rows if args.prefill else decode_rows)(models, variants, args)
+
+
+def prefill_rows(models: dict, variants: dict, args) -> list[dict]:
+    rows = []
+    for context in args.contexts:
+        ids = torch.randint(0, 50257, (args.batch, context), device=args.device)
+        times = {name: [] for name in models}
+        for step in range(args.warmup + args.repeats):  # round-robin, as for decoding
+            for name, model in models.items():
+                seconds = prefill(model, ids)
+                if step >= args.warmup:
+                    times[name].append(seconds)
+        base = None
+        for name in models:
+            row = {"context": context, "model": name, "rank": variants[name],
+                   "prefill_ms": 1e3 * statistics.median(times[name])}
+            base = base or row
+            row["time_vs_original"] = row["prefill_ms"] / base["prefill_ms"]
+            rows.append(row)
+            print(f"context {context:5d}  {name:16s} {row['prefill_ms']:9.1f} ms prefill "
+                  f"({row['time_vs_original']:.2f}x)", flush=True)
+    return rows
+
+
+def decode_rows(models: dict, variants: dict, args) -> list[dict]:
     rows = []
     for context in args.contexts:
         caches = {name: filled_cache(model, args.batch, context) for name, model in models.items()}
@@ -115,6 +157,8 @@ def run(args) -> list[dict]:
 
 
 def markdown(rows: list[dict], args, environment: dict) -> str:
+    if args.prefill:
+        return prefill_markdown(rows, args, environment)
     lines = [
         f"# Decoding: GPT-2 small (random weights) against collaborative attention, {args.device}, {args.dtype}",
         "",
@@ -137,7 +181,28 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
+def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
+    lines = [
+        f"# Prefill: GPT-2 small (random weights) against collaborative attention, {args.device}, {args.dtype}",
+        "",
+        f"Batch {args.batch}, a prompt of `context` tokens into an empty cache (causal mask, logits of the last "
+        f"position); median of {args.repeats} passes after {args.warmup} warm-up passes. "
+        f"{environment['device_name']}, torch {environment['torch']}, transformers {environment['transformers']}, "
+        f"{environment['threads']} threads.",
+        "",
+        "```bash",
+        f"python benchmarks/decode.py {' '.join(sys.argv[1:])}".rstrip(),
+        "```",
+        "",
+        "| context | model | prefill ms | vs original |",
+        "|---:|---|---:|---:|",
+    ]
+    lines += [f"| {r['context']} | {r['model']} | {r['prefill_ms']:.1f} | {r['time_vs_original']:.2f}x |"
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--ranks", type=int, nargs="+", default=[D_MODEL // 2, D_MODEL // 4, D_MODEL // 8])
@@ -147,6 +212,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    parser.add_argument("--prefill", action="store_true", help="time the prompt pass instead of decoding steps")
     parser.add_argument("--out", type=Path, default=None, help="output path without suffix")
     args = parser.parse_args(argv)
     if args.threads:
@@ -157,7 +223,8 @@ def main(argv=None) -> None:
         "cpus": os.cpu_count(),
     }
     rows = run(args)
-    out = args.out or ROOT / "experiments" / "benchmarks" / f"decode_{args.device}_{args.dtype}"
+    kind = "prefill" if args.prefill else "decode"
+    out = args.out or ROOT / "experiments" / "benchmarks" / f"{kind}_{args.device}_{args.dtype}"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(out)}, "environment": environment,
@@ -166,6 +233,7 @@ def main(argv=None) -> None:
     tmp.with_suffix(".md").write_text(markdown(rows, args, environment))
     tmp.with_suffix(".md").rename(out.with_suffix(".md"))
     print(f"wrote {out}.md and .json")
+    return rows
 
 
 if __name__ == "__main__":

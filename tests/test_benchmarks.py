@@ -43,3 +43,21 @@ def test_attention_latency_compares_every_variant(tmp_path):
     (record,) = result["results"]
     assert set(record["median_seconds"]) == {"concat", "collab-16", "paper-16", "explicit-16", "fused-16"}
     assert "| infer | 2 | 600 |" in (tmp_path / "lat.md").read_text()
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_decode_times_the_original_and_a_collaborative_gpt2(tmp_path, prefill):
+    """GPT-2 small against collaborative heads at D~ = 96: one decoding step against a cache of 16 positions, or
+    the prompt pass of 16 tokens; the shared-key cache is the smaller one."""
+    decode = load("decode")
+    argv = ["--threads", "1", "--ranks", "96", "--contexts", "16", "--repeats", "1", "--warmup", "0",
+            "--out", str(tmp_path / "dec")] + (["--prefill"] if prefill else [])
+    rows = decode.main(argv)
+    assert [(r["context"], r["model"]) for r in rows] == [(16, "original"), (16, "collab D~=96")]
+    assert rows[0]["time_vs_original"] == 1.0 and rows[1]["time_vs_original"] > 0
+    if prefill:
+        assert rows[1]["prefill_ms"] > 0 and "cache_mib" not in rows[1]
+    else:
+        assert rows[1]["cache_vs_original"] == pytest.approx((96 + 12 + 768) / (2 * 768), rel=0.01)
+    table = (tmp_path / "dec.md").read_text()
+    assert table.startswith("# Prefill" if prefill else "# Decoding") and "| 16 | collab D~=96 |" in table
