@@ -331,8 +331,12 @@ SWEEPS = [
                           "collab.rank=128,64"),
     ("minilm_glue", True, f"{_G} refit=distill seed=1,2 task=mrpc,rte,cola,stsb collab=prune collab.rank=128,64"),
     ("minilm_glue", True, f"{_G} refit=distill seed=0,1,2 task=mrpc,cola,rte,stsb collab=svd collab.rank=60"),
-    # ... and SST-2 (seed 0, one epoch) at 128
-    *[("minilm_glue", True, f"{_G} refit=distill {_SST2} refit.num_train_epochs=1 {m} collab.rank=128")
+    # ... and SST-2 (seed 0, one epoch)
+    *[("minilm_glue", True, f"{_G} refit=distill {_SST2} refit.num_train_epochs=1 {m}")
+      for m in ("collab.calibration=task collab.rank=128,64", "collab=prune collab.rank=128,64",
+                "collab=svd collab.rank=60")],
+    # ... and 192 on seed 0, the one GPU-grid size run on the CPU
+    *[("minilm_glue", True, f"{_G} refit=distill seed=0 task=cola,mrpc,rte,stsb {m} collab.rank=192")
       for m in ("collab.calibration=task", "collab=prune")],
     # experiments/minilm_mrpc_rte/README.md
     ("minilm_mrpc_rte", True, f"+experiment=minilm_mrpc_rte {GLUE}"),
