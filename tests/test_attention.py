@@ -166,7 +166,9 @@ def run_blocked(monkeypatch, block, layer, *args, **kwargs):
 
 @pytest.mark.parametrize("tucker", [None, 3])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("masking", ["padding", "causal", "both", "none", "float-4d", "padding-4d", "-inf-padding"])
+@pytest.mark.parametrize(
+    "masking", ["padding", "causal", "both", "none", "float-4d", "padding-4d", "-inf-padding", "causal-blocked-row"]
+)
 def test_inference_in_cpu_blocks_equals_one_piece(monkeypatch, masking, bias, tucker):
     """At inference on the CPU the explicit path runs one batch element and a few query rows at a time
     (CPU_LOGITS_BLOCK), with the content logits and a padding mask carried by extra key columns: the same output
@@ -182,6 +184,9 @@ def test_inference_in_cpu_blocks_equals_one_piece(monkeypatch, masking, bias, tu
         mask = padding_mask([7, 5, 2, 6, 1], 7).bool()[:, None, None, :].expand(5, 1, 7, 7).contiguous()
     if masking == "-inf-padding":  # a float mask added as it is: -inf must not meet the other heads' zeros
         mask = torch.zeros(5, 1, 1, 7).masked_fill(padding_mask([7, 5, 2, 6, 1], 7)[:, None, None] == 0, -torch.inf)
+    if masking == "causal-blocked-row":  # a row that may see no key keeps uniform weights over all of them
+        mask = torch.ones(7, 7).tril().bool().expand(5, 1, 7, 7).clone()
+        mask[0, 0, 3] = False
     is_causal = masking in ("causal", "both")
     whole, calls = run_blocked(monkeypatch, 1 << 40, layer, x, attention_mask=mask, is_causal=is_causal)
     assert calls == 0
@@ -192,6 +197,18 @@ def test_inference_in_cpu_blocks_equals_one_piece(monkeypatch, masking, bias, tu
         torch.testing.assert_close(blocked, whole, atol=1e-6, rtol=1e-5)
     with torch.no_grad():  # with no gradient to keep, the blocks run outside inference mode too
         torch.testing.assert_close(layer(x, attention_mask=mask, is_causal=is_causal)[0], whole, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_blocks_score_only_the_keys_their_rows_see():
+    """Under a causal mask, query row i needs keys 0..i: a block of rows stops at its last row's key; a row that
+    sees no key, and a per-query float bias that blocks nothing, keep every key."""
+    from collab_attn.nn.attention import _keys_seen
+
+    causal = torch.zeros(7, 7).masked_fill(torch.ones(7, 7).triu(1).bool(), torch.finfo(torch.float32).min)
+    assert _keys_seen(causal[None, None], 7).tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    causal[2] = -torch.inf
+    assert _keys_seen(causal[None, None], 7).tolist() == [[1, 2, 7, 4, 5, 6, 7]]
+    assert _keys_seen(torch.randn(2, 3, 7, 7), 7).tolist() == [[7] * 7] * 2
 
 
 def test_cached_decoding_in_cpu_blocks_equals_one_piece(monkeypatch):

@@ -404,8 +404,10 @@ class CollaborativeAttention(_Attention):
         buffers allocated once; the weighted sum goes straight to its place in the output. The biases that do not
         depend on the query (the content logits, a padding mask) ride in the logits product: the keys get one column
         per head holding that head's bias, and head ``h``'s queries a one-hot column ``e_h``, so no pass over the
-        logits adds them; a mask that does (causal) is added block by block. shared_queries (B, T, rank), keys
-        (B, S, rank), values (B, H, S, head_dim), mask broadcastable to (B, H, T, S), content (B, H, 1, S)."""
+        logits adds them; a mask that does (causal) is added block by block, and a block scores only the keys up to
+        the last one that any of its rows may see (under a causal mask, about half the work of a prefill).
+        shared_queries (B, T, rank), keys (B, S, rank), values (B, H, S, head_dim), mask broadcastable to
+        (B, H, T, S), content (B, H, 1, S)."""
         batch, tgt_len, rank = shared_queries.shape
         heads, src_len = self.num_heads, keys.shape[1]
         if mask is not None:
@@ -423,7 +425,8 @@ class CollaborativeAttention(_Attention):
         queries = shared_queries.new_empty(heads, rows, rank + bias_columns)
         if bias_columns:
             queries[..., rank:] = torch.eye(heads, dtype=queries.dtype)[:, None, :]
-        logits = shared_queries.new_empty(heads, rows, src_len)
+        logits = shared_queries.new_empty(heads * rows * src_len)
+        seen = None if mask is None else _keys_seen(mask, src_len)
         context = shared_queries.new_empty(batch, tgt_len, heads, self.head_dim)
         tucker = self.mixing_core is not None
         mixing = (self.mixing_matrices() if tucker else self.mixing[:, None, :]) * self.scale
@@ -432,19 +435,30 @@ class CollaborativeAttention(_Attention):
             keys_t = keys[b].T.expand(heads, -1, -1)  # the shared keys, one view for every head
             for start in range(0, tgt_len, rows):
                 stop = min(start + rows, tgt_len)
-                block_queries, block_logits = queries[:, : stop - start], logits[:, : stop - start]
+                width = src_len if seen is None else int(seen[b if seen.shape[0] > 1 else 0, start:stop].max())
+                block_queries = queries[:, : stop - start]
+                block_logits = logits[: heads * (stop - start) * width].view(heads, stop - start, width)
                 if tucker:
                     block_queries[..., :rank] = torch.matmul(shared_queries[b, start:stop], mixing)
                 else:
                     torch.mul(shared_queries[b, None, start:stop], mixing, out=block_queries[..., :rank])
-                torch.bmm(block_queries, keys_t, out=block_logits)
+                torch.bmm(block_queries, keys_t[..., :width], out=block_logits)
                 if mask is not None:
-                    block_logits.add_(mask[b if mask.shape[0] > 1 else 0, :, start:stop])
+                    block_logits.add_(mask[b if mask.shape[0] > 1 else 0, :, start:stop, :width])
                 torch.softmax(block_logits, dim=-1, out=block_logits)
                 if dropout:
                     F.dropout(block_logits, p=dropout, inplace=True)
-                torch.bmm(block_logits, values[b], out=context[b, start:stop].transpose(0, 1))
+                torch.bmm(block_logits, values[b, :, :width], out=context[b, start:stop].transpose(0, 1))
         return context
+
+
+def _keys_seen(mask: torch.Tensor, src_len: int) -> torch.Tensor:
+    """For each query row of a (B, H, T, S) additive mask, how many leading keys it needs: one past the last key
+    that any head may attend to, (B, T). The keys after it get exactly zero weight, so dropping them changes
+    nothing. A row that may attend to no key at all keeps every key, as it must (it gets uniform weights over all
+    of them): its reversed row has no allowed key, so ``argmax`` finds none and returns 0."""
+    allowed = (mask > torch.finfo(mask.dtype).min).any(dim=1)  # (B, T, S)
+    return src_len - allowed.flip(-1).to(torch.uint8).argmax(dim=-1)
 
 
 # Logits per block on the CPU: 2^20 float32 values (4 MiB), so that a block's scores, softmax and weighted sum run
