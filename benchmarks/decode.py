@@ -73,30 +73,41 @@ def cache_bytes(cache: DynamicCache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
-def decode_step(model, cache: DynamicCache, ids: torch.Tensor, mask: torch.Tensor) -> float:
-    """Seconds for one new token per sequence against ``cache``, which is cropped back afterwards."""
+def timed(model, **inputs) -> float:
+    """Seconds for one forward pass of ``model`` on ``inputs`` (the GPU synchronized on both sides)."""
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.inference_mode():
-        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        model(**inputs)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def decode_step(model, cache: DynamicCache, ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """Seconds for one new token per sequence against ``cache``, which is cropped back afterwards."""
+    seconds = timed(model, input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
     cache.crop(-1)  # drop the step's token: every step sees `context` cached positions
     return seconds
 
 
 def prefill(model, ids: torch.Tensor) -> float:
     """Seconds for the prompt pass of ``ids`` into an empty cache, logits of the last position only."""
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), use_cache=True, logits_to_keep=1)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return timed(model, input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), use_cache=True,
+                 logits_to_keep=1)
+
+
+def median_seconds(models: dict, args, measure) -> dict[str, float]:
+    """The median of ``measure(name, model)`` over ``args.repeats`` rounds after ``args.warmup``; the models take
+    turns round by round, so machine noise falls on every model alike."""
+    times = {name: [] for name in models}
+    for step in range(args.warmup + args.repeats):
+        for name, model in models.items():
+            seconds = measure(name, model)
+            if step >= args.warmup:
+                times[name].append(seconds)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def run(args) -> list[dict]:
@@ -104,56 +115,41 @@ def run(args) -> list[dict]:
     positions = max(args.contexts) + 8
     variants = {"original": None} | {f"collab D~={rank}": rank for rank in args.ranks}
     models = {name: build(rank, positions, args.device, dtype) for name, rank in variants.items()}
-    return (prefill_rows if args.prefill else decode_rows)(models, variants, args)
+    one_context = prefill_rows if args.prefill else decode_rows
+    return [row for context in args.contexts for row in one_context(models, variants, args, context)]
 
 
-def prefill_rows(models: dict, variants: dict, args) -> list[dict]:
+def prefill_rows(models: dict, variants: dict, args, context: int) -> list[dict]:
+    ids = torch.randint(0, 50257, (args.batch, context), device=args.device)
+    times = median_seconds(models, args, lambda name, model: prefill(model, ids))
     rows = []
-    for context in args.contexts:
-        ids = torch.randint(0, 50257, (args.batch, context), device=args.device)
-        times = {name: [] for name in models}
-        for step in range(args.warmup + args.repeats):  # round-robin, as for decoding
-            for name, model in models.items():
-                seconds = prefill(model, ids)
-                if step >= args.warmup:
-                    times[name].append(seconds)
-        base = None
-        for name in models:
-            row = {"context": context, "model": name, "rank": variants[name],
-                   "prefill_ms": 1e3 * statistics.median(times[name])}
-            base = base or row
-            row["time_vs_original"] = row["prefill_ms"] / base["prefill_ms"]
-            rows.append(row)
-            print(f"context {context:5d}  {name:16s} {row['prefill_ms']:9.1f} ms prefill "
-                  f"({row['time_vs_original']:.2f}x)", flush=True)
+    for name in models:
+        row = {"context": context, "model": name, "rank": variants[name], "prefill_ms": 1e3 * times[name]}
+        base = rows[0] if rows else row  # the first model is the original
+        row["time_vs_original"] = row["prefill_ms"] / base["prefill_ms"]
+        rows.append(row)
+        print(f"context {context:5d}  {name:16s} {row['prefill_ms']:9.1f} ms prefill "
+              f"({row['time_vs_original']:.2f}x)", flush=True)
     return rows
 
 
-def decode_rows(models: dict, variants: dict, args) -> list[dict]:
+def decode_rows(models: dict, variants: dict, args, context: int) -> list[dict]:
+    caches = {name: filled_cache(model, args.batch, context) for name, model in models.items()}
+    ids = torch.randint(0, 50257, (args.batch, 1), device=args.device)
+    mask = torch.ones(args.batch, context + 1, dtype=torch.long, device=args.device)
+    times = median_seconds(models, args, lambda name, model: decode_step(model, caches[name], ids, mask))
     rows = []
-    for context in args.contexts:
-        caches = {name: filled_cache(model, args.batch, context) for name, model in models.items()}
-        ids = torch.randint(0, 50257, (args.batch, 1), device=args.device)
-        mask = torch.ones(args.batch, context + 1, dtype=torch.long, device=args.device)
-        times = {name: [] for name in models}
-        for step in range(args.warmup + args.repeats):  # round-robin: machine noise falls on every model alike
-            for name, model in models.items():
-                seconds = decode_step(model, caches[name], ids, mask)
-                if step >= args.warmup:
-                    times[name].append(seconds)
-        base = None
-        for name in models:
-            row = {"context": context, "model": name, "rank": variants[name],
-                   "ms_per_token": 1e3 * statistics.median(times[name]), "cache_mib": cache_bytes(caches[name]) / 2**20}
-            base = base or row
-            row["time_vs_original"] = row["ms_per_token"] / base["ms_per_token"]
-            row["cache_vs_original"] = row["cache_mib"] / base["cache_mib"]
-            rows.append(row)
-            print(f"context {context:5d}  {name:16s} {row['ms_per_token']:8.2f} ms/token "
-                  f"({row['time_vs_original']:.2f}x)  cache {row['cache_mib']:8.1f} MiB "
-                  f"({row['cache_vs_original']:.2f}x)", flush=True)
-        del caches
-    return rows
+    for name in models:
+        row = {"context": context, "model": name, "rank": variants[name],
+               "ms_per_token": 1e3 * times[name], "cache_mib": cache_bytes(caches[name]) / 2**20}
+        base = rows[0] if rows else row  # the first model is the original
+        row["time_vs_original"] = row["ms_per_token"] / base["ms_per_token"]
+        row["cache_vs_original"] = row["cache_mib"] / base["cache_mib"]
+        rows.append(row)
+        print(f"context {context:5d}  {name:16s} {row['ms_per_token']:8.2f} ms/token "
+              f"({row['time_vs_original']:.2f}x)  cache {row['cache_mib']:8.1f} MiB "
+              f"({row['cache_vs_original']:.2f}x)", flush=True)
+    return rows  # the caches go when this returns, before the next context's are filled
 
 
 def markdown(rows: list[dict], args, environment: dict) -> str:

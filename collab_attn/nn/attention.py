@@ -433,9 +433,10 @@ class CollaborativeAttention(_Attention):
         dropout = self._dropout()
         for b in range(batch):
             keys_t = keys[b].T.expand(heads, -1, -1)  # the shared keys, one view for every head
+            element = b if mask is not None and mask.shape[0] > 1 else 0
             for start in range(0, tgt_len, rows):
                 stop = min(start + rows, tgt_len)
-                width = src_len if seen is None else int(seen[b if seen.shape[0] > 1 else 0, start:stop].max())
+                width = src_len if seen is None else int(seen[element, start:stop].max())
                 block_queries = queries[:, : stop - start]
                 block_logits = logits[: heads * (stop - start) * width].view(heads, stop - start, width)
                 if tucker:
@@ -444,7 +445,7 @@ class CollaborativeAttention(_Attention):
                     torch.mul(shared_queries[b, None, start:stop], mixing, out=block_queries[..., :rank])
                 torch.bmm(block_queries, keys_t[..., :width], out=block_logits)
                 if mask is not None:
-                    block_logits.add_(mask[b if mask.shape[0] > 1 else 0, :, start:stop, :width])
+                    block_logits.add_(mask[element, :, start:stop, :width])
                 torch.softmax(block_logits, dim=-1, out=block_logits)
                 if dropout:
                     F.dropout(block_logits, p=dropout, inplace=True)
