@@ -214,3 +214,68 @@ def test_bad_solver_and_init_are_explained():
         decompose_heads(w_query, w_key, 4, init="ones")
     with pytest.raises(ValueError, match="unknown init"):
         decompose_heads(w_query, w_key, 4, method="tucker", init="ones")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scale invariance (issue 41): the solvers fit the unit-norm tensor and scale the factors back
+
+
+SCALES = (1e-10, 1e4)
+
+
+def test_normalized_tensor_has_unit_norm_and_ignores_the_scale_of_either_side():
+    w_query, w_key = random_heads(seed=12)
+    unit, query_scale, key_scale = HeadProducts(w_query, w_key).normalized()
+    assert unit.norm_sq() == pytest.approx(1, rel=1e-12)
+    assert float(unit.a.abs().max()) == pytest.approx(float(unit.b.abs().max()), rel=1e-12)
+    torch.testing.assert_close(unit.dense() / (query_scale * key_scale), HeadProducts(w_query, w_key).dense())
+    other, other_query, other_key = HeadProducts(w_query.double() * 1e-12, w_key.double() * 3e5).normalized()
+    torch.testing.assert_close(other.a, unit.a, rtol=1e-12, atol=0)
+    torch.testing.assert_close(other.b, unit.b, rtol=1e-12, atol=0)
+    assert other_query == pytest.approx(query_scale * 1e12, rel=1e-12)
+    assert other_key == pytest.approx(key_scale / 3e5, rel=1e-12)
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_cp_als_is_scale_invariant(scale):
+    """float64 weights, so that scaling them rounds at 1e-16 only: the same iterations, the factors scaled (the
+    query and key factors take the scale of their projections). float32 products in ALS, as decompose_heads runs
+    it: at 1e-10 the Grams of the unnormalized products (~1e-40) used to underflow and ALS diverged."""
+    w_query, w_key = (w.double() for w in random_heads(heads=4, head_dim=8, d_in=32, seed=13))
+    options = dict(n_iter_max=25, linesearch=True, matmul_dtype=torch.float32)
+    unit = cp_als(w_query, w_key, 12, **options)
+    fit = cp_als(w_query * scale, w_key * scale, 12, **options)
+    assert fit.n_iter == unit.n_iter
+    assert fit.errors == pytest.approx(unit.errors, rel=1e-9)
+    torch.testing.assert_close(fit.mixing, unit.mixing, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(fit.query / scale, unit.query, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(fit.key / scale, unit.key, rtol=1e-6, atol=1e-9)
+    tensor = HeadProducts(w_query * scale, w_key * scale)
+    # float32 products: the error ALS reports is ~1e-7 off the exact one, at any scale
+    assert cp_relative_error(tensor, fit.mixing, fit.query, fit.key) == pytest.approx(fit.relative_error, rel=1e-6)
+
+
+@pytest.mark.parametrize("scale", SCALES)
+def test_tucker_hooi_is_scale_invariant(scale):
+    w_query, w_key = (w.double() for w in random_heads(heads=4, head_dim=8, d_in=32, seed=14))
+    unit = tucker_hooi(w_query, w_key, 12, 3, n_iter_max=10)
+    fit = tucker_hooi(w_query * scale, w_key * scale, 12, 3, n_iter_max=10)
+    assert fit.errors == pytest.approx(unit.errors, rel=1e-9)
+    for name in ("mixing", "query", "key"):  # orthonormal factors: the core takes the scale
+        torch.testing.assert_close(getattr(fit, name), getattr(unit, name), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(fit.core / scale**2, unit.core, rtol=1e-6, atol=1e-9)
+    tensor = HeadProducts(w_query * scale, w_key * scale)
+    error = tucker_relative_error(tensor, fit.mixing, fit.query, fit.key, fit.core)
+    assert error == pytest.approx(fit.relative_error, rel=1e-8)
+
+
+def test_explicit_init_factors_are_scaled_with_the_tensor():
+    """Init factors are given for the tensor itself: scaled with the weights, they give the same path."""
+    w_query, w_key = (w.double() for w in random_heads(seed=15))
+    g = torch.Generator().manual_seed(1)
+    init = [torch.randn(size, 6, generator=g, dtype=torch.float64) for size in (4, 20, 20)]
+    unit = cp_als(w_query, w_key, 6, init=tuple(init), n_iter_max=10, tol=0)
+    scaled = cp_als(w_query * 1e-10, w_key * 1e-10, 6, init=(init[0], init[1] * 1e-10, init[2] * 1e-10),
+                    n_iter_max=10, tol=0)
+    assert scaled.errors == pytest.approx(unit.errors, rel=1e-9)
+    torch.testing.assert_close(scaled.query * 1e10, unit.query, rtol=1e-6, atol=1e-9)

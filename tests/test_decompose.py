@@ -112,3 +112,81 @@ def test_bad_weights_are_explained():
         decompose_heads(w_query, w_key, rank=4)
     with pytest.raises(ValueError, match=r"\(heads, head_dim, d_in\)"):
         decompose_heads(w_key[0], w_key[0], rank=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scale invariance (issue 41)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny problems: a second thread only adds waiting when the two cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _covariance(d_in=32, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, d_in, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3, d_in, dtype=torch.float64)
+    return x.T @ x / len(x)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("whitened", [False, True], ids=["plain", "whitened"])
+@pytest.mark.parametrize("solver", ["implicit", "tensorly"])
+@pytest.mark.parametrize("method", ["cp", "tucker"])
+def test_the_fit_does_not_depend_on_the_scale_of_the_weights(method, solver, whitened):
+    """Weights at 1e-10, 1 and 1e4 (float64, so that scaling them rounds at 1e-16 only): the same relative error
+    to ~1e-9 (it is measured on the float32 factors) and factors that reconstruct scale^2 times the unit-scale
+    products (to float32 rounding). Whitened fits: the weighted error agrees to double rounding, also with the
+    covariance scaled (the whitening is relative to its mean eigenvalue)."""
+    g = torch.Generator().manual_seed(21)
+    w_query, w_key = (torch.randn(4, 8, 32, generator=g, dtype=torch.float64) for _ in range(2))
+    covariance = _covariance() if whitened else None
+    options = dict(method=method, solver=solver, covariance=covariance, n_iter_max=30)
+    unit = decompose_heads(w_query, w_key, 12, **options)
+    unit_products = unit.head_products().double()
+    assert 0.1 < unit.relative_error < 1
+    for scale in (1e-10, 1e4):
+        if whitened:
+            options["covariance"] = covariance * scale  # the activations' scale does not matter either
+        fit = decompose_heads(w_query * scale, w_key * scale, 12, **options)
+        assert fit.relative_error == pytest.approx(unit.relative_error, rel=1e-7)
+        products = fit.head_products().double() / scale**2
+        assert float((products - unit_products).norm() / unit_products.norm()) < 1e-5
+        if whitened:
+            assert fit.weighted_error == pytest.approx(unit.weighted_error, rel=1e-10)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_reparametrize_a_bert_at_tiny_and_large_weight_scales():
+    """Issue 41: a BERT with initializer_range=1e-10 stopped with 'CP-ALS diverged' at half rank. One tiny model,
+    its query/key weights scaled by 1e-10 and 1e4: the same mean relative error. The weights are float32, so
+    scaling them rounds each at ~6e-8 and ALS (stopped early by its tolerance) carries that to ~1e-6."""
+    import copy
+
+    import transformers
+
+    import collab_attn
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64,
+        max_position_embeddings=16,
+    )
+    base = transformers.BertModel(config).eval()
+    errors = {}
+    for scale in (1.0, 1e-10, 1e4):
+        model = copy.deepcopy(base)
+        with torch.no_grad():
+            for layer in model.encoder.layer:
+                layer.attention.self.query.weight.mul_(scale)
+                layer.attention.self.key.weight.mul_(scale)
+        report = collab_attn.reparametrize(model, rank=32, method="cp", progress=False)
+        errors[scale] = [layer.relative_error for layer in report.layers]
+        assert all(math.isfinite(e) for e in errors[scale])
+    assert 0.1 < report.mean_relative_error < 1
+    for scale in (1e-10, 1e4):
+        assert errors[scale] == pytest.approx(errors[1.0], rel=1e-5)

@@ -26,10 +26,16 @@ first. ``init="random"`` draws the factors exactly as tensorly's ``init="random"
 
 Tucker (``tucker_hooi``): higher-order orthogonal iteration for ranks (core_size, rank, rank), again from the
 projections: the Gram matrix of each projected unfolding is a small product of the Gram blocks of ``A`` and ``B``.
+
+Scale: both solvers work on the tensor normalized to unit Frobenius norm (``HeadProducts.normalized``: ``A`` and
+``B`` rescaled separately) and scale the factors back, so the fit does not depend on the scale of the weights: at
+``1e-10`` the Grams of the products (~1e-40) would underflow float32 and ALS would diverge. Every tolerance is
+relative (to ``||T||``, or the condition bound of ``_inverse_gram``), so none needs adjusting to the scale.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -124,6 +130,26 @@ class HeadProducts:
     def project(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """``Q^T T[h] K`` for every head: (heads, rank_q, rank_k)."""
         return (self.a @ query).transpose(1, 2) @ (self.b @ key)
+
+    def normalized(self) -> tuple[HeadProducts, float, float]:
+        """``(unit, query_scale, key_scale)``: the tensor of the projections ``A * query_scale`` and ``B * key_scale``,
+        chosen so that ``||unit|| = 1`` and the two scaled projections have equal largest entries; hence
+        ``T = unit / (query_scale * key_scale)``, and a fit ``Q, K`` of ``unit`` is the fit ``Q / query_scale``,
+        ``K / key_scale`` of ``T`` (or the core divided by the product, for Tucker).
+
+        The scales are taken from the largest entries first and the norm of the rescaled tensor after, so neither
+        under- nor overflows in float64 whatever the scale of the weights. A zero tensor comes back as it is (scales
+        1). Scaling ``A`` or ``B`` by any factor gives the same ``unit`` up to rounding.
+        """
+        a_max, b_max = float(self.a.abs().max()), float(self.b.abs().max())
+        if not (0 < a_max < math.inf and 0 < b_max < math.inf):
+            return self, 1.0, 1.0
+        first = HeadProducts(self.a / a_max, self.b / b_max)
+        root = first.norm_sq() ** 0.25  # entries at most 1: no overflow; zero only if the heads cancel exactly
+        if not root > 0:
+            return self, 1.0, 1.0
+        unit = HeadProducts(first.a / root, first.b / root)
+        return unit, 1.0 / (a_max * root), 1.0 / (b_max * root)
 
 
 def leading_eigenvectors(gram: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,10 +260,28 @@ def cp_als(
     of plain ALS in about 60% of the work. ``matmul_dtype=torch.float32`` keeps the factors and every product of
     their size in single precision (about twice as fast); the rank x rank Gram matrices, their inverses and the
     errors stay float64. Below a relative error of ``SINGLE_PRECISION_UNTIL`` it goes on in double. ``l2_reg``
-    adds ``l2_reg * I`` to each Gram matrix. Runs on the device of ``w_query`` (or of the ``HeadProducts``).
-    Deterministic for a given ``seed``.
+    adds ``l2_reg * I`` to each Gram matrix of the normalized problem (below), so it is relative to the tensor's
+    scale. Runs on the device of ``w_query`` (or of the ``HeadProducts``). Deterministic for a given ``seed``.
+
+    ALS runs on the unit-norm tensor (``HeadProducts.normalized``) and scales the factors back: the query factor
+    takes the scale of the query projections, the key factor that of the keys, the mixing none. Explicit ``init``
+    factors are given for the tensor itself and are rescaled likewise; ``"random"`` factors are drawn for the
+    unit-norm tensor (ALS updates the mixing first, which makes the path the same for any scale).
     """
     tensor = w_query if isinstance(w_query, HeadProducts) else HeadProducts(w_query, w_key)
+    tensor, query_scale, key_scale = tensor.normalized()
+    if isinstance(init, (tuple, list)) and len(init) == 3:
+        init = (init[0], torch.as_tensor(init[1]) * query_scale, torch.as_tensor(init[2]) * key_scale)
+    result = _cp_als(tensor, rank, init, n_iter_max, tol, patience, seed, linesearch, matmul_dtype, l2_reg)
+    result.query, result.key = result.query / query_scale, result.key / key_scale
+    return result
+
+
+def _cp_als(
+    tensor: HeadProducts, rank: int, init, n_iter_max: int, tol: float, patience: int, seed: int, linesearch: bool,
+    matmul_dtype: torch.dtype, l2_reg: float,
+) -> CPResult:
+    """``cp_als`` on a (normalized) tensor: the factors of ``tensor`` itself."""
     heads, head_dim = tensor.heads, tensor.head_dim
     mixing, query, key = cp_init(tensor, rank, init, seed)
     norm_sq = tensor.norm_sq()
@@ -316,8 +360,10 @@ def cp_als(
 
 
 def cp_relative_error(tensor: HeadProducts, mixing: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> float:
-    """Exact ``||T - [[M, Q, K]]|| / ||T||`` without forming either tensor."""
+    """Exact ``||T - [[M, Q, K]]|| / ||T||`` without forming either tensor (computed at unit scale)."""
+    tensor, query_scale, key_scale = tensor.normalized()
     mixing, query, key = (f.to(torch.float64) for f in (mixing, query, key))
+    query, key = query * query_scale, key * key_scale
     norm_sq = tensor.norm_sq()
     inner = float((tensor.project(query, key).diagonal(dim1=1, dim2=2) * mixing).sum())
     norm_approx_sq = float(((mixing.T @ mixing) * (query.T @ query) * (key.T @ key)).sum())
@@ -362,9 +408,21 @@ def tucker_hooi(
     uniform noise drawn from ``seed``. Each HOOI step (modes in tensorly's order: heads, query, key) replaces one
     factor by the leading eigenvectors of the Gram matrix of the tensor projected on the two other factors; these
     Grams come from ``A``, ``B`` and the factors at ``O(d_in^2 * heads * head_dim)`` cost. Stops by the rule of
-    ``converged`` (as ``cp_als``). Runs on the device of the projections.
+    ``converged`` (as ``cp_als``). Runs on the device of the projections. HOOI runs on the unit-norm tensor
+    (``HeadProducts.normalized``); the factors stay orthonormal and the core takes the tensor's scale back.
     """
     tensor = w_query if isinstance(w_query, HeadProducts) else HeadProducts(w_query, w_key)
+    tensor, query_scale, key_scale = tensor.normalized()
+    result = _tucker_hooi(tensor, rank, core_size, init, n_iter_max, tol, patience, seed)
+    result.core = result.core / (query_scale * key_scale)
+    return result
+
+
+def _tucker_hooi(
+    tensor: HeadProducts, rank: int, core_size: int | None, init: str, n_iter_max: int, tol: float, patience: int,
+    seed: int,
+) -> TuckerResult:
+    """``tucker_hooi`` on a (normalized) tensor."""
     heads, head_dim, d_in = tensor.heads, tensor.head_dim, tensor.d_in
     core_size = core_size or heads
     norm_sq = tensor.norm_sq()
@@ -407,8 +465,11 @@ def tucker_hooi(
 def tucker_relative_error(
     tensor: HeadProducts, mixing: torch.Tensor, query: torch.Tensor, key: torch.Tensor, core: torch.Tensor
 ) -> float:
-    """Exact ``||T - [[core; M, Q, K]]|| / ||T||`` without forming either tensor (factors need not be orthonormal)."""
+    """Exact ``||T - [[core; M, Q, K]]|| / ||T||`` without forming either tensor (factors need not be orthonormal;
+    computed at unit scale)."""
+    tensor, query_scale, key_scale = tensor.normalized()
     mixing, query, key, core = (f.to(torch.float64) for f in (mixing, query, key, core))
+    query, key = query * query_scale, key * key_scale
     mats = torch.einsum("hg,grs->hrs", mixing, core)  # M_h
     norm_sq = tensor.norm_sq()
     inner = float((tensor.project(query, key) * mats).sum())

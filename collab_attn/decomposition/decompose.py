@@ -14,6 +14,9 @@ Activation-aware fitting (``covariance=``): with ``S = (C + eps I)^{1/2}`` for t
 the layer's inputs, the products are decomposed as ``S Wq_h^T Wk_h S`` (the projections ``Wq_h S``, ``Wk_h S``)
 and mapped back with ``S^{-1}``, so that the fit weights directions by how much the inputs use them: the error is
 then the expected error of the attention logits ``x^T Wq_h^T Wk_h y`` (see ``collab_attn.models.calibration``).
+
+Scale: every solver fits the tensor normalized to unit norm and scales the factors back (see ``cp_als``), so the
+relative error and the factors (up to that scale) do not depend on the scale of the weights or of the covariance.
 """
 
 from __future__ import annotations
@@ -183,7 +186,19 @@ def decompose_heads(
             factors = (fit.mixing, fit.query, fit.key, fit.core)
         n_iter = len(fit.errors)
     else:
-        factors = _tensorly(work.dense().float(), rank, method, seed, init, n_iter_max, tol, core_size, linesearch)
+        # tensorly on the unit-norm tensor (float32: at the weights' own scale its Grams under- or overflow), then
+        # the factors scaled back as cp_als / tucker_hooi do
+        unit, query_scale, key_scale = work.normalized()
+        if method == "cp" and isinstance(init, (tuple, list)) and len(init) == 3:
+            init = (init[0], torch.as_tensor(init[1]) * query_scale, torch.as_tensor(init[2]) * key_scale)
+        mixing, query, key, core = _tensorly(
+            unit.dense().float(), rank, method, seed, init, n_iter_max, tol, core_size, linesearch
+        )
+        if core is None:
+            query, key = query.double() / query_scale, key.double() / key_scale
+        else:
+            core = core.double() / (query_scale * key_scale)
+        factors = (mixing, query, key, core)
     mixing, query, key, core = (None if f is None else f.to(torch.float64) for f in factors)
     if covariance is not None:
         weighted_error = _error(work, mixing, query, key, core)
