@@ -14,10 +14,10 @@ Bad input exits with status 2 and one ``error: ...`` line on stderr.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from collab_attn.analysis.accounting import METHODS, table
+from collab_attn.cli import ArgumentParser, exit_on_bad_input, output_file, positive_arg
 from collab_attn.files import write_text_atomic
 
 PRESETS = {
@@ -27,25 +27,21 @@ PRESETS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse(argv=None) -> argparse.Namespace:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS),
                         help="a model size (repeatable); default: every preset unless --d-model is given")
-    parser.add_argument("--d-model", type=int, help="hidden size of a custom model (with --heads)")
-    parser.add_argument("--heads", type=int, help="attention heads of the custom model")
-    parser.add_argument("--layers", type=int, default=1, help="layers of the custom model (default 1)")
-    parser.add_argument("--ranks", type=int, nargs="+", help="shared key/query sizes D~ (default: d to head_dim)")
-    parser.add_argument("--seq-len", type=int, default=128, help="sequence length for the FLOPs (default 128)")
-    parser.add_argument("--head-counts", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16],
+    parser.add_argument("--d-model", type=positive_arg, help="hidden size of a custom model (with --heads)")
+    parser.add_argument("--heads", type=positive_arg, help="attention heads of the custom model")
+    parser.add_argument("--layers", type=positive_arg, default=1, help="layers of the custom model (default 1)")
+    parser.add_argument("--ranks", type=positive_arg, nargs="+",
+                        help="shared key/query sizes D~ (default: d to head_dim)")
+    parser.add_argument("--seq-len", type=positive_arg, default=128,
+                        help="sequence length for the FLOPs (default 128)")
+    parser.add_argument("--head-counts", type=positive_arg, nargs="+", default=[1, 2, 4, 8, 12, 16],
                         help="head counts for the fixed-d_model table (those dividing d_model are shown)")
     parser.add_argument("--method", choices=METHODS, default="cp")
-    parser.add_argument("--tucker-core-size", type=int, help="Tucker core size (default: heads)")
+    parser.add_argument("--tucker-core-size", type=positive_arg, help="Tucker core size (default: heads)")
     parser.add_argument("--no-bias", action="store_true", help="projections without biases")
     parser.add_argument("--dtype-bytes", type=int, default=2, choices=(1, 2, 4),
                         help="bytes per cached number (2: float16/bfloat16, 4: float32)")
@@ -71,13 +67,18 @@ def tables(args: argparse.Namespace) -> str:
     )
 
 
+def check(args: argparse.Namespace) -> str:
+    """The tables (pure arithmetic: sizes that do not fit refuse here) and the output path, before writing."""
+    if args.d_model is not None and args.d_model % args.heads:
+        raise ValueError(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    if args.output is not None:
+        output_file("--output", args.output)
+    return tables(args)
+
+
 def main(argv=None) -> None:
     args = parse(argv)
-    try:
-        text = tables(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    text = exit_on_bad_input(lambda: check(args))
     print(text)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -6,27 +6,26 @@ SVD-truncated heads and head pruning; validation loss without and after a short 
     python scripts/convert_lm.py train_dir=experiments/shakespeare_char/cpu 'methods=[svd]' 'key_sizes=[64]'
 
 Finished (method, key size) results are skipped; run the same command again to resume.
-Bad input (ValueError, FileNotFoundError) exits with status 2 and one ``error: ...`` line.
+Every setting, the trained model and the whole (method, key size) grid are checked before anything is written: bad
+input exits with status 2 and one ``error: ...`` line (collab_attn/cli.py).
 """
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from collab_attn.cli import run_or_exit
-from collab_attn.lm.convert import run_conversions
+from collab_attn.cli import hydra_main, settings_of
+from collab_attn.lm.convert import check, run_conversions
 
 
 def run(cfg: DictConfig) -> list[dict]:
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
+    settings = settings_of(cfg)
     return run_conversions(settings, progress=bool(settings.get("progress", True)))
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="convert_lm")
+@hydra_main("convert_lm", check)
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":

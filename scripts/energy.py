@@ -1,7 +1,8 @@
 """Energy spectra of a checkpoint's key/query projections and head products (the paper's Figure 1).
 
 Writes energy.png (cumulative energy against the number of principal components, one panel per layer) and
-energy.md / energy.csv (components needed for each energy threshold) into ``output_dir``.
+energy.md / energy.csv (components needed for each energy threshold) into ``output_dir``. Bad input exits with status
+2 and one ``error: ...`` line on stderr, writing nothing (collab_attn/cli.py).
 """
 
 from __future__ import annotations
@@ -9,15 +10,16 @@ from __future__ import annotations
 import csv
 import shutil
 
-import hydra
 import matplotlib
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from collab_attn import cli  # noqa: E402
 from collab_attn.analysis.energy import KINDS, model_spectra, rank_for_energy  # noqa: E402
-from collab_attn.cli import run_or_exit  # noqa: E402
+from collab_attn.cli import hydra_main, settings_of  # noqa: E402
+from collab_attn.glue.pipeline import checked_model  # noqa: E402
 from collab_attn.models.checkpoints import finalize_output_dir, load_model_and_tokenizer, prepare_output_dir  # noqa: E402
 
 LABELS = {"query": "stacked queries Wq", "key": "stacked keys Wk", "products": "head products Wq_h^T Wk_h"}
@@ -39,8 +41,17 @@ def plot(spectra, path, title):
     plt.close(fig)
 
 
+def check(settings: dict) -> None:
+    """The model (its config: a supported family), the thresholds and the output folder, before any work."""
+    checked_model(settings["model"])
+    for threshold in cli.nonempty_list("thresholds", settings["thresholds"]):
+        cli.number("thresholds", threshold, 0, 1, above=True)
+    cli.output_dir("output_dir", settings["output_dir"], overwrite=cli.boolean("overwrite", settings["overwrite"]))
+
+
 def run(cfg: DictConfig) -> list[dict]:
-    settings = OmegaConf.to_container(cfg, resolve=True)
+    settings = settings_of(cfg)
+    check(settings)
     tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
     model, _ = load_model_and_tokenizer(settings["model"])
     spectra = model_spectra(model)
@@ -68,9 +79,9 @@ def run(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="energy")
+@hydra_main("energy", check)
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":

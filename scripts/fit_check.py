@@ -5,6 +5,8 @@ pretrained model before the recipe).
 
     python scripts/fit_check.py rte=experiments/minilm_glue/finetuned/rte/minilm/seed0-924939b8 \\
         cola=experiments/minilm_glue/finetuned/cola/minilm/seed0-924939b8 --out experiments/minilm_glue/fit_check.md
+
+Bad input (a checkpoint, the GLUE files, a size, the output path) exits with status 2 and one ``error: ...`` line.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from collab_attn.cli import ArgumentParser, exit_on_bad_input, naming, output_file, positive_arg  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.glue import tasks as glue  # noqa: E402
-from collab_attn.glue.pipeline import evaluate, load_data  # noqa: E402
+from collab_attn.glue.pipeline import check_glue_files, evaluate, load_data  # noqa: E402
+from collab_attn.models.checkpoints import resolve_model  # noqa: E402
 
 
 def parse_pair(text: str) -> tuple[glue.GlueTask, Path]:
@@ -31,7 +35,20 @@ def parse_pair(text: str) -> tuple[glue.GlueTask, Path]:
         raise argparse.ArgumentTypeError(f"expected TASK=CHECKPOINT, got {text!r} (e.g. rte=path/to/finetuned/rte)")
     if not (Path(path) / "config.json").is_file():
         raise argparse.ArgumentTypeError(f"{path} holds no config.json: not a saved model directory")
-    return glue.get_task(task), Path(path)
+    try:
+        return glue.get_task(task), Path(path)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def check(args: argparse.Namespace) -> None:
+    """Each checkpoint (weights present), the GLUE files of its task and the output path, before any work."""
+    for task, path in args.checkpoints:
+        with naming(task.name, path):
+            resolve_model(str(path))
+        check_glue_files("--glue-dir", task, args.glue_dir, ("train", task.eval_splits[0]), hub=False)
+    if args.out:
+        output_file("--out", args.out)
 
 
 def majority_metrics(task: glue.GlueTask, train_labels: np.ndarray, dev_labels: np.ndarray) -> dict | None:
@@ -69,13 +86,14 @@ def to_markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoints", nargs="+", type=parse_pair, metavar="TASK=CHECKPOINT")
     parser.add_argument("--glue-dir", type=Path, default=ROOT.parent / "shared" / "data" / "glue")
-    parser.add_argument("--max-samples", type=int, default=None, help="truncate each split (quick checks)")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--max-samples", type=positive_arg, default=None, help="truncate each split (quick checks)")
+    parser.add_argument("--batch-size", type=positive_arg, default=128)
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     args = parser.parse_args(argv)
+    exit_on_bad_input(lambda: check(args))
     rows = [fit_check(task, path, args.glue_dir, args.max_samples, args.batch_size) for task, path in args.checkpoints]
     table = to_markdown(rows)
     print(table)

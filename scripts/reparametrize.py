@@ -18,8 +18,8 @@ RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on
 
 Everything is validated before anything is written. The converted model (task head kept), its tokenizer and
 ``reparam_report.json`` (the per-layer report, the comparison with the original model, the settings) are
-written to a temporary sibling of ``output_dir`` and renamed into place at the end. Bad input (ValueError,
-FileNotFoundError) exits with status 2 and one ``error: ...`` line on stderr.
+written to a temporary sibling of ``output_dir`` and renamed into place at the end. Bad input exits with status 2 and
+one ``error: ...`` line on stderr (collab_attn/cli.py).
 """
 
 from __future__ import annotations
@@ -29,19 +29,13 @@ import json
 import logging
 import shutil
 
-import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from collab_attn import reparametrize
-from collab_attn.cli import run_or_exit
-from collab_attn.glue.pipeline import calibrate
-from collab_attn.models.checkpoints import (
-    finalize_output_dir,
-    load_model_and_tokenizer,
-    prepare_output_dir,
-    resolve_model,
-)
+from collab_attn import cli, reparametrize
+from collab_attn.cli import hydra_main, settings_of
+from collab_attn.glue.pipeline import calibrate, check_calibration, check_method, checked_model
+from collab_attn.models.checkpoints import finalize_output_dir, load_model_and_tokenizer, prepare_output_dir
 from collab_attn.models.families import family_of
 from collab_attn.models.settings import MethodSettings
 
@@ -60,8 +54,27 @@ def method_settings(collab: dict) -> MethodSettings:
             "task, so it runs through the GLUE pipeline: python scripts/train_glue.py task=<task> collab=prune "
             "collab.rank=<rank> refit=none data.glue_dir=<glue folder> (refit=none stops after the pruning)"
         )
-    method.check_calibration_source(task_allowed=False)
+    check_calibration(method, task_allowed=False)
     return method
+
+
+def check(settings: dict) -> tuple[MethodSettings, str]:
+    """Every setting, the checkpoint's config against the method and rank, the calibration texts and the output
+    folder, before anything is loaded or written; returns the method settings and the model's path."""
+    method = method_settings(settings["collab"])
+    path, config = checked_model(settings["model"])
+    check_method(method, config)
+    cli.output_dir("output_dir", settings["output_dir"], overwrite=cli.boolean("overwrite", settings["overwrite"]))
+    cli.integer("seed", settings["seed"], 0)
+    cli.positive_int("max_new_tokens", settings["max_new_tokens"])
+    for sentence in cli.nonempty_list("compare_sentences", settings["compare_sentences"]):
+        pair = isinstance(sentence, list) and len(sentence) == 2 and all(isinstance(s, str) for s in sentence)
+        if not (isinstance(sentence, str) and sentence.strip()) and not pair:
+            raise cli.BadInput(f"compare_sentences: each item must be a sentence or a pair [a, b], got {sentence!r}")
+    for prompt in cli.nonempty_list("compare_prompts", settings["compare_prompts"]):
+        if not (isinstance(prompt, str) and prompt.strip()):
+            raise cli.BadInput(f"compare_prompts: each item must be a non-empty string, got {prompt!r}")
+    return method, path
 
 
 @torch.no_grad()
@@ -116,15 +129,13 @@ def compare_generation(original, converted, tokenizer, prompts, max_new_tokens: 
 
 def run(cfg: DictConfig) -> dict:
     """Convert ``cfg.model``, compare it with the original, save it to ``cfg.output_dir``; return the report."""
-    settings = OmegaConf.to_container(cfg, resolve=True)  # resolve once: the default output_dir has a timestamp
-    method = method_settings(settings["collab"])
-    path = resolve_model(settings["model"])
+    settings = settings_of(cfg)  # resolve once: the default output_dir has a timestamp
+    method, path = check(settings)
     tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
     torch.manual_seed(settings["seed"])
 
     log.info("loading %s (%s)", settings["model"], path)
     model, tokenizer = load_model_and_tokenizer(path, model_class=None)
-    method.check_model(model.config)
     original = copy.deepcopy(model)
     calibration = calibrate(model, tokenizer, method, settings["seed"])
     report = reparametrize(
@@ -177,9 +188,9 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="reparametrize")
+@hydra_main("reparametrize", check)
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":

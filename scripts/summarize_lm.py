@@ -5,25 +5,23 @@
 
 Reads <root>/<folder>/runs/*.json and <root>/<folder>/convert/runs/*.json for every folder, writes
 <root>/curves_<folder>.png and the results part of <root>/README.md (between its markers; the rest is kept).
+Every result is read and checked first: bad input exits with status 2 and one ``error: ...`` line.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from collab_attn.lm.summary import write_summary
+from collab_attn import cli
+from collab_attn.lm.summary import check_results, write_summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="experiments/shakespeare_char")
     args = parser.parse_args(argv)
-    try:
-        print(f"wrote {write_summary(args.root)}")
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cli.exit_on_bad_input(lambda: check_results(args.root))
+    print(f"wrote {write_summary(args.root)}")
     return 0
 
 

@@ -6,8 +6,9 @@
     torchrun --nproc_per_node=2 scripts/train_glue.py task=mrpc data.glue_dir=../shared/data/glue collab.rank=128
 
 Each job appends nothing until it has finished: its results.jsonl appears whole at the end, and a job whose
-results exist is skipped, so an interrupted sweep resumes by running the same command again. Bad input
-(ValueError, FileNotFoundError) exits with status 2 and one ``error: ...`` line, before any training.
+results exist is skipped, so an interrupted sweep resumes by running the same command again. Every job of the
+command line (each of a ``-m`` sweep) is checked before anything is written: bad input exits with status 2 and one
+``error: ...`` line (collab_attn/cli.py).
 Launched in several processes (torchrun, accelerate launch), every process trains and rank 0 alone writes: the
 other ranks keep Hydra from writing its run folder and logs too.
 """
@@ -20,16 +21,15 @@ import shutil
 import sys
 import tempfile
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from collab_attn.cli import run_or_exit
+from collab_attn.cli import hydra_main, settings_of
 from collab_attn.distributed import is_main
-from collab_attn.glue.pipeline import run_job
+from collab_attn.glue.pipeline import run_job, validate
 
 
 def run(cfg: DictConfig) -> list[dict]:
-    return run_job(OmegaConf.to_container(cfg, resolve=True))
+    return run_job(settings_of(cfg))
 
 
 def _quiet_replica() -> None:
@@ -42,9 +42,9 @@ def _quiet_replica() -> None:
     ]
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="train_glue")
+@hydra_main("train_glue", validate, report=is_main)
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg, report=is_main())
+    run(cfg)
 
 
 if __name__ == "__main__":

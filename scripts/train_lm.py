@@ -7,38 +7,27 @@
     python scripts/train_lm.py trainer.max_steps=20 trainer.eval_steps=10 eval_iters=2 output_dir=outputs/lm_try
 
 A finished run's JSON is skipped; run the same command again to resume an interrupted one.
-Bad input (ValueError, FileNotFoundError) exits with status 2 and one ``error: ...`` line, before any training.
+Every setting, the text and the whole grid of runs are checked before anything is written: bad input exits with
+status 2 and one ``error: ...`` line (collab_attn/cli.py).
 Tables and plots: scripts/summarize_lm.py.
 """
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from collab_attn.cli import run_or_exit
-from collab_attn.lm.runs import plan, run_many
-
-MODES = ("train", "sweep")
+from collab_attn.cli import hydra_main, settings_of
+from collab_attn.lm.runs import check, run_many
 
 
 def run(cfg: DictConfig) -> list[dict]:
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
-    mode = settings["mode"]
-    if mode == "train":
-        key = settings["key_size"] or settings["model"]["n_embd"]
-        runs = [(settings["attention"], int(key), int(settings["seed"]))]
-    elif mode == "sweep":
-        runs = plan(settings)
-    else:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
-    return run_many(settings, runs, progress=bool(settings.get("progress", True)))
+    settings = settings_of(cfg)
+    return run_many(settings, check(settings), progress=bool(settings.get("progress", True)))
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="train_lm")
+@hydra_main("train_lm", check)
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":

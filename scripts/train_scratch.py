@@ -8,27 +8,26 @@ collab_attn/glue/scratch.py and the model in collab_attn/models/scratch.py).
 Each run's result JSON appears only when the run has finished, and a run whose JSON exists is skipped, so an
 interrupted sweep resumes by running the same command again (the interrupted run from its last checkpoint, every
 checkpoint_every steps). results.md and curves.png are rewritten at the end.
-Bad input (ValueError, FileNotFoundError) exits with status 2 and one ``error: ...`` line, before any training.
+Every setting, the data files and the whole grid are checked before anything is written: bad input exits with
+status 2 and one ``error: ...`` line (collab_attn/cli.py).
 """
 
 from __future__ import annotations
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from collab_attn.cli import run_or_exit
-from collab_attn.glue.scratch import run_sweep
+from collab_attn.cli import hydra_main, settings_of
+from collab_attn.glue.scratch import check, run_sweep
 
 
 def run(cfg: DictConfig) -> list[dict]:
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    settings.pop("hydra", None)
+    settings = settings_of(cfg)
     return run_sweep(settings, progress=bool(settings.get("progress", True)))
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="scratch")
+@hydra_main("scratch", check)
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""Look inside: attention of a BERT-family model and of its collaborative conversion, side by side.
+"""Look inside: attention of a model (BERT family, GPT-2, OPT) and of its collaborative conversion, side by side.
 
     python scripts/visualize.py                                   # MiniLM, CP, rank 128, the default sentence
     python scripts/visualize.py collab.rank=384 output_dir=outputs/views-exact
     python scripts/visualize.py collab=tucker collab.rank=64
     python scripts/visualize.py 'sentence="Is the museum open?"' 'sentence_pair="It opens at ten."' causal=true
+    python scripts/visualize.py model=path/to/gpt2-checkpoint collab.rank=192        # decoders: causal views
 
 Writes into ``output_dir``: ``head_view.html`` and ``model_view.html`` (BertViz, original and collaborative side
 by side over the same tokens), ``mixing.png`` (heads x rank mixing per layer), ``head_statistics.png``
@@ -21,14 +22,21 @@ import json
 import logging
 import shutil
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from collab_attn import cli
 from collab_attn.analysis import plots
-from collab_attn.analysis.views import collaborative_copy, comparison_page, load_for_viewing, sentence_attention
-from collab_attn.cli import run_or_exit
-from collab_attn.glue.pipeline import calibrate
+from collab_attn.analysis.views import (
+    check_causal,
+    collaborative_copy,
+    comparison_page,
+    is_causal,
+    load_for_viewing,
+    sentence_attention,
+)
+from collab_attn.cli import hydra_main
+from collab_attn.glue.pipeline import calibrate, check_calibration, check_method, checked_model
 from collab_attn.models.checkpoints import finalize_output_dir, prepare_output_dir, resolve_model
 from collab_attn.models.settings import DECOMPOSITIONS, MethodSettings
 
@@ -46,7 +54,8 @@ FILES = {
 
 
 def _check(settings: dict) -> MethodSettings:
-    """The settings this script can show, as ``MethodSettings``: collaborative heads (cp, tucker) at one rank."""
+    """The settings this script can show, as ``MethodSettings``: collaborative heads (cp, tucker) at one rank; with
+    the model's config, the calibration texts and the output folder checked before anything is loaded or written."""
     method = MethodSettings.from_config(settings["collab"])
     if method.method not in DECOMPOSITIONS:
         raise ValueError(f"collab.method={method.method} has no collaborative heads to show; choose collab=cp or "
@@ -54,9 +63,14 @@ def _check(settings: dict) -> MethodSettings:
     if method.budget is not None or type(method.rank) is not int:
         raise ValueError(f"collab.rank must be one integer (and collab.budget null), got "
                          f"{method.budget or method.rank!r}")
-    method.check_calibration_source(task_allowed=False)
-    if not isinstance(settings["causal"], bool):
-        raise ValueError(f"causal must be true or false, got {settings['causal']!r}")
+    check_calibration(method, task_allowed=False)
+    config = checked_model(settings["model"])[1]
+    check_method(method, config)
+    cli.output_dir("output_dir", settings["output_dir"], overwrite=cli.boolean("overwrite", settings["overwrite"]))
+    cli.integer("seed", settings["seed"], 0)
+    if settings["causal"] is not None:
+        cli.boolean("causal", settings["causal"])
+    check_causal(config, settings["causal"])
     for key in ("sentence", "sentence_pair"):
         value = settings[key]
         if not (isinstance(value, str) and value.strip()) and not (key == "sentence_pair" and value is None):
@@ -66,7 +80,7 @@ def _check(settings: dict) -> MethodSettings:
 
 def _index(settings: dict, method: MethodSettings, summary: dict) -> str:
     rows = [("model", f"{settings['model']} ({summary['model_path']})"), ("method", method.label),
-            ("rank", method.rank), ("causal", settings["causal"]), ("tokens", " ".join(summary["tokens"])),
+            ("rank", method.rank), ("causal", summary["causal"]), ("tokens", " ".join(summary["tokens"])),
             ("mean relative error of the decomposition", f"{summary['mean_relative_error']:.4f}"),
             ("attention parameters", f"{summary['attention_params_before']:,} -> "
                                      f"{summary['attention_params_after']:,}"),
@@ -104,7 +118,7 @@ def run(cfg: DictConfig) -> dict:
     stats = plots.head_statistics(original, converted)
     summary = {
         "model": settings["model"], "model_path": path, "tokens": maps["original"].tokens,
-        "sentence_b_start": maps["original"].sentence_b_start, **report.to_dict(),
+        "sentence_b_start": maps["original"].sentence_b_start, "causal": is_causal(original), **report.to_dict(),
         "max_attention_difference": float(difference.max()),
         "mean_attention_difference_per_layer": difference.mean(axis=(1, 2, 3)).tolist(),
         "head_statistics": {name: values.tolist() for name, values in stats.items()}, "config": settings,
@@ -135,9 +149,9 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
-@hydra.main(version_base="1.3", config_path="../configs", config_name="visualize")
+@hydra_main("visualize", _check)
 def main(cfg: DictConfig) -> None:
-    run_or_exit(run, cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":

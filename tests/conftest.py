@@ -1,3 +1,4 @@
+import inspect
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,3 +96,9 @@ def character_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+
+
+def with_cache(model, cache) -> dict:
+    """``{name: cache}`` under the name the model's forward takes: ``cache`` from transformers 5.24,
+    ``past_key_values`` before."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}

@@ -53,11 +53,37 @@ def test_decode_times_the_original_and_a_collaborative_gpt2(tmp_path, prefill):
     argv = ["--threads", "1", "--ranks", "96", "--contexts", "16", "--repeats", "1", "--warmup", "0",
             "--out", str(tmp_path / "dec")] + (["--prefill"] if prefill else [])
     rows = decode.main(argv)
-    assert [(r["context"], r["model"]) for r in rows] == [(16, "original"), (16, "collab D~=96")]
-    assert rows[0]["time_vs_original"] == 1.0 and rows[1]["time_vs_original"] > 0
+    assert [(r["batch"], r["context"], r["model"]) for r in rows] == [(1, 16, "original"), (1, 16, "collab D~=96")]
+    assert rows[0]["time_vs_original"] == 1.0
     if prefill:
-        assert rows[1]["prefill_ms"] > 0 and "cache_mib" not in rows[1]
+        assert rows[1]["time_vs_original"] == pytest.approx(rows[1]["prefill_ms"] / rows[0]["prefill_ms"])
+        assert "cache_mib" not in rows[1]
     else:
+        assert rows[1]["time_vs_original"] == pytest.approx(rows[1]["ms_per_step"] / rows[0]["ms_per_step"])
         assert rows[1]["cache_vs_original"] == pytest.approx((96 + 12 + 768) / (2 * 768), rel=0.01)
     table = (tmp_path / "dec.md").read_text()
-    assert table.startswith("# Prefill" if prefill else "# Decoding") and "| 16 | collab D~=96 |" in table
+    assert table.startswith("# Prefill" if prefill else "# Decoding")
+    assert ("| 1 | 16 | collab D~=96 |" if prefill else "| 1 | 16 | dynamic | collab D~=96 |") in table
+
+
+def test_decode_in_batches_with_static_compiled_caches(tmp_path):
+    """Batches 1 and 2, dynamic and static (compiled) caches: one row per model and setting, per-token time the
+    step's divided by the batch, and a static cache that holds one slot more than the context."""
+    decode = load("decode")
+    argv = ["--threads", "1", "--ranks", "96", "--contexts", "16", "--batches", "1", "2", "--caches", "dynamic",
+            "static", "--repeats", "1", "--warmup", "0", "--memory-gib", "1", "--out", str(tmp_path / "dec")]
+    rows = decode.main(argv)
+    assert [(r["batch"], r["cache"], r["model"]) for r in rows] == [
+        (batch, cache, model) for batch in (1, 2) for cache in ("dynamic", "static")
+        for model in ("original", "collab D~=96")]
+    for row in rows:
+        assert row["ms_per_token"] == pytest.approx(row["ms_per_step"] / row["batch"])
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1e3 / row["ms_per_step"])
+    by = {(r["batch"], r["cache"], r["model"]): r for r in rows}
+    for batch in (1, 2):
+        dynamic, static = by[batch, "dynamic", "original"], by[batch, "static", "original"]
+        assert static["cache_mib"] == pytest.approx(dynamic["cache_mib"] * 17 / 16)  # context + 1 slots
+        assert by[batch, "static", "collab D~=96"]["cache_vs_original"] == pytest.approx((96 + 12 + 768) / 1536)
+        # a smaller cache per sequence fits more sequences in the same memory
+        assert by[batch, "dynamic", "collab D~=96"]["max_batch"] > dynamic["max_batch"] > 0
+    assert "| 2 | 16 | static | collab D~=96 |" in (tmp_path / "dec.md").read_text()

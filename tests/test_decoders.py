@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 import transformers
-from conftest import character_tokenizer
+from conftest import character_tokenizer, with_cache
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import StaticSlidingWindowLayer
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
 from collab_attn import reparametrize
@@ -57,14 +58,16 @@ def prompt(batch=2, length=7, seed=0):
 
 
 def incremental_logits(model, input_ids, attention_mask=None, split=4):
-    """Logits of the prompt fed in two pieces with the cache, then one token at a time."""
+    """Logits of the prompt fed in two pieces with the cache, then one token at a time. The cache goes in under the
+    name the model's forward takes: ``cache`` from transformers 5.24, ``past_key_values`` before."""
     cache = DynamicCache()
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     pieces = [(0, split)] + [(i, i + 1) for i in range(split, input_ids.shape[1])]
     logits = []
     with torch.no_grad():
         for start, end in pieces:
-            out = model(input_ids[:, start:end], attention_mask=mask[:, :end], cache=cache, use_cache=True)
+            out = model(input_ids[:, start:end], attention_mask=mask[:, :end], use_cache=True,
+                        **with_cache(model, cache))
             logits.append(out.logits)
     return torch.cat(logits, dim=1), cache
 
@@ -194,8 +197,10 @@ def test_every_cache_keyword_is_honoured(name):
 def test_caches_that_cannot_hold_shared_keys_and_unsupported_keywords_are_refused():
     model = converted(decoder("gpt2"), 12, n_iter_max=3)
     ids = prompt(batch=1, length=4)
+    sliding = transformers.StaticCache(config=model.config, max_cache_len=8)
+    sliding.layers[0] = StaticSlidingWindowLayer(max_cache_len=8, sliding_window=4)
     with pytest.raises(NotImplementedError, match="cannot hold collaborative keys.*DynamicCache"):
-        model.generate(ids, max_new_tokens=2, cache_implementation="static", pad_token_id=0)
+        model(ids, use_cache=True, **with_cache(model, sliding))
     layer = next(m for m in model.modules() if isinstance(m, ConvertedSelfAttention))
     with pytest.raises(TypeError, match="cu_seq_lens_q"):
         layer(torch.randn(1, 3, D), cu_seq_lens_q=torch.tensor([0, 3]))

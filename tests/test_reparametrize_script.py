@@ -316,5 +316,5 @@ def test_cli_bad_rank_exits_2(tmp_path):
     out = tmp_path / "model"
     done = _cli("collab.rank=999", f"output_dir={out}", cwd=tmp_path)
     assert done.returncode == 2
-    assert "error: rank 999" in done.stderr and "Traceback" not in done.stderr + done.stdout
+    assert "error: collab.rank=999: rank 999" in done.stderr and "Traceback" not in done.stderr + done.stdout
     assert not out.exists()

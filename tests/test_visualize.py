@@ -194,3 +194,40 @@ def test_cli_bad_input_exits_2(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith("error: collab.method=svd has no")
     assert done.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory):
+    """A small random GPT-2 saved with a character tokenizer: a decoder checkpoint to view."""
+    import transformers
+    from conftest import character_tokenizer
+
+    path = tmp_path_factory.mktemp("gpt2")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=30, n_positions=64,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    character_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_script_views_a_decoder_causally(tmp_path, gpt2_checkpoint):
+    out = tmp_path / "out"
+    summary = script.run(config(f"model={gpt2_checkpoint}", "collab.rank=24", "collab.n_iter_max=3",
+                                'sentence="the cat sat"', f"output_dir={out}"))
+    assert summary["causal"] is True and summary["tokens"] == list("the cat sat")
+    page = (out / "head_view.html").read_text()
+    params = bertviz_params(page)
+    assert len(params) == 2  # original and collaborative
+    for shown in params:
+        attention = np.array(shown["attention"][0]["attn"])  # (layers, heads, tokens, tokens)
+        assert attention.shape == (2, 4, 11, 11)
+        assert np.abs(np.triu(attention, 1)).max() == 0  # every token attends only to the past
+    assert (out / "model_view.html").is_file() and (out / "mixing.png").is_file()
+
+
+def test_a_decoder_cannot_be_viewed_bidirectionally(tmp_path, gpt2_checkpoint):
+    with pytest.raises(ValueError, match="causal=false: gpt2 is a decoder and always causal"):
+        script.run(config(f"model={gpt2_checkpoint}", "collab.rank=24", "causal=false",
+                          f"output_dir={tmp_path / 'out'}"))
+    assert list(tmp_path.iterdir()) == []

@@ -1,7 +1,8 @@
 """Attention maps of a model on one sentence (or sentence pair) and BertViz pages comparing two models.
 
-- ``load_for_viewing``: a BERT-family checkpoint with eager attention (the only implementation that returns
-  attention maps for the original modules), optionally as a causal decoder (``is_decoder=True``).
+- ``load_for_viewing``: a checkpoint of a supported family with eager attention (the only implementation that
+  returns attention maps for the original modules): encoders, optionally as a causal decoder (``is_decoder=True``),
+  and the decoders GPT-2 and OPT, whose maps are causal (BertViz draws them as it draws GPT-2's own).
 - ``collaborative_copy``: a copy of such a model converted as ``MethodSettings`` say (the original is left alone).
 - ``attention_maps``: run a (possibly padded) batch with ``output_attentions=True`` and return, per sequence,
   its tokens and the per-layer attention maps with padded positions sliced off.
@@ -38,19 +39,35 @@ class AttentionMaps:
     layers: list[torch.Tensor]
 
 
-def load_for_viewing(name_or_path: str = "minilm", causal: bool = False):
-    """``(model, tokenizer)`` in eval mode with eager attention; ``causal`` builds it with ``is_decoder=True``."""
+def load_for_viewing(name_or_path: str = "minilm", causal: bool | None = None):
+    """``(model, tokenizer)`` in eval mode with eager attention. ``causal``: None runs the model as it is (GPT-2 and
+    OPT causal, encoders bidirectional); True runs BERT or RoBERTa as a decoder (``is_decoder=True``); False refuses
+    a decoder family, which has no bidirectional form."""
     model, tokenizer = load_model_and_tokenizer(name_or_path, AutoModel)
-    family = family_of(model.config)
     if is_collaborative(model.config):
         raise ValueError(f"{name_or_path} is already collaborative; view the original checkpoint instead")
-    if causal:
-        if family.model_type not in CAUSAL_FAMILIES:
-            raise ValueError(f"causal=true needs a model that can run as a decoder ({', '.join(CAUSAL_FAMILIES)})")
+    check_causal(model.config, causal)
+    if causal and not family_of(model.config).decoder:
         model = AutoModel.from_pretrained(resolve_model(name_or_path), is_decoder=True, attn_implementation="eager")
     else:
         model.set_attn_implementation("eager")
     return model.eval(), tokenizer
+
+
+def check_causal(config, causal: bool | None) -> None:
+    """Refuse a ``causal`` setting the model's family cannot run: False for a decoder (GPT-2, OPT: always causal),
+    True for an encoder that has no decoder form (DistilBERT, ALBERT)."""
+    family = family_of(config)
+    if family.decoder and causal is False:
+        raise ValueError(f"causal=false: {family.model_type} is a decoder and always causal; leave causal unset")
+    if causal and not family.decoder and family.model_type not in CAUSAL_FAMILIES:
+        raise ValueError(f"causal=true needs a model that can run as a decoder ({', '.join(CAUSAL_FAMILIES)}, or "
+                         f"a decoder family: gpt2, opt), not {family.model_type}")
+
+
+def is_causal(model) -> bool:
+    """Whether ``model`` attends only to the past: a decoder family, or BERT/RoBERTa built with is_decoder."""
+    return family_of(model.config).decoder or bool(getattr(model.config, "is_decoder", False))
 
 
 def collaborative_copy(
@@ -87,7 +104,7 @@ def _sentence_b_start(batch, index: int, kept: torch.Tensor) -> int | None:
 def attention_maps(model, tokenizer, batch) -> list[AttentionMaps]:
     """Per-sequence attention maps of ``batch`` (a tokenizer output, possibly padded), padded positions removed."""
     model.eval()
-    kwargs = {"use_cache": False} if getattr(model.config, "is_decoder", False) else {}
+    kwargs = {"use_cache": False} if is_causal(model) else {}
     attentions = model(**batch, output_attentions=True, **kwargs).attentions
     if not attentions or any(a is None for a in attentions):
         raise RuntimeError("the model returned no attention maps; load it with attn_implementation='eager'")

@@ -28,7 +28,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from collab_attn import distributed
+from collab_attn import cli, distributed
 from collab_attn.distillation import DistillationTrainer, DistillSettings, load_teacher
 from collab_attn.files import write_text_atomic
 from collab_attn.glue import tasks as glue
@@ -168,37 +168,118 @@ def read_results(path: Path) -> list[dict]:
 
 
 def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings, DistillSettings | None]:
-    """Check everything that can be checked before any training; returns the task, the model path, the method
+    """Check everything that can be checked before anything is written or trained (``scripts/train_glue.py``'s
+    check, run on every job of a sweep before the first starts); returns the task, the model path, the method
     settings and the distillation settings (None without ``refit.distill``)."""
-    task = glue.get_task(settings["task"]["name"])
+    with cli.naming("task.name", settings["task"]["name"]):
+        task = glue.get_task(settings["task"]["name"])
     method = MethodSettings.from_config(settings["collab"])
-    path = resolve_model(settings["model"])
-    config = AutoConfig.from_pretrained(path)
-    family_of(config)
+    path, config = checked_model(settings["model"])
     weights = settings.get("weights", "pretrained")
     if weights not in ("pretrained", "random"):
         raise ValueError(f"weights={weights!r}: choose 'pretrained' (the checkpoint) or 'random' (its architecture, "
                          "freshly initialized)")
+    cli.boolean("finetune", settings["finetune"])
     every = settings["checkpoint_every"]
     if every is not None and not (type(every) is int and every > 0):
         raise ValueError(f"checkpoint_every must be a positive number of training steps or null, got {every!r}")
     if random_weights(settings) and not settings["finetune"]:
         raise ValueError("weights=random needs finetune=true: a freshly initialized model has to be trained first")
-    method.check_model(config)
-    method.check_calibration_source(task_allowed=True)
+    cli.integer("seed", settings["seed"], 0)
+    check_method(method, config)
+    check_calibration(method, task_allowed=True)
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     distill = DistillSettings.from_refit(settings["refit"])
     for group, own in (("trainer", set()), ("refit", {"enabled", "distill"})):
         unknown = sorted(set(settings[group]) - fields - own)
         if unknown:
             raise ValueError(f"{group}.{unknown[0]} is not a transformers.TrainingArguments field; remove or rename it")
-    glue_dir = settings["data"]["glue_dir"]
-    if glue_dir is not None and not Path(glue_dir).is_dir():
-        raise FileNotFoundError(
-            f"data.glue_dir={glue_dir} does not exist (relative to {os.getcwd()}); point it at the folder that "
-            "holds CoLA/, SST-2/, ... or set data.glue_dir=null to load nyu-mll/glue from the Hub"
-        )
+        cli.trainer_fields(group, {k: v for k, v in settings[group].items() if k not in own})
+    cli.boolean("refit.enabled", settings["refit"].get("enabled", True))
+    data = settings["data"]
+    cli.positive_int("data.max_seq_length", data["max_seq_length"])
+    for key in ("max_train_samples", "max_eval_samples"):
+        cli.positive_int(f"data.{key}", data[key], nullable=True)
+    if data["glue_dir"] is not None:
+        check_glue_files("data.glue_dir", task, data["glue_dir"])
+    check_logger(settings.get("logger"))
+    cli.output_dir("output_root", settings["output_root"])
     return task, path, method, distill
+
+
+def check_logger(logger: dict | None) -> None:
+    """The ``logger`` group: ``none``, or ``wandb`` with a mode W&B knows (null: chosen as ``wandb_mode`` says)."""
+    logger = logger or {"name": "none"}
+    if cli.choice("logger", logger.get("name"), ("none", "wandb")) == "wandb":
+        cli.choice("logger.mode", logger.get("mode"), (None, "online", "offline", "disabled"))
+
+
+def check_method(method: MethodSettings, config) -> None:
+    """``method.check_model(config)``, a refusal naming the setting it is about (``collab.rank`` or
+    ``collab.budget``)."""
+    with cli.naming("collab.budget" if method.budget else "collab.rank", method.rank_request):
+        method.check_model(config)
+
+
+def checked_model(name: str, argument: str = "model") -> tuple[str, transformers.PretrainedConfig]:
+    """The local folder (or Hub id) and config of the checkpoint ``name`` (see ``resolve_model``), of a supported
+    family, read before any work without loading weights; errors name the setting ``argument``."""
+    with cli.naming(argument, name):
+        path = resolve_model(name)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except OSError as err:
+            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+            raise cli.Missing(
+                f"could not load the config of {name!r}: no local checkpoint folder of that name" + (
+                    ", and since HF_HUB_OFFLINE is set a Hub id must already be in the Hugging Face cache"
+                    if offline else f" and no such Hub model ({str(err).splitlines()[0]})")
+            ) from err
+        family_of(config)
+    return path, config
+
+
+def check_glue_files(argument: str, task: glue.GlueTask, glue_dir, splits=None, hub: bool = True) -> None:
+    """The folder ``glue_dir`` (the setting ``argument``; ``hub``: null would load the Hub copy) holds the TSV files
+    of the task's ``splits`` (default: all), text whose every row parses, checked before any work."""
+    folder = Path(str(glue_dir))
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else f"does not exist (relative to {os.getcwd()})"
+        raise cli.Missing(
+            f"{argument}={glue_dir} {what}; point it at the folder that holds CoLA/, SST-2/, ..."
+            + (f" or set {argument}=null to load nyu-mll/glue from the Hub" if hub else "")
+        )
+    for split in splits or task.splits:
+        path = folder / task.dir_name / glue.split_file(task, split)
+        if not path.exists():
+            raise cli.Missing(
+                f"{argument}={glue_dir} has no {task.dir_name}/{path.name} (the {split} split of GLUE task "
+                f"{task.name!r}); add it from a glue_data download"
+                + (f", or set {argument}=null to load the Hub copy" if hub else "")
+            )
+        cli.text_file(argument, path, limit=1 << 20)
+        glue.check_tsv(task, path)
+
+
+def check_calibration(method: MethodSettings, task_allowed: bool) -> None:
+    """The calibration texts of ``collab.calibration`` are there and are text (a GLUE train.tsv/dev.tsv in its task
+    folder, or a file of one text per line), before any work."""
+    if method.calibrated and Path(method.calibration).is_dir():
+        raise cli.BadInput(f"collab.calibration={method.calibration} is a folder; pass a text file (one text per "
+                           "line) or a GLUE train.tsv/dev.tsv")
+    method.check_calibration_source(task_allowed)
+    if not method.calibrated or method.calibration == "task":
+        return
+    path = Path(method.calibration)
+    if path.suffix != ".tsv":
+        if not cli.text_file("collab.calibration", path).strip():
+            raise cli.BadInput(f"collab.calibration={path} holds no texts; pass a file with one text per line")
+        return
+    if path.name not in ("train.tsv", "dev.tsv"):
+        raise cli.BadInput(f"collab.calibration={path}: a .tsv must be a GLUE train.tsv or dev.tsv")
+    with cli.naming("collab.calibration", path):
+        glue.get_task(path.parent.name)
+    cli.text_file("collab.calibration", path, limit=1 << 20)
 
 
 def load_data(task: glue.GlueTask, data_cfg: dict, tokenizer):

@@ -18,12 +18,14 @@ import os
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 
+from collab_attn import cli
 from collab_attn.files import replacing, write_text_atomic
 from collab_attn.models.scratch import ATTENTION_KINDS, ScratchConfig, ScratchForSequenceClassification
 from collab_attn.training import train, training_args
@@ -136,10 +138,10 @@ def learning_curve(history: Sequence[dict]) -> list[dict]:
 
 
 def key_sizes_for(d_model: int, key_sizes: Sequence[int] | None) -> list[int]:
-    """The key sizes to sweep: as given, or ``d_model``, ``/2``, ``/4``, ``/8``."""
+    """The key sizes to sweep: as given (positive integers), or ``d_model``, ``/2``, ``/4``, ``/8``."""
     if key_sizes is None:
         return [d_model // div for div in (1, 2, 4, 8)]
-    return [int(k) for k in key_sizes]
+    return [cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", key_sizes)]
 
 
 def run_name(kind: str, key_size: int, seed: int) -> str:
@@ -158,6 +160,57 @@ def run_signature(settings: dict) -> dict:
     }
 
 
+class Sweep(NamedTuple):
+    task: Any  # collab_attn.glue.tasks.GlueTask
+    fields: dict  # TrainingArguments fields of every run
+    plan: list[tuple[str, int, int]]  # (attention, key size, seed), seed by seed
+    records: dict[str, dict]  # the runs already done, by name
+
+
+def check(settings: dict, progress: bool = True) -> Sweep:
+    """Every setting, the task's data files, every configuration of the sweep and the runs already stored for it,
+    before anything is written (``scripts/train_scratch.py``'s check): a bad key size fails now, not an hour in."""
+    from collab_attn.glue.pipeline import check_glue_files
+    from collab_attn.models.checkpoints import resolve_model
+
+    with cli.naming("task", settings["task"]):
+        task = _classification_task(settings["task"])
+    if settings.get("glue_dir") is not None:
+        check_glue_files("glue_dir", task, settings["glue_dir"], ("train", task.eval_splits[0]))
+    with cli.naming("tokenizer", settings["tokenizer"]):
+        resolve_model(settings["tokenizer"])
+    cli.positive_int("max_length", settings["max_length"])
+    for key in ("max_train_samples", "max_eval_samples", "threads", "checkpoint_every"):
+        cli.positive_int(key, settings.get(key), nullable=True)
+    model = settings["model"]
+    for key in ("d_model", "num_layers", "num_heads", "ffn_dim"):
+        if key in model:
+            cli.positive_int(f"model.{key}", model[key])
+    cli.number("model.dropout", model.get("dropout", 0.0), 0, 1, below=True)
+    kinds = [cli.choice("kinds", kind, ATTENTION_KINDS) for kind in cli.nonempty_list("kinds", settings["kinds"])]
+    seeds = [cli.integer("seeds", seed, 0) for seed in cli.nonempty_list("seeds", settings["seeds"])]
+    keys = key_sizes_for(model["d_model"], settings.get("key_sizes"))
+    cli.trainer_fields("train", settings["train"])
+    fields = recipe(settings, progress)
+    for kind in kinds:
+        for key in keys:
+            model_config(settings, 1, task.num_labels, kind, key)
+    runs_dir = cli.output_dir("output_dir", settings["output_dir"], files=("results.md", "curves.png")) / "runs"
+    signature = run_signature(settings)
+    plan = [(kind, key, seed) for seed in seeds for key in keys for kind in kinds]
+    records = {}
+    for kind, key, seed in plan:
+        path = runs_dir / f"{run_name(kind, key, seed)}.json"
+        if path.exists():
+            record = cli.json_file("output_dir", path)
+            if not isinstance(record, dict) or record.get("signature") != signature:
+                raise cli.BadInput(
+                    f"{path} was made with different settings; use another output_dir or delete {runs_dir}"
+                )
+            records[path.stem] = record
+    return Sweep(task, fields, plan, records)
+
+
 def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
     """Train every configuration in ``settings`` (the resolved ``configs/scratch.yaml``) that has no result yet.
 
@@ -165,23 +218,13 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
     written atomically; a run whose file exists is skipped after checking it was made with the same settings.
     With ``checkpoint_every``, a run saves a checkpoint in ``<output_dir>/.checkpoints/<name>`` that often and an
     interrupted run continues from it. Writes ``results.md`` and ``curves.png`` at the end and returns every run's
-    record.
+    record. Everything is checked (``check``) before the first folder is made.
     """
     from transformers import AutoTokenizer, DataCollatorWithPadding
 
     from collab_attn.models.checkpoints import resolve_model
 
-    keys = key_sizes_for(settings["model"]["d_model"], settings.get("key_sizes"))
-    kinds = list(settings["kinds"])
-    seeds = [int(s) for s in settings["seeds"]]
-    task = _classification_task(settings["task"])
-    # Validate every configuration before any training (a bad key size fails now, not an hour in).
-    fields = recipe(settings, progress)
-    for kind in kinds:
-        for key in keys:
-            model_config(settings, 1, task.num_labels, kind, key)
-    if not seeds:
-        raise ValueError("seeds is empty")
+    task, fields, plan, records = check(settings, progress)
     if settings.get("threads"):
         torch.set_num_threads(int(settings["threads"]))
         os.environ.setdefault("RAYON_NUM_THREADS", str(settings["threads"]))  # the Rust tokenizer's thread pool
@@ -190,17 +233,6 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     signature = run_signature(settings)
-    plan = [(kind, key, seed) for seed in seeds for key in keys for kind in kinds]
-    records: dict[str, dict] = {}
-    for kind, key, seed in plan:
-        path = runs_dir / f"{run_name(kind, key, seed)}.json"
-        if path.exists():
-            record = json.loads(path.read_text())
-            if record.get("signature") != signature:
-                raise ValueError(
-                    f"{path} was made with different settings; use another output_dir or delete {runs_dir}"
-                )
-            records[path.stem] = record
     pending = [p for p in plan if run_name(*p) not in records]
     print(f"{len(plan) - len(pending)} of {len(plan)} runs already done in {runs_dir}; {len(pending)} to go")
 

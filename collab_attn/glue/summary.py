@@ -3,7 +3,6 @@ in the spirit of the paper's Table 2. Reads every ``results.jsonl`` under a swee
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -12,11 +11,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from collab_attn import cli  # noqa: E402
 from collab_attn.files import replacing, write_text_atomic  # noqa: E402
 from collab_attn.glue.tasks import get_task  # noqa: E402
 
 TASK_COLUMNS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
 STAGE_ORDER = {"finetuned": 0, "reparam": 1, "refit": 2}
+OUTPUTS = ("summary.md", "summary.csv", "compression_vs_accuracy.png", "before_after.md")
+RESULT_KEYS = ("stage", "task", "model", "method", "seed", "main", "query_key_params")  # what the tables read
 STAGE_LABELS = {"finetuned": "original (fine-tuned)", "reparam": "reparametrized, no retraining",
                 "refit": "reparametrized + re-fine-tuned"}
 
@@ -31,8 +33,14 @@ def load_results(
     files = sorted(Path(sweep_dir).rglob("results.jsonl"))
     if not files:
         raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
-    rows = [{**json.loads(line), "job": str(path.parent)}
-            for path in files for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for path in files:
+        for number, row in enumerate(cli.json_file("sweep_dir", path, lines=True), 1):
+            missing = [key for key in RESULT_KEYS if not isinstance(row, dict) or key not in row]
+            if missing:
+                raise cli.BadInput(f"{path}, result {number} lacks {', '.join(missing)}: not a scripts/train_glue.py "
+                                   "result; move it out of sweep_dir")
+            rows.append({**row, "job": str(path.parent)})
     if tasks is not None:
         wanted = {get_task(t).name for t in tasks}
         found = {row["task"] for row in rows}
@@ -255,9 +263,13 @@ def summarize(
     """Write summary.md, summary.csv, compression_vs_accuracy.png where some job compressed a model, and
     before_after.md where jobs were re-fine-tuned (over ``tasks`` and ``seeds`` only, when given); return their
     paths."""
-    frame = load_results(sweep_dir, tasks, seeds)
+    return write(load_results(sweep_dir, tasks, seeds), out_dir or sweep_dir)
+
+
+def write(frame: pd.DataFrame, out_dir: str | Path) -> dict[str, Path]:
+    """``summarize``'s files for the rows of ``load_results`` into ``out_dir`` (made if missing)."""
     wide = table(frame)
-    out = Path(out_dir or sweep_dir)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "summary.md", "csv": out / "summary.csv"}
     write_text_atomic(paths["markdown"], to_markdown(wide))

@@ -202,6 +202,17 @@ def _check_splits(task: GlueTask, splits: Iterable[str] | None) -> list[str]:
     return splits
 
 
+def split_file(task: GlueTask, split: str) -> str:
+    """The file name of ``split`` in the task's glue_data folder (``train.tsv``, ``dev_matched.tsv``, ...)."""
+    return dict(_TSV_LAYOUTS[task.name].files)[split]
+
+
+def check_tsv(task: GlueTask, path: str | Path) -> None:
+    """Parse the GLUE file ``path`` of ``task`` as ``load_glue`` will, before any work: a malformed row raises the
+    ValueError that names the file and the line."""
+    _read_tsv(Path(path), task)
+
+
 def load_glue(
     task: str | GlueTask,
     glue_dir: str | Path | None = None,

@@ -29,12 +29,22 @@ import transformers
 from transformers import default_data_collator
 
 import collab_attn
+from collab_attn import cli
 from collab_attn.files import write_text_atomic
 from collab_attn.lm import data as lm_data
 from collab_attn.lm.models import cache_bytes, parameter_counts
-from collab_attn.lm.runs import learning_curve, recipe_fields, train_model, use_bf16
+from collab_attn.lm.runs import (
+    check_model_settings,
+    checked_corpus,
+    learning_curve,
+    recipe_fields,
+    train_model,
+    use_bf16,
+)
 from collab_attn.lm.sampling import sample_text
 from collab_attn.models.calibration import collect_calibration
+from collab_attn.models.checkpoints import resolve_model
+from collab_attn.models.conversion import check_request
 from collab_attn.models.importance import head_importance
 
 METHODS = ("none", "cp", "cp-aware", "svd", "prune")
@@ -59,17 +69,28 @@ def validation_loss(model, blocks: lm_data.Blocks, batch_size: int, bf16: bool) 
     return sum(losses) / len(blocks)
 
 
-def load_trained(model_dir: str | Path, corpus: lm_data.CharCorpus):
+def trained_config(model_dir: str | Path, corpus: lm_data.CharCorpus):
+    """The config of the trained concatenated-heads model in ``model_dir`` (its weights present, trained on the
+    characters of ``corpus``), read without loading the weights."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no trained model at {model_dir}: train it first (scripts/train_lm.py) or pass "
-                                "model_dir=<folder>")
-    vocab = json.loads((model_dir / "vocab.json").read_text()) if (model_dir / "vocab.json").is_file() else None
+        raise cli.Missing(f"no trained model at {model_dir}: train it first (scripts/train_lm.py) or pass "
+                          "model_dir=<folder>")
+    with cli.naming("model_dir", model_dir):
+        resolve_model(str(model_dir))
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+    vocab = cli.json_file("model_dir", model_dir / "vocab.json") if (model_dir / "vocab.json").is_file() else None
     if vocab is not None and vocab != corpus.chars:
-        raise ValueError(f"{model_dir} was trained on another vocabulary than {len(corpus.chars)} characters here")
+        raise cli.BadInput(f"model_dir={model_dir} was trained on another vocabulary than the {len(corpus.chars)} "
+                           "characters of data.path; pass the text it was trained on")
+    if getattr(config, "collab_ranks", None):
+        raise cli.BadInput(f"model_dir={model_dir} is already converted; start from a concatenated-heads model")
+    return config
+
+
+def load_trained(model_dir: str | Path, corpus: lm_data.CharCorpus):
+    trained_config(model_dir, corpus)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    if getattr(model.config, "collab_ranks", None):
-        raise ValueError(f"{model_dir} is already converted; start from a concatenated-heads model")
     return model.cuda() if torch.cuda.is_available() else model
 
 
@@ -89,23 +110,49 @@ def convert(model, method: str, key_size: int, corpus, settings: dict, seed: int
 
 
 def plan(settings: dict) -> list[tuple[str, int]]:
-    methods = list(settings["methods"])
-    bad = sorted(set(methods) - set(METHODS))
-    if bad or not methods:
-        raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {methods}")
-    d = settings["model"]["n_embd"]
-    keys = [d // 2, d // 4, d // 8] if settings.get("key_sizes") is None else [int(k) for k in settings["key_sizes"]]
+    methods = [cli.choice("methods", m, METHODS) for m in cli.nonempty_list("methods", settings["methods"])]
+    d = cli.positive_int("model.n_embd", settings["model"]["n_embd"])
+    keys = [d // 2, d // 4, d // 8] if settings.get("key_sizes") is None else [
+        cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", settings["key_sizes"])]
     return [(m, d if m == "none" else k) for m in methods for k in (keys[:1] if m == "none" else keys)]
+
+
+def check(settings: dict) -> list[tuple[str, int]]:
+    """Every setting, the text, the trained model and every (method, key size) of the grid, before anything is
+    written: a key size one method cannot take is refused before the first conversion. Returns the grid."""
+    runs = plan(settings)
+    check_model_settings(settings)
+    recipe_fields(settings)
+    cli.number("retrain_fraction", settings["retrain_fraction"], 0, 1)
+    for key in ("calibration_blocks", "importance_samples", "eval_iters"):
+        cli.positive_int(key, settings[key])
+    for key in ("threads", "checkpoint_every"):
+        cli.positive_int(key, settings.get(key), nullable=True)
+    cli.integer("seed", settings["seed"], 0)
+    cli.integer("sample_chars", settings["sample_chars"], 0)
+    out = cli.output_dir("output_dir", settings["output_dir"])
+    config = trained_config(settings["model_dir"], checked_corpus(settings))
+    for method, key in runs:
+        if method != "none":
+            try:
+                check_request(config, "cp" if method == "cp-aware" else method, key)
+            except ValueError as err:
+                raise cli.BadInput(f"methods={method} cannot take key size {key} ({err}); change key_sizes or "
+                                   "methods") from err
+        stored = out / "runs" / f"{method}-k{key}.json"
+        if stored.exists():
+            record = cli.json_file("output_dir", stored)
+            if not isinstance(record, dict) or (record.get("version"), record.get("method"), record.get("key_size")) \
+                    != (RESULT_VERSION, method, key):
+                raise cli.BadInput(f"{stored} is not a result of this conversion; use another output_dir or delete it")
+    return runs
 
 
 def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     """Every (method, key size) in ``settings`` (the resolved ``configs/convert_lm.yaml``) without a result yet."""
-    runs = plan(settings)
+    runs = check(settings)
     fields = recipe_fields(settings, progress)
-    fraction = float(settings["retrain_fraction"])
-    if not 0 <= fraction <= 1:
-        raise ValueError(f"retrain_fraction must be in [0, 1], got {fraction}")
-    retrain_steps = math.ceil(fraction * fields["max_steps"])
+    retrain_steps = math.ceil(float(settings["retrain_fraction"]) * fields["max_steps"])
     if settings.get("threads"):
         torch.set_num_threads(int(settings["threads"]))
     corpus = lm_data.load_corpus(settings["data"]["path"])

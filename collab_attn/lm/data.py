@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from collab_attn import cli
+
 DEFAULT_PATH = Path("../shared/data/tinyshakespeare/input.txt")
 EVAL_SEED = 1337  # nanoGPT's seed; the validation blocks are the same for every run
 
@@ -57,14 +59,17 @@ def corpus_from_text(text: str) -> CharCorpus:
     return CharCorpus(chars, ids[:n], ids[n:])
 
 
-def load_corpus(path: str | Path = DEFAULT_PATH) -> CharCorpus:
+def load_corpus(path: str | Path = DEFAULT_PATH, name: str = "data.path") -> CharCorpus:
+    """The corpus of the UTF-8 text file ``path``; a missing, unreadable or binary file, or a text too short to split,
+    is refused naming the setting ``name`` it came from."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no text at {path}: pass data.path=<input.txt> (Tiny Shakespeare: "
+    if not path.exists():
+        raise cli.Missing(
+            f"no text at {path}: pass {name}=<input.txt> (Tiny Shakespeare: "
             "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt)"
         )
-    return corpus_from_text(path.read_text(encoding="utf-8"))
+    with cli.naming(name, path):
+        return corpus_from_text(cli.text_file(name, path))
 
 
 class Blocks(Dataset):

@@ -18,14 +18,25 @@ from pathlib import Path
 import torch
 from transformers import default_data_collator
 
+from collab_attn import cli
 from collab_attn.files import write_text_atomic
+from collab_attn.glue.pipeline import check_logger
 from collab_attn.glue.tracking import WandbTracker
 from collab_attn.lm import data as lm_data
-from collab_attn.lm.models import KINDS, MODEL_KEYS, build_model, cache_bytes, gpt_config, parameter_counts
+from collab_attn.lm.models import (
+    KINDS,
+    MIXING_INITS,
+    MODEL_KEYS,
+    build_model,
+    cache_bytes,
+    gpt_config,
+    parameter_counts,
+)
 from collab_attn.lm.sampling import sample_text
 from collab_attn.training import train, training_args
 
 RESULT_VERSION = 1
+MODES = ("train", "sweep")
 LOSS_KEYS = ("loss", "eval_loss")
 
 
@@ -44,8 +55,8 @@ def recipe_fields(settings: dict, progress: bool = True) -> dict:
     ``ValueError`` on anything TrainingArguments refuses."""
     fields = dict(settings["trainer"])
     for key in ("max_steps", "eval_steps", "per_device_train_batch_size"):
-        if not isinstance(fields.get(key), int) or fields[key] <= 0:
-            raise ValueError(f"trainer.{key} must be a positive integer, got {fields.get(key)!r}")
+        cli.positive_int(f"trainer.{key}", fields.get(key))
+    cli.trainer_fields("trainer", fields)
     if fields.get("gradient_accumulation_steps", 1) != 1:
         raise ValueError("gradient_accumulation_steps is not supported: the blocks are drawn per optimizer step")
     fields = {
@@ -84,6 +95,9 @@ def check_model_settings(settings: dict) -> None:
     unknown = sorted(set(settings["model"]) - set(MODEL_KEYS))
     if unknown:
         raise ValueError(f"unknown model settings {unknown}; choose from {MODEL_KEYS}")
+    for key in ("n_layer", "n_head", "n_embd"):
+        cli.positive_int(f"model.{key}", settings["model"].get(key))
+    cli.number("model.dropout", settings["model"].get("dropout", 0.0), 0, 1, below=True)
 
 
 def learning_curve(history: Sequence[dict]) -> list[dict]:
@@ -177,38 +191,83 @@ def log_to_tracker(settings: dict, record: dict) -> None:
 
 
 def key_sizes_for(n_embd: int, key_sizes: Sequence[int] | None) -> list[int]:
-    """As given, or ``n_embd``, ``/2``, ``/4``, ``/8``."""
-    return [n_embd // div for div in (1, 2, 4, 8)] if key_sizes is None else [int(k) for k in key_sizes]
+    """As given (positive integers), or ``n_embd``, ``/2``, ``/4``, ``/8``."""
+    if key_sizes is None:
+        return [n_embd // div for div in (1, 2, 4, 8)]
+    return [cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", key_sizes)]
 
 
 def plan(settings: dict) -> list[tuple[str, int, int]]:
     """(kind, key size, seed) of every sweep run, seed by seed, largest key first, concatenated first."""
-    kinds = list(settings["kinds"])
-    bad = sorted(set(kinds) - set(KINDS))
-    if bad or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
-    seeds = [int(s) for s in settings["seeds"]]
-    if not seeds:
-        raise ValueError("seeds is empty")
+    kinds = [cli.choice("kinds", kind, KINDS) for kind in cli.nonempty_list("kinds", settings["kinds"])]
+    seeds = [cli.integer("seeds", seed, 0) for seed in cli.nonempty_list("seeds", settings["seeds"])]
     keys = key_sizes_for(settings["model"]["n_embd"], settings.get("key_sizes"))
     return [(kind, key, seed) for seed in seeds for key in keys for kind in kinds]
 
 
-def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> None:
-    """Every setting and every run's model config, before any training."""
+def runs_of(settings: dict) -> list[tuple[str, int, int]]:
+    """The runs ``settings`` asks for: ``mode=train`` the one of ``attention``, ``key_size`` (null: ``n_embd``) and
+    ``seed``; ``mode=sweep`` the grid of ``plan``."""
+    if cli.choice("mode", settings["mode"], MODES) == "sweep":
+        return plan(settings)
+    key = cli.positive_int("key_size", settings["key_size"], nullable=True)
+    return [(settings["attention"], key or settings["model"]["n_embd"], cli.integer("seed", settings["seed"], 0))]
+
+
+def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.CharCorpus:
+    """Every setting, the data, every run's model config and the results stored for them, before anything is
+    written; returns the corpus."""
     check_model_settings(settings)
+    block = cli.positive_int("block_size", settings["block_size"])
+    cli.positive_int("eval_iters", settings["eval_iters"])
+    for key in ("threads", "checkpoint_every"):
+        cli.positive_int(key, settings.get(key), nullable=True)
+    cli.integer("sample_chars", settings.get("sample_chars", 300), 0)
+    if settings.get("bf16", "auto") != "auto":
+        cli.boolean("bf16", settings["bf16"])
+    mixing = cli.choice("mixing_init", settings.get("mixing_init", "random"), MIXING_INITS)
+    for pattern in settings.get("save_models") or []:
+        if not isinstance(pattern, str):
+            raise cli.BadInput(f"save_models must be a list of run names or glob patterns, got {pattern!r}")
     recipe_fields(settings)
-    for kind, key, _ in runs:
-        gpt_config(2, settings["block_size"], **settings["model"], kind=kind, key_size=key,
-                   mixing_init=settings.get("mixing_init", "random"))
+    check_logger(settings.get("logger"))
+    out = cli.output_dir("output_dir", settings["output_dir"])
+    corpus = checked_corpus(settings)
+    sig = signature(settings)
+    for kind, key, seed in runs:
+        gpt_config(2, block, **settings["model"], kind=kind, key_size=key, mixing_init=mixing)
+        stored = out / "runs" / f"{run_name(kind, key, seed, mixing)}.json"
+        if stored.exists():
+            record = cli.json_file("output_dir", stored)
+            if not isinstance(record, dict) or record.get("signature") != sig:
+                raise cli.BadInput(f"{stored} was made with different settings; use another output_dir or delete it")
+    return corpus
+
+
+def checked_corpus(settings: dict) -> lm_data.CharCorpus:
+    """The corpus of ``data.path``, each split longer than ``block_size`` characters."""
+    path, block = settings["data"]["path"], cli.positive_int("block_size", settings["block_size"])
+    corpus = lm_data.load_corpus(path)
+    for split in ("train", "val"):
+        if len(getattr(corpus, split)) <= block:
+            raise cli.BadInput(f"data.path={path}: its {split} split has {len(getattr(corpus, split))} characters, "
+                               f"too few for block_size={block}; lower block_size or pass a longer text")
+    return corpus
+
+
+def check(settings: dict) -> list[tuple[str, int, int]]:
+    """``scripts/train_lm.py``'s check: the runs ``settings`` asks for (``runs_of``), validated."""
+    check_model_settings(settings)
+    runs = runs_of(settings)
+    validate(settings, runs)
+    return runs
 
 
 def run_many(settings: dict, runs: Sequence[tuple[str, int, int]], progress: bool = True) -> list[dict]:
     """Train (or skip) each of ``runs`` in turn; returns their records."""
-    validate(settings, runs)
+    corpus = validate(settings, runs)
     if settings.get("threads"):
         torch.set_num_threads(int(settings["threads"]))
-    corpus = lm_data.load_corpus(settings["data"]["path"])
     records = []
     for number, (kind, key, seed) in enumerate(runs, 1):
         print(f"[{number}/{len(runs)}] {run_name(kind, key, seed, settings.get('mixing_init', 'random'))}",

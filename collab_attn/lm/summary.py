@@ -14,13 +14,21 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from collab_attn import cli
 from collab_attn.files import replacing, write_text_atomic
 
 NANOGPT = {"gpu": 1.4697, "cpu": 1.88}  # nanoGPT's README: best val loss of its two shakespeare_char configs
 RESULTS_BEGIN = "<!-- results: written by scripts/summarize_lm.py -->"
 RESULTS_END = "<!-- end of results -->"
 METHOD_ORDER = ("none", "cp", "cp-aware", "svd", "prune")
-
+# Per results sub-folder: the keys the tables read, the key naming the variant and its values, the writing script.
+RESULTS = {
+    "runs": (("attention", "key_size", "seed", "best_val_loss", "final_val_loss", "curve", "parameters",
+              "cache_bytes_per_token_bf16", "sample"), "attention", ("concat", "collab"), "train_lm"),
+    "convert/runs": (("method", "key_size", "original_val_loss", "original_parameters", "model_dir", "retrain_steps",
+                      "parameters", "cache_bytes_per_token_bf16", "relative_error", "converted_val_loss",
+                      "converted_sample"), "method", METHOD_ORDER, "convert_lm"),
+}
 
 def read_runs(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
@@ -169,14 +177,30 @@ def results_markdown(root: Path) -> str:
     return "\n".join(parts + [RESULTS_END]) + "\n"
 
 
-def write_summary(root: str | Path) -> Path:
-    """Plots per recipe folder and the README's results part; returns the README's path."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"no results folder {root}")
+def check_results(root: str | Path) -> list[Path]:
+    """The recipe folders under ``root``, every result JSON in them (readable, written by the script that owns the
+    folder) and the README to update, before anything is written; returns the folders."""
+    root = cli.input_dir("root", root)
     folders = [p for p in sorted(root.iterdir()) if (p / "runs").is_dir()]
     if not folders:
-        raise FileNotFoundError(f"no <recipe>/runs/*.json under {root}")
+        raise cli.Missing(f"root={root} holds no <recipe>/runs/*.json: not a results folder of scripts/train_lm.py; "
+                          "pass the folder above its output_dir (e.g. experiments/shakespeare_char)")
+    for folder in folders:
+        for runs, (keys, variant_key, variants, script) in RESULTS.items():
+            for path in sorted((folder / runs).glob("*.json")):
+                record = cli.json_file("root", path)
+                if not isinstance(record, dict) or not set(keys) <= set(record) or record[variant_key] not in variants:
+                    raise cli.BadInput(f"{path} is not a result of scripts/{script}.py; move it out of root={root}")
+    if (root / "README.md").exists():
+        cli.text_file("root", root / "README.md")
+    cli.output_dir("root", root, files=("README.md", *(f"curves_{folder.name}.png" for folder in folders)))
+    return folders
+
+
+def write_summary(root: str | Path) -> Path:
+    """Plots per recipe folder and the README's results part; returns the README's path."""
+    folders = check_results(root)
+    root = Path(root)
     for folder in folders:
         scratch = read_runs(folder / "runs")
         if scratch:

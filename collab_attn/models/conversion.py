@@ -27,6 +27,7 @@ from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
     Family,
     InstalledLayer,
+    check_head_class,
     family_of,
     find_attention,
     install_layers,
@@ -78,6 +79,7 @@ def _validate(model: nn.Module, method: str, rank, options: dict):
     if is_collaborative(model.config):
         raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
     family, found = find_attention(model)
+    check_head_class(model, family)
     heads, head_dim = family.num_heads(found[0][1]), family.head_dim(found[0][1])
     ranks, budget = _check_ranks(method, rank, len(found), heads * head_dim)
     if ranks is not None and METHODS[method].check_ranks is not None:

@@ -15,7 +15,8 @@ model type instead of building a different model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, is_dataclass
 
 import torch
 import transformers
@@ -182,8 +183,12 @@ def _retag(model: nn.Module, layout: Layout) -> None:
             config.collab_mixing_init = layout.mixing_init
             if type(module) in _COLLAB_MODELS:
                 module.__class__ = _COLLAB_MODELS[type(module)]
-                # transformers keys the output recorders (output_attentions=True) by class
-                _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+                # transformers keys the output recorders (output_attentions=True) by class: a plain dict keyed by
+                # the class's name up to 5.22, a registry that takes the model from 5.23 on
+                if type(_CAN_RECORD_REGISTRY) is dict:
+                    _CAN_RECORD_REGISTRY[str(module.__class__)] = module._can_record_outputs
+                else:
+                    _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")
@@ -211,6 +216,12 @@ def attention_parameters(model: nn.Module) -> dict[str, int]:
 
 
 def _collab_config_class(family: Family) -> type:
+    if not is_dataclass(family.config_class):
+        raise ImportError(
+            "collab_attn needs a transformers whose configs are strict dataclasses (5.4 and newer): "
+            f"{family.config_class.__name__} of the installed transformers {transformers.__version__} is not one; "
+            "install the range collab-attn declares (pip install -e .)"
+        )
     namespace = {
         "__annotations__": {
             "collab_method": str, "collab_ranks": list[int] | None, "collab_heads": list[int] | None,
@@ -260,6 +271,53 @@ _COLLAB_CONFIGS: dict[str, type] = {}
 _COLLAB_MODELS: dict[type, type] = {}
 
 
+def _modeling_module(family: Family):
+    return importlib.import_module(f"transformers.models.{family.model_type}.modeling_{family.model_type}")
+
+
+def _is_concrete_model(cls) -> bool:
+    return (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+            and transformers.PreTrainedModel not in cls.__bases__)
+
+
+def head_classes(family: Family) -> list[type]:
+    """Every model class transformers exports for ``family`` (its modeling module's ``__all__``), the bare model and
+    each head class, without the abstract ``*PreTrainedModel`` base: the classes ``reparametrize`` converts."""
+    module = _modeling_module(family)
+    exported = (getattr(module, name) for name in getattr(module, "__all__", ()))
+    return [cls for cls in exported if _is_concrete_model(cls)]
+
+
+def _model_classes(family: Family) -> list[type]:
+    """``head_classes`` and the family's inner models that are ``PreTrainedModel`` s too (OPT's ``OPTDecoder``):
+    each gets a collaborative class, whose output recorders find the converted layers."""
+    module = _modeling_module(family)
+    inner = [cls for cls in vars(module).values() if _is_concrete_model(cls) and cls.__module__ == module.__name__]
+    return list(dict.fromkeys(head_classes(family) + inner))
+
+
+def check_head_class(model: nn.Module, family: Family) -> None:
+    """Refuse a model whose class is not one ``head_classes`` lists: its converted checkpoint could not be rebuilt
+    by any collaborative class, so it would save but not load back."""
+    supported = head_classes(family)
+    if type(model) not in supported:
+        raise ValueError(
+            f"{type(model).__name__} is not a {family.model_type} model class that transformers exports, so no "
+            "collaborative class could load it back once converted; convert one of: "
+            + ", ".join(cls.__name__ for cls in supported)
+        )
+
+
+def collab_model_class(cls: type) -> type:
+    """The collaborative class that mirrors the transformers class ``cls`` (``GPT2DoubleHeadsModel`` ->
+    ``CollabGPT2DoubleHeadsModel``): how to load a converted checkpoint of a head class that no Auto class maps."""
+    if cls not in _COLLAB_MODELS:
+        raise ValueError(
+            f"{cls.__name__} has no collaborative class; supported: {', '.join(c.__name__ for c in _COLLAB_MODELS)}"
+        )
+    return _COLLAB_MODELS[cls]
+
+
 def collab_config_class(model_type: str) -> type:
     """The collaborative config class of a family (``"bert"``, ``"gpt2"``, ...): build one with ``collab_ranks`` (and
     ``collab_mixing_init``) to train a collaborative model from scratch with the Auto classes."""
@@ -270,7 +328,8 @@ def collab_config_class(model_type: str) -> type:
 
 
 def register() -> None:
-    """Register the collaborative configs and models with the transformers Auto classes (idempotent)."""
+    """Make a collaborative class for every head class of every family and register the configs and the classes
+    the Auto classes map with them (idempotent)."""
     for family in FAMILIES.values():
         if family.model_type in _COLLAB_CONFIGS:
             continue
@@ -278,15 +337,14 @@ def register() -> None:
         _COLLAB_CONFIGS[family.model_type] = config_class
         globals()[config_class.__name__] = config_class
         transformers.AutoConfig.register(family.collab_model_type, config_class, exist_ok=True)
+        for base in _model_classes(family):
+            _COLLAB_MODELS[base] = _collab_model_class(base, config_class)
+            globals()[_COLLAB_MODELS[base].__name__] = _COLLAB_MODELS[base]
         for auto in AUTO_CLASSES:
             base_name = auto._model_mapping._model_mapping.get(family.model_type)
-            if not isinstance(base_name, str):
-                continue
-            base = getattr(transformers, base_name)
-            if base not in _COLLAB_MODELS:
-                _COLLAB_MODELS[base] = _collab_model_class(base, config_class)
-                globals()[_COLLAB_MODELS[base].__name__] = _COLLAB_MODELS[base]
-            auto.register(config_class, _COLLAB_MODELS[base], exist_ok=True)
+            base = getattr(transformers, base_name) if isinstance(base_name, str) else None
+            if base in _COLLAB_MODELS:
+                auto.register(config_class, _COLLAB_MODELS[base], exist_ok=True)
 
 
 register()

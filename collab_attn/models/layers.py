@@ -2,7 +2,9 @@
 
 A converted layer is either collaborative (``CollaborativeSelfAttention``: ``cp``, ``tucker``) or concatenated heads
 (``ConcatenatedSelfAttention``: ``svd``, ``prune``). Both take ``(hidden_states, attention_mask, **kwargs)`` and
-return ``(output, attention_weights)``, with weights only when ``output_attentions=True`` is passed down.
+return ``(output, attention_weights)``, with weights when ``output_attentions=True`` is passed down or when the model
+records attention maps with its output hooks (transformers 5.x: ``output_attentions`` as a call argument or in the
+config), as an eager transformers attention module does.
 ``output_dropout`` adds GPT-2's dropout after the output projection, and ``residual_norm_eps`` ALBERT's dropout,
 residual connection and LayerNorm, both inside those families' attention modules.
 
@@ -10,18 +12,24 @@ Key/value cache (decoders): a ``DynamicCache`` (or the self-attention half of an
 layer and token, what ``_pack`` makes of the new keys: for collaborative heads one shared key of width D~ plus one
 content-bias logit per head, ``(batch, 1, tokens, D~ + heads)``, and the per-head values ``(batch, heads, tokens,
 head_dim)``; for concatenated heads each head's key (and content logit). New tokens attend to the cache and
-themselves, with the causal mask aligned to the last query. Every keyword a transformers 5.x model passes down is
-either honoured or refused: nothing is silently ignored.
+themselves, with the causal mask aligned to the last query. A full ``StaticCache`` holds the same layout in buffers
+of ``max_cache_len`` positions allocated on first use (fixed shapes: ``torch.compile(fullgraph=True)`` traces a
+decoding step once). Every keyword a transformers 5.x model passes down is either honoured or refused: nothing is
+silently ignored.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.utils.output_capturing import _active_collector  # what the output hooks collect into
 
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 
-# Every name under which transformers 5.x hands a self-attention module its key/value cache.
+# Every name under which transformers 5.x hands a self-attention module its key/value cache: models pass it as
+# ``past_key_values`` up to 5.23 and as ``cache`` from 5.24 on; ``past_key_value`` and ``layer_past`` are older
+# spellings that callers may still use. The same object under two names is one cache (``_pop_caches``).
 CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # Keywords that would change what attention computes and that these layers do not implement: packed sequences
 # (flash-attention varlen), head masks, sliding windows, attention sinks, rotary position embeddings. Given, they
@@ -31,6 +39,25 @@ REFUSED_KEYWORDS = (
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "encoder_attention_mask",
     "sliding_window", "s_aux", "sinks", "position_embeddings",
 )
+
+
+def attention_maps_recorded() -> bool:
+    """Whether the running model forward records attention maps: transformers 5.x models no longer pass
+    ``output_attentions`` down to their attention modules; they hook the modules' second output and collect it
+    while ``output_attentions`` (argument or config) is on."""
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
+
+
+def _pop_caches(kwargs: dict) -> dict:
+    """Pop every cache keyword from ``kwargs``; return ``{name: cache}`` with one entry per distinct cache object
+    (under the first of ``CACHE_KEYWORDS`` that holds it): the same cache under two names is one cache."""
+    caches = {}
+    for name in CACHE_KEYWORDS:
+        cache = kwargs.pop(name, None)
+        if cache is not None and not any(cache is seen for seen in caches.values()):
+            caches[name] = cache
+    return caches
 
 
 class ConvertedSelfAttention(nn.Module):
@@ -55,21 +82,28 @@ class ConvertedSelfAttention(nn.Module):
                 f"{type(self).__name__} converts self-attention only; cross-attention (encoder_hidden_states) is "
                 "not supported"
             )
-        caches = [kwargs.pop(name) for name in CACHE_KEYWORDS if kwargs.get(name) is not None]
-        need_weights = bool(kwargs.pop("output_attentions", False))
+        caches = _pop_caches(kwargs)
+        need_weights = bool(kwargs.pop("output_attentions", False)) or attention_maps_recorded()
         refused = sorted(k for k in REFUSED_KEYWORDS if kwargs.get(k) is not None)
         if refused or len(caches) > 1:
             raise TypeError(
                 f"{type(self).__name__} cannot honour "
-                + (f"the keyword(s) {refused}" if refused else "two caches at once")
+                + (f"the keyword(s) {refused}" if refused else f"two caches at once ({' and '.join(caches)} are "
+                   "different objects; a model whose forward takes past_key_values, as before transformers 5.24, "
+                   "makes its own cache and passes an unknown cache= argument down beside it)")
                 + "; it takes hidden_states, attention_mask, one key/value cache and output_attentions"
             )
+        kv_cache = None
+        if caches:
+            kv_cache, static = self._cache_update(*caches.values())
+            if static is not None and attention_mask is None:
+                attention_mask = _static_causal_mask(static, hidden_states.shape[1], hidden_states.device)
         output, weights = super().forward(
             hidden_states,
             attention_mask=attention_mask,
             is_causal=self.is_causal and attention_mask is None,
             need_weights=need_weights,
-            kv_cache=self._cache_update(caches[0]) if caches else None,
+            kv_cache=kv_cache,
         )
         if self.output_dropout is not None:
             output = self.output_dropout(output)
@@ -78,7 +112,15 @@ class ConvertedSelfAttention(nn.Module):
         return output, weights
 
     def _cache_update(self, cache):
-        """The ``kv_cache`` hook of the attention module: append this call's keys and values to ``cache``."""
+        """The ``kv_cache`` hook of the attention module (append this call's keys and values to ``cache``), and the
+        cache's ``StaticLayer`` for this layer when the cache is static (else None).
+
+        A dynamic layer grows with the keys it is given. A static layer (``StaticCache``, ``generate(...,
+        cache_implementation="static")``) preallocates ``max_cache_len`` positions; transformers would shape its
+        values like its keys (one head count for both), so this layer allocates them on first use with their own
+        shapes (``_allocate_static``): collaborative heads keep one packed shared key per position and per-head
+        values, narrow concatenated heads keys narrower than their values. Sliding-window, quantized and other
+        layer kinds are refused."""
         if isinstance(cache, EncoderDecoderCache):
             cache = cache.self_attention_cache
         if self.layer_idx is None:
@@ -88,14 +130,40 @@ class ConvertedSelfAttention(nn.Module):
         dynamic = isinstance(cache, DynamicCache) and (
             type(layer) is DynamicLayer if layer is not None else cache.layer_class_to_replicate is DynamicLayer
         )
-        if not dynamic:
-            raise NotImplementedError(
-                f"a {type(cache).__name__} ({type(layer).__name__ if layer is not None else 'no layer'}) cannot hold "
-                "collaborative keys: static, sliding-window, quantized and offloaded-static caches preallocate "
-                "heads x head_dim per token. Use the default DynamicCache (generate(..., cache_implementation="
-                "'dynamic') or no cache_implementation)"
-            )
-        return lambda keys, values: cache.update(keys, values, self.layer_idx)
+        if dynamic:
+            return (lambda keys, values: cache.update(keys, values, self.layer_idx)), None
+        if type(layer) is StaticLayer:
+            def update(keys, values):
+                if not layer.is_initialized:
+                    _allocate_static(layer, keys, values)
+                return cache.update(keys, values, self.layer_idx)
+
+            return update, layer
+        raise NotImplementedError(
+            f"a {type(cache).__name__} ({type(layer).__name__ if layer is not None else 'no layer'}) cannot hold "
+            "collaborative keys: sliding-window, quantized and offloaded caches keep heads x head_dim per token. Use "
+            "a DynamicCache (the default) or a full static cache (generate(..., cache_implementation='static'))"
+        )
+
+
+def _allocate_static(layer: StaticLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Let transformers initialize ``layer`` for ``keys`` (its dtype, device and bookkeeping, which differ between
+    releases), then give the values their own buffer, (batch, heads, max_cache_len, head_dim): transformers takes
+    the values' head count from the keys, which a shared key (one per position) does not have."""
+    layer.lazy_initialization(keys, values)
+    layer.values = values.new_zeros(values.shape[0], values.shape[1], layer.max_cache_len, values.shape[-1])
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(layer.values)  # a fixed address: compiled steps and CUDA graphs keep it
+
+
+def _static_causal_mask(layer: StaticLayer, new_tokens: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, new, max_cache_len) booleans for ``new_tokens`` queries written after the ``cumulative_length``
+    positions a static layer holds: query i sees the keys up to its own position, never the unwritten ones. Used
+    when the model passes no mask (transformers skips it where sdpa's ``is_causal`` would do)."""
+    filled = layer.cumulative_length.to(device).reshape(()) if layer.is_initialized else 0
+    positions = torch.arange(layer.max_cache_len, device=device)
+    last_seen = filled + torch.arange(new_tokens, device=device)
+    return (positions[None, :] <= last_seen[:, None])[None, None]
 
 
 class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention):

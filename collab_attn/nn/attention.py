@@ -60,7 +60,8 @@ def additive_mask(
             raise ValueError(
                 f"attention_mask must be 2-D (batch, src), 3-D or 4-D, got shape {tuple(attention_mask.shape)}"
             )
-        if keep.device.type == "cpu" and keep.shape[2] > 1 and torch.equal(keep, keep[:, :, :1].expand_as(keep)):
+        if (keep.device.type == "cpu" and keep.shape[2] > 1 and not torch.compiler.is_compiling()
+                and torch.equal(keep, keep[:, :, :1].expand_as(keep))):
             keep = keep[:, :, :1]
         if keep.dtype == torch.bool:
             mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, blocked)
@@ -478,7 +479,10 @@ def _plus(mask: torch.Tensor | None, content: torch.Tensor | None) -> torch.Tens
 
 def _blocks_pay(queries, keys, values, heads: int) -> bool:
     """Whether ``_in_cpu_blocks`` runs: on the CPU, with no gradient to keep (the backward of the pieces costs more
-    than they save), on more logits than one block."""
+    than they save), on more logits than one block, and not under ``torch.compile`` (its loops and the keys each
+    block sees depend on the data; the compiler fuses the one-piece path instead)."""
+    if torch.compiler.is_compiling():
+        return False
     needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
     logits = queries.shape[0] * heads * queries.shape[1] * keys.shape[1]
     return keys.device.type == "cpu" and not needs_grad and logits > CPU_LOGITS_BLOCK

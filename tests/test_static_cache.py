@@ -1,0 +1,113 @@
+"""Static caches for converted decoders: preallocated shared keys (collaborative heads), narrow keys (SVD-truncated
+heads) and fewer heads (pruning), as transformers' generation tests use them: static = dynamic for every family and
+method, a passed-in ``StaticCache`` equals recomputation, the buffers hold the bytes the accounting says, and a
+compiled decoding step (``torch.compile(fullgraph=True)``, inductor on the CPU) equals eager without recompiling as
+the sequence grows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import with_cache
+from test_common_model import DECODERS, FULL, HALF, HEAD_DIM, HEADS, METHODS, original_and_converted, token_ids
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, StaticCache
+from transformers.cache_utils import StaticSlidingWindowLayer
+
+from collab_attn.analysis.accounting import cache_bytes_per_token
+from collab_attn.models.layers import ConvertedSelfAttention
+
+D = HEADS * HEAD_DIM
+STATIC_CASES = [(family, method, HALF) for family in DECODERS for method in METHODS]
+STATIC_CASES += [(family, "cp", FULL) for family in DECODERS]
+
+
+def generated(model, ids, new_tokens: int = 6, **settings):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0, return_dict_in_generate=True, output_logits=True, **settings)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family, method, rank", STATIC_CASES)
+def test_static_cache_generates_what_the_dynamic_cache_does(family, method, rank, attention):
+    _, model = original_and_converted(family, method, rank)
+    model.set_attn_implementation(attention)
+    try:
+        ids = token_ids(length=5)
+        dynamic = generated(model, ids)
+        static = generated(model, ids, cache_implementation="static")
+    finally:
+        model.set_attn_implementation("eager")
+    assert torch.equal(static.sequences, dynamic.sequences)
+    for a, b in zip(static.logits, dynamic.logits):
+        assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family", DECODERS)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_a_static_cache_passed_in_equals_recomputation(family, method, with_mask):
+    """The prompt in two pieces, then one token at a time, into a StaticCache longer than the text: the unwritten
+    positions never count (with the model's mask, or the layers' own causal mask over the filled part)."""
+    _, model = original_and_converted(family, method, HALF)
+    ids = token_ids(length=9)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    pieces = [(0, 4)] + [(i, i + 1) for i in range(4, 9)]
+    logits = []
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        for start, end in pieces:
+            mask = {"attention_mask": torch.ones(2, end, dtype=torch.long)} if with_mask else {}
+            logits.append(model(ids[:, start:end], use_cache=True, **mask, **with_cache(model, cache)).logits)
+    assert cache.get_seq_length() == 9
+    assert (torch.cat(logits, dim=1) - full).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_static_buffers_hold_the_bytes_the_accounting_counts(method):
+    _, model = original_and_converted("gpt2", method, HALF)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        model(token_ids(length=5), use_cache=True, **with_cache(model, cache))
+    layers = [m for m in model.modules() if isinstance(m, ConvertedSelfAttention)]
+    for layer, cached in zip(layers, cache.layers):
+        per_token = sum(t[0, :, 0].numel() * t.element_size() for t in (cached.keys, cached.values))
+        if method in ("cp", "tucker"):
+            expected = cache_bytes_per_token(D, HEADS, HALF, dtype_bytes=4)["total"]
+        elif method == "svd":  # each head's key narrowed to HALF / HEADS plus its content logit, full values
+            expected = (HEADS * (HALF // HEADS + 1) + D) * 4
+        else:  # pruned: the kept heads' keys and values
+            expected = cache_bytes_per_token(layer.num_heads * HEAD_DIM, layer.num_heads, dtype_bytes=4)["total"]
+        assert per_token == expected
+        assert cached.keys.shape[2] == cached.values.shape[2] == 16 and cached.values.shape[1] == layer.num_heads
+
+
+@pytest.mark.parametrize("method", ["cp", "svd", "prune"])  # one per cache layout: shared key, narrow keys, fewer heads
+def test_compiled_static_decoding_equals_eager_and_does_not_recompile(method):
+    _, model = original_and_converted("gpt2", method, HALF)
+    model.set_attn_implementation("sdpa")
+    ids = token_ids(length=5)
+    settings = {"cache_implementation": "static", "new_tokens": 9}
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        eager = generated(model, ids, disable_compile=True, **settings)
+        with torch._dynamo.config.patch(error_on_recompile=True):  # 8 decoding steps, one graph
+            compiled = generated(model, ids, compile_config=compile_config, **settings)
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        model.set_attn_implementation("eager")
+        torch._dynamo.reset()
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for a, b in zip(compiled.logits, eager.logits):
+        assert (a - b).abs().max() < 1e-4
+
+
+def test_sliding_window_layers_are_refused():
+    _, model = original_and_converted("gpt2", "cp", HALF)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    cache.layers[0] = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=4)
+    with pytest.raises(NotImplementedError, match="cannot hold collaborative keys.*full static cache"):
+        model(token_ids(length=3), use_cache=True, **with_cache(model, cache))
