@@ -1,19 +1,27 @@
 """Decoding cost of a GPT-2-small-sized model against its collaborative versions: time per generated token and
-key/value cache memory at long contexts, measured side by side in one process.
+key/value cache memory at long contexts, in batches, with dynamic and static (compiled) caches, measured side by
+side in one process.
 
-    python benchmarks/decode.py                                   # CPU, float32, contexts 512 to 8192
-    python benchmarks/decode.py --contexts 512 2048 --repeats 5
-    python benchmarks/decode.py --device cuda --dtype bfloat16 --batch 8
+    python benchmarks/decode.py                                   # CPU, float32, batch 1, contexts 512 to 8192
+    python benchmarks/decode.py --contexts 1024 4096 8192 --batches 1 8 --caches dynamic static
+    python benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --caches dynamic static
 
 Models: a randomly initialized GPT-2 small (12 layers, d_model 768, 12 heads of 64, 50,257-token vocabulary,
 positions up to the longest context) and the same architecture with collaborative attention at D~ = d/2, d/4, d/8
 (384, 192, 96), built from the library's ``CollabGPT2LMHeadModel`` config. Decoding time does not depend on the
 weights' values, so no decomposition is run and the cache is filled with random keys and values of the right shapes
 (as ``model.generate`` would leave it after a prompt of ``context`` tokens) instead of running a prefill. Each
-measurement is one forward pass of ``--batch`` new tokens against that cache (``use_cache``), the cache cropped back
-to ``context`` after each step; the models take turns step by step, so machine noise falls on all of them alike. The
-table gives the median over ``--repeats`` steps after ``--warmup`` and the cache bytes (``DynamicCache`` tensors,
-all layers). Results: ``experiments/benchmarks/decode_<device>_<dtype>.{md,json}``.
+measurement is one forward pass of one new token per sequence against that cache, the cache set back to ``context``
+positions after each step; the models take turns step by step, so machine noise falls on all of them alike.
+
+Caches (``--caches``): ``dynamic`` is the default ``DynamicCache`` in eager mode; ``static`` is a ``StaticCache`` of
+``context + 1`` positions with ``torch.compile(model.forward, fullgraph=True)`` (``mode="reduce-overhead"``, CUDA
+graphs, on a GPU), the way transformers decodes with a static cache. Every (batch, context) pair gets its own caches,
+freed before the next. The table gives the median step over ``--repeats`` steps after ``--warmup``, milliseconds per
+token (the step divided by the batch), tokens per second, the cache bytes (the cache's own tensors, all layers), on
+a GPU the peak memory of the step, and the largest batch whose cache and weights fit ``--memory-gib`` at that
+context (from the measured bytes per sequence). Results: ``experiments/benchmarks/decode_<device>_<dtype>.{md,json}``
+(``--out`` to choose).
 
 ``--prefill`` times the prompt pass instead: ``context`` tokens through an empty cache with the causal mask, logits
 for the last position only (``logits_to_keep=1``, as ``generate`` asks), the models again taking turns. Results:
@@ -33,7 +41,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -55,40 +63,61 @@ def build(rank: int | None, positions: int, device: str, dtype: torch.dtype) -> 
     return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
-def filled_cache(model, batch: int, context: int) -> DynamicCache:
-    """A cache holding ``context`` positions in the layout the model's attention layers write."""
-    cache = DynamicCache()
+def filled_cache(model, kind: str, batch: int, context: int):
+    """A cache of ``kind`` (dynamic or static) holding ``context`` random positions in the layout the model's
+    attention layers write; a static cache has room for one more (the step's token)."""
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=model.device)
-    with torch.inference_mode():
-        model(ids, cache=cache, use_cache=True)  # one real step gives each layer's key and value shapes
-    for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        layer.keys = torch.randn(*keys.shape[:2], context, keys.shape[-1], device=keys.device, dtype=keys.dtype)
-        layer.values = torch.randn(*values.shape[:2], context, values.shape[-1], device=keys.device,
-                                   dtype=values.dtype)
+    cache = DynamicCache() if kind == "dynamic" else StaticCache(config=model.config, max_cache_len=context + 1)
+    with torch.inference_mode():  # the buffers are inference tensors: fill them in that mode too
+        model(ids, cache=cache, use_cache=True)  # one real step gives each layer its key and value shapes
+        _fill(cache, kind, context)
     return cache
 
 
-def cache_bytes(cache: DynamicCache) -> int:
+def _fill(cache, kind: str, context: int) -> None:
+    for layer in cache.layers:
+        if kind == "dynamic":
+            keys, values = layer.keys, layer.values
+            layer.keys = torch.randn(*keys.shape[:2], context, keys.shape[-1], device=keys.device, dtype=keys.dtype)
+            layer.values = torch.randn(*values.shape[:2], context, values.shape[-1], device=keys.device,
+                                       dtype=values.dtype)
+        else:  # in place: the buffers keep the addresses a compiled step reads
+            layer.keys.normal_()
+            layer.values.normal_()
+            layer.cumulative_length.fill_(context)
+
+
+def rewind(cache, context: int) -> None:
+    """Drop the step's token: every step sees ``context`` cached positions."""
+    with torch.inference_mode():
+        if isinstance(cache, StaticCache):
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(context)
+        else:
+            cache.crop(-1)
+
+
+def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
-def timed(model, **inputs) -> float:
-    """Seconds for one forward pass of ``model`` on ``inputs`` (the GPU synchronized on both sides)."""
+def timed(model, forward=None, **inputs) -> float:
+    """Seconds for one forward pass of ``model`` (or of ``forward``, its compiled form) on ``inputs`` (the GPU
+    synchronized on both sides)."""
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.inference_mode():
-        model(**inputs)
+        (forward or model)(**inputs)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def decode_step(model, cache: DynamicCache, ids: torch.Tensor, mask: torch.Tensor) -> float:
-    """Seconds for one new token per sequence against ``cache``, which is cropped back afterwards."""
-    seconds = timed(model, input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-    cache.crop(-1)  # drop the step's token: every step sees `context` cached positions
+def decode_step(model, forward, cache, ids: torch.Tensor, mask: torch.Tensor, context: int) -> float:
+    """Seconds for one new token per sequence against ``cache``, which is set back to ``context`` afterwards."""
+    seconds = timed(model, forward, input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    rewind(cache, context)
     return seconds
 
 
@@ -115,63 +144,104 @@ def run(args) -> list[dict]:
     positions = max(args.contexts) + 8
     variants = {"original": None} | {f"collab D~={rank}": rank for rank in args.ranks}
     models = {name: build(rank, positions, args.device, dtype) for name, rank in variants.items()}
-    one_context = prefill_rows if args.prefill else decode_rows
-    return [row for context in args.contexts for row in one_context(models, variants, args, context)]
+    if args.prefill:
+        return [row for batch in args.batches for context in args.contexts
+                for row in prefill_rows(models, variants, args, batch, context)]
+    return [row for batch in args.batches for context in args.contexts for kind in args.caches
+            for row in decode_rows(models, variants, args, kind, batch, context)]
 
 
-def prefill_rows(models: dict, variants: dict, args, context: int) -> list[dict]:
-    ids = torch.randint(0, 50257, (args.batch, context), device=args.device)
+def prefill_rows(models: dict, variants: dict, args, batch: int, context: int) -> list[dict]:
+    ids = torch.randint(0, 50257, (batch, context), device=args.device)
     times = median_seconds(models, args, lambda name, model: prefill(model, ids))
     rows = []
     for name in models:
-        row = {"context": context, "model": name, "rank": variants[name], "prefill_ms": 1e3 * times[name]}
+        row = {"batch": batch, "context": context, "model": name, "rank": variants[name],
+               "prefill_ms": 1e3 * times[name]}
         base = rows[0] if rows else row  # the first model is the original
         row["time_vs_original"] = row["prefill_ms"] / base["prefill_ms"]
         rows.append(row)
-        print(f"context {context:5d}  {name:16s} {row['prefill_ms']:9.1f} ms prefill "
+        print(f"batch {batch:3d} context {context:5d}  {name:16s} {row['prefill_ms']:9.1f} ms prefill "
               f"({row['time_vs_original']:.2f}x)", flush=True)
     return rows
 
 
-def decode_rows(models: dict, variants: dict, args, context: int) -> list[dict]:
-    caches = {name: filled_cache(model, args.batch, context) for name, model in models.items()}
-    ids = torch.randint(0, 50257, (args.batch, 1), device=args.device)
-    mask = torch.ones(args.batch, context + 1, dtype=torch.long, device=args.device)
-    times = median_seconds(models, args, lambda name, model: decode_step(model, caches[name], ids, mask))
+def compiled(model):
+    """``model.forward`` compiled for a static cache: one graph for the whole decoding step (CUDA graphs on a
+    GPU); each (batch, context) pair compiles afresh (``torch._dynamo.reset`` between them)."""
+    mode = "reduce-overhead" if model.device.type == "cuda" else None
+    return torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, context: int) -> list[dict]:
+    torch._dynamo.reset()
+    caches = {name: filled_cache(model, kind, batch, context) for name, model in models.items()}
+    forwards = {name: compiled(model) if kind == "static" else None for name, model in models.items()}
+    ids = torch.randint(0, 50257, (batch, 1), device=args.device)
+    mask = torch.ones(batch, context + 1, dtype=torch.long, device=args.device)
+    step_extra = {}  # bytes a step allocates beyond the weights and caches (GPU only: the CPU has no counter)
+    for name, model in models.items():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        decode_step(model, forwards[name], caches[name], ids, mask, context)  # compiles a static step
+        if args.device == "cuda":
+            step_extra[name] = torch.cuda.max_memory_allocated() - before
+    times = median_seconds(models, args, lambda name, model: decode_step(model, forwards[name], caches[name], ids,
+                                                                         mask, context))
+    budget = args.memory_gib * 2**30
     rows = []
-    for name in models:
-        row = {"context": context, "model": name, "rank": variants[name],
-               "ms_per_token": 1e3 * times[name], "cache_mib": cache_bytes(caches[name]) / 2**20}
+    for name, model in models.items():
+        step = times[name]
+        per_sequence = (cache_bytes(caches[name]) + step_extra.get(name, 0)) / batch
+        row = {"batch": batch, "context": context, "cache": kind, "model": name, "rank": variants[name],
+               "ms_per_step": 1e3 * step, "ms_per_token": 1e3 * step / batch, "tokens_per_s": batch / step,
+               "cache_mib": cache_bytes(caches[name]) / 2**20,
+               "max_batch": int((budget - weight_bytes(model)) // per_sequence)}
+        if name in step_extra:
+            row["step_extra_mib"] = step_extra[name] / 2**20
         base = rows[0] if rows else row  # the first model is the original
-        row["time_vs_original"] = row["ms_per_token"] / base["ms_per_token"]
+        row["time_vs_original"] = row["ms_per_step"] / base["ms_per_step"]
         row["cache_vs_original"] = row["cache_mib"] / base["cache_mib"]
         rows.append(row)
-        print(f"context {context:5d}  {name:16s} {row['ms_per_token']:8.2f} ms/token "
-              f"({row['time_vs_original']:.2f}x)  cache {row['cache_mib']:8.1f} MiB "
-              f"({row['cache_vs_original']:.2f}x)", flush=True)
-    return rows  # the caches go when this returns, before the next context's are filled
+        print(f"batch {batch:3d} context {context:5d} {kind:7s} {name:16s} {row['ms_per_token']:8.3f} ms/token "
+              f"({row['time_vs_original']:.2f}x)  cache {row['cache_mib']:8.1f} MiB ({row['cache_vs_original']:.2f}x)"
+              f"  max batch {row['max_batch']}", flush=True)
+    return rows  # the caches go when this returns, before the next ones are filled
 
 
 def markdown(rows: list[dict], args, environment: dict) -> str:
     if args.prefill:
         return prefill_markdown(rows, args, environment)
+    extra = args.device == "cuda"
     lines = [
         f"# Decoding: GPT-2 small (random weights) against collaborative attention, {args.device}, {args.dtype}",
         "",
-        f"Batch {args.batch}, one new token per step against a cache of `context` positions; median of "
-        f"{args.repeats} steps after {args.warmup} warm-up steps. {environment['device_name']}, torch "
-        f"{environment['torch']}, transformers {environment['transformers']}, {environment['threads']} threads.",
+        f"One new token per sequence per step against a cache of `context` positions; median of {args.repeats} "
+        f"steps after {args.warmup} warm-up steps. `dynamic`: DynamicCache, eager; `static`: StaticCache and "
+        f"`torch.compile(fullgraph=True)`{' with CUDA graphs' if extra else ''}. Time ratios compare models with the "
+        f"same batch, context and cache. Max batch: the largest batch whose weights and cache"
+        f"{' (and the step' + chr(39) + 's own memory)' if extra else ''} fit {args.memory_gib:g} GiB at that "
+        f"context, from the measured bytes. {environment['device_name']}, torch {environment['torch']}, "
+        f"transformers {environment['transformers']}, {environment['threads']} threads.",
         "",
         "```bash",
         f"python benchmarks/decode.py {' '.join(sys.argv[1:])}".rstrip(),
         "```",
         "",
-        "| context | model | ms / token | vs original | cache MiB | vs original |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| batch | context | cache | model | ms / step | ms / token | tokens / s | vs original | cache MiB | "
+        f"vs original | max batch |{' step extra MiB |' if extra else ''}",
+        f"|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|{'---:|' if extra else ''}",
     ]
     lines += [
-        f"| {r['context']} | {r['model']} | {r['ms_per_token']:.2f} | {r['time_vs_original']:.2f}x | "
-        f"{r['cache_mib']:.1f} | {r['cache_vs_original']:.2f}x |"
+        f"| {r['batch']} | {r['context']} | {r['cache']} | {r['model']} | {r['ms_per_step']:.2f} | "
+        f"{r['ms_per_token']:.3f} | {r['tokens_per_s']:.1f} | {r['time_vs_original']:.2f}x | {r['cache_mib']:.1f} | "
+        f"{r['cache_vs_original']:.2f}x | {r['max_batch']} |" + (f" {r['step_extra_mib']:.0f} |" if extra else "")
         for r in rows
     ]
     return "\n".join(lines) + "\n"
@@ -181,7 +251,7 @@ def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
     lines = [
         f"# Prefill: GPT-2 small (random weights) against collaborative attention, {args.device}, {args.dtype}",
         "",
-        f"Batch {args.batch}, a prompt of `context` tokens into an empty cache (causal mask, logits of the last "
+        "A prompt of `context` tokens per sequence into an empty cache (causal mask, logits of the last "
         f"position); median of {args.repeats} passes after {args.warmup} warm-up passes. "
         f"{environment['device_name']}, torch {environment['torch']}, transformers {environment['transformers']}, "
         f"{environment['threads']} threads.",
@@ -190,10 +260,10 @@ def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
         f"python benchmarks/decode.py {' '.join(sys.argv[1:])}".rstrip(),
         "```",
         "",
-        "| context | model | prefill ms | vs original |",
-        "|---:|---|---:|---:|",
+        "| batch | context | model | prefill ms | vs original |",
+        "|---:|---:|---|---:|---:|",
     ]
-    lines += [f"| {r['context']} | {r['model']} | {r['prefill_ms']:.1f} | {r['time_vs_original']:.2f}x |"
+    lines += [f"| {r['batch']} | {r['context']} | {r['model']} | {r['prefill_ms']:.1f} | {r['time_vs_original']:.2f}x |"
               for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -202,7 +272,11 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--ranks", type=int, nargs="+", default=[D_MODEL // 2, D_MODEL // 4, D_MODEL // 8])
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batches", "--batch", type=int, nargs="+", default=[1], help="sequences per step")
+    parser.add_argument("--caches", nargs="+", choices=("dynamic", "static"), default=["dynamic"],
+                        help="dynamic: DynamicCache, eager; static: StaticCache and torch.compile(fullgraph=True)")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="memory budget for the max-batch column (default: 80 on cuda, 24 on the CPU)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
@@ -211,6 +285,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prefill", action="store_true", help="time the prompt pass instead of decoding steps")
     parser.add_argument("--out", type=Path, default=None, help="output path without suffix")
     args = parser.parse_args(argv)
+    if args.memory_gib is None:
+        args.memory_gib = 80.0 if args.device == "cuda" else 24.0
+    if min(args.batches + args.contexts + args.ranks) <= 0 or args.repeats <= 0:
+        parser.error("--batches, --contexts, --ranks and --repeats must be positive")
     if args.threads:
         torch.set_num_threads(args.threads)
     environment = {
