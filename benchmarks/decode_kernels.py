@@ -1,0 +1,160 @@
+"""One decoding step of one collaborative attention layer, written four ways, against the original's fused kernel:
+what the compiler, and ``torch.nn.attention.flex_attention``, give for collaborative heads.
+
+    python benchmarks/decode_kernels.py                             # CPU, float32, batch 8, context 8192, D~ = 192
+    python benchmarks/decode_kernels.py --device cuda --dtype bfloat16 --batch 32
+
+The step: one new query per sequence, 12 heads of 64 (GPT-2 small's layer), a cache of ``--context`` positions.
+- ``original sdpa``: concatenated heads, ``scaled_dot_product_attention`` on per-head keys and values (what GPT-2's
+  attention runs).
+- ``collab explicit``: the library's path (``CollaborativeAttention._explicit``): the heads' mixed queries against
+  the one shared key in a single ``bmm``, the content logits added, softmax, the per-head values.
+- ``collab compiled``: the same function under ``torch.compile(fullgraph=True)`` (the compiler may fuse the
+  softmax and the weighted sum).
+- ``collab sdpa``: the shared key expanded (a view) to every head and ``scaled_dot_product_attention`` with the
+  content logits as its additive mask (query/key width D~, value width 64: the unfused kernel where they differ).
+- ``collab flex``: ``flex_attention`` (compiled, as it must be) with the shared key expanded to every head and the
+  content logit added by a ``score_mod``; it takes query/key and value widths that differ.
+All five read the same cache; the script checks that the collaborative variants agree (max |difference|) and prints
+the median time per step over ``--repeats`` after ``--warmup``, taking turns. Results:
+``experiments/benchmarks/decode_kernels_<device>_<dtype>.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS, HEAD_DIM = 12, 64
+
+
+def collab_explicit(queries, keys, values, content):
+    """queries (B, H, 1, D~) already mixed and scaled, keys (B, S, D~), values (B, H, S, 64), content (B, H, 1, S)."""
+    batch, heads, tgt, rank = queries.shape
+    logits = torch.bmm(queries.reshape(batch, heads * tgt, rank), keys.transpose(1, 2)).view(batch, heads, tgt, -1)
+    return torch.matmul((logits + content).softmax(dim=-1), values)
+
+
+def collab_sdpa(queries, keys, values, content):
+    expanded = keys[:, None].expand(-1, queries.shape[1], -1, -1)
+    return F.scaled_dot_product_attention(queries, expanded, values, attn_mask=content, scale=1.0)
+
+
+def make_flex():
+    compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+
+    def collab_flex(queries, keys, values, content):
+        per_key = content[:, :, 0]  # (B, H, S): head h's content logit of each key
+
+        def add_content(score, b, h, q_idx, kv_idx):
+            return score + per_key[b, h, kv_idx]
+
+        expanded = keys[:, None].expand(-1, queries.shape[1], -1, -1)
+        return compiled(queries, expanded, values, score_mod=add_content, scale=1.0)
+
+    return collab_flex
+
+
+def original_sdpa(queries, keys, values):
+    return F.scaled_dot_product_attention(queries, keys, values)
+
+
+def timed(fn, *inputs) -> float:
+    if inputs[0].device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        fn(*inputs)
+    if inputs[0].device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--rank", type=int, default=192, help="the shared key width D~")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if min(args.batch, args.context, args.rank, args.repeats) <= 0:
+        parser.error("--batch, --context, --rank and --repeats must be positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype, device = getattr(torch, args.dtype), args.device
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    b, s, r = args.batch, args.context, args.rank
+    collab_inputs = (randn(b, HEADS, 1, r) / r**0.5, randn(b, s, r), randn(b, HEADS, s, HEAD_DIM),
+                     randn(b, HEADS, 1, s))
+    original_inputs = (randn(b, HEADS, 1, HEAD_DIM), randn(b, HEADS, s, HEAD_DIM), randn(b, HEADS, s, HEAD_DIM))
+    variants = {
+        "original sdpa": (original_sdpa, original_inputs),
+        "collab explicit": (collab_explicit, collab_inputs),
+        "collab compiled": (torch.compile(collab_explicit, fullgraph=True, dynamic=False), collab_inputs),
+        "collab sdpa": (collab_sdpa, collab_inputs),
+        "collab flex": (make_flex(), collab_inputs),
+    }
+    with torch.inference_mode():
+        reference = collab_explicit(*collab_inputs).float()
+        differences = {name: float((fn(*inputs).float() - reference).abs().max())
+                       for name, (fn, inputs) in variants.items() if name.startswith("collab")}
+    times = {name: [] for name in variants}
+    for step in range(args.warmup + args.repeats):
+        for name, (fn, inputs) in variants.items():
+            seconds = timed(fn, *inputs)
+            if step >= args.warmup:
+                times[name].append(seconds)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    base = medians["original sdpa"]
+    rows = [{"variant": name, "ms": 1e3 * t, "vs_original": t / base, "max_abs_difference": differences.get(name)}
+            for name, t in medians.items()]
+    for row in rows:
+        print(f"{row['variant']:16s} {row['ms']:9.3f} ms  {row['vs_original']:.2f}x", flush=True)
+    environment = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU",
+                   "torch": torch.__version__, "threads": torch.get_num_threads()}
+    out = args.out or ROOT / "experiments" / "benchmarks" / f"decode_kernels_{device}_{args.dtype}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "environment": environment, "rows": rows}
+    lines = [
+        f"# One collaborative decoding step, five ways ({device}, {args.dtype})",
+        "",
+        f"Batch {b}, context {s}, 12 heads of 64, D~ = {r}; median of {args.repeats} steps after {args.warmup}. "
+        f"{environment['device']}, torch {environment['torch']}, {environment['threads']} threads.",
+        "",
+        "```bash",
+        f"python benchmarks/decode_kernels.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
+        "```",
+        "",
+        "| variant | ms / step | vs original sdpa | max abs difference to explicit |",
+        "|---|---:|---:|---:|",
+    ] + [f"| {row['variant']} | {row['ms']:.3f} | {row['vs_original']:.2f}x | "
+         f"{'' if row['max_abs_difference'] is None else format(row['max_abs_difference'], '.1e')} |" for row in rows]
+    for suffix, text in ((".json", json.dumps(result, indent=2)), (".md", "\n".join(lines) + "\n")):
+        tmp = out.with_name(out.name + ".tmp" + suffix)
+        tmp.write_text(text)
+        tmp.rename(out.with_suffix(suffix))
+    print(f"wrote {out}.md and .json")
+    return result
+
+
+if __name__ == "__main__":
+    main()

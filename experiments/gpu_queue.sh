@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Every pending GPU job of the project, in priority order, within one command of at most GPU_QUEUE_DEADLINE seconds
+# (default 540: a lent GPU runs one command for at most 10 minutes). Run it first whenever a GPU is lent, from the
+# repository root:
+#
+#   OUT=/some/empty/folder bash experiments/gpu_queue.sh            # on the GPU machine; then, here:
+#   cp -r "$OUT"/experiments/. experiments/                          # and commit what came back
+#   bash experiments/gpu_queue.sh --list                             # what it would run, in order
+#   GPU_QUEUE_DRY_RUN=1 OUT=/tmp/q bash experiments/gpu_queue.sh     # every job for one step on the CPU (CI runs it)
+#
+# The queue, highest priority first (each job resumable: it skips what is already done, in the tree or in $OUT):
+#   1. decode: benchmarks/decode.py in bfloat16, batches 1 8 32 64, contexts 1024 4096 8192, dynamic and static
+#      (compiled, CUDA graphs) caches, original and D~ = d/2, d/4, d/8 (issue 45); then benchmarks/decode_kernels.py
+#      (one layer's step: sdpa, explicit, compiled, flex_attention) at batch 1 and 32; each skipped once its .json
+#      exists.
+#   2. glue: the distilled race's GPU grid on MiniLM (refit=distill; CoLA, MRPC, STS-B, RTE; seeds 0, 1, 2):
+#      activation-aware CP and pruning at 96 and 192, SVD-truncated heads at 192, 120, 96. The GLUE pipeline skips
+#      finished jobs (their results.jsonl is committed) and fine-tunes each task's baseline once.
+#   3. lm: the Tiny Shakespeare gpu recipe (nanoGPT's 6x6x384) with collaborative heads at d/2, d/4, d/8, seed 0
+#      (the concatenated baseline is committed); train_lm.py skips finished runs.
+# Every job runs under `timeout` against the one deadline, so the script always ends in time and keeps what finished.
+# Results are written in the tree (experiments/...) and every file a job made or changed is copied to
+# $OUT/experiments/... at the end, so the copy-back above puts them where they belong. Logs: $OUT/queue_logs.
+#
+# Settings (environment): PYTHON (python), GPU_QUEUE_DEADLINE (540), GPU_QUEUE_JOBS (which jobs, in order:
+# "decode glue lm"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT only).
+set -u
+JOBS=${GPU_QUEUE_JOBS:-decode glue lm}
+if [ "${1:-}" = "--list" ]; then
+  for job in $JOBS; do
+    case $job in
+      decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic static; benchmarks/decode_kernels.py --batch 1, 32";;
+      glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
+      lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
+      *) echo "unknown job $job" >&2; exit 2;;
+    esac
+  done
+  exit 0
+fi
+: "${OUT:?set OUT to the folder that receives the results}"
+PYTHON=${PYTHON:-python}
+DEADLINE=${GPU_QUEUE_DEADLINE:-540}
+DRY=${GPU_QUEUE_DRY_RUN:-0}
+START=$(date +%s)
+LOGS="$OUT/queue_logs"
+mkdir -p "$LOGS"
+STAMP="$LOGS/.start"
+touch "$STAMP"
+export HF_HUB_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+
+# Seconds left before the deadline, less a margin for the copy at the end; never below 1 (`timeout 0`: no limit).
+left() { local s=$(( DEADLINE - ($(date +%s) - START) - ${1:-20} )); echo $(( s > 0 ? s : 1 )); }
+# Where results go: the tree on a GPU (committed layout, resumable), $OUT in a dry run (the tree stays clean).
+ROOT=experiments
+[ "$DRY" = 1 ] && ROOT="$OUT/dry_run"
+GLUE_DIR=${GLUE_DIR:-../shared/data/glue}
+LM_DATA=${LM_DATA:-../shared/data/tinyshakespeare/input.txt}
+
+run_job() {  # name command...: one job under the deadline, its output in the log; never stops the queue
+  local name=$1; shift
+  if [ "$(left)" -le 1 ]; then echo "$name: skipped, no time left"; return; fi
+  timeout "$(left)" "$@" > "$LOGS/$name.log" 2>&1
+  echo "$name: exit $? after $(( $(date +%s) - START )) s"
+}
+
+decode() {
+  local out="$ROOT/benchmarks/decode_cuda_bfloat16_batches"
+  if [ "$DRY" = 1 ]; then
+    run_job decode "$PYTHON" benchmarks/decode.py --threads 1 --ranks 96 --contexts 16 --batches 1 --caches dynamic \
+      static --repeats 1 --warmup 0 --out "$out"
+  elif [ -f "$out.json" ]; then
+    echo "decode: done before ($out.json)"
+  else
+    run_job decode "$PYTHON" benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 \
+      --contexts 1024 4096 8192 --caches dynamic static --repeats 20 --warmup 3 --out "$out"
+  fi
+  for batch in 1 32; do  # one layer's step five ways (sdpa, explicit, compiled, flex), at 8k context
+    local kernels="$ROOT/benchmarks/decode_kernels_cuda_bfloat16_batch$batch"
+    if [ "$DRY" = 1 ]; then
+      [ "$batch" = 1 ] && run_job decode-kernels "$PYTHON" benchmarks/decode_kernels.py --batch 1 --context 64 \
+        --rank 48 --repeats 1 --warmup 0 --threads 1 --out "$kernels"
+    elif [ ! -f "$kernels.json" ]; then
+      run_job "decode-kernels-b$batch" "$PYTHON" benchmarks/decode_kernels.py --device cuda --dtype bfloat16 \
+        --batch $batch --context 8192 --repeats 50 --warmup 5 --out "$kernels"
+    fi
+  done
+}
+
+glue() {
+  if [ ! -d "$GLUE_DIR" ]; then echo "glue: skipped, no GLUE data at $GLUE_DIR"; return; fi
+  local common=(+experiment=minilm_glue "data.glue_dir=$GLUE_DIR" refit=distill logger=none "output_root=$ROOT/minilm_glue")
+  if [ "$DRY" = 1 ]; then
+    run_job glue "$PYTHON" scripts/train_glue.py "${common[@]}" task=rte seed=0 collab.calibration=task collab.rank=96 \
+      trainer=smoke refit.max_steps=1 data.max_train_samples=16 data.max_eval_samples=16 collab.n_iter_max=2 \
+      collab.calibration_samples=8
+    return
+  fi
+  local tasks=cola,mrpc,stsb,rte
+  run_job glue-cp "$PYTHON" scripts/train_glue.py -m "${common[@]}" task=$tasks seed=0,1,2 collab.calibration=task \
+    collab.rank=96,192
+  run_job glue-prune "$PYTHON" scripts/train_glue.py -m "${common[@]}" task=$tasks seed=0,1,2 collab=prune \
+    collab.rank=96,192
+  run_job glue-svd "$PYTHON" scripts/train_glue.py -m "${common[@]}" task=$tasks seed=0,1,2 collab=svd \
+    collab.rank=192,120,96
+}
+
+lm() {
+  if [ ! -f "$LM_DATA" ]; then echo "lm: skipped, no Tiny Shakespeare at $LM_DATA"; return; fi
+  local common=("data.path=$LM_DATA" progress=false checkpoint_every=null "save_models=[]")
+  if [ "$DRY" = 1 ]; then
+    run_job lm "$PYTHON" scripts/train_lm.py "${common[@]}" output_dir="$ROOT/shakespeare_char/gpu" attention=collab \
+      key_size=8 seed=0 model.n_layer=1 model.n_head=2 model.n_embd=16 block_size=16 eval_iters=2 \
+      trainer.max_steps=1 trainer.eval_steps=1 trainer.logging_steps=1 trainer.warmup_steps=0 sample_chars=10 threads=1
+    return
+  fi
+  for key in 192 96 48; do
+    run_job "lm-collab-k$key" "$PYTHON" scripts/train_lm.py recipe=gpu "${common[@]}" \
+      output_dir="$ROOT/shakespeare_char/gpu" attention=collab key_size=$key seed=0
+  done
+}
+
+{ nvidia-smi || true; "$PYTHON" -c "import torch, transformers; print(torch.__version__, transformers.__version__, \
+torch.cuda.is_available())"; } > "$LOGS/environment.txt" 2>&1
+for job in $JOBS; do
+  case $job in
+    decode|glue|lm) $job;;
+    *) echo "unknown job $job" >&2; exit 2;;
+  esac
+done
+
+# Everything a job made or changed in the tree, under $OUT/experiments/ (checkpoints and models stay behind).
+if [ "$DRY" != 1 ]; then
+  find experiments -type f -newer "$STAMP" ! -path '*/finetuned/*' ! -path '*/.checkpoints/*' ! -path '*/models/*' \
+    ! -path '*/hydra/*' ! -path '*/wandb/*' ! -name '*.log' | while read -r file; do
+    mkdir -p "$OUT/$(dirname "$file")" && cp "$file" "$OUT/$file"
+  done
+fi
+echo "queue finished after $(( $(date +%s) - START )) s"
