@@ -87,3 +87,18 @@ def test_decode_in_batches_with_static_compiled_caches(tmp_path):
         # a smaller cache per sequence fits more sequences in the same memory
         assert by[batch, "dynamic", "collab D~=96"]["max_batch"] > dynamic["max_batch"] > 0
     assert "| 2 | 16 | static | collab D~=96 |" in (tmp_path / "dec.md").read_text()
+
+
+def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path):
+    """One collaborative decoding step five ways: the collaborative variants compute the same attention, and each
+    row's ratio is its time over the original's."""
+    kernels = load("decode_kernels")
+    result = kernels.main(["--batch", "2", "--context", "64", "--rank", "48", "--repeats", "1", "--warmup", "0",
+                           "--threads", "1", "--out", str(tmp_path / "k")])
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert list(rows) == ["original sdpa", "collab explicit", "collab compiled", "collab sdpa", "collab flex"]
+    for name, row in rows.items():
+        assert row["vs_original"] == pytest.approx(row["ms"] / rows["original sdpa"]["ms"])
+        if name.startswith("collab"):
+            assert row["max_abs_difference"] < 1e-4
+    assert "| collab flex |" in (tmp_path / "k.md").read_text()
