@@ -141,7 +141,7 @@ class ConvertedSelfAttention(nn.Module):
             return update, layer
         raise NotImplementedError(
             f"a {type(cache).__name__} ({type(layer).__name__ if layer is not None else 'no layer'}) cannot hold "
-            "collaborative keys: sliding-window, quantized and offloaded caches keep heads x head_dim per token. Use "
+            "collaborative keys: sliding-window and quantized cache layers keep heads x head_dim per token. Use "
             "a DynamicCache (the default) or a full static cache (generate(..., cache_implementation='static'))"
         )
 

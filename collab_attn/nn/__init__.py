@@ -3,3 +3,12 @@
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask
 
 __all__ = ["CollaborativeAttention", "MultiHeadAttention", "additive_mask"]
+
+from collab_attn.nn.variants import (  # noqa: E402
+    GroupedQueryAttention,
+    LatentAttention,
+    MultiQueryAttention,
+    cache_numbers_per_token,
+)
+
+__all__ += ["GroupedQueryAttention", "LatentAttention", "MultiQueryAttention", "cache_numbers_per_token"]

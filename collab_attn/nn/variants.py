@@ -1,0 +1,259 @@
+"""The attention variants that collaborative heads are raced against, as plain torch modules.
+
+- ``GroupedQueryAttention`` (GQA, Ainslie et al., 2023): ``kv_heads`` key/value heads, each shared by a group of
+  ``num_heads / kv_heads`` consecutive query heads (query head ``h`` reads key/value head ``h // group``).
+- ``MultiQueryAttention`` (MQA, Shazeer, 2019): GQA with one key/value head.
+- ``LatentAttention``: multi-head latent attention (DeepSeek-V2) without its rotary part. Keys and values are
+  per-head up-projections ``W_uk``, ``W_uv`` of one shared latent ``c = Y W_dkv + b`` of width ``latent_size``.
+
+All take the inputs of ``MultiHeadAttention`` (``collab_attn.nn.attention``) and return what it returns:
+``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
+kv_cache=None) -> (output, weights or None)``, weights (batch, heads, tgt, src). Masks go through ``additive_mask``;
+a causal mask is aligned to the last query when the cache holds earlier positions.
+
+What each hands the ``kv_cache`` hook ``(packed_keys, values) -> (all_packed_keys, all_values)``, per layer:
+
+- GQA / MQA: keys and values (batch, kv_heads, positions, head_dim) each: ``2 kv_heads head_dim`` numbers per token.
+- MLA: the latent as the keys, (batch, 1, positions, latent_size), and an empty tensor (batch, 1, positions, 0) as the
+  values (it only keeps the cache's position count in step): ``latent_size`` numbers per token.
+
+``cache_numbers_per_token(module)`` gives those numbers (for the concatenated and collaborative modules too).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, _Attention, additive_mask, attend
+
+
+def grouped_attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attend`` for query heads that share key/value heads: queries (B, H, T, E), keys (B, G, S, E), values
+    (B, G, S, Dv), G dividing H; query head ``h`` reads key/value head ``h // (H / G)``. ``bias`` is broadcastable
+    to (B, H, T, S). Returns the context (B, T, H, Dv) and, when asked, the weights (B, H, T, S).
+
+    The keys and values are never copied per query head: the ``r = H / G`` query heads of a group are stacked as
+    ``r T`` query rows of one head (B, G, r T, E), which ``attend`` then treats as G ordinary heads; only a bias
+    that differs between query rows is tiled to match those rows."""
+    batch, heads, tgt_len, _ = queries.shape
+    groups = keys.shape[1]
+    if heads % groups:
+        raise ValueError(f"{heads} query heads cannot share {groups} key/value heads")
+    group = heads // groups
+    if group > 1:
+        queries = queries.reshape(batch, groups, group * tgt_len, queries.shape[-1])
+        bias = _grouped_bias(bias, groups, group, tgt_len)
+    context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
+    if group == 1:
+        context = context.view(batch, tgt_len, heads, -1)
+    else:  # (B, r T, G Dv): row j T + t of group g belongs to head g r + j
+        context = context.view(batch, group, tgt_len, groups, -1).permute(0, 2, 3, 1, 4).flatten(2, 3)
+    if weights is not None:
+        weights = weights.reshape(batch, heads, tgt_len, weights.shape[-1])
+    return context, weights
+
+
+def _grouped_bias(bias: torch.Tensor | None, groups: int, group: int, tgt_len: int) -> torch.Tensor | None:
+    """A bias broadcastable to (B, H, T, S), H = groups * group, laid out for queries stacked as (B, G, r T, E)."""
+    if bias is None:
+        return None
+    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    batch, heads, rows, src_len = bias.shape
+    if heads == 1 and rows == 1:
+        return bias  # the same for every query row of every head (padding): broadcasts as it is
+    bias = bias.expand(batch, heads, tgt_len, src_len)
+    if heads == 1:
+        return bias[:, :, None].expand(batch, 1, group, tgt_len, src_len).reshape(batch, 1, group * tgt_len, src_len)
+    return bias.reshape(batch, groups, group * tgt_len, src_len)
+
+
+class _SharedKeyValueAttention(_Attention):
+    """What the variants share beyond ``_Attention``: splitting heads and the mask over every key attended to."""
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """(B, S, heads * width) -> (B, heads, S, width)."""
+        return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+    def _mask(self, query_states, attention_mask, is_causal, src_len) -> torch.Tensor | None:
+        return additive_mask(
+            attention_mask, is_causal, query_states.shape[1], src_len, query_states.dtype, query_states.device
+        )
+
+    def cache_width(self) -> int:
+        """Numbers the ``kv_cache`` hook is handed per token (keys and values together) for this layer."""
+        raise NotImplementedError
+
+
+class GroupedQueryAttention(_SharedKeyValueAttention):
+    """Grouped-query attention: ``num_heads`` query heads, ``kv_heads`` key/value heads of ``head_dim`` each.
+
+    ``kv_heads = num_heads`` is ``MultiHeadAttention`` (same parameter names and layout); ``kv_heads = 1`` is
+    multi-query attention. ``bias`` gives the query, key, value and output projections biases. The cache holds
+    keys and values (B, kv_heads, S, head_dim)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        kv_heads: int,
+        *,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        output_projection: bool = True,
+    ):
+        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        if not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
+            raise ValueError(f"kv_heads must be a positive divisor of num_heads ({num_heads}), got {kv_heads!r}")
+        self.kv_heads = kv_heads
+        self.query = nn.Linear(d_model, num_heads * self.head_dim, bias=bias)
+        self.key = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)
+        self.value = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)  # narrower than _Attention's
+
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keys_from = query_states if key_value_states is None else key_value_states
+        keys = self._heads(self.key(keys_from), self.kv_heads)  # (B, G, S, head_dim)
+        values = self._heads(self.value(keys_from), self.kv_heads)
+        if kv_cache is not None:
+            keys, values = kv_cache(keys, values)
+        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        queries = self._heads(self.query(query_states), self.num_heads)
+        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        return self._finish(context.flatten(2)), weights
+
+    def cache_width(self) -> int:
+        return 2 * self.kv_heads * self.head_dim
+
+
+class MultiQueryAttention(GroupedQueryAttention):
+    """Multi-query attention: every query head shares one key head and one value head (``kv_heads = 1``)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        output_projection: bool = True,
+    ):
+        super().__init__(
+            d_model, num_heads, 1, head_dim=head_dim, kv_dim=kv_dim, dropout=dropout, bias=bias,
+            output_projection=output_projection,
+        )
+
+
+class LatentAttention(_SharedKeyValueAttention):
+    """Multi-head latent attention without rotary positions (DeepSeek-V2's MLA, no RoPE part, no latent norm).
+
+    Parameters: ``query`` (d_model -> heads x head_dim), ``latent`` = ``W_dkv`` (kv_dim -> ``latent_size``), ``key``
+    = ``W_uk`` and ``value`` = ``W_uv`` (latent_size -> heads x head_dim each), ``output``. ``bias`` gives the query,
+    latent and output projections biases; the up-projections have none: a key bias adds one constant to a whole
+    softmax row, and a value bias adds a constant to the context (the weights sum to one), which the output bias
+    covers.
+
+    Two exact forms of one function:
+    - plain: keys ``c W_uk_h^T`` and values ``c W_uv_h^T`` per head, then ordinary multi-head attention;
+    - absorbed: ``W_uk`` goes into the query, ``q_h W_uk_h`` (latent_size wide), which scores against the latent
+      itself, and every head attends over the latent (one key/value head, as in MQA); ``W_uv_h`` is applied to
+      each head's weighted latent afterwards, before the output projection. No per-head key or value is formed.
+    ``absorb`` (a plain attribute, not saved with the weights) picks the form: ``None`` (default) absorbs when a
+    ``kv_cache`` is given (decoding) and runs the plain form otherwise, ``True`` / ``False`` force one.
+
+    The cache holds the latent alone: packed keys (B, 1, S, latent_size) and empty values (B, 1, S, 0)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        latent_size: int,
+        *,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        output_projection: bool = True,
+    ):
+        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        if not isinstance(latent_size, int) or latent_size <= 0:
+            raise ValueError(f"latent_size must be a positive integer, got {latent_size!r}")
+        self.latent_size = latent_size
+        self.absorb: bool | None = None
+        width = num_heads * self.head_dim
+        self.query = nn.Linear(d_model, width, bias=bias)
+        self.latent = nn.Linear(self.kv_dim, latent_size, bias=bias)
+        self.key = nn.Linear(latent_size, width, bias=False)
+        self.value = nn.Linear(latent_size, width, bias=False)  # replaces _Attention's kv_dim -> width projection
+
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keys_from = query_states if key_value_states is None else key_value_states
+        latent = self.latent(keys_from)[:, None]  # (B, 1, S, latent_size)
+        if kv_cache is not None:
+            latent, _ = kv_cache(latent, latent.new_empty(*latent.shape[:3], 0))
+        mask = self._mask(query_states, attention_mask, is_causal, latent.shape[2])
+        queries = self._heads(self.query(query_states), self.num_heads)  # (B, H, T, head_dim)
+        absorb = kv_cache is not None if self.absorb is None else self.absorb
+        if absorb:
+            w_key, w_value = self._up_projections()
+            queries = torch.einsum("bhtd,hdc->bhtc", queries, w_key)  # (B, H, T, latent_size)
+            context, weights = grouped_attend(
+                queries, latent, latent, mask, self.scale, self._dropout(), need_weights
+            )  # context (B, T, H, latent_size)
+            context = torch.einsum("bthc,hdc->bthd", context, w_value)
+        else:
+            keys = self._heads(self.key(latent[:, 0]), self.num_heads)
+            values = self._heads(self.value(latent[:, 0]), self.num_heads)
+            context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        return self._finish(context.flatten(2)), weights
+
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_uk`` and ``W_uv`` per head, (heads, head_dim, latent_size) each."""
+        shape = (self.num_heads, self.head_dim, self.latent_size)
+        return self.key.weight.view(shape), self.value.weight.view(shape)
+
+    def cache_width(self) -> int:
+        return self.latent_size
+
+
+def cache_numbers_per_token(module: nn.Module) -> int:
+    """Numbers the module hands its ``kv_cache`` hook per token (packed keys and values together), i.e. what a
+    key/value cache holds per token for this layer: GQA ``2 kv_heads head_dim``, MQA ``2 head_dim``, MLA
+    ``latent_size``; concatenated heads ``H (query_key_head_dim + head_dim)`` (``+ H`` with content bias);
+    collaborative heads ``rank + H head_dim`` (``+ H`` with content bias)."""
+    if isinstance(module, _SharedKeyValueAttention):
+        return module.cache_width()
+    if not isinstance(module, (MultiHeadAttention, CollaborativeAttention)):
+        raise TypeError(f"no cache layout known for {type(module).__name__}")
+    heads, values = module.num_heads, module.num_heads * module.head_dim
+    content = heads if module.content_bias is not None else 0
+    if isinstance(module, MultiHeadAttention):
+        return heads * module.query_key_head_dim + content + values
+    return module.rank + content + values
