@@ -8,6 +8,9 @@ dropout on embeddings, attention and residuals), and the same architecture with 
   n_head``), the library's ``collab_method="svd"`` layout built from a config;
 - ``collab``: collaborative heads with shared query/key projections of width ``key_size`` and one mixing vector per
   head, started ``random`` (N(0, 1)) or at ``ones`` (``collab_method="cp"``).
+- ``gqa``: grouped-query heads, ``key_size / (n_embd / n_head)`` key/value heads (the key width; ``n_embd`` is
+  multi-head attention); ``mqa``: one key/value head (``key_size`` is the head size, or null);
+- ``mla``: latent attention without rotary positions, one latent of width ``key_size`` cached per token.
 
 Both converted layouts keep GPT-2's logit scale ``1 / sqrt(n_embd / n_head)`` and replace the query/key biases by a
 per-head content bias (the key bias never changes a softmax row). GPT-2 initializes its attention output projection
@@ -25,9 +28,14 @@ import transformers
 from collab_attn.models.hf import attention_parameters, collab_config_class
 from collab_attn.models.layers import ConvertedSelfAttention
 
-KINDS = ("concat", "collab")
+KINDS = ("concat", "collab", "gqa", "mqa", "mla")
 MIXING_INITS = ("random", "ones")
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "dropout")
+
+
+def default_key_size(kind: str, n_embd: int, n_head: int) -> int:
+    """``key_size`` when none is given: ``n_embd`` (multi-head width), the head size for ``mqa``."""
+    return n_embd // n_head if kind == "mqa" else n_embd
 
 
 def gpt_config(
@@ -46,7 +54,7 @@ def gpt_config(
         raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
     if n_embd % n_head:
         raise ValueError(f"n_embd={n_embd} is not a multiple of n_head={n_head}")
-    key_size = n_embd if key_size is None else int(key_size)
+    key_size = default_key_size(kind, n_embd, n_head) if key_size is None else int(key_size)
     if not 0 < key_size <= n_embd:
         raise ValueError(f"key_size must be in 1..n_embd={n_embd}, got {key_size}")
     common = dict(
@@ -60,11 +68,26 @@ def gpt_config(
         if key_size % n_head:
             raise ValueError(f"concatenated heads need key_size a multiple of n_head={n_head}, got {key_size}")
         return collab_config_class("gpt2")(**common, collab_method="svd", collab_ranks=[key_size] * n_layer)
+    if kind in ("gqa", "mqa", "mla"):
+        return _scratch_layout_config(common, kind, key_size, n_embd // n_head, n_head, n_layer)
     if mixing_init not in MIXING_INITS:
         raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
     return collab_config_class("gpt2")(
         **common, collab_method="cp", collab_ranks=[key_size] * n_layer, collab_mixing_init=mixing_init
     )
+
+
+def _scratch_layout_config(common: dict, kind: str, key_size: int, head_dim: int, n_head: int, n_layer: int):
+    """The config of the grouped-query (``gqa``, ``mqa``) or latent (``mla``) variant; ``key_size`` is its cache
+    width per token and layer and kind (the keys' width for grouped heads, the latent's for latent attention)."""
+    if kind == "mqa" and key_size != head_dim:
+        raise ValueError(f"attention=mqa has one key/value head: key_size must be the head size {head_dim} (or null), "
+                         f"got {key_size}")
+    if kind == "gqa" and (key_size % head_dim or n_head % (key_size // head_dim)):
+        raise ValueError(f"attention=gqa needs key_size = kv_heads x {head_dim} with kv_heads dividing n_head={n_head}"
+                         f", got {key_size}")
+    layout = "mla" if kind == "mla" else "gqa"
+    return collab_config_class("gpt2")(**common, collab_method=layout, collab_ranks=[key_size] * n_layer)
 
 
 def build_model(config: transformers.GPT2Config, seed: int) -> transformers.PreTrainedModel:
@@ -97,11 +120,16 @@ def cache_bytes(model, dtype_bytes: int = 2) -> int:
     """Key/value cache bytes per token over all layers, as the library's cache stores them
     (``collab_attn.models.layers``; ``collab_attn.analysis.accounting.cache_bytes_per_token`` per layer): plain
     GPT-2 caches ``2 x n_embd`` numbers per layer; a converted layer with ``h`` heads its key of width ``key_size``
-    plus one content-bias logit per head, and ``h x n_embd / n_head`` values (pruning leaves fewer heads)."""
+    plus one content-bias logit per head, and ``h x n_embd / n_head`` values (pruning leaves fewer heads);
+    grouped-query heads ``2 x key_size`` (keys and values of the kv heads); latent attention its latent."""
     config = model.config
     head_dim = config.n_embd // config.n_head
     ranks = getattr(config, "collab_ranks", None)
     if not ranks:
         return config.n_layer * 2 * config.n_embd * dtype_bytes
+    if config.collab_method == "gqa":
+        return sum(2 * rank * dtype_bytes for rank in ranks)
+    if config.collab_method == "mla":
+        return sum(rank * dtype_bytes for rank in ranks)
     heads = getattr(config, "collab_heads", None) or [config.n_head] * len(ranks)
     return sum((rank + h + h * head_dim) * dtype_bytes for rank, h in zip(ranks, heads))

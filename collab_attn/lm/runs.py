@@ -29,6 +29,7 @@ from collab_attn.lm.models import (
     MODEL_KEYS,
     build_model,
     cache_bytes,
+    default_key_size,
     gpt_config,
     parameter_counts,
 )
@@ -211,7 +212,9 @@ def runs_of(settings: dict) -> list[tuple[str, int, int]]:
     if cli.choice("mode", settings["mode"], MODES) == "sweep":
         return plan(settings)
     key = cli.positive_int("key_size", settings["key_size"], nullable=True)
-    return [(settings["attention"], key or settings["model"]["n_embd"], cli.integer("seed", settings["seed"], 0))]
+    kind, model = cli.choice("attention", settings["attention"], KINDS), settings["model"]
+    key = default_key_size(kind, model["n_embd"], model["n_head"]) if key is None else key
+    return [(kind, key, cli.integer("seed", settings["seed"], 0))]
 
 
 def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.CharCorpus:

@@ -32,7 +32,13 @@ from collab_attn.models.families import (  # noqa: F401  (re-exported: the HF la
     find_attention,
     is_collaborative,
 )
-from collab_attn.models.layers import CollaborativeSelfAttention, ConcatenatedSelfAttention, ConvertedSelfAttention
+from collab_attn.models.layers import (
+    CollaborativeSelfAttention,
+    ConcatenatedSelfAttention,
+    ConvertedSelfAttention,
+    GroupedSelfAttention,
+    LatentSelfAttention,
+)
 from collab_attn.nn.attention import CollaborativeAttention
 
 
@@ -52,6 +58,11 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 COLLABORATIVE_METHODS = ("cp", "tucker")
 CONCATENATED_METHODS = {"svd": {"content_bias": True}, "prune": {"content_bias": False}}
 CONVERSION_METHODS = (*COLLABORATIVE_METHODS, *CONCATENATED_METHODS)
+# Layouts of models trained from scratch only (no conversion builds them): grouped-query heads, whose ``size`` is the
+# key width kv_heads x head_dim (head_dim: multi-query attention), and latent attention, whose ``size`` is the
+# latent cached per token.
+SCRATCH_LAYOUTS = ("gqa", "mla")
+LAYOUTS = (*CONVERSION_METHODS, *SCRATCH_LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class LayerSpec:
     core_size: int | None = None
     content_bias: bool = True
     mixing_init: str | None = None  # collaborative layers built from a config: None means block mixing where it fits
+    scratch: str | None = None  # one of SCRATCH_LAYOUTS: a grouped-query or latent layer (size: its cache width)
 
 
 @dataclass(frozen=True)
@@ -78,8 +90,8 @@ class Layout:
     mixing_init: str | None = None  # models built from a config to train from scratch: "ones" or "random"
 
     def __post_init__(self):
-        if self.method not in CONVERSION_METHODS:
-            raise ValueError(f"unknown conversion method {self.method!r}; choose one of {CONVERSION_METHODS}")
+        if self.method not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.method!r}; choose one of {LAYOUTS}")
 
     def specs(self, default_heads: int) -> list[LayerSpec]:
         heads = self.heads or [default_heads] * len(self.ranks)
@@ -88,7 +100,8 @@ class Layout:
         collaborative = self.method in COLLABORATIVE_METHODS
         return [
             LayerSpec(collaborative, h, r, self.tucker_core_size,
-                      CONCATENATED_METHODS.get(self.method, {}).get("content_bias", True), self.mixing_init)
+                      CONCATENATED_METHODS.get(self.method, {}).get("content_bias", True), self.mixing_init,
+                      self.method if self.method in SCRATCH_LAYOUTS else None)
             for r, h in zip(self.ranks, heads)
         ]
 
@@ -128,7 +141,17 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
         output_dropout=family.dropout_p(module, family.output_dropout) if family.output_dropout else None,
         residual_norm_eps=module.LayerNorm.eps if family.has_residual_norm else None,
     )
-    if spec.collaborative:
+    if spec.scratch == "gqa":
+        head_dim = common["head_dim"]
+        if spec.size % head_dim or spec.num_heads % (spec.size // head_dim):
+            raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
+                             f"dividing {spec.num_heads} heads, got {spec.size}")
+        layer = GroupedSelfAttention(weight.shape[1], spec.num_heads, spec.size // head_dim,
+                                     logit_scale=common.pop("logit_scale"), **common)
+    elif spec.scratch == "mla":
+        layer = LatentSelfAttention(weight.shape[1], spec.num_heads, spec.size, logit_scale=common.pop("logit_scale"),
+                                    **common)
+    elif spec.collaborative:
         layer = CollaborativeSelfAttention(
             weight.shape[1], spec.num_heads, spec.size, tucker_core_size=spec.core_size, mixing_init=spec.mixing_init,
             **common,

@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderC
 from transformers.utils.output_capturing import _active_collector  # what the output hooks collect into
 
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
+from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention
 
 # Every name under which transformers 5.x hands a self-attention module its key/value cache: models pass it as
 # ``past_key_values`` up to 5.23 and as ``cache`` from 5.24 on; ``past_key_value`` and ``layer_past`` are older
@@ -223,4 +224,33 @@ class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention):
             bias=bias, query_key_bias=query_key_bias, content_bias=content_bias, logit_scale=logit_scale,
             output_projection=output_projection,
         )
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+
+
+class GroupedSelfAttention(ConvertedSelfAttention, GroupedQueryAttention):
+    """Grouped-query heads (``kv_heads`` key/value heads; one is multi-query attention) in a transformers model,
+    for models trained from scratch. Caches ``(batch, kv_heads, tokens, head_dim)`` keys and values."""
+
+    def __init__(self, d_model: int, num_heads: int, kv_heads: int, *, head_dim: int, dropout: float, bias: bool,
+                 output_projection: bool, is_causal: bool = False, layer_idx: int | None = None,
+                 output_dropout: float | None = None, residual_norm_eps: float | None = None,
+                 logit_scale: float | None = None):
+        GroupedQueryAttention.__init__(self, d_model, num_heads, kv_heads, head_dim=head_dim, dropout=dropout,
+                                       bias=bias, output_projection=output_projection)
+        self.scale = self.scale if logit_scale is None else logit_scale
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+
+
+class LatentSelfAttention(ConvertedSelfAttention, LatentAttention):
+    """Multi-head latent attention without rotary positions in a transformers model, for models trained from
+    scratch. Caches one latent of width ``latent_size`` per token (``(batch, 1, tokens, latent_size)``, and an
+    empty values tensor that keeps the position count)."""
+
+    def __init__(self, d_model: int, num_heads: int, latent_size: int, *, head_dim: int, dropout: float, bias: bool,
+                 output_projection: bool, is_causal: bool = False, layer_idx: int | None = None,
+                 output_dropout: float | None = None, residual_norm_eps: float | None = None,
+                 logit_scale: float | None = None):
+        LatentAttention.__init__(self, d_model, num_heads, latent_size, head_dim=head_dim, dropout=dropout,
+                                 bias=bias, output_projection=output_projection)
+        self.scale = self.scale if logit_scale is None else logit_scale
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
