@@ -236,7 +236,10 @@ def test_bad_settings_fail_before_training(text_file, tmp_path):
     base = [*TINY, f"data.path={text_file}", f"output_dir={tmp_path}"]
     for extra, message in [(["attention=mlp"], "unknown attention"), (["trainer.max_steps=0"], "max_steps"),
                            (["+model.bias=false"], "unknown model settings"),
-                           ([f"data.path={tmp_path / 'none.txt'}"], "no text")]:
+                           ([f"data.path={tmp_path / 'none.txt'}"], "no text"),
+                           (["attention=gqa", "key_size=6"], "attention=gqa needs key_size = kv_heads x"),
+                           (["attention=mqa", "key_size=16"], "attention=mqa has one key/value head"),
+                           (["attention=mla", "key_size=0"], "key_size must be a positive integer")]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             script.run(compose_cfg("train_lm", [*base, *extra]))
     assert not (tmp_path / "runs").exists()

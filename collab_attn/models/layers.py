@@ -227,30 +227,26 @@ class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention):
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
 
-class GroupedSelfAttention(ConvertedSelfAttention, GroupedQueryAttention):
-    """Grouped-query heads (``kv_heads`` key/value heads; one is multi-query attention) in a transformers model,
-    for models trained from scratch. Caches ``(batch, kv_heads, tokens, head_dim)`` keys and values."""
+class _ScratchSelfAttention(ConvertedSelfAttention):
+    """A race variant (grouped-query or latent heads) in a transformers model, for models trained from scratch: the
+    variant's module built with ``size`` (its kv heads or latent width), GPT-2's logit scale, the call contract."""
 
-    def __init__(self, d_model: int, num_heads: int, kv_heads: int, *, head_dim: int, dropout: float, bias: bool,
+    def __init__(self, d_model: int, num_heads: int, size: int, *, head_dim: int, dropout: float, bias: bool,
                  output_projection: bool, is_causal: bool = False, layer_idx: int | None = None,
                  output_dropout: float | None = None, residual_norm_eps: float | None = None,
                  logit_scale: float | None = None):
-        GroupedQueryAttention.__init__(self, d_model, num_heads, kv_heads, head_dim=head_dim, dropout=dropout,
-                                       bias=bias, output_projection=output_projection)
+        variant = next(base for base in type(self).__mro__ if base in (GroupedQueryAttention, LatentAttention))
+        variant.__init__(self, d_model, num_heads, size, head_dim=head_dim, dropout=dropout, bias=bias,
+                         output_projection=output_projection)
         self.scale = self.scale if logit_scale is None else logit_scale
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
 
-class LatentSelfAttention(ConvertedSelfAttention, LatentAttention):
-    """Multi-head latent attention without rotary positions in a transformers model, for models trained from
-    scratch. Caches one latent of width ``latent_size`` per token (``(batch, 1, tokens, latent_size)``, and an
-    empty values tensor that keeps the position count)."""
+class GroupedSelfAttention(_ScratchSelfAttention, GroupedQueryAttention):
+    """Grouped-query heads (``size`` = kv_heads key/value heads; one is multi-query attention). Caches ``(batch,
+    kv_heads, tokens, head_dim)`` keys and values."""
 
-    def __init__(self, d_model: int, num_heads: int, latent_size: int, *, head_dim: int, dropout: float, bias: bool,
-                 output_projection: bool, is_causal: bool = False, layer_idx: int | None = None,
-                 output_dropout: float | None = None, residual_norm_eps: float | None = None,
-                 logit_scale: float | None = None):
-        LatentAttention.__init__(self, d_model, num_heads, latent_size, head_dim=head_dim, dropout=dropout,
-                                 bias=bias, output_projection=output_projection)
-        self.scale = self.scale if logit_scale is None else logit_scale
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+
+class LatentSelfAttention(_ScratchSelfAttention, LatentAttention):
+    """Multi-head latent attention without rotary positions (``size`` = the latent width). Caches one latent per
+    token (``(batch, 1, tokens, latent_size)``, and an empty values tensor that keeps the position count)."""
