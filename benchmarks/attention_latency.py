@@ -2,7 +2,7 @@
 
     python benchmarks/attention_latency.py                      # d_model 768, 12 heads, batch 16/32, seq 128/512
     python benchmarks/attention_latency.py --batch 16 --seq 128 --repeats 5
-    python benchmarks/attention_latency.py --device cuda --forced-paths --repeats 20
+    python benchmarks/attention_latency.py --device cuda --repeats 20
 
 Variants, all with the same d_model, heads, value and output projections:
 
@@ -12,9 +12,11 @@ Variants, all with the same d_model, heads, value and output projections:
   batch element and a block of query rows at a time (``CollaborativeAttention._in_cpu_blocks``);
 - ``paper-R``: the same parameters computed the way the paper's code does it: mixed queries materialized
   (batch, heads, seq, R), one ``matmul`` with the shared keys, content bias, explicit softmax and dropout, a
-  second ``matmul`` with the values;
-- with ``--forced-paths``, also ``explicit-R`` and ``fused-R``: the library's layer forced onto one path
-  (``layer.fused = False / True``); ``fused-R`` is the fused kernel with the values padded to the rank.
+  second ``matmul`` with the values.
+
+(The option ``--forced-paths`` added ``explicit-R`` and ``fused-R``, the library's layer forced onto each of its
+paths. The fused path, slower in every case measured, was removed from ``CollaborativeAttention``; ``explicit-R``
+would now time ``collab-R``'s own code, so the option went with it.)
 
 For each (batch, seq) the variants run in turn, ``--repeats`` rounds after a warm-up, and the table gives the
 median per variant and its ratio to ``concat`` (``train``: forward + backward of a scalar loss in train mode with
@@ -71,20 +73,15 @@ class PaperCollaborativeAttention(CollaborativeAttention):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build(d_model: int, heads: int, ranks: list[int], dropout: float, forced_paths: bool = False):
+def build(d_model: int, heads: int, ranks: list[int], dropout: float):
     torch.manual_seed(0)
     layers: dict[str, torch.nn.Module] = {"concat": MultiHeadAttention(d_model, heads, dropout=dropout)}
     for rank in ranks:
         ours = CollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
         layers[f"collab-{rank}"] = ours
-        variants = {"paper": PaperCollaborativeAttention}
-        if forced_paths:
-            variants.update({"explicit": CollaborativeAttention, "fused": CollaborativeAttention})
-        for name, cls in variants.items():
-            layer = cls(d_model, heads, rank, dropout=dropout, mixing_init="random")
-            layer.load_state_dict(ours.state_dict())
-            layer.fused = name == "fused"
-            layers[f"{name}-{rank}"] = layer
+        paper = PaperCollaborativeAttention(d_model, heads, rank, dropout=dropout, mixing_init="random")
+        paper.load_state_dict(ours.state_dict())
+        layers[f"paper-{rank}"] = paper
     return layers
 
 
@@ -150,8 +147,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
     parser.add_argument("--dropout", type=float, default=0.1, help="attention dropout in train mode (BERT: 0.1)")
-    parser.add_argument("--forced-paths", action="store_true",
-                        help="add the library's layer forced onto each path (explicit-R, fused-R)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -178,7 +173,7 @@ def main(argv=None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both devices
     dtype = DTYPES[args.dtype]
     ranks = args.ranks or [args.d_model // 4, args.d_model // 2]
-    layers = build(args.d_model, args.heads, ranks, args.dropout, args.forced_paths)
+    layers = build(args.d_model, args.heads, ranks, args.dropout)
     for layer in layers.values():
         layer.to(args.device, dtype)
     params = {name: sum(p.numel() for p in layer.parameters()) for name, layer in layers.items()}

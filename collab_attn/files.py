@@ -1,10 +1,11 @@
-"""Result files that a reader never sees half-written (write beside the target, then rename over it), and a lock
-for work that concurrent jobs must not do twice."""
+"""Result files and folders that a reader never sees half-written (write beside the target, then rename over it),
+and a lock for work that concurrent jobs must not do twice."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,67 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     with replacing(path) as tmp:
         tmp.write_text(text)
     return Path(path)
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a new, empty folder beside ``path`` to write a whole result into; when the block succeeds the folder
+    takes ``path``'s place (``finalize_directory``: an old directory there is replaced), when it raises the folder
+    is deleted and ``path`` is untouched. Refused with ``ValueError`` before the block runs (``prepare_directory``):
+    a file at ``path``, and a non-empty directory unless ``overwrite``."""
+    path = Path(path).expanduser().absolute()
+    tmp = prepare_directory(path, overwrite)
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        finalize_directory(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_directory(path: str | os.PathLike, overwrite: bool) -> Path:
+    """Check that the directory ``path`` may be written and return the temporary sibling to write into (not created
+    yet).
+
+    An existing non-empty directory is refused unless ``overwrite``; a file at ``path`` always is. Pass the
+    returned directory to ``finalize_directory`` once everything is written.
+    """
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output path {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ValueError(
+            f"output directory {path} exists and is not empty; pass overwrite=true to replace it"
+        )
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    if tmp.exists():  # left over from a crashed run of a process with the same pid
+        shutil.rmtree(tmp)
+    return tmp
+
+
+def finalize_directory(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Move the fully written ``tmp`` directory to ``path``, replacing an existing directory there; returns
+    ``path``, absolute.
+
+    The old directory is first renamed aside and only deleted once the new one is in place, so ``path`` never
+    holds a partial result.
+    """
+    tmp, path = Path(tmp), Path(path).expanduser().absolute()
+    old = None
+    if path.exists():
+        old = path.with_name(f"{path.name}.old-{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old)
+        path.rename(old)
+    try:
+        tmp.rename(path)
+    except OSError:
+        if old is not None:
+            old.rename(path)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+    return path
 
 
 @contextmanager

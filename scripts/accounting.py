@@ -19,6 +19,7 @@ from pathlib import Path
 from collab_attn.analysis.accounting import METHODS, table
 from collab_attn.cli import ArgumentParser, exit_on_bad_input, output_file, positive_arg
 from collab_attn.files import write_text_atomic
+from collab_attn.models.methods import PAPER_METHOD
 
 PRESETS = {
     "minilm": {"d_model": 384, "num_heads": 12, "num_layers": 6, "title": "MiniLM (all-MiniLM-L6-v2)"},
@@ -40,7 +41,7 @@ def parse(argv=None) -> argparse.Namespace:
                         help="sequence length for the FLOPs (default 128)")
     parser.add_argument("--head-counts", type=positive_arg, nargs="+", default=[1, 2, 4, 8, 12, 16],
                         help="head counts for the fixed-d_model table (those dividing d_model are shown)")
-    parser.add_argument("--method", choices=METHODS, default="cp")
+    parser.add_argument("--method", choices=METHODS, default=PAPER_METHOD)
     parser.add_argument("--tucker-core-size", type=positive_arg, help="Tucker core size (default: heads)")
     parser.add_argument("--no-bias", action="store_true", help="projections without biases")
     parser.add_argument("--dtype-bytes", type=int, default=2, choices=(1, 2, 4),

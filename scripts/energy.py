@@ -8,7 +8,6 @@ energy.md / energy.csv (components needed for each energy threshold) into ``outp
 from __future__ import annotations
 
 import csv
-import shutil
 
 import matplotlib
 from omegaconf import DictConfig
@@ -19,8 +18,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from collab_attn import cli  # noqa: E402
 from collab_attn.analysis.energy import KINDS, model_spectra, rank_for_energy  # noqa: E402
 from collab_attn.cli import hydra_main, settings_of  # noqa: E402
-from collab_attn.glue.pipeline import checked_model  # noqa: E402
-from collab_attn.models.checkpoints import finalize_output_dir, load_model_and_tokenizer, prepare_output_dir  # noqa: E402
+from collab_attn.files import atomic_directory  # noqa: E402
+from collab_attn.models.checkpoints import (
+    checked_model,  # noqa: E402
+    load_model_and_tokenizer,  # noqa: E402
+)
 
 LABELS = {"query": "stacked queries Wq", "key": "stacked keys Wk", "products": "head products Wq_h^T Wk_h"}
 
@@ -52,7 +54,6 @@ def check(settings: dict) -> None:
 def run(cfg: DictConfig) -> list[dict]:
     settings = settings_of(cfg)
     check(settings)
-    tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
     model, _ = load_model_and_tokenizer(settings["model"])
     spectra = model_spectra(model)
     rows = [
@@ -60,21 +61,16 @@ def run(cfg: DictConfig) -> list[dict]:
          **{f"k@{t:g}": rank_for_energy(curves[kind], t) for t in settings["thresholds"]}}
         for name, curves in spectra for kind in KINDS
     ]
-    try:
-        tmp.mkdir(parents=True)
-        plot(spectra, tmp / "energy.png", f"{settings['model']}: energy captured by the top-k components")
-        with open(tmp / "energy.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    header = list(rows[0])
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    lines += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
+    with atomic_directory(settings["output_dir"], settings["overwrite"]) as folder:
+        plot(spectra, folder / "energy.png", f"{settings['model']}: energy captured by the top-k components")
+        with open(folder / "energy.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header)
             writer.writeheader()
             writer.writerows(rows)
-        header = list(rows[0])
-        lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
-        lines += ["| " + " | ".join(str(row[h]) for h in header) + " |" for row in rows]
-        (tmp / "energy.md").write_text("\n".join(lines) + "\n")
-        finalize_output_dir(tmp, settings["output_dir"])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (folder / "energy.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return rows
 

@@ -27,32 +27,39 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import shutil
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from collab_attn import cli, reparametrize
 from collab_attn.cli import hydra_main, settings_of
-from collab_attn.glue.pipeline import calibrate, check_calibration, check_method, checked_model
-from collab_attn.models.checkpoints import finalize_output_dir, load_model_and_tokenizer, prepare_output_dir
+from collab_attn.files import atomic_directory
+from collab_attn.models.calibrate import calibrate, check_calibration
+from collab_attn.models.checkpoints import (
+    checked_model,
+    load_model_and_tokenizer,
+)
 from collab_attn.models.families import family_of
+from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings
 
 log = logging.getLogger("reparametrize")
 
 
 def method_settings(collab: dict) -> MethodSettings:
-    """The ``collab`` group as settings this script can run: ``cp``, ``tucker`` or ``svd``."""
+    """The ``collab`` group as settings this script can run: a conversion method that needs no labelled task data."""
     method = MethodSettings.from_config(collab)
-    if method.method == "none":
-        raise ValueError("collab=none means 'no reparametrization' and is only for the GLUE pipeline; choose "
-                         "collab=cp, collab=tucker or collab=svd")
-    if method.method == "prune":
+    runnable = [name for name, m in METHODS.items() if not m.needs_importance]
+    if not method.converts:
+        raise ValueError(f"collab={method.method} means 'no reparametrization' and is only for the GLUE pipeline; "
+                         f"choose one of collab={', collab='.join(runnable)}")
+    if method.importance is not None:
         raise ValueError(
-            "collab=prune scores the heads on a task's labelled training examples with a model fine-tuned on that "
-            "task, so it runs through the GLUE pipeline: python scripts/train_glue.py task=<task> collab=prune "
-            "collab.rank=<rank> refit=none data.glue_dir=<glue folder> (refit=none stops after the pruning)"
+            f"collab={method.method} scores the heads on a task's labelled training examples with a model fine-tuned "
+            f"on that task, so it runs through the GLUE pipeline: python scripts/train_glue.py task=<task> "
+            f"collab={method.method} collab.rank=<rank> refit=none data.glue_dir=<glue folder> (refit=none stops "
+            "after the conversion)"
         )
     check_calibration(method, task_allowed=False)
     return method
@@ -63,7 +70,7 @@ def check(settings: dict) -> tuple[MethodSettings, str]:
     folder, before anything is loaded or written; returns the method settings and the model's path."""
     method = method_settings(settings["collab"])
     path, config = checked_model(settings["model"])
-    check_method(method, config)
+    method.check_model(config)
     cli.output_dir("output_dir", settings["output_dir"], overwrite=cli.boolean("overwrite", settings["overwrite"]))
     cli.integer("seed", settings["seed"], 0)
     cli.positive_int("max_new_tokens", settings["max_new_tokens"])
@@ -131,7 +138,6 @@ def run(cfg: DictConfig) -> dict:
     """Convert ``cfg.model``, compare it with the original, save it to ``cfg.output_dir``; return the report."""
     settings = settings_of(cfg)  # resolve once: the default output_dir has a timestamp
     method, path = check(settings)
-    tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
     torch.manual_seed(settings["seed"])
 
     log.info("loading %s (%s)", settings["model"], path)
@@ -175,14 +181,11 @@ def run(cfg: DictConfig) -> dict:
         "rank": method.rank_request, "seed": settings["seed"], "config": settings,
     }
 
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "reparam_report.json").write_text(json.dumps(result, indent=2) + "\n")
-        out = finalize_output_dir(tmp, settings["output_dir"])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_directory(settings["output_dir"], settings["overwrite"]) as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        (folder / "reparam_report.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(settings["output_dir"]).expanduser().absolute()
     log.info("saved the converted model to %s", out)
     print(f"saved to {out}")
     return result

@@ -20,7 +20,7 @@ from __future__ import annotations
 import html
 import json
 import logging
-import shutil
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -36,9 +36,11 @@ from collab_attn.analysis.views import (
     sentence_attention,
 )
 from collab_attn.cli import hydra_main
-from collab_attn.glue.pipeline import calibrate, check_calibration, check_method, checked_model
-from collab_attn.models.checkpoints import finalize_output_dir, prepare_output_dir, resolve_model
-from collab_attn.models.settings import DECOMPOSITIONS, MethodSettings
+from collab_attn.files import atomic_directory
+from collab_attn.models.calibrate import calibrate, check_calibration
+from collab_attn.models.checkpoints import checked_model, resolve_model
+from collab_attn.models.methods import METHODS
+from collab_attn.models.settings import MethodSettings
 
 log = logging.getLogger("visualize")
 
@@ -57,15 +59,16 @@ def _check(settings: dict) -> MethodSettings:
     """The settings this script can show, as ``MethodSettings``: collaborative heads (cp, tucker) at one rank; with
     the model's config, the calibration texts and the output folder checked before anything is loaded or written."""
     method = MethodSettings.from_config(settings["collab"])
-    if method.method not in DECOMPOSITIONS:
-        raise ValueError(f"collab.method={method.method} has no collaborative heads to show; choose collab=cp or "
-                         "collab=tucker")
+    if not method.converts or not method.conversion.collaborative:
+        shown = [name for name, m in METHODS.items() if m.collaborative]
+        raise ValueError(f"collab.method={method.method} has no collaborative heads to show; choose one of "
+                         f"collab={', collab='.join(shown)}")
     if method.budget is not None or type(method.rank) is not int:
         raise ValueError(f"collab.rank must be one integer (and collab.budget null), got "
                          f"{method.budget or method.rank!r}")
     check_calibration(method, task_allowed=False)
     config = checked_model(settings["model"])[1]
-    check_method(method, config)
+    method.check_model(config)
     cli.output_dir("output_dir", settings["output_dir"], overwrite=cli.boolean("overwrite", settings["overwrite"]))
     cli.integer("seed", settings["seed"], 0)
     if settings["causal"] is not None:
@@ -102,7 +105,6 @@ def run(cfg: DictConfig) -> dict:
     settings = OmegaConf.to_container(cfg, resolve=True)
     method = _check(settings)
     path = resolve_model(settings["model"])
-    tmp = prepare_output_dir(settings["output_dir"], settings["overwrite"])
     torch.manual_seed(settings["seed"])
 
     log.info("loading %s (%s)", settings["model"], path)
@@ -129,8 +131,7 @@ def run(cfg: DictConfig) -> dict:
               (f"collaborative ({what})", maps["collaborative"])]
     intro = (f"{settings['model']}: {' '.join(maps['original'].tokens)}"
              f" | mean relative error of the decomposition {report.mean_relative_error:.4f}")
-    try:
-        tmp.mkdir(parents=True)
+    with atomic_directory(settings["output_dir"], settings["overwrite"]) as tmp:
         for view in ("head", "model"):
             page = comparison_page(panels, view, f"{view} view: original vs collaborative ({what})", intro)
             (tmp / f"{view}_view.html").write_text(page)
@@ -140,10 +141,7 @@ def run(cfg: DictConfig) -> dict:
         plots.plot_worst_head(maps["original"], maps["collaborative"], tmp / "attention_worst_head.png")
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         (tmp / "index.html").write_text(_index(settings, method, summary))
-        out = finalize_output_dir(tmp, settings["output_dir"])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    out = Path(settings["output_dir"]).expanduser().absolute()
     print(f"max |attention difference| {summary['max_attention_difference']:.4f}")
     print(f"wrote {', '.join(['index.html', *FILES])} to {out}")
     return summary

@@ -77,13 +77,15 @@ def test_cross_attention_matches_with_other_key_width():
 
 
 @pytest.mark.parametrize("module_name", ["mha", "collab"])
-def test_fused_path_equals_explicit_softmax(pair, module_name):
+def test_output_without_weights_equals_explicit_softmax(pair, module_name):
+    """Without weights asked for (MultiHeadAttention: the fused kernel), both modules give the output they give with
+    them."""
     module = dict(zip(["mha", "collab"], pair))[module_name]
     x = torch.randn(2, 6, D_MODEL)
     mask = padding_mask([6, 3], 6)
-    fused, _ = module(x, attention_mask=mask, is_causal=True)
+    without_weights, _ = module(x, attention_mask=mask, is_causal=True)
     explicit, _ = module(x, attention_mask=mask, is_causal=True, need_weights=True)
-    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
+    torch.testing.assert_close(without_weights, explicit, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -103,28 +105,6 @@ def test_narrow_query_key_heads_at_inference_take_the_flash_kernel(is_causal):
         torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
         flash = any("flash_attention" in event.key for event in prof.key_averages())
         assert flash is not grad
-
-
-@pytest.mark.parametrize("rank, tucker", [(12, None), (4, None), (8, 3)])  # rank above, below, at head_dim
-@pytest.mark.parametrize("masking", ["padding", "causal", "both"])
-def test_fused_and_explicit_paths_agree(rank, tucker, masking):
-    """CollaborativeAttention picks a path per call (use_fused); both must compute the same function."""
-    torch.manual_seed(0)
-    layer = CollaborativeAttention(D_MODEL, HEADS, rank, tucker_core_size=tucker, mixing_init="random", dropout=0.3)
-    layer.eval()
-    x = torch.randn(3, 7, D_MODEL)
-    mask = padding_mask([7, 5, 2], 7) if masking != "causal" else None
-    is_causal = masking != "padding"
-    outputs, grads = {}, {}
-    for fused in (True, False):
-        layer.fused = fused
-        layer.zero_grad()
-        outputs[fused], _ = layer(x, attention_mask=mask, is_causal=is_causal)
-        outputs[fused].square().sum().backward()
-        grads[fused] = {name: p.grad.clone() for name, p in layer.named_parameters()}
-    torch.testing.assert_close(outputs[True], outputs[False], atol=1e-5, rtol=0)
-    for name in grads[True]:
-        torch.testing.assert_close(grads[True][name], grads[False][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_mask_alike_for_every_query_is_reduced_to_one_row():
@@ -175,7 +155,7 @@ def test_inference_in_cpu_blocks_equals_one_piece(monkeypatch, masking, bias, tu
     as all logits at once, whatever the mask, with or without content bias, CP or Tucker mixing."""
     torch.manual_seed(0)
     layer = CollaborativeAttention(D_MODEL, HEADS, 12, bias=bias, tucker_core_size=tucker, mixing_init="random")
-    layer.eval().fused = False
+    layer.eval()
     x = torch.randn(5, 7, D_MODEL)
     mask = padding_mask([7, 5, 2, 6, 1], 7) if masking in ("padding", "both") else None
     if masking == "float-4d":  # per query row: cannot ride in the keys
@@ -228,9 +208,9 @@ def test_cached_decoding_in_cpu_blocks_equals_one_piece(monkeypatch):
         torch.testing.assert_close(outputs[1], layer(x, is_causal=True)[0], atol=1e-6, rtol=1e-5)
 
 
-def test_explicit_path_by_default_fused_on_request(monkeypatch):
-    """The fused kernel (values padded to the rank) was slower everywhere measured: it runs only when asked for, and
-    never when weights are asked for."""
+def test_collaborative_attention_never_takes_the_fused_kernel(monkeypatch):
+    """The fused kernel (values padded to the rank) was slower than explicit logits everywhere measured and was
+    removed: no call runs ``scaled_dot_product_attention``, at inference or in training."""
     calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
     counted = lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs)  # noqa: E731
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
@@ -238,13 +218,9 @@ def test_explicit_path_by_default_fused_on_request(monkeypatch):
     x = torch.randn(2, 300, D_MODEL)
     with torch.inference_mode():
         layer(x)
-        layer.train()(x)
-        assert calls == []
-        layer.eval().fused = True
-        layer(x)
-        assert calls == [1]
         layer(x, need_weights=True)
-        assert calls == [1]
+        layer.train()(x)
+    assert calls == []
 
 
 @pytest.mark.parametrize("module_name", ["mha", "collab"])
@@ -320,9 +296,9 @@ def test_tucker_mixing_uses_full_matrices():
     assert layer.mixing.shape == (HEADS, 3) and layer.mixing_core.shape == (3, 8, 8)
     assert layer.mixing_matrices().shape == (HEADS, 8, 8)
     x = torch.randn(2, 5, D_MODEL)
-    fused, _ = layer(x)
+    without_weights, _ = layer(x)
     explicit, weights = layer(x, need_weights=True)
-    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
+    torch.testing.assert_close(without_weights, explicit, atol=1e-5, rtol=0)
     # The logits of head h are x Q M_h K^T x^T: check them against the weights.
     q, k = layer.query(x), layer.key(x)
     logits = torch.einsum("btr,hrs,bus->bhtu", q, layer.mixing_matrices(), k) * layer.scale

@@ -121,7 +121,7 @@ def test_baselines_on_every_family(family):
     model = copy.deepcopy(original)
     scores = [torch.tensor([0.1, 0.9, 0.5, 0.3])] * (1 if family == "albert" else 2)  # ALBERT shares its layer
     report = prune_heads(model, 12, scores)
-    gates = [torch.zeros(4).index_fill_(0, torch.tensor(kept), 1.0) for kept in report.details["kept_heads"]]
+    gates = [torch.zeros(4).index_fill_(0, torch.tensor(kept), 1.0) for kept in report.pruning.kept_heads]
     with head_gates(original, gates):
         expected = hidden(original, batch)
     assert on_tokens(hidden(model, batch), expected, batch) < 1e-5
@@ -140,13 +140,13 @@ def test_pruned_model_matches_the_gated_model(minilm_path, real_batch, implement
     report = prune_heads(model, 96, scores)
 
     budget = LAYERS * query_key_params(96, D, HEADS)
-    kept = sum(len(heads) for heads in report.details["kept_heads"])
-    assert kept == budget // PER_HEAD == 19 and all(report.details["kept_heads"])
+    kept = sum(len(heads) for heads in report.pruning.kept_heads)
+    assert kept == budget // PER_HEAD == 19 and all(report.pruning.kept_heads)
     assert attention_parameters(model)["query_key_params"] == kept * PER_HEAD <= budget
-    assert [layer.rank for layer in report.layers] == [len(h) * HEAD_DIM for h in report.details["kept_heads"]]
+    assert [layer.rank for layer in report.layers] == [len(h) * HEAD_DIM for h in report.pruning.kept_heads]
     assert 0 < report.mean_relative_error < 1
 
-    gates = [torch.zeros(HEADS).index_fill_(0, torch.tensor(heads), 1.0) for heads in report.details["kept_heads"]]
+    gates = [torch.zeros(HEADS).index_fill_(0, torch.tensor(heads), 1.0) for heads in report.pruning.kept_heads]
     with head_gates(original, gates):
         expected = hidden(original, real_batch)
     assert on_tokens(hidden(model, real_batch), expected, real_batch) < 1e-5

@@ -1,10 +1,16 @@
-"""The benchmark scripts still run: a tiny case of each that the README's latency claims rest on."""
+"""The benchmark scripts still run: a tiny case of each that the README's latency claims rest on. Each test reads
+the rows the script returns, the table it writes and the lines it prints: the rows are the ones asked for, and every
+ratio shown is the ratio of the timings (or sizes) it was computed from, recomputed here."""
 
 import importlib.util
 import json
+import re
+import statistics
 from pathlib import Path
 
 import pytest
+
+from collab_attn.analysis.accounting import attention_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,37 +22,133 @@ def load(name: str):
     return module
 
 
+def markdown_table(text: str) -> tuple[list[str], list[list[str]]]:
+    """The header and the rows (lists of cells) of the one Markdown table in ``text``."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header, separator, *rows = ([cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines)
+    assert all(cell and set(cell) <= set("-:") for cell in separator)
+    assert all(len(row) == len(header) for row in rows)
+    return header, rows
+
+
+def shows(printed: str, value: float) -> bool:
+    """Whether ``printed`` (a number as the scripts print it: thousands commas and a trailing ``x`` allowed) is
+    ``value`` rounded to the decimals it shows."""
+    number = printed.strip().removesuffix("x").replace(",", "")
+    decimals = len(number.partition(".")[2])
+    return abs(float(number) - value) <= 0.5 * 10**-decimals + 1e-9 * abs(value)
+
+
 @pytest.mark.parametrize("padded", [False, True])
-def test_end_to_end_times_the_original_and_a_conversion(tmp_path, padded):
+def test_end_to_end_times_the_original_and_a_conversion(tmp_path, padded, capsys):
+    """MiniLM and its rank-64 conversion, blocked and in one piece, on one case in both modes: a record and a table
+    row per mode, medians of the recorded times, the FLOPs of 6 layers (d_model 384, 12 heads, feed-forward 1536)
+    and, in each cell, the time and FLOPs ratios to the original's."""
     end_to_end = load("end_to_end")
-    argv = ["--threads", "1", "--ranks", "64", "--cases", "2x48", "--modes", "infer", "train", "--repeats", "1",
+    argv = ["--threads", "1", "--ranks", "64", "--cases", "2x48", "--modes", "infer", "train", "--repeats", "2",
             "--warmup", "0", "--one-piece", "--out", str(tmp_path / "e2e")] + (["--padded"] if padded else [])
     result = end_to_end.main(argv)
     assert result["max_abs_difference_to_explicit_path"] < 1e-4  # the blocked path against all logits at once
-    assert [(r["mode"], r["batch"], r["seq"]) for r in result["records"]] == [("infer", 2, 48), ("train", 2, 48)]
-    for record in result["records"]:
-        assert set(record["median"]) == {"original", "collab-64", "collab-64 (one piece)"}
-        assert all(t > 0 for t in record["median"].values())
+    records = result["records"]
+    assert [(r["mode"], r["batch"], r["seq"]) for r in records] == [("infer", 2, 48), ("train", 2, 48)]
+    names = ["original", "collab-64", "collab-64 (one piece)"]
+    layer_flops = {rank: attention_flops_per_token(384, 12, 48, rank)["total"] + 4 * 384 * 1536 for rank in (None, 64)}
+    for record in records:
+        assert list(record["times"]) == list(record["median"]) == names
+        for name, times in record["times"].items():
+            assert len(times) == 2 and all(t > 0 for t in times)
+            assert record["median"][name] == statistics.median(times)
+        assert record["flops_per_token"] == {"original": 6 * layer_flops[None], "collab-64": 6 * layer_flops[64],
+                                             "collab-64 (one piece)": 6 * layer_flops[64]}
     assert json.loads((tmp_path / "e2e.json").read_text())["padded"] is padded
-    table = (tmp_path / "e2e.md").read_text()
-    assert ("padded to three quarters" in table) is padded and "| infer | 2 | 48 |" in table
+    text = (tmp_path / "e2e.md").read_text()
+    assert ("padded to three quarters" in text) is padded
+    header, rows = markdown_table(text)
+    assert header == ["mode", "batch", "seq", "original ms", "collab-64 ms (time, FLOPs)",
+                      "collab-64 (one piece) ms (time, FLOPs)"]
+    assert [row[:3] for row in rows] == [["infer", "2", "48"], ["train", "2", "48"]]
+    for row, record in zip(rows, records, strict=True):
+        median, flops = record["median"], record["flops_per_token"]
+        assert shows(row[3], 1e3 * median["original"])
+        for cell, name in zip(row[4:], names[1:], strict=True):
+            ms, time_ratio, flops_ratio = re.fullmatch(r"([\d.]+) \(([\d.]+x), ([\d.]+x)\)", cell).groups()
+            assert shows(ms, 1e3 * median[name]) and shows(time_ratio, median[name] / median["original"])
+            assert shows(flops_ratio, flops[name] / flops["original"])
+    table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    assert capsys.readouterr().out.endswith(table + "\n")  # the table printed is the one written
 
 
-def test_attention_latency_compares_every_variant(tmp_path):
+def test_attention_latency_compares_every_variant(tmp_path, capsys):
     """Batch 2, 600 positions: more logits than one CPU block, so ``collab`` times the blocked path beside the
-    forced one-piece (``explicit``) and fused ones; the script's own check finds the variants computing alike."""
+    paper's formulation; the script's own check finds the variants computing alike."""
     attention_latency = load("attention_latency")
     argv = ["--d-model", "48", "--heads", "4", "--ranks", "16", "--batch", "2", "--seq", "600", "--modes", "infer",
-            "--forced-paths", "--threads", "1", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "lat")]
+            "--threads", "1", "--repeats", "3", "--warmup", "0", "--out", str(tmp_path / "lat")]
     result = attention_latency.main(argv)
     assert result["variants_vs_ours_max_abs_diff"] < 1e-4
     (record,) = result["results"]
-    assert set(record["median_seconds"]) == {"concat", "collab-16", "paper-16", "explicit-16", "fused-16"}
-    assert "| infer | 2 | 600 |" in (tmp_path / "lat.md").read_text()
+    assert (record["mode"], record["batch"], record["seq"]) == ("infer", 2, 600)
+    names = ["concat", "collab-16", "paper-16"]
+    median = record["median_seconds"]
+    assert list(median) == list(record["seconds"]) == list(record["ratio_to_concat"]) == names
+    for name in names:
+        assert len(record["seconds"][name]) == 3 and median[name] == statistics.median(record["seconds"][name])
+        assert record["ratio_to_concat"][name] == pytest.approx(median[name] / median["concat"])
+    text = (tmp_path / "lat.md").read_text()
+    header, rows = markdown_table(text)
+    assert markdown_table(result["table"]) == (header, rows)
+    (row_line,) = [line for line in text.splitlines() if line.startswith("| infer |")]
+    assert f"\n{row_line} (load " in capsys.readouterr().out  # the row printed is the one written
+    assert header == ["mode", "batch", "seq", *names]
+    ((mode, batch, seq, *cells),) = rows
+    assert (mode, batch, seq) == ("infer", "2", "600")
+    for name, cell in zip(names, cells, strict=True):
+        ms, ratio = re.fullmatch(r"([\d.]+) ms(?: \(([\d.]+x)\))?", cell).groups()
+        assert shows(ms, 1e3 * median[name])
+        assert (ratio is None) is (name == "concat")  # concat is the reference
+        assert name == "concat" or shows(ratio, median[name] / median["concat"])
+
+
+DECODE_COLUMNS = ["batch", "context", "cache", "model", "ms / step", "ms / token", "tokens / s", "vs original",
+                  "cache MiB", "vs original", "max batch"]
+PREFILL_COLUMNS = ["batch", "context", "model", "prefill ms", "vs original"]
+
+
+def assert_decode_reports(rows: list[dict], markdown: str, printed: str, prefill: bool) -> None:
+    """``decode.py``'s rows, its table and its printed lines show the same numbers, and each ratio is the row's
+    time (and cache) over the original model's with the same batch, context and cache."""
+    time_key = "prefill_ms" if prefill else "ms_per_step"
+    header, table = markdown_table(markdown)
+    assert header == (PREFILL_COLUMNS if prefill else DECODE_COLUMNS)
+    lines = [line for line in printed.splitlines() if line.startswith("batch ")]
+    assert len(table) == len(lines) == len(rows)
+    for row, cells, line in zip(rows, table, lines):
+        (base,) = [r for r in rows if r["model"] == "original"
+                   and all(r.get(k) == row.get(k) for k in ("batch", "context", "cache"))]
+        time_ratio = row[time_key] / base[time_key]
+        assert row["time_vs_original"] == pytest.approx(time_ratio)
+        assert re.match(rf"batch +{row['batch']} context +{row['context']} .*{re.escape(row['model'])} ", line)
+        ratios = re.findall(r"\(([\d.]+x)\)", line)
+        if prefill:
+            assert cells[:3] == [str(row["batch"]), str(row["context"]), row["model"]]
+            assert shows(cells[3], row["prefill_ms"]) and shows(cells[4], time_ratio)
+            assert shows(re.search(r"([\d.]+) ms prefill", line)[1], row["prefill_ms"])
+            assert len(ratios) == 1 and shows(ratios[0], time_ratio)
+            continue
+        cache_ratio = row["cache_mib"] / base["cache_mib"]
+        assert row["cache_vs_original"] == pytest.approx(cache_ratio)
+        assert cells[:4] == [str(row["batch"]), str(row["context"]), row["cache"], row["model"]]
+        shown = [row["ms_per_step"], row["ms_per_token"], row["tokens_per_s"], time_ratio, row["cache_mib"],
+                 cache_ratio]
+        assert all(shows(cell, value) for cell, value in zip(cells[4:10], shown, strict=True))
+        assert cells[10] == str(row["max_batch"]) and line.endswith(f"max batch {row['max_batch']}")
+        ms_per_token, cache = re.search(r"([\d.]+) ms/token .* cache +([\d.]+) MiB", line).groups()
+        assert shows(ms_per_token, row["ms_per_token"]) and shows(cache, row["cache_mib"])
+        assert len(ratios) == 2 and shows(ratios[0], time_ratio) and shows(ratios[1], cache_ratio)
 
 
 @pytest.mark.parametrize("prefill", [False, True])
-def test_decode_times_the_original_and_a_collaborative_gpt2(tmp_path, prefill):
+def test_decode_times_the_original_and_a_collaborative_gpt2(tmp_path, prefill, capsys):
     """GPT-2 small against collaborative heads at D~ = 96: one decoding step against a cache of 16 positions, or
     the prompt pass of 16 tokens; the shared-key cache is the smaller one."""
     decode = load("decode")
@@ -63,10 +165,10 @@ def test_decode_times_the_original_and_a_collaborative_gpt2(tmp_path, prefill):
         assert rows[1]["cache_vs_original"] == pytest.approx((96 + 12 + 768) / (2 * 768), rel=0.01)
     table = (tmp_path / "dec.md").read_text()
     assert table.startswith("# Prefill" if prefill else "# Decoding")
-    assert ("| 1 | 16 | collab D~=96 |" if prefill else "| 1 | 16 | dynamic | collab D~=96 |") in table
+    assert_decode_reports(rows, table, capsys.readouterr().out, prefill)
 
 
-def test_decode_in_batches_with_static_compiled_caches(tmp_path):
+def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     """Batches 1 and 2, dynamic and static (compiled) caches: one row per model and setting, per-token time the
     step's divided by the batch, and a static cache that holds one slot more than the context."""
     decode = load("decode")
@@ -86,10 +188,10 @@ def test_decode_in_batches_with_static_compiled_caches(tmp_path):
         assert by[batch, "static", "collab D~=96"]["cache_vs_original"] == pytest.approx((96 + 12 + 768) / 1536)
         # a smaller cache per sequence fits more sequences in the same memory
         assert by[batch, "dynamic", "collab D~=96"]["max_batch"] > dynamic["max_batch"] > 0
-    assert "| 2 | 16 | static | collab D~=96 |" in (tmp_path / "dec.md").read_text()
+    assert_decode_reports(rows, (tmp_path / "dec.md").read_text(), capsys.readouterr().out, prefill=False)
 
 
-def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path):
+def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path, capsys):
     """One collaborative decoding step five ways: the collaborative variants compute the same attention, and each
     row's ratio is its time over the original's."""
     kernels = load("decode_kernels")
@@ -101,4 +203,16 @@ def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path):
         assert row["vs_original"] == pytest.approx(row["ms"] / rows["original sdpa"]["ms"])
         if name.startswith("collab"):
             assert row["max_abs_difference"] < 1e-4
-    assert "| collab flex |" in (tmp_path / "k.md").read_text()
+        else:
+            assert row["max_abs_difference"] is None
+    header, table = markdown_table((tmp_path / "k.md").read_text())
+    assert header == ["variant", "ms / step", "vs original sdpa", "max abs difference to explicit"]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.endswith("x")]
+    assert len(table) == len(printed) == len(rows)
+    base = rows["original sdpa"]["ms"]
+    for (name, row), cells, line in zip(rows.items(), table, printed):
+        assert cells[0] == name and shows(cells[1], row["ms"]) and shows(cells[2], row["ms"] / base)
+        difference = row["max_abs_difference"]
+        assert cells[3] == ("" if difference is None else f"{difference:.1e}")
+        shown_name, ms, ratio = re.fullmatch(r"(\S.*?) +([\d.]+) ms +([\d.]+x)", line).groups()
+        assert shown_name == name and shows(ms, row["ms"]) and shows(ratio, row["ms"] / base)

@@ -12,6 +12,7 @@
 """
 
 import importlib.util
+import inspect
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,9 +24,16 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from collab_attn import tracking
 from collab_attn.distillation import DistillationTrainer, DistillSettings
 from collab_attn.glue import pipeline
-from collab_attn.models.settings import CHOICES, TAKES, MethodSettings
+from collab_attn.lm import runs as lm_runs
+from collab_attn.lm.data import corpus_from_text, val_blocks
+from collab_attn.lm.models import MODEL_KEYS, gpt_config
+from collab_attn.models import calibrate as calibrate_module
+from collab_attn.models.methods import METHODS
+from collab_attn.models.settings import CHOICES, MethodSettings, group_keys
+from collab_attn.training import training_args
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -100,11 +108,197 @@ def test_every_option_of_every_group_composes(primary, group, option):
         assert OmegaConf.select(cfg, group.replace("/", ".")) is not None
         return
     settings = resolved(primary, f"{group}={option}")
+    if group != "collab":
+        assert_option_values_arrive(primary, group, option, settings)
+        return
     if group == "collab":
         collab = settings["collab"]
         method = MethodSettings.from_config(collab)
-        for field in MethodSettings.__dataclass_fields__:
-            assert getattr(method, field) == collab.get(field), field
+        group = method.to_group()
+        assert group == {key: collab[key] for key in group}, "every key the method takes arrives with its value"
+        if method.converts:
+            assert method.reparametrize_kwargs() == {
+                "rank": collab.get("budget") or collab["rank"], "method": collab["method"],
+                **{key: collab[key] for key in method.conversion.option_names},
+            }
+
+
+def group_file(group: str, option: str) -> tuple[str, dict]:
+    """What ``configs/<group>/<option>.yaml`` sets and where, read as Hydra reads it: the package its values go to
+    (its ``# @package`` header among the leading comments; none: the group's path, dotted; ``""`` for
+    ``_global_``) and its values after those of the options of the same group its defaults list names (``_self_``
+    last unless placed)."""
+    path = CONFIGS / group / f"{option}.yaml"
+    leading = []
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            break
+        leading.append(line)
+    headers = [line.split("@package", 1)[1].strip() for line in leading if line.startswith("# @package")]
+    package = headers[0] if headers else group.replace("/", ".")
+    package = "" if package == "_global_" else package.removeprefix("_global_.")
+    own = OmegaConf.to_container(OmegaConf.load(path))
+    defaults = own.pop("defaults", [])
+    assert all(isinstance(entry, str) for entry in defaults), f"{path}: only same-group defaults are read here"
+    values = OmegaConf.create()
+    for entry in defaults if "_self_" in defaults else [*defaults, "_self_"]:
+        values = OmegaConf.merge(values, own if entry == "_self_" else group_file(group, entry)[1])
+    return package, OmegaConf.to_container(values)
+
+
+def leaves(values: dict, prefix: str = "") -> dict:
+    """Every value of a nested dict that is not itself a non-empty dict, by its dotted key."""
+    flat = {}
+    for key, value in values.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            flat.update(leaves(value, dotted))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def assert_option_values_arrive(primary: str, group: str, option: str, settings: dict) -> None:
+    """Every value of the option's file is in the resolved settings under the group's package, of the same type
+    (``temperature: 4`` and ``4.0`` hash apart), and reaches what the entry point builds from it. No primary config
+    overrides a value of the groups it names: an option's file is what its jobs get."""
+    package, values = group_file(group, option)
+    composed_values = leaves(settings)
+    for key, value in leaves(values).items():
+        where = f"{package}.{key}" if package else key
+        assert where in composed_values, f"{where} of {group}/{option}.yaml is missing from {primary}"
+        assert (type(composed_values[where]), composed_values[where]) == (type(value), value), where
+    ARRIVALS[group](primary, option, values, settings)
+
+
+CHECKPOINTS = Path("unused-checkpoint-dir")  # TrainingArguments only records it
+
+
+def _trainer_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
+    """Fine-tuning: ``run_job`` hands ``trainer`` to ``train``, which builds the TrainingArguments with
+    ``training_args``; re-fine-tuning: ``refit_fields``, which keeps each trainer field the refit group leaves out
+    or null (here ``refit=paper``: ``max_steps``)."""
+    pipeline.validate(settings)  # every field is a TrainingArguments field
+    finetune = training_args(CHECKPOINTS, settings["seed"], settings["trainer"])
+    refit = training_args(CHECKPOINTS, settings["seed"], pipeline.refit_fields(settings))
+    inherited = [key for key in values if settings["refit"].get(key) is None]
+    assert "max_steps" in inherited
+    for key, value in values.items():
+        assert getattr(finetune, key) == value, key
+        if key in inherited:
+            assert getattr(refit, key) == value, key
+
+
+def _refit_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
+    """The re-fine-tuning's TrainingArguments (``refit_fields`` through ``training_args``) hold each field the
+    group sets, and the trainer's where it says null; ``distill`` becomes the ``DistillSettings`` that
+    ``validate`` returns (None without it); ``enabled`` is ``run_job``'s switch (followed by
+    ``test_training_gets_the_composed_recipe``), no TrainingArguments field."""
+    _, _, _, distill = pipeline.validate(settings)
+    assert distill == (DistillSettings(**values["distill"]) if "distill" in values else None)
+    fields = {key: value for key, value in values.items() if key not in ("enabled", "distill")}
+    # the default trainer group has refit=paper's batch, rate and epochs: a trainer that differs in every field
+    # tells the refit group's values from the trainer's
+    other = {key: 11 if value is None else 2 * value + 1 for key, value in fields.items()}
+    settings = resolved(primary, f"refit={option}", *(f"++trainer.{k}={v}" for k, v in other.items()))
+    args = training_args(CHECKPOINTS, settings["seed"], pipeline.refit_fields(settings))
+    for key, value in fields.items():
+        assert getattr(args, key) == (other[key] if value is None else value), key
+    assert not {"enabled", "distill"} & set(args.to_dict())
+
+
+def _logger_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
+    """``make_tracker`` (the GLUE job's tracker; ``train_lm``: through ``log_to_tracker``, one W&B run per run)
+    makes a W&B tracker with the group's project, mode, entity and tags, or none at all; W&B is not started (the
+    tracker class is replaced by one that records its arguments)."""
+    made = []
+    signature = inspect.signature(tracking.WandbTracker)
+
+    class Recorded(tracking.NoTracker):
+        def __init__(self, *args, **kwargs):
+            made.append(signature.bind(*args, **kwargs).arguments)
+
+    tracking.check_logger(settings["logger"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tracking, "WandbTracker", Recorded)
+        if primary == "train_glue":
+            tracker = pipeline.make_tracker(settings["logger"], "job", settings["sweep_name"], settings, Path("run"))
+            assert type(tracker) is (tracking.NoTracker if values["name"] == "none" else Recorded)
+        else:
+            record = {"recipe": "cpu", "name": "concat-k128-seed0", "signature": {}, "curve": [{"step": 0}],
+                      "best_val_loss": 1.0, "tokens_per_second": 1.0, "cache_bytes_per_token_bf16": 1}
+            lm_runs.log_to_tracker(settings, record)
+    if values["name"] == "none":
+        assert made == []
+        return
+    assert len(made) == 1, made
+    (arguments,) = made
+    for key in ("project", "mode", "entity", "tags"):
+        assert arguments.get(key, signature.parameters[key].default) == values[key], key
+
+
+def _recipe_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
+    """A language-model recipe (``# @package _global_``): its ``trainer`` fields are the runs' TrainingArguments
+    (``trainer_fields`` through ``training_args``), its ``model`` and ``block_size`` the GPT-2 config of a run,
+    ``eval_iters`` the number of validation batches, and everything the signature of a stored run holds; the
+    conversion reads the model that ``train_lm`` saved with the same recipe."""
+    fields = lm_runs.trainer_fields(settings, progress=False)
+    args = training_args(CHECKPOINTS, 0, fields)
+    for key, value in values["trainer"].items():
+        assert fields[key] == value and getattr(args, key) == value, key
+    signature = lm_runs.signature(settings)
+    assert signature["model"] == {key: values["model"][key] for key in MODEL_KEYS}
+    assert (signature["block_size"], signature["eval_iters"]) == (values["block_size"], values["eval_iters"])
+    assert signature["trainer"] == {k: v for k, v in values["trainer"].items()
+                                    if k not in ("disable_tqdm", "dataloader_num_workers")}  # no effect on a run
+    corpus = corpus_from_text("".join(chr(97 + i % 26) for i in range(10 * values["block_size"] + 100)))
+    val = val_blocks(corpus, settings["block_size"], fields["per_device_eval_batch_size"], settings["eval_iters"])
+    assert len(val) == values["eval_iters"] * values["trainer"]["per_device_train_batch_size"]
+    assert len(val[0]["input_ids"]) == values["block_size"]
+    model = values["model"]
+    trained = resolved("train_lm", f"recipe={option}")
+    assert Path(trained["output_dir"]).name == values["recipe_name"]
+    if primary == "train_lm":
+        ((kind, key_size, _),) = lm_runs.runs_of(settings)
+        config = gpt_config(corpus.vocab_size, settings["block_size"], **settings["model"], kind=kind,
+                            key_size=key_size)
+        assert (config.n_layer, config.n_head, config.n_embd, config.n_positions) == (
+            model["n_layer"], model["n_head"], model["n_embd"], values["block_size"])
+        assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == model["dropout"]
+    else:
+        assert Path(settings["model_dir"]) == Path(trained["output_dir"]) / "models" / trained["save_models"][0]
+        assert Path(settings["model_dir"]).name == f"concat-k{model['n_embd']}-seed0"
+
+
+def _task_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
+    """The task ``validate`` returns and the folder the job's results go to."""
+    task, _, _, _ = pipeline.validate(settings)
+    assert task.name == values["name"]
+    assert pipeline.job_dir(settings).relative_to(Path(settings["output_root"]) / "runs" / values["name"])
+
+
+def _data_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
+    """``load_data`` reads the GLUE folder, truncates the splits and tokenizes to the length the group gives (the
+    reading and tokenizing replaced by recorders)."""
+    import datasets
+
+    calls = {}
+    splits = {"train": 300, "validation": 200}
+    raw = datasets.DatasetDict({name: datasets.Dataset.from_dict({"idx": list(range(n))}) for name, n in
+                                splits.items()})
+    task, _, _, _ = pipeline.validate(settings)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline.glue, "load_glue", lambda task, glue_dir: calls.update(glue_dir=glue_dir) or raw)
+        patch.setattr(pipeline.glue, "tokenize_glue",
+                      lambda data, tokenizer, task, max_seq_length: calls.update(length=max_seq_length) or data)
+        data = pipeline.load_data(task, settings["data"], tokenizer=None)
+    assert calls == {"glue_dir": values["glue_dir"], "length": values["max_seq_length"]}
+    for name, limit in (("train", values["max_train_samples"]), ("validation", values["max_eval_samples"])):
+        assert len(data[name]) == min(splits[name], limit or splits[name])
+
+
+ARRIVALS = {"trainer": _trainer_arrives, "refit": _refit_arrives, "logger": _logger_arrives,
+            "recipe": _recipe_arrives, "task": _task_arrives, "data": _data_arrives}
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENT_FILES)
@@ -126,7 +320,7 @@ def test_every_experiment_composes_with_its_sweep(experiment):
         ({"rank": 128}, "collab.method is missing"),
         ({"method": "svdd", "rank": 96}, "unknown collab.method 'svdd'"),
         ({"method": "cp", "rank": "abc"}, "collab.rank must be an integer"),
-        ({"method": "cp", "rank": 128, "solver": "dense"}, "unknown collab.solver 'dense'"),
+        ({"method": "cp", "rank": 128, "solver": "dense"}, "collab.solver 'dense' is unknown"),
         ({"method": "cp", "rank": 128, "n_iter_max": 0}, "collab.n_iter_max must be a positive integer"),
         ({"method": "cp", "rank": 128, "tol": -1}, "collab.tol must be a number >= 0"),
         ({"method": "cp", "rank": 128, "budget": "mean:-3"}, "budget"),
@@ -141,14 +335,16 @@ def test_settings_refuse_bad_values_naming_the_key(bad, message):
 
 
 def test_settings_helpers():
-    assert set(TAKES) == set(CHOICES)  # every method the library has says which keys it takes
+    assert CHOICES == ("none", *METHODS)
     cp = MethodSettings.from_config(resolved("train_glue")["collab"])
     assert (cp.label, cp.rank_request, cp.converts) == ("cp", 192, True)
     assert cp.reparametrize_kwargs() == {"rank": 192, "method": "cp", "solver": "implicit", "init": "svd",
                                          "n_iter_max": 100, "tol": 5e-4}
-    aware = MethodSettings(method="cp", rank=128, budget="mean:128", solver="tensorly", calibration="task")
+    aware = MethodSettings.from_config(
+        dict(method="cp", rank=128, budget="mean:128", solver="tensorly", calibration="task")
+    )
     assert (aware.label, aware.rank_request, aware.keeps_full_size(384)) == ("cp-tensorly-aware", "mean:128", False)
-    assert MethodSettings(method="cp", rank=[384] * 6).keeps_full_size(384)
+    assert MethodSettings(method="cp", rank=[384] * 6).keeps_full_size(384)  # options: the method's defaults
     svd = MethodSettings.from_config({"method": "svd", "rank": 96})
     assert svd.reparametrize_kwargs() == {"rank": 96, "method": "svd"} and svd.label == "svd"
     none = MethodSettings.from_config({**resolved("train_glue")["collab"], "method": "none"})  # collab.method=none
@@ -159,9 +355,7 @@ def test_settings_helpers():
 
 def _expected_kwargs(collab: dict, seed: int) -> dict:
     """What reparametrize must receive for a composed collab group: its method's keys, with their values."""
-    options = {"cp": ("solver", "init", "n_iter_max", "tol", "tucker_core_size"), "svd": (), "prune": ()}
-    options["tucker"] = options["cp"]
-    taken = {k: collab[k] for k in options[collab["method"]] if collab.get(k) is not None}
+    taken = {k: collab[k] for k in METHODS[collab["method"]].option_names}
     rank = collab.get("budget") or collab["rank"]
     return {"rank": rank, "method": collab["method"], "seed": seed, **taken}
 
@@ -175,7 +369,7 @@ def _recorder(calls: list, stop: bool = False):
         calls.append((args, kwargs))
         if stop:
             raise _Stop
-        return SimpleNamespace(seconds=0.0, mean_relative_error=0.0, layers=[], details={})
+        return SimpleNamespace(seconds=0.0, mean_relative_error=0.0, layers=[], pruning=None)
     return record
 
 
@@ -194,7 +388,7 @@ def test_glue_stage_passes_the_composed_values(option, extra, monkeypatch):
     monkeypatch.setattr(pipeline, "reparametrize", _recorder(calls))
     monkeypatch.setattr(pipeline, "head_importance", lambda *a, **kw: importance.append(kw) or "scores")
     monkeypatch.setattr(pipeline.glue, "task_texts", lambda *a, **kw: texts.append(kw) or ["a text"])
-    monkeypatch.setattr(pipeline, "calibration_from_texts", lambda *a, **kw: calibrations.append(kw) or "stats")
+    monkeypatch.setattr(calibrate_module, "calibration_from_texts", lambda *a, **kw: calibrations.append(kw) or "stats")
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=384))
     pipeline.reparametrize_stage(model, None, method, settings["seed"], task=task, train_data=["examples"])
     ((args, kwargs),) = calls
@@ -374,3 +568,12 @@ def test_committed_sweeps_are_found_and_skipped(experiment, multirun, command, m
         assert {r["seed"] for r in records} == {job["seed"]} and records[0]["stage"] == "finetuned"
     assert capsys.readouterr().out.count("skipping") == len(jobs) - len(missing)
     assert not missing, f"{len(missing)} of {len(jobs)} documented jobs have no results: {missing}"
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_each_method_group_holds_the_keys_and_defaults_of_its_method(name):
+    """``configs/collab/<method>.yaml`` is the method's group: ``method``, ``rank`` and ``group_keys`` with the
+    dataclasses' defaults (rank is the file's own choice), and nothing else."""
+    group = OmegaConf.to_container(OmegaConf.load(CONFIGS / "collab" / f"{name}.yaml"))
+    assert group.pop("method") == name and type(group.pop("rank")) is int
+    assert group == group_keys(METHODS[name])

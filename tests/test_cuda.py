@@ -45,33 +45,32 @@ def padded_batch(device: str, batch: int = 4, seq: int = 40) -> dict[str, torch.
 
 
 @pytest.mark.parametrize(
-    "module_name, fused",
-    [("concat", False), ("collab", False), ("collab", True), ("collab-tucker", False), ("collab-tucker", True)],
+    "module_name, need_weights",
+    [("concat", True), ("collab", True), ("collab", False), ("collab-tucker", True), ("collab-tucker", False)],
 )
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_attention_on_gpu_matches_cpu(module_name, fused, is_causal):
+def test_attention_on_gpu_matches_cpu(module_name, need_weights, is_causal):
     torch.manual_seed(0)
     if module_name == "concat":
         layer = MultiHeadAttention(384, 12)
     else:
         layer = CollaborativeAttention(384, 12, 128, mixing_init="random",
                                        tucker_core_size=4 if module_name == "collab-tucker" else None)
-        layer.fused = fused
     layer.eval()
     x, memory = torch.randn(3, 50, 384), torch.randn(3, 70, 384)
     mask = torch.ones(3, 50, dtype=torch.long)
     mask[0, 30:] = 0
     with torch.no_grad():
-        on_cpu, weights_cpu = layer(x, attention_mask=mask, is_causal=is_causal, need_weights=not fused)
+        on_cpu, weights_cpu = layer(x, attention_mask=mask, is_causal=is_causal, need_weights=need_weights)
         cross_cpu, _ = layer(x, key_value_states=memory)
         layer.to(GPU)
         on_gpu, weights_gpu = layer(x.to(GPU), attention_mask=mask.to(GPU), is_causal=is_causal,
-                                    need_weights=not fused)
+                                    need_weights=need_weights)
         cross_gpu, _ = layer(x.to(GPU), key_value_states=memory.to(GPU))
     assert on_gpu.device.type == "cuda"
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(cross_gpu.cpu(), cross_cpu, atol=1e-5, rtol=1e-4)
-    if not fused:
+    if need_weights:
         torch.testing.assert_close(weights_gpu.cpu(), weights_cpu, atol=1e-6, rtol=1e-4)
 
 

@@ -122,7 +122,7 @@ def _pruned_pair(seed=0):
     student.load_state_dict(teacher.state_dict())
     importance = [torch.tensor([0.1, 0.9, 0.5, 0.2]), torch.tensor([0.3, 0.2, 0.8, 0.9])]
     report = reparametrize(student, 24, method="prune", importance=importance)
-    return teacher, student, report.details["kept_heads"]
+    return teacher, student, report.pruning.kept_heads
 
 
 def test_trainer_trains_on_the_distillation_loss_and_logs_its_terms(tmp_path):
@@ -160,7 +160,7 @@ def test_trainer_trains_on_the_distillation_loss_and_logs_its_terms(tmp_path):
 
 def test_refit_settings_reach_the_trainer_and_stay_out_of_training_arguments(tmp_path):
     job = tiny(tmp_path, "refit=distill", "refit.distill.alpha=0.2", "refit.distill.temperature=4")
-    assert "distill" not in pipeline.refit_recipe(job)
+    assert "distill" not in pipeline.refit_fields(job)
     plain = tiny(tmp_path)
     assert pipeline.job_dir(job) != pipeline.job_dir(plain)
     other = tiny(tmp_path, "refit=distill", "refit.distill.alpha=0.3", "refit.distill.temperature=4")

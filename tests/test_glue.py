@@ -4,13 +4,16 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.figure import Figure
 from transformers import AutoTokenizer, EvalPrediction
 
+from collab_attn.glue import summary
 from collab_attn.glue import tasks as glue
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
@@ -416,3 +419,56 @@ def test_real_glue_missing_qnli_train(real_glue_dir):
         pytest.skip("needs the QNLI folder without train.tsv")
     with pytest.raises(FileNotFoundError, match=r"QNLI/train\.tsv"):
         glue.load_glue("qnli", real_glue_dir)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sweep summary's plot (collab_attn.glue.summary)
+
+
+def test_summary_plot_draws_each_task_and_the_average(tmp_path, monkeypatch):
+    """compression_vs_accuracy.png of made-up results on two seeds, read from the figure as it is saved: a panel per
+    task and one for the average, each with the fine-tuned original as a dotted line and the scores against the
+    query/key parameters (millions), solid without retraining, dashed re-fine-tuned, the standard deviation over
+    seeds as error bars (none for the average). Seed 1 scores 2 points above seed 0 (standard deviation sqrt 2),
+    RTE 10 points below MRPC."""
+    def result(task, stage, rank, seed, main, query_key_params):
+        return {"task": task, "stage": stage, "model": "m", "method": "cp", "rank": rank, "seed": seed,
+                "main": main - (0.1 if task == "rte" else 0) + 0.02 * seed, "query_key_params": query_key_params}
+
+    rows = [result(task, stage, rank, seed, main, params) for seed in (0, 1) for task in ("mrpc", "rte")
+            for rank, params, scores in ((128, 1_000_000, (0.6, 0.7)), (64, 500_000, (0.5, 0.65)))
+            for stage, main, params in (("finetuned", 0.8, 2_000_000), ("reparam", scores[0], params),
+                                        ("refit", scores[1], params))]
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    figures, savefig = [], Figure.savefig
+
+    def save(fig, *args, **kwargs):
+        figures.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", save)
+    paths = summary.summarize(tmp_path)
+    assert paths["plot"] == tmp_path / "compression_vs_accuracy.png" and paths["plot"].is_file()
+    (fig,) = figures
+    spread = 2**0.5
+    expected = {  # title: original, (x, y, error bars) without retraining, re-fine-tuned
+        "mrpc (f1)": (81, ([0.5, 1.0], [51, 61], [spread] * 2), ([0.5, 1.0], [66, 71], [spread] * 2)),
+        "rte (accuracy)": (71, ([0.5, 1.0], [41, 51], [spread] * 2), ([0.5, 1.0], [56, 61], [spread] * 2)),
+        "average of 2 tasks": (76, ([0.5, 1.0], [46, 56], []), ([0.5, 1.0], [61, 66], [])),
+    }
+    assert [ax.get_title() for ax in fig.axes] == list(expected)
+    for ax, (original, *series) in zip(fig.axes, expected.values()):
+        assert ax.get_xlabel() == "key/query parameters (millions)"
+        dotted = [list(line.get_ydata()) for line in ax.get_lines() if line.get_linestyle() == ":"]
+        assert dotted == [pytest.approx([original, original])]
+        drawn = []
+        for container in ax.containers:
+            data, _, bars = container.lines
+            spans = [(top[1] - bottom[1]) / 2 for bottom, top in bars[0].get_segments()] if bars else []
+            drawn.append((data.get_linestyle(), data.get_color(), list(data.get_xdata()),
+                          pytest.approx(list(data.get_ydata())), pytest.approx(spans)))
+        assert drawn == [("-", "C0", *series[0]), ("--", "C0", *series[1])]
+    assert [ax.get_ylabel() for ax in fig.axes] == ["score x 100", "", ""]
+    assert [text.get_text() for text in fig.legends[0].get_texts()] == [
+        "m original", "m cp: reparametrized, no retraining", "m cp: reparametrized + re-fine-tuned"]

@@ -66,10 +66,10 @@ def test_malformed_tsv_stops_before_any_folder(tmp_path, glue_dir):
 
 def test_refit_inherits_the_trainer_fields_it_does_not_set(tmp_path):
     smoke = settings("trainer.max_steps=4", f"output_root={tmp_path}")
-    recipe = pipeline.refit_recipe(smoke)
+    recipe = pipeline.refit_fields(smoke)
     assert recipe["max_steps"] == 4 and recipe["num_train_epochs"] == 3 and recipe["learning_rate"] == 2e-5
-    assert pipeline.refit_recipe(settings("trainer.max_steps=4", "refit.max_steps=7"))["max_steps"] == 7
-    assert pipeline.refit_recipe(settings("trainer.warmup_steps=5"))["warmup_steps"] == 5
+    assert pipeline.refit_fields(settings("trainer.max_steps=4", "refit.max_steps=7"))["max_steps"] == 7
+    assert pipeline.refit_fields(settings("trainer.warmup_steps=5"))["warmup_steps"] == 5
     # the hash sees what runs: a smoke run's folder is not that of a full re-fine-tuning after 4 fine-tuning steps
     full = settings("trainer.max_steps=4", "refit.max_steps=-1", f"output_root={tmp_path}")
     assert pipeline.job_dir(smoke) != pipeline.job_dir(full)

@@ -152,7 +152,7 @@ def test_every_method_saves_and_loads_with_identical_outputs(tmp_path, family, m
     assert [a.shape[1] for a in got.attentions][: len(heads)] == heads[: len(got.attentions)]
     if method == "prune":
         assert report.model_params_after < report.model_params_before
-        assert loaded.config.collab_heads == [len(kept) for kept in report.details["kept_heads"]]
+        assert loaded.config.collab_heads == [len(kept) for kept in report.pruning.kept_heads]
 
 
 @pytest.mark.parametrize("mixing_init, check", [

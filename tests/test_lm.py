@@ -11,6 +11,7 @@ import torch
 import transformers
 from conftest import with_cache
 from hydra import compose, initialize_config_dir
+from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 from transformers import default_data_collator
 
@@ -106,7 +107,7 @@ def test_every_variant_gets_the_same_batches_with_their_targets(text_file, tmp_p
     corpus = data.load_corpus(text_file)
     model = models.build_model(models.gpt_config(corpus.vocab_size, 16, 1, 2, 16, kind=kind, key_size=key), 0)
     blocks = data.train_blocks(corpus, 16, 4, 6, seed=0)
-    args = training_args(tmp_path / "ck", 0, runs.recipe_fields(settings, False))
+    args = training_args(tmp_path / "ck", 0, runs.trainer_fields(settings, False))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=blocks, data_collator=default_data_collator,
                                    eval_dataset=blocks)
     first = next(iter(trainer.get_train_dataloader()))
@@ -204,7 +205,29 @@ def compose_cfg(primary: str, overrides: list[str]):
         return compose(primary, overrides=overrides)
 
 
-def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path, capsys):
+def saved_figures(monkeypatch) -> list:
+    """Every matplotlib figure saved from now on (its file is still written)."""
+    saved, savefig = [], Figure.savefig
+
+    def save(fig, *args, **kwargs):
+        saved.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", save)
+    return saved
+
+
+def errorbars(ax) -> dict[str, tuple[list, list, list]]:
+    """Each labelled error-bar series of ``ax``: its x, its y and the half-heights of its bars."""
+    series = {}
+    for container in ax.containers:
+        data, _, (bars,) = container.lines
+        spans = [(top[1] - bottom[1]) / 2 for bottom, top in bars.get_segments()]
+        series[container.get_label()] = (list(data.get_xdata()), list(data.get_ydata()), spans)
+    return series
+
+
+def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path, capsys, monkeypatch):
     train_dir = tmp_path / "shakespeare_char" / "cpu"
     load_script("train_lm").run(compose_cfg("train_lm", [*TINY, f"data.path={text_file}", f"output_dir={train_dir}",
                                                           "trainer.max_steps=10"]))
@@ -222,13 +245,62 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     assert all(r["retrain_curve"][-1]["step"] == 2 and len(r["retrained_sample"]) == 12 for r in records)
     assert load_script("convert_lm").run(convert) == records  # a rerun skips every result
 
+    saved = saved_figures(monkeypatch)
     readme = summary.write_summary(tmp_path / "shakespeare_char")
     text = readme.read_text()
     assert summary.RESULTS_BEGIN in text and "| cp-aware | 4 |" in text and "| concat | 16 |" in text
-    assert (tmp_path / "shakespeare_char" / "curves_cpu.png").stat().st_size > 0
+    assert "![learning curves](curves_cpu.png)" in text and (tmp_path / "shakespeare_char" / "curves_cpu.png").is_file()
+    # the one run's validation curve (step 0 left out) and its best loss, beside nanoGPT's for the cpu recipe
+    run = json.loads((train_dir / "runs" / "concat-k16-seed0.json").read_text())
+    ((left, right),) = [fig.axes for fig in saved]
+    curve, reference = left.get_lines()
+    assert (curve.get_label(), curve.get_linestyle()) == ("concat 16", "-")
+    assert list(curve.get_xdata()) == [p["step"] for p in run["curve"] if p["step"]] == [3, 6, 9, 10]
+    assert list(curve.get_ydata()) == [p["val_loss"] for p in run["curve"] if p["step"]]
+    assert reference.get_label() == "nanoGPT 1.88" and list(reference.get_ydata()) == [1.88, 1.88]
+    assert errorbars(right) == {"concat": ([16], [run["best_val_loss"]], [0.0])}
     readme.write_text("# notes\n\nkept\n\n" + text)
     assert summary.write_summary(tmp_path / "shakespeare_char").read_text().count(summary.RESULTS_BEGIN) == 1
     assert "kept" in readme.read_text()
+
+
+def test_learning_curves_are_means_over_seeds(tmp_path, monkeypatch):
+    """``plot_curves`` on made-up runs: per (attention, key size) the mean validation loss over seeds at the steps
+    every seed has (step 0 left out), colour by key size and style by attention; on the right the best losses'
+    mean and standard deviation against the key size; nanoGPT's loss where the recipe is one of its own."""
+    def run(kind, key, seed, losses, steps=(0, 5, 10), mixing="random"):
+        curve = [{"step": step, "val_loss": loss} for step, loss in zip(steps, losses, strict=True)]
+        return {"attention": kind, "key_size": key, "seed": seed, "mixing_init": mixing, "curve": curve,
+                "best_val_loss": min(losses)}
+
+    records = [run("concat", 16, 0, [4.0, 3.0, 2.0]), run("concat", 16, 1, [4.0, 2.5, 2.2, 1.5], (0, 5, 10, 15)),
+               run("collab", 4, 0, [4.0, 3.5, 3.0]), run("collab", 4, 1, [4.0, 3.3, 3.1]),
+               run("collab", 16, 0, [4.0, 3.0, 2.5], mixing="ones")]
+    saved = saved_figures(monkeypatch)
+    assert summary.plot_curves(records, "cpu", tmp_path / "cpu.png") == tmp_path / "cpu.png"
+    summary.plot_curves(records, "mine", tmp_path / "mine.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.png", "mine.png"]
+    (left, right), (other_left, other_right) = (fig.axes for fig in saved)
+    drawn = [(line.get_label(), line.get_linestyle(), line.get_color(), list(line.get_xdata()),
+              pytest.approx(list(line.get_ydata()))) for line in left.get_lines()]
+    assert drawn == [("collab (ones) 16", ":", "C0", [5, 10], [3.0, 2.5]),
+                     ("concat 16", "-", "C0", [5, 10], [2.75, 2.1]),  # step 15: one seed only
+                     ("collab 4", "--", "C1", [5, 10], [3.4, 3.05]),
+                     ("nanoGPT 1.88", ":", "grey", [0, 1], [1.88, 1.88])]
+    assert (left.get_xlabel(), left.get_ylabel(), left.get_title()) == (
+        "iteration", "validation loss", "cpu recipe: validation loss, mean over seeds")
+    assert [text.get_text() for text in left.get_legend().get_texts()] == [label for label, *_ in drawn]
+    assert errorbars(right) == {"concat": ([16], [pytest.approx(1.75)], [pytest.approx(0.5 / 2**0.5)]),
+                                "collab": ([4], [pytest.approx(3.05)], [pytest.approx(0.1 / 2**0.5)]),
+                                "collab (ones)": ([16], [2.5], [0.0])}
+    assert (right.get_xlabel(), right.get_ylabel(), right.get_title(), right.get_xscale()) == (
+        "query/key size", "best validation loss", "best validation loss, mean ± std", "log")
+    assert list(right.get_xticks()) == [16, 4] and [t.get_text() for t in right.get_xticklabels()] == ["16", "4"]
+    assert [line.get_label() for line in right.get_lines() if not line.get_label().startswith("_")] == ["nanoGPT 1.88"]
+    # a recipe nanoGPT has no number for: no reference line
+    assert [line.get_label() for line in other_left.get_lines()] == ["collab (ones) 16", "concat 16", "collab 4"]
+    assert other_left.get_title() == "mine recipe: validation loss, mean over seeds"
+    assert list(errorbars(other_right)) == ["concat", "collab", "collab (ones)"]
 
 
 def test_bad_settings_fail_before_training(text_file, tmp_path):
@@ -307,3 +379,26 @@ def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, 
     greedy = model.generate(ids[:, :5], **settings)
     assert torch.equal(model.generate(ids[:, :5], use_cache=False, **settings), greedy)
     assert torch.equal(model.generate(ids[:, :5], cache_implementation="static", **settings), greedy)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["attention=gqa", "kv_heads=2"], ("gqa", 2 * 32)),       # the cpu recipe: two key/value heads of 128 / 4
+    (["attention=gqa", "kv_heads=2", "key_size=64"], ("gqa", 64)),
+    (["attention=mla", "latent_size=48"], ("mla", 48)),
+    (["attention=collab", "key_size=96"], ("collab", 96)),
+])
+def test_kv_heads_and_latent_size_name_the_key_size(overrides, expected):
+    settings = OmegaConf.to_container(compose_cfg("train_lm", ["seed=2", *overrides]), resolve=True)
+    assert runs.runs_of(settings) == [(*expected, 2)]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["attention=mla", "kv_heads=2"], "kv_heads=2 is a size of attention=gqa, not of attention=mla"),
+    (["attention=concat", "latent_size=48"], "latent_size=48 is a size of attention=mla"),
+    (["attention=gqa", "kv_heads=2", "key_size=96"], "kv_heads=2 means key_size=64, but key_size=96 is set"),
+    (["attention=gqa", "kv_heads=0"], "kv_heads"),
+])
+def test_size_aliases_refuse_what_they_cannot_mean(overrides, message):
+    settings = OmegaConf.to_container(compose_cfg("train_lm", overrides), resolve=True)
+    with pytest.raises(ValueError, match=message):
+        runs.runs_of(settings)

@@ -19,9 +19,10 @@ from transformers import AutoModel
 
 from collab_attn.glue import pipeline
 from collab_attn.glue.summary import before_after, before_after_markdown, load_results, summarize, table, to_markdown
-from collab_attn.glue.tracking import wandb_mode
+from collab_attn.models import calibrate as calibrate_module
 from collab_attn.models.checkpoints import resolve_model
 from collab_attn.models.settings import MethodSettings
+from collab_attn.tracking import wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -189,17 +190,21 @@ def test_calibration_is_measured_only_where_a_layer_is_approximated(tmp_path, mo
     texts = tmp_path / "texts.txt"
     texts.write_text("a sentence\nanother one\n")
     calls = []
-    monkeypatch.setattr(pipeline, "calibration_from_texts", lambda model, tokenizer, texts, **kw: calls.append(texts))
+    monkeypatch.setattr(calibrate_module, "calibration_from_texts",
+                        lambda model, tokenizer, texts, **kw: calls.append(texts))
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=384))
+
+    def settings(**collab):
+        return MethodSettings.from_config(dict(method="cp", **collab))
+
     for rank in (384, [384] * 6):
-        method = MethodSettings(method="cp", rank=rank, calibration=str(texts))
-        assert pipeline.calibrate(model, None, method, seed=0) is None
+        assert pipeline.calibrate(model, None, settings(rank=rank, calibration=str(texts)), seed=0) is None
     assert calls == []
     for collab in ({"rank": 128}, {"rank": [384] * 5 + [128]}, {"rank": 384, "budget": "mean:128"}):
-        pipeline.calibrate(model, None, MethodSettings(method="cp", calibration=str(texts), **collab), seed=0)
+        pipeline.calibrate(model, None, settings(calibration=str(texts), **collab), seed=0)
     assert calls == [["a sentence", "another one"]] * 3
     with pytest.raises(ValueError, match="collab.calibration=task means the task's training texts"):
-        pipeline.calibrate(model, None, MethodSettings(method="cp", rank=128, calibration="task"), seed=0)
+        pipeline.calibrate(model, None, settings(rank=128, calibration="task"), seed=0)
 
 
 @pytest.mark.glue

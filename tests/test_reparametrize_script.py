@@ -20,12 +20,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import collab_attn
 from collab_attn.decomposition.cp_als import DEFAULT_TOL
-from collab_attn.models.checkpoints import (
-    finalize_output_dir,
-    load_model_and_tokenizer,
-    prepare_output_dir,
-    resolve_model,
-)
+from collab_attn.models.checkpoints import load_model_and_tokenizer, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -55,7 +50,7 @@ def test_default_config_composes_and_resolves():
     assert cfg.model == "minilm" and cfg.overwrite is False and cfg.seed == 0
     # the default conversion stops by the solver's own rule (tol 5e-4); only collab=cp_legacy keeps tol 1e-8
     assert dict(cfg.collab) == {
-        "method": "cp", "rank": 192, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL, "tucker_core_size": None,
+        "method": "cp", "rank": 192, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL,
         "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": 512,
         "calibration_max_length": 128,
     }
@@ -271,25 +266,6 @@ def test_load_keeps_task_head(tmp_path, minilm_path):
     result = script.run(config(f"model={tmp_path}", "collab.rank=384", f"output_dir={out}"))
     assert result["comparison"]["logits_max_abs_diff"] <= 1e-4
     assert json.loads((out / "config.json").read_text())["architectures"] == ["CollabBertForSequenceClassification"]
-
-
-def test_output_dir_helpers(tmp_path):
-    out = tmp_path / "out"
-    tmp = prepare_output_dir(out, overwrite=False)
-    assert tmp.parent == tmp_path and not tmp.exists() and not out.exists()
-    tmp.mkdir()
-    (tmp / "a").write_text("1")
-    assert finalize_output_dir(tmp, out) == out and (out / "a").read_text() == "1" and not tmp.exists()
-    with pytest.raises(ValueError, match=f"{out}.*overwrite=true"):
-        prepare_output_dir(out, overwrite=False)
-    tmp = prepare_output_dir(out, overwrite=True)
-    tmp.mkdir()
-    (tmp / "b").write_text("2")
-    finalize_output_dir(tmp, out)
-    assert [p.name for p in out.iterdir()] == ["b"] and [p.name for p in tmp_path.iterdir()] == ["out"]
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match="not a directory"):
-        prepare_output_dir(tmp_path / "file", overwrite=True)
 
 
 # ---------------------------------------------------------------------------------------------------

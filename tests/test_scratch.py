@@ -7,10 +7,11 @@ import pytest
 import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
+from matplotlib.figure import Figure
 
 import collab_attn.glue.scratch as scratch
 from collab_attn import CollaborativeAttention, MultiHeadAttention
-from collab_attn.glue.scratch import accuracy, learning_curve, recipe, run_sweep
+from collab_attn.glue.scratch import accuracy, learning_curve, run_sweep, trainer_fields
 from collab_attn.models.scratch import ScratchConfig, ScratchForSequenceClassification
 from collab_attn.training import train
 
@@ -126,9 +127,9 @@ def test_bad_settings_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="unknown model settings"):
         scratch.model_config({**settings, "model": {**settings["model"], "width": 3}}, 10, 2, "concat", 8)
     with pytest.raises(ValueError, match="max_steps"):
-        recipe({**settings, "train": {"eval_steps": 2}})
+        trainer_fields({**settings, "train": {"eval_steps": 2}})
     with pytest.raises(ValueError, match="bad train settings.*steps"):
-        recipe({**settings, "train": {**settings["train"], "steps": 4}})
+        trainer_fields({**settings, "train": {**settings["train"], "steps": 4}})
 
 
 def _keyword_examples(size: int, seed: int) -> list[dict]:
@@ -148,7 +149,7 @@ def _keyword_examples(size: int, seed: int) -> list[dict]:
 @pytest.mark.parametrize("kind", ["concat", "collab"])
 def test_both_attentions_learn_a_real_signal_through_the_trainer(kind, minilm_tokenizer, tmp_path):
     model = _model(kind, 8, vocab_size=40, num_layers=1, max_length=16, dropout=0.0)
-    fields = recipe({
+    fields = trainer_fields({
         "output_dir": str(tmp_path),
         "train": {"max_steps": 150, "per_device_train_batch_size": 32, "learning_rate": 3e-3, "warmup_steps": 0.1,
                   "eval_steps": 50, "per_device_eval_batch_size": 256},
@@ -177,8 +178,46 @@ def _settings(glue_dir, out, **train_fields):
     }
 
 
-def test_sweep_writes_every_run_resumes_and_refuses_other_settings(glue_dir, tmp_path, capsys):
+def assert_curves_drawn(fig, records: list[dict]) -> None:
+    """``curves.png`` of one-seed runs: each run's dev accuracy (%) at every evaluated step, coloured by key size
+    and styled by attention, with its (zero-width) band over seeds; on the right the final accuracies against the
+    key size; the majority-class baseline on both."""
+    left, right = fig.axes
+    keys = sorted({r["key_size"] for r in records}, reverse=True)
+    runs = sorted(records, key=lambda r: (-r["key_size"], r["attention"]))
+    majority = 100 * records[0]["majority_baseline"]
+    drawn = [(line.get_label(), line.get_linestyle(), line.get_color(), list(line.get_xdata()),
+              list(line.get_ydata())) for line in left.get_lines()]
+    assert drawn == [(f"{r['attention']} D_k={r['key_size']}", {"concat": "-", "collab": "--"}[r["attention"]],
+                      f"C{keys.index(r['key_size'])}", [p["step"] for p in r["curve"]],
+                      [100 * p["dev_accuracy"] for p in r["curve"]]) for r in runs] + [
+                         ("majority class", ":", "grey", [0, 1], [majority, majority])]
+    assert len(left.collections) == len(runs)  # one band per curve
+    assert [text.get_text() for text in left.get_legend().get_texts()] == [label for label, *_ in drawn]
+    assert (left.get_xlabel(), left.get_ylabel(), left.get_title()) == (
+        "training step", "dev accuracy (%)", f"{records[0]['task']}: dev accuracy, mean over seeds")
+    for container, kind in zip(right.containers, ("concat", "collab"), strict=True):
+        final = [r for r in records if r["attention"] == kind]
+        final.sort(key=lambda r: -r["key_size"])
+        data = container.lines[0]
+        assert container.get_label() == kind and list(data.get_xdata()) == [r["key_size"] for r in final]
+        assert list(data.get_ydata()) == pytest.approx([100 * r["dev_accuracy"] for r in final])
+    assert [list(line.get_ydata()) for line in right.get_lines() if line.get_label() == "majority class"] == [
+        [majority, majority]]
+    assert (right.get_xlabel(), right.get_ylabel(), right.get_xscale()) == (
+        "key/query size D_k", "final dev accuracy (%)", "log")
+    assert [t.get_text() for t in right.get_xticklabels()] == [str(k) for k in keys]
+
+
+def test_sweep_writes_every_run_resumes_and_refuses_other_settings(glue_dir, tmp_path, capsys, monkeypatch):
     settings = _settings(glue_dir, tmp_path / "sweep")
+    figures, savefig = [], Figure.savefig
+
+    def save(fig, *args, **kwargs):
+        figures.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", save)
     records = run_sweep(settings, progress=False)
     assert [r["name"] for r in records] == ["concat-k32-seed0", "collab-k32-seed0", "concat-k8-seed0",
                                             "collab-k8-seed0"]
@@ -189,7 +228,9 @@ def test_sweep_writes_every_run_resumes_and_refuses_other_settings(glue_dir, tmp
     assert saved["dev_accuracy"] == saved["curve"][-1]["dev_accuracy"] and saved["train_seconds"] > 0
     table = (tmp_path / "sweep" / "results.md").read_text()
     assert "| collab | 8 |" in table and "| concat | 32 |" in table
-    assert (tmp_path / "sweep" / "curves.png").stat().st_size > 0
+    assert (tmp_path / "sweep" / "curves.png").is_file()
+    (figure,) = figures  # the figure written to curves.png
+    assert_curves_drawn(figure, records)
     assert not (tmp_path / "sweep" / ".checkpoints").exists()
 
     stamps = {p.name: p.stat().st_mtime_ns for p in runs.iterdir()}

@@ -1,4 +1,4 @@
-"""W&B curves are written while training runs, not replayed when a stage ends."""
+"""The logger group and its trackers; W&B curves are written while training runs, not replayed when a stage ends."""
 
 import struct
 import time
@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from collab_attn.glue import pipeline
+from collab_attn.tracking import NoTracker, check_logger, make_tracker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +35,22 @@ def offline_history(run_file: Path, block: int = 32768) -> list[dict]:
                 rows.append({item.key or "/".join(item.nested_key): float(item.value_json)
                              for item in record.history.item})
     return rows
+
+
+def test_the_logger_group_is_checked_and_makes_its_tracker(tmp_path):
+    for logger in (None, {"name": "none"}, {"name": "wandb", "mode": None}, {"name": "wandb", "mode": "offline"}):
+        check_logger(logger)
+    for logger, message in [({"name": "tensorboard"}, "unknown logger 'tensorboard'"),
+                            ({"name": "wandb", "mode": "sometimes"}, "unknown logger.mode 'sometimes'")]:
+        with pytest.raises(ValueError, match=message):
+            check_logger(logger)
+    tracker = make_tracker({"name": "none"}, "job", "sweep", {}, tmp_path / "run")
+    assert isinstance(tracker, NoTracker) and tracker.training_callbacks("refit") == []
+    tracker.log_step({"val_loss": 1.0}, 3)
+    tracker.finish({})
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="unknown logger 'tensorboard'"):
+        make_tracker({"name": "tensorboard"}, "job", "sweep", {}, tmp_path / "run")
 
 
 @pytest.mark.glue

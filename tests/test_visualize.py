@@ -30,8 +30,8 @@ script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(script)
 
 SENTENCE, PAIR = "The animal didn't cross the street because it was too tired.", "It had walked all day."
-EXACT = MethodSettings(method="cp", rank=384)
-LOW_RANK = MethodSettings(method="cp", rank=24, init="random", n_iter_max=2)
+EXACT = MethodSettings.from_config(dict(method="cp", rank=384))
+LOW_RANK = MethodSettings.from_config(dict(method="cp", rank=24, init="random", n_iter_max=2))
 
 
 @pytest.fixture(scope="module")
@@ -129,14 +129,140 @@ def config(*overrides: str):
         return compose(config_name="visualize", overrides=list(overrides))
 
 
-def test_script_writes_views_and_plots(tmp_path):
+PLOTS = ("plot_mixing", "plot_head_statistics", "plot_attention_difference", "plot_worst_head")
+
+
+def record_plots(monkeypatch) -> dict:
+    """Each ``plots.plot_*`` call from now on, by function name: its arguments and the figure it returned."""
+    drawn = {}
+
+    def recording(name, real):
+        def recorded(*args):
+            drawn[name] = (args, real(*args))
+            return drawn[name][1]
+        return recorded
+
+    for name in PLOTS:
+        monkeypatch.setattr(plots, name, recording(name, getattr(plots, name)))
+    return drawn
+
+
+def image_axes(fig) -> list:
+    """The panels of a figure that show an image (not their colour bars), in the order they were made."""
+    return [ax for ax in fig.axes if ax.get_images()]
+
+
+def image(ax) -> np.ndarray:
+    (shown,) = ax.get_images()
+    return np.asarray(shown.get_array())
+
+
+def assert_mixing_drawn(fig, model) -> None:
+    """One heatmap per collaborative layer holding that layer's mixing weights, columns grouped by their dominant
+    head (strongest first within a group), on a colour scale symmetric around zero."""
+    layers = plots.collaborative_layers(model)
+    panels = image_axes(fig)
+    assert len(panels) == len(layers)
+    for index, (ax, layer) in enumerate(zip(panels, layers)):
+        weights, shown = plots.mixing_weights(layer), image(ax)
+        assert shown.shape == weights.shape == (layer.num_heads, layer.rank)
+        assert np.array_equal(shown[:, np.lexsort(shown)], weights[:, np.lexsort(weights)])  # the same columns
+        dominant, strength = np.abs(shown).argmax(0), np.abs(shown).max(0)
+        assert (np.diff(dominant) >= 0).all()
+        assert all((np.diff(strength[dominant == head]) <= 0).all() for head in range(layer.num_heads))
+        limit = np.abs(weights).max()
+        assert ax.get_images()[0].get_clim() == pytest.approx((-limit, limit))
+        assert ax.get_ylabel() == f"layer {index}\nhead" and list(ax.get_yticks()) == list(range(layer.num_heads))
+    assert panels[-1].get_xlabel() == "shared key/query dimension (grouped by the head that uses it most)"
+    assert fig.get_suptitle() == f"CP mixing m_h[r] |q_r| |k_r| (heads x rank), rank {layers[0].rank}"
+
+
+def assert_head_statistics_drawn(fig, stats: dict, rank: int) -> None:
+    """Four layers x heads heatmaps of the statistics, each cell written out, the effective ranks on one scale."""
+    shown = [("original_effective_rank", "effective rank of Wq_h^T Wk_h (original)", ".0f"),
+             ("collaborative_effective_rank", "effective rank of Wq~ M_h Wk~^T (collaborative)", ".0f"),
+             ("relative_error", "relative error |T_h - T~_h| / |T_h|", ".2f"),
+             ("energy_share", "share of the layer's energy |T_h|^2 / sum |T_g|^2", ".2f")]
+    panels = image_axes(fig)
+    assert len(panels) == len(shown)
+    top = max(stats["original_effective_rank"].max(), stats["collaborative_effective_rank"].max())
+    for ax, (key, title, fmt) in zip(panels, shown):
+        assert ax.get_title() == title and (ax.get_xlabel(), ax.get_ylabel()) == ("head", "layer")
+        assert np.array_equal(image(ax), stats[key])
+        assert [text.get_text() for text in ax.texts] == [format(value, fmt) for value in stats[key].flat]
+        if key.endswith("effective_rank"):
+            assert ax.get_images()[0].get_clim() == pytest.approx((0, top))
+    assert fig.get_suptitle() == f"Per-head bilinear forms T_h = Wq_h^T Wk_h, collaborative rank {rank}"
+
+
+def assert_attention_difference_drawn(fig, original, collaborative) -> None:
+    """A layers x heads grid of |original - collaborative| attention, heads named on top, layers and their mean
+    difference on the left."""
+    difference = np.stack([(a - b).abs().numpy() for a, b in zip(original.layers, collaborative.layers)])
+    layers, heads = difference.shape[:2]
+    panels = image_axes(fig)
+    assert len(panels) == layers * heads
+    for (layer, head), ax in zip(np.ndindex(layers, heads), panels):
+        assert np.allclose(image(ax), difference[layer, head], atol=1e-7)
+        assert ax.get_images()[0].get_clim() == pytest.approx((0, difference.max() or 1.0), abs=1e-7)
+        assert ax.get_title() == (f"head {head}" if layer == 0 else "")
+        assert ax.get_ylabel() == (f"layer {layer}\nmean {difference[layer].mean():.3f}" if head == 0 else "")
+    assert fig.get_suptitle() == (f"|original - collaborative| attention on {len(original.tokens)} tokens "
+                                  f"(max {difference.max():.3f}, mean {difference.mean():.4f})")
+
+
+def assert_worst_head_drawn(fig, original, collaborative) -> None:
+    """The head whose attention changed most in total: its original, collaborative and |difference| maps, with
+    the tokens on both axes."""
+    totals = [[float((a - b).abs().sum()) for a, b in zip(before, after)]
+              for before, after in zip(original.layers, collaborative.layers)]
+    layer, head = np.unravel_index(np.argmax(totals), np.shape(totals))
+    before, after = original.layers[layer][head].numpy(), collaborative.layers[layer][head].numpy()
+    panels = image_axes(fig)
+    assert [ax.get_title() for ax in panels] == ["original", "collaborative", "|difference|"]
+    for ax, values in zip(panels, (before, after, np.abs(before - after))):
+        assert np.allclose(image(ax), values, atol=1e-7)
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("key", "query")
+        assert [t.get_text() for t in ax.get_xticklabels()] == [t.get_text() for t in ax.get_yticklabels()] \
+            == original.tokens
+    assert fig.get_suptitle() == f"layer {layer}, head {head}: the head whose attention changed most"
+
+
+def test_plots_draw_what_they_are_given(original, low, tmp_path):
+    """The four plots of a low-rank conversion (nothing exact, so every panel has something to show), from the
+    figures the plot functions return beside the PNGs they write."""
+    model, tokenizer = original
+    maps = [sentence_attention(m, tokenizer, SENTENCE, PAIR) for m in (model, low)]
+    stats = plots.head_statistics(model, low)
+    assert_mixing_drawn(plots.plot_mixing(low, tmp_path / "mixing.png"), low)
+    assert_head_statistics_drawn(plots.plot_head_statistics(stats, tmp_path / "stats.png", 24), stats, 24)
+    assert_attention_difference_drawn(plots.plot_attention_difference(*maps, tmp_path / "difference.png"), *maps)
+    assert_worst_head_drawn(plots.plot_worst_head(*maps, tmp_path / "worst.png"), *maps)
+    for png in tmp_path.iterdir():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_script_writes_views_and_plots(tmp_path, monkeypatch):
     out = tmp_path / "views"
+    drawn = record_plots(monkeypatch)
     summary = script.run(config("collab.rank=384", f"output_dir={out}", 'sentence="Is the museum open?"',
                                 'sentence_pair="It opens at ten."'))
     assert sorted(p.name for p in out.iterdir()) == sorted(["index.html", *script.FILES])
     assert [p.name for p in tmp_path.iterdir()] == ["views"]  # no temporary directory left behind
     for png in out.glob("*.png"):
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the figures drawn into them: the converted model's mixing, the statistics and maps of the summary
+    (converted, _), figure = drawn["plot_mixing"]
+    assert_mixing_drawn(figure, converted)
+    (stats, _, rank), figure = drawn["plot_head_statistics"]
+    assert rank == 384 and {name: values.tolist() for name, values in stats.items()} == summary["head_statistics"]
+    assert_head_statistics_drawn(figure, stats, 384)
+    (before, after, _), figure = drawn["plot_attention_difference"]
+    assert before.tokens == after.tokens == summary["tokens"]
+    assert_attention_difference_drawn(figure, before, after)
+    (*maps, _), figure = drawn["plot_worst_head"]
+    assert maps[0] is before and maps[1] is after
+    assert_worst_head_drawn(figure, before, after)
     for name in ("head_view.html", "model_view.html"):
         params = bertviz_params((out / name).read_text())
         assert len(params) == 2 and all(p["attention"][0]["left_text"] == summary["tokens"] for p in params)
@@ -211,8 +337,9 @@ def gpt2_checkpoint(tmp_path_factory):
     return path
 
 
-def test_script_views_a_decoder_causally(tmp_path, gpt2_checkpoint):
+def test_script_views_a_decoder_causally(tmp_path, gpt2_checkpoint, monkeypatch):
     out = tmp_path / "out"
+    drawn = record_plots(monkeypatch)
     summary = script.run(config(f"model={gpt2_checkpoint}", "collab.rank=24", "collab.n_iter_max=3",
                                 'sentence="the cat sat"', f"output_dir={out}"))
     assert summary["causal"] is True and summary["tokens"] == list("the cat sat")
@@ -223,7 +350,13 @@ def test_script_views_a_decoder_causally(tmp_path, gpt2_checkpoint):
         attention = np.array(shown["attention"][0]["attn"])  # (layers, heads, tokens, tokens)
         assert attention.shape == (2, 4, 11, 11)
         assert np.abs(np.triu(attention, 1)).max() == 0  # every token attends only to the past
-    assert (out / "model_view.html").is_file() and (out / "mixing.png").is_file()
+    assert (out / "model_view.html").is_file()
+    (converted, _), figure = drawn["plot_mixing"]
+    assert [image(ax).shape for ax in image_axes(figure)] == [(4, 24)] * 2  # 2 layers of 4 heads, rank 24
+    assert_mixing_drawn(figure, converted)
+    (before, after, _), figure = drawn["plot_worst_head"]
+    assert_worst_head_drawn(figure, before, after)
+    assert all(np.triu(image(ax)[:], 1).max() == 0 for ax in image_axes(figure)[:2])  # causal maps drawn
 
 
 def test_a_decoder_cannot_be_viewed_bidirectionally(tmp_path, gpt2_checkpoint):

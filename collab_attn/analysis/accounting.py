@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-METHODS = ("cp", "tucker")
+from collab_attn.models.methods import METHODS as CONVERSION_METHODS
+from collab_attn.models.methods import PAPER_METHOD
+
+METHODS = tuple(name for name, method in CONVERSION_METHODS.items() if method.collaborative)
 
 
 def _check(d_model: int, num_heads: int, head_dim: int | None, rank: int | None, method: str) -> int:
@@ -35,7 +38,7 @@ def attention_parameters(
     *,
     head_dim: int | None = None,
     bias: bool = True,
-    method: str = "cp",
+    method: str = PAPER_METHOD,
     tucker_core_size: int | None = None,
     output_projection: bool = True,
 ) -> dict[str, int]:
@@ -59,7 +62,7 @@ def attention_parameters(
         counts["query"] = counts["key"] = d_model * rank
         if bias:
             counts["content_bias"] = num_heads * d_model
-        if method == "cp":
+        if CONVERSION_METHODS[method].mixing == "vectors":
             counts["mixing"] = num_heads * rank
         else:
             core = tucker_core_size or num_heads
@@ -77,7 +80,7 @@ def attention_flops_per_token(
     *,
     head_dim: int | None = None,
     bias: bool = True,
-    method: str = "cp",
+    method: str = PAPER_METHOD,
     output_projection: bool = True,
 ) -> dict[str, int]:
     """FLOPs of one self-attention layer per token of a ``seq_len``-token sequence (queries = keys = tokens).
@@ -107,9 +110,10 @@ def attention_flops_per_token(
         flops = {"projections": 3 * 2 * d_model * inner, "mixing": 0, "scores": 2 * num_heads * seq_len * head_dim}
     else:
         content = 2 * d_model * num_heads if bias else 0
+        vectors = CONVERSION_METHODS[method].mixing == "vectors"
         flops = {
             "projections": 2 * 2 * d_model * rank + 2 * d_model * inner + content,
-            "mixing": num_heads * rank if method == "cp" else 2 * num_heads * rank * rank,
+            "mixing": num_heads * rank if vectors else 2 * num_heads * rank * rank,
             "scores": 2 * num_heads * seq_len * rank,
         }
     flops["weighted_sum"] = 2 * num_heads * seq_len * head_dim
@@ -132,7 +136,7 @@ def cache_bytes_per_token(
     Concatenated heads cache every head's key and value, ``2 heads x head_dim`` numbers. Collaborative heads cache
     one shared key of width D~, plus (with ``bias``) each head's content-bias logit, plus the per-head values:
     ``D~ + heads + heads x head_dim``. ``dtype_bytes``: 2 for float16/bfloat16, 4 for float32."""
-    head_dim = _check(d_model, num_heads, head_dim, rank, "cp")
+    head_dim = _check(d_model, num_heads, head_dim, rank, PAPER_METHOD)
     values = num_heads * head_dim
     keys = values if rank is None else rank + (num_heads if bias else 0)
     return {"keys": keys * dtype_bytes, "values": values * dtype_bytes, "total": (keys + values) * dtype_bytes}
@@ -168,8 +172,8 @@ def heads_table(d_model: int, head_counts: Sequence[int], rank: int, bias: bool 
 
 
 def parameters_table(
-    d_model: int, num_heads: int, ranks: Sequence[int], num_layers: int = 1, bias: bool = True, method: str = "cp",
-    tucker_core_size: int | None = None,
+    d_model: int, num_heads: int, ranks: Sequence[int], num_layers: int = 1, bias: bool = True,
+    method: str = PAPER_METHOD, tucker_core_size: int | None = None,
 ) -> str:
     """Per-layer parameters by component, concatenated first, then collaborative at each rank."""
     concat = attention_parameters(d_model, num_heads, bias=bias)
@@ -190,7 +194,7 @@ def parameters_table(
 
 
 def flops_table(
-    d_model: int, num_heads: int, ranks: Sequence[int], seq_len: int, bias: bool = True, method: str = "cp"
+    d_model: int, num_heads: int, ranks: Sequence[int], seq_len: int, bias: bool = True, method: str = PAPER_METHOD
 ) -> str:
     """Per-layer FLOPs per token by part, concatenated first, then collaborative at each rank."""
     concat = attention_flops_per_token(d_model, num_heads, seq_len, bias=bias)
@@ -231,7 +235,7 @@ def table(
     num_layers: int = 1,
     head_counts: Sequence[int] = (1, 2, 4, 8, 12, 16),
     bias: bool = True,
-    method: str = "cp",
+    method: str = PAPER_METHOD,
     tucker_core_size: int | None = None,
     title: str | None = None,
     dtype_bytes: int = 2,

@@ -1,7 +1,7 @@
 """PNG plots of what a collaborative conversion did: mixing matrices, per-head spectra, attention differences.
 
 Figures are plain ``matplotlib.figure.Figure`` objects rendered by the Agg canvas, so nothing here touches
-pyplot's global state or needs a display.
+pyplot's global state or needs a display. Each ``plot_*`` function writes its PNG and returns the figure it drew.
 """
 
 from __future__ import annotations
@@ -119,13 +119,12 @@ def _by_dominant_head(weights: np.ndarray) -> np.ndarray:
     return np.lexsort((-magnitude.max(0), magnitude.argmax(0)))
 
 
-def _save(fig: Figure, path: str | Path) -> Path:
-    path = Path(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return path
+def _save(fig: Figure, path: str | Path) -> Figure:
+    fig.savefig(Path(path), dpi=110, bbox_inches="tight")
+    return fig
 
 
-def plot_mixing(model, path: str | Path) -> Path:
+def plot_mixing(model, path: str | Path) -> Figure:
     """One heatmap per layer of the heads x shared-dimension mixing (columns grouped by their dominant head)."""
     layers = collaborative_layers(model)
     tucker = layers[0].mixing_core is not None
@@ -162,7 +161,7 @@ def _heatmap(fig: Figure, ax, values: np.ndarray, title: str, fmt: str, vmin=Non
     fig.colorbar(image, ax=ax, pad=0.01)
 
 
-def plot_head_statistics(stats: dict[str, np.ndarray], path: str | Path, rank: int | None = None) -> Path:
+def plot_head_statistics(stats: dict[str, np.ndarray], path: str | Path, rank: int | None = None) -> Figure:
     """Four layers x heads heatmaps from ``head_statistics``: effective ranks before/after, error, energy share."""
     fig = Figure(figsize=(14, 3 + 0.8 * len(stats["relative_error"])), layout="constrained")
     axes = fig.subplots(2, 2)
@@ -186,7 +185,7 @@ def attention_difference(original: AttentionMaps, collaborative: AttentionMaps) 
     return torch.stack([(a - b).abs() for a, b in zip(original.layers, collaborative.layers, strict=True)]).numpy()
 
 
-def plot_attention_difference(original: AttentionMaps, collaborative: AttentionMaps, path: str | Path) -> Path:
+def plot_attention_difference(original: AttentionMaps, collaborative: AttentionMaps, path: str | Path) -> Figure:
     """A layers x heads grid of |original - collaborative| attention maps on one colour scale."""
     diff = attention_difference(original, collaborative)
     layers, heads = diff.shape[:2]
@@ -207,7 +206,7 @@ def plot_attention_difference(original: AttentionMaps, collaborative: AttentionM
     return _save(fig, path)
 
 
-def plot_worst_head(original: AttentionMaps, collaborative: AttentionMaps, path: str | Path) -> Path:
+def plot_worst_head(original: AttentionMaps, collaborative: AttentionMaps, path: str | Path) -> Figure:
     """Original, collaborative and |difference| attention, with tokens, for the head that changed most."""
     diff = attention_difference(original, collaborative)
     layer, head = np.unravel_index(diff.sum(axis=(2, 3)).argmax(), diff.shape[:2])

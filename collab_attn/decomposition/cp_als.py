@@ -47,6 +47,7 @@ SINGLE_PRECISION_UNTIL = 0.03  # relative error below which cp_als switches floa
 # 15-60 iterations below the error of the paper's 100 random-init iterations at every rank from 64 to 256
 # (experiments/benchmarks/README.md, section 6).
 DEFAULT_TOL = 5e-4
+DEFAULT_N_ITER_MAX = 100
 DEFAULT_PATIENCE = 3
 EXACT_FIT = 1e-7  # relative errors below this are rounding noise (the error is a difference of squared norms)
 
@@ -243,7 +244,7 @@ def cp_als(
     rank: int,
     *,
     init="svd",
-    n_iter_max: int = 100,
+    n_iter_max: int = DEFAULT_N_ITER_MAX,
     tol: float = DEFAULT_TOL,
     patience: int = DEFAULT_PATIENCE,
     seed: int = 0,
@@ -397,7 +398,7 @@ def tucker_hooi(
     core_size: int | None = None,
     *,
     init: str = "svd",
-    n_iter_max: int = 100,
+    n_iter_max: int = DEFAULT_N_ITER_MAX,
     tol: float = DEFAULT_TOL,
     patience: int = DEFAULT_PATIENCE,
     seed: int = 0,

@@ -30,6 +30,7 @@ import torch
 from tensorly.decomposition import parafac, tucker
 
 from collab_attn.decomposition.cp_als import (
+    DEFAULT_N_ITER_MAX,
     DEFAULT_PATIENCE,
     DEFAULT_TOL,
     HeadProducts,
@@ -111,7 +112,7 @@ def decompose_heads(
     *,
     solver: str = "implicit",
     init="svd",
-    n_iter_max: int = 100,
+    n_iter_max: int = DEFAULT_N_ITER_MAX,
     tol: float = DEFAULT_TOL,
     patience: int = DEFAULT_PATIENCE,
     tucker_core_size: int | None = None,

@@ -1,2 +1,2 @@
-"""GLUE: task data and metrics (``tasks``), the pipeline as functions (``pipeline``), W&B tracking, sweep
-summaries, and training from scratch on a GLUE task (``scratch``)."""
+"""GLUE: task data and metrics (``tasks``), the pipeline as functions (``pipeline``), sweep summaries, and training
+from scratch on a GLUE task (``scratch``)."""

@@ -3,10 +3,13 @@ evaluate. Hydra lives in ``scripts/train_glue.py``; ``run_job`` takes the resolv
 the typed method settings once (``MethodSettings.from_config(settings["collab"])``) and hands each stage what it
 needs.
 
-A job is one (task, model, collab method, rank, seed, recipe). Its results are one JSON line per stage in
-``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<recipe hash>/results.jsonl``, written only
-when every stage has finished, so a job with results is done and an interrupted job leaves no results. The
-fine-tuned model is cached in ``<output_root>/finetuned/...`` and shared by every rank of a sweep. Training saves a
+A job is one (task, model, collab method, rank, seed, recipe), identified by its ``JobKey``
+(``collab_attn.glue.jobs``). Its results are one JSON line per stage in
+``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<key digest>/results.jsonl`` (or the folder
+``runs/index.json`` gives a job finished before job keys), written only when every stage has finished, so a job
+with results is done and an interrupted job leaves no results. The fine-tuned model is cached in
+``<output_root>/finetuned/...`` and shared by every rank of a sweep. The stages are functions
+(``finetuned_checkpoint``, ``reparametrize_stage``, ``refit_stage``) that ``run_job`` calls in turn. Training saves a
 resumable checkpoint every ``checkpoint_every`` steps (beside the cached model while fine-tuning, in the job's
 ``.checkpoints`` while re-fine-tuning), so running an interrupted job again continues its training where it stopped.
 """
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -32,77 +34,27 @@ from collab_attn import cli, distributed
 from collab_attn.distillation import DistillationTrainer, DistillSettings, load_teacher
 from collab_attn.files import write_text_atomic
 from collab_attn.glue import tasks as glue
-from collab_attn.glue.tracking import NoTracker, make_tracker
-from collab_attn.models.calibration import calibration_from_texts
-from collab_attn.models.checkpoints import resolve_model
+from collab_attn.glue.jobs import (
+    RANDOM_SUFFIX,
+    digest,
+    finetuned_dir,
+    job_dir,
+    job_name,
+    refit_fields,
+    weights_of,
+)
+from collab_attn.models.calibrate import calibrate, check_calibration
+from collab_attn.models.checkpoints import checked_model
 from collab_attn.models.conversion import ReparamReport, reparametrize
-from collab_attn.models.hf import attention_parameters, family_of
+from collab_attn.models.hf import attention_parameters
 from collab_attn.models.importance import head_importance
 from collab_attn.models.settings import MethodSettings
+from collab_attn.tracking import NoTracker, check_logger, make_tracker
 from collab_attn.training import train, training_args
 
 log = logging.getLogger(__name__)
 
-STAGES = ("finetuned", "reparam", "refit")
 RESULTS_FILE = "results.jsonl"
-
-
-# TrainingArguments fields that change what is logged, not what is learned: left out of the recipe hashes.
-_LOGGING_ONLY = {"logging_steps", "logging_strategy", "disable_tqdm", "per_device_eval_batch_size", "report_to"}
-
-
-def _recipe(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k not in _LOGGING_ONLY}
-
-
-def _digest(payload) -> str:
-    return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:8]
-
-
-def model_slug(name: str) -> str:
-    """A short, path-safe name for a model: ``minilm``, ``bert-base-uncased``, ``org--name``, a directory's name."""
-    path = Path(name)
-    return path.name if path.is_dir() else name.replace("/", "--")
-
-
-def random_weights(settings: dict) -> bool:
-    """``weights=random``: the checkpoint's architecture with fresh weights, a control for what pretraining brings."""
-    return settings.get("weights", "pretrained") == "random"
-
-
-def _weights_suffix(settings: dict) -> str:
-    return "-random-init" if random_weights(settings) else ""
-
-
-def model_label(settings: dict) -> str:
-    """The model as paths name it: its slug, with ``-random-init`` for ``weights=random``."""
-    return model_slug(settings["model"]) + _weights_suffix(settings)
-
-
-def _with_weights(recipe: dict, settings: dict) -> dict:
-    """``recipe`` plus the weights setting where it is not the default, so pretrained jobs keep their hashes."""
-    return {**recipe, "weights": "random"} if random_weights(settings) else recipe
-
-
-def rank_tag(rank) -> str:
-    return "-".join(map(str, rank)) if isinstance(rank, list) else str(rank)
-
-
-def job_name(settings: dict) -> str:
-    collab = MethodSettings.from_config(settings["collab"])
-    method = collab.label
-    if collab.converts:
-        method += f"-r{rank_tag(collab.rank_request).replace(':', '')}"
-    task = glue.get_task(settings["task"]["name"]).name
-    return f"{task}/{model_label(settings)}/{method}/seed{settings['seed']}"
-
-
-def refit_recipe(settings: dict) -> dict:
-    """The re-fine-tuning's TrainingArguments: ``trainer.*`` with the fields the ``refit`` group sets replaced; a
-    field it leaves out or sets to null (``max_steps`` in ``refit=paper``) is the trainer's. The ``distill`` block
-    (``refit=distill``) is not a TrainingArguments field: ``refit_trainer`` reads it."""
-    refit = {k: v for k, v in settings["refit"].items() if v is not None and k != "distill"}
-    return {**settings["trainer"], **refit}
 
 
 def refit_trainer(
@@ -118,40 +70,8 @@ def refit_trainer(
         "teacher": load_teacher(teacher_path, attention_maps=bool(distill.attention_weight)),
         "distill": distill,
         "regression": task.is_regression,
-        "teacher_heads": report.details.get("kept_heads") if report else None,
+        "teacher_heads": report.pruning.kept_heads if report and report.pruning else None,
     }
-
-
-def _hashed_refit(settings: dict) -> dict:
-    """The ``refit`` group as the job hash sees it: a null field with the trainer's value it inherits. Until
-    ``configs/refit/paper.yaml`` said ``max_steps: null`` it said ``max_steps: -1``, so a run with ``trainer.max_steps``
-    set still re-fine-tuned for every epoch. Committed jobs (max_steps -1 in both groups) hash as they did and keep
-    their folders; a short run (``trainer.max_steps=4``) gets a folder of its own."""
-    trainer = settings["trainer"]
-    return {k: trainer[k] if v is None and k in trainer else v for k, v in _recipe(settings["refit"]).items()}
-
-
-def job_dir(settings: dict) -> Path:
-    """Where a job's results go; the recipe hash keeps runs with different settings apart. It hashes the composed
-    groups as they are (the ``collab`` dict included, not ``MethodSettings``): committed runs are found by it."""
-    recipe = {k: settings[k] for k in ("model", "task", "collab", "finetune")}
-    recipe.update(trainer=_recipe(settings["trainer"]), refit=_hashed_refit(settings))
-    recipe["data"] = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
-    return Path(settings["output_root"]) / "runs" / f"{job_name(settings)}-{_digest(_with_weights(recipe, settings))}"
-
-
-def finetuned_dir(settings: dict) -> Path:
-    recipe = {
-        "model": settings["model"],
-        "trainer": _recipe(settings["trainer"]),
-        "max_seq_length": settings["data"]["max_seq_length"],
-        "max_train_samples": settings["data"]["max_train_samples"],
-    }
-    task = glue.get_task(settings["task"]["name"]).name
-    return (
-        Path(settings["output_root"]) / "finetuned" / task / model_label(settings)
-        / f"seed{settings['seed']}-{_digest(_with_weights(recipe, settings))}"
-    )
 
 
 def checkpoints_dir(settings: dict, stage: str) -> Path:
@@ -183,10 +103,10 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings, Distil
     every = settings["checkpoint_every"]
     if every is not None and not (type(every) is int and every > 0):
         raise ValueError(f"checkpoint_every must be a positive number of training steps or null, got {every!r}")
-    if random_weights(settings) and not settings["finetune"]:
+    if weights_of(settings) == "random" and not settings["finetune"]:
         raise ValueError("weights=random needs finetune=true: a freshly initialized model has to be trained first")
     cli.integer("seed", settings["seed"], 0)
-    check_method(method, config)
+    method.check_model(config)
     check_calibration(method, task_allowed=True)
     fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     distill = DistillSettings.from_refit(settings["refit"])
@@ -205,38 +125,6 @@ def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings, Distil
     check_logger(settings.get("logger"))
     cli.output_dir("output_root", settings["output_root"])
     return task, path, method, distill
-
-
-def check_logger(logger: dict | None) -> None:
-    """The ``logger`` group: ``none``, or ``wandb`` with a mode W&B knows (null: chosen as ``wandb_mode`` says)."""
-    logger = logger or {"name": "none"}
-    if cli.choice("logger", logger.get("name"), ("none", "wandb")) == "wandb":
-        cli.choice("logger.mode", logger.get("mode"), (None, "online", "offline", "disabled"))
-
-
-def check_method(method: MethodSettings, config) -> None:
-    """``method.check_model(config)``, a refusal naming the setting it is about (``collab.rank`` or
-    ``collab.budget``)."""
-    with cli.naming("collab.budget" if method.budget else "collab.rank", method.rank_request):
-        method.check_model(config)
-
-
-def checked_model(name: str, argument: str = "model") -> tuple[str, transformers.PretrainedConfig]:
-    """The local folder (or Hub id) and config of the checkpoint ``name`` (see ``resolve_model``), of a supported
-    family, read before any work without loading weights; errors name the setting ``argument``."""
-    with cli.naming(argument, name):
-        path = resolve_model(name)
-        try:
-            config = AutoConfig.from_pretrained(path)
-        except OSError as err:
-            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-            raise cli.Missing(
-                f"could not load the config of {name!r}: no local checkpoint folder of that name" + (
-                    ", and since HF_HUB_OFFLINE is set a Hub id must already be in the Hugging Face cache"
-                    if offline else f" and no such Hub model ({str(err).splitlines()[0]})")
-            ) from err
-        family_of(config)
-    return path, config
 
 
 def check_glue_files(argument: str, task: glue.GlueTask, glue_dir, splits=None, hub: bool = True) -> None:
@@ -259,27 +147,6 @@ def check_glue_files(argument: str, task: glue.GlueTask, glue_dir, splits=None, 
             )
         cli.text_file(argument, path, limit=1 << 20)
         glue.check_tsv(task, path)
-
-
-def check_calibration(method: MethodSettings, task_allowed: bool) -> None:
-    """The calibration texts of ``collab.calibration`` are there and are text (a GLUE train.tsv/dev.tsv in its task
-    folder, or a file of one text per line), before any work."""
-    if method.calibrated and Path(method.calibration).is_dir():
-        raise cli.BadInput(f"collab.calibration={method.calibration} is a folder; pass a text file (one text per "
-                           "line) or a GLUE train.tsv/dev.tsv")
-    method.check_calibration_source(task_allowed)
-    if not method.calibrated or method.calibration == "task":
-        return
-    path = Path(method.calibration)
-    if path.suffix != ".tsv":
-        if not cli.text_file("collab.calibration", path).strip():
-            raise cli.BadInput(f"collab.calibration={path} holds no texts; pass a file with one text per line")
-        return
-    if path.name not in ("train.tsv", "dev.tsv"):
-        raise cli.BadInput(f"collab.calibration={path}: a .tsv must be a GLUE train.tsv or dev.tsv")
-    with cli.naming("collab.calibration", path):
-        glue.get_task(path.parent.name)
-    cli.text_file("collab.calibration", path, limit=1 << 20)
 
 
 def load_data(task: glue.GlueTask, data_cfg: dict, tokenizer):
@@ -334,7 +201,7 @@ def finetuned_checkpoint(settings, task, path, data, tokenizer, callbacks=()) ->
             return target, 0.0
         transformers.set_seed(settings["seed"])
         labels = {"id2label": dict(enumerate(task.label_names))} if task.label_names else {}
-        if random_weights(settings):
+        if weights_of(settings) == "random":
             config = AutoConfig.from_pretrained(path, num_labels=task.num_labels, **labels)
             model = AutoModelForSequenceClassification.from_config(config)
         else:
@@ -360,7 +227,7 @@ def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str
     if not settings["finetune"]:
         return evaluate_fn()
     data = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
-    cache = checkpoint / f"eval-{_digest(data)}.json"
+    cache = checkpoint / f"eval-{digest(data)}.json"
     cached = distributed.from_main(json.loads(cache.read_text()) if cache.is_file() else None)
     if cached is not None:
         return cached
@@ -395,45 +262,24 @@ def stage_record(
     }
 
 
-def _given(**options) -> dict:
-    """The options that are set: an unset one (None) is left to the called function's default."""
-    return {k: v for k, v in options.items() if v is not None}
-
-
-def calibrate(model, tokenizer, method: MethodSettings, seed: int, task: glue.GlueTask | None = None, glue_dir=None):
-    """Input statistics for activation-aware fitting (``collab.calibration``: a text file, a GLUE .tsv, or ``task``,
-    the task's training texts), or None when it is off or when every layer keeps its full key/query size (an exact
-    conversion has nothing to fit)."""
-    if not method.calibrated or method.keeps_full_size(model.config.hidden_size):
-        return None
-    sample = _given(limit=method.calibration_samples)
-    if method.calibration == "task":
-        if task is None:
-            method.check_calibration_source(task_allowed=False)
-        texts = glue.task_texts(task, glue_dir, "train", seed=seed, **sample)
-    else:
-        texts = glue.load_texts(method.calibration, seed=seed, **sample)
-    log.info("calibrating on %d texts from %s", len(texts), method.calibration)
-    return calibration_from_texts(model, tokenizer, texts, **_given(max_length=method.calibration_max_length))
-
-
 def reparametrize_stage(
     model, tokenizer, method: MethodSettings, seed: int, *, task: glue.GlueTask | None = None, glue_dir=None,
     train_data=None,
 ) -> ReparamReport:
-    """The ``reparam`` stage, in place: collaborative heads (``cp``, ``tucker``; calibrated on ``collab.calibration``
-    when set) or a baseline at the same key/query size (``svd``: SVD-truncated heads; ``prune``: head pruning by
-    importance on ``train_data``, labelled task examples)."""
+    """The ``reparam`` stage, in place, with what the method needs measured first: head importance on ``train_data``
+    (labelled task examples) for a method that ranks heads, input statistics on ``collab.calibration`` for an
+    activation-aware fit."""
     measured = {}
-    if method.method == "prune":
+    if method.importance is not None:
         if train_data is None:
-            raise ValueError("collab=prune needs labelled task examples to score the heads on")
+            raise ValueError(f"collab={method.method} needs labelled task examples to score the heads on")
         measured["importance"] = head_importance(
             model, train_data, transformers.DataCollatorWithPadding(tokenizer), seed=seed,
-            **_given(samples=method.importance_samples, batch_size=method.importance_batch_size),
+            samples=method.importance.samples, batch_size=method.importance.batch_size,
         )
-    elif method.calibrated:
-        measured["calibration"] = calibrate(model, tokenizer, method, seed, task, glue_dir)
+    elif method.calibration is not None:
+        measured["calibration"] = calibrate(model, tokenizer, method, seed, functools.partial(
+            glue.task_texts, task, glue_dir, "train") if task is not None else None)
     return reparametrize(model, seed=seed, **method.reparametrize_kwargs(), **measured)
 
 
@@ -446,6 +292,17 @@ def _summary_line(name: str, record: dict) -> str:
         f"[{name}] {record['stage']:>9}: {metrics} (main {record['main_metric']} {record['main']:.4f}); "
         f"q/k params {record['query_key_params']:,}; {record['seconds']:.0f} s"
     )
+
+
+def refit_stage(settings, task, model, data, tokenizer, distill, checkpoint, report, callbacks) -> float:
+    """The ``refit`` stage, in place: re-fine-tune the converted model (with distillation from the fine-tuned
+    ``checkpoint`` under ``refit.distill``); returns the training seconds of interrupted earlier runs it resumed."""
+    run = train(
+        model, data["train"], transformers.DataCollatorWithPadding(tokenizer), refit_fields(settings),
+        settings["seed"], checkpoints_dir(settings, "refit"), settings["checkpoint_every"], callbacks=callbacks,
+        **refit_trainer(distill, task, checkpoint, report),
+    )
+    return run.resumed_seconds
 
 
 def run_job(settings: dict) -> list[dict]:
@@ -467,45 +324,37 @@ def run_job(settings: dict) -> list[dict]:
     tracker = make_tracker(settings["logger"], name, settings["sweep_name"], settings, out) if main else NoTracker()
     eval_batch = settings["trainer"].get("per_device_eval_batch_size", 64)
     records, summary = [], {}
-    try:
+    model_name = settings["model"] + RANDOM_SUFFIX * (weights_of(settings) == "random")
+    start = time.perf_counter()
+
+    def finish(stage: str, metrics: dict, report: ReparamReport | None, resumed: float = 0.0) -> None:
+        """Record a stage; a stage that resumed interrupted training also counts the time of the runs before it."""
+        nonlocal start
+        record = stage_record(stage, task, model_name, method, settings["seed"], metrics, model, report,
+                              time.perf_counter() - start + resumed, distill)
         start = time.perf_counter()
+        records.append(record)
+        tracker.log_stage(record)
+        if main:
+            print(_summary_line(name, record))
+        summary.update({f"{stage}/main": record["main"], "query_key_params": record["query_key_params"]})
+
+    try:
         checkpoint, resumed = finetuned_checkpoint(
             settings, task, path, data, tokenizer, callbacks=tracker.training_callbacks("finetuned")
         )
         model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
-        stages = ["finetuned"]
-        if method.converts:
-            stages += ["reparam", "refit"] if settings["refit"]["enabled"] else ["reparam"]
-        report = None
         evaluate_model = functools.partial(evaluate, model, data, tokenizer, task, eval_batch, scratch / "eval")
-        for stage in stages:
-            if stage == "reparam":
-                report = reparametrize_stage(
-                    model, tokenizer, method, settings["seed"], task=task, glue_dir=settings["data"]["glue_dir"],
-                    train_data=data["train"],
-                )
-                distributed.sync_parameters(model)  # each process converted its copy; rank 0's is the one saved
-            elif stage == "refit":
-                run = train(
-                    model, data["train"], transformers.DataCollatorWithPadding(tokenizer), refit_recipe(settings),
-                    settings["seed"], checkpoints_dir(settings, stage), settings["checkpoint_every"],
-                    callbacks=tracker.training_callbacks(stage), **refit_trainer(distill, task, checkpoint, report),
-                )
-                resumed = run.resumed_seconds
-            metrics = (
-                finetuned_metrics(settings, checkpoint, evaluate_model) if stage == "finetuned" else evaluate_model()
-            )
-            # a stage that resumed interrupted training also counts the time of the runs before it
-            record = stage_record(
-                stage, task, settings["model"] + _weights_suffix(settings), method, settings["seed"], metrics, model,
-                report, time.perf_counter() - start + resumed, distill,
-            )
-            start, resumed = time.perf_counter(), 0.0
-            records.append(record)
-            tracker.log_stage(record)
-            if main:
-                print(_summary_line(name, record))
-            summary.update({f"{stage}/main": record["main"], "query_key_params": record["query_key_params"]})
+        finish("finetuned", finetuned_metrics(settings, checkpoint, evaluate_model), None, resumed)
+        if method.converts:
+            report = reparametrize_stage(model, tokenizer, method, settings["seed"], task=task,
+                                         glue_dir=settings["data"]["glue_dir"], train_data=data["train"])
+            distributed.sync_parameters(model)  # each process converted its copy; rank 0's is the one saved
+            finish("reparam", evaluate_model(), report)
+            if settings["refit"]["enabled"]:
+                resumed = refit_stage(settings, task, model, data, tokenizer, distill, checkpoint, report,
+                                      tracker.training_callbacks("refit"))
+                finish("refit", evaluate_model(), report, resumed)
         if main:
             write_text_atomic(out / RESULTS_FILE, "".join(json.dumps(r) + "\n" for r in records))
         compression = records[-1]["query_key_params"] / records[0]["query_key_params"]

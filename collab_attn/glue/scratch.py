@@ -13,7 +13,6 @@ checkpoint. ``write_summary`` turns the runs into ``results.md`` and ``curves.pn
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
 from collections.abc import Sequence
@@ -25,9 +24,10 @@ import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 
-from collab_attn import cli
+from collab_attn import cli, run_store
 from collab_attn.files import replacing, write_text_atomic
 from collab_attn.models.scratch import ATTENTION_KINDS, ScratchConfig, ScratchForSequenceClassification
+from collab_attn.run_store import RunStore, key_sizes_for, mean_std
 from collab_attn.training import train, training_args
 
 MODEL_SETTINGS = ("d_model", "num_layers", "num_heads", "ffn_dim", "dropout", "pooling", "mixing_init")
@@ -77,7 +77,7 @@ def accuracy(eval_prediction) -> dict[str, float]:
     return {"accuracy": float(np.mean(np.asarray(logits).argmax(-1) == np.asarray(labels)))}
 
 
-def recipe(settings: dict, progress: bool = True) -> dict:
+def trainer_fields(settings: dict, progress: bool = True) -> dict:
     """TrainingArguments fields of every run: ``settings["train"]`` plus evaluation every ``eval_steps`` (and at
     step 0), train loss logged as often. Raises ``ValueError`` on anything TrainingArguments refuses."""
     train_settings = dict(settings["train"])
@@ -113,35 +113,14 @@ def model_config(settings: dict, vocab_size: int, num_labels: int, kind: str, ke
 
 
 def learning_curve(history: Sequence[dict]) -> list[dict]:
-    """One point per evaluation in a Trainer log history: step, dev accuracy and loss, and what was logged at that
-    step (None where nothing was, as at step 0): the mean train loss since the previous log, the learning rate of
-    that step's update and the gradient norm. A step evaluated twice (a resumed run evaluates at its start) keeps
-    its last evaluation."""
-    logged = {entry["step"]: entry for entry in history if "loss" in entry}
-    points = {}
-    for entry in history:
-        if "eval_accuracy" in entry:
-            train_log = logged.get(entry["step"], {})
-            points[entry["step"]] = {
-                "step": entry["step"],
-                "dev_accuracy": entry["eval_accuracy"],
-                "dev_loss": entry["eval_loss"],
-                "train_loss": train_log.get("loss"),
-                "lr": train_log.get("learning_rate"),
-                "grad_norm": train_log.get("grad_norm"),
-            }
-    return [points[step] for step in sorted(points)]
+    """One point per evaluation: step, dev accuracy and loss, and the train loss, learning rate and gradient norm
+    logged at that step (``collab_attn.run_store.learning_curve``)."""
+    return run_store.learning_curve(history, {"eval_accuracy": "dev_accuracy", "eval_loss": "dev_loss"},
+                                    ("loss", "learning_rate", "grad_norm"))
 
 
 # ---------------------------------------------------------------------------------------------------
 # Sweep: every (attention, key size, seed), one result JSON each, then results.md and curves.png
-
-
-def key_sizes_for(d_model: int, key_sizes: Sequence[int] | None) -> list[int]:
-    """The key sizes to sweep: as given (positive integers), or ``d_model``, ``/2``, ``/4``, ``/8``."""
-    if key_sizes is None:
-        return [d_model // div for div in (1, 2, 4, 8)]
-    return [cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", key_sizes)]
 
 
 def run_name(kind: str, key_size: int, seed: int) -> str:
@@ -191,23 +170,18 @@ def check(settings: dict, progress: bool = True) -> Sweep:
     seeds = [cli.integer("seeds", seed, 0) for seed in cli.nonempty_list("seeds", settings["seeds"])]
     keys = key_sizes_for(model["d_model"], settings.get("key_sizes"))
     cli.trainer_fields("train", settings["train"])
-    fields = recipe(settings, progress)
+    fields = trainer_fields(settings, progress)
     for kind in kinds:
         for key in keys:
             model_config(settings, 1, task.num_labels, kind, key)
-    runs_dir = cli.output_dir("output_dir", settings["output_dir"], files=("results.md", "curves.png")) / "runs"
-    signature = run_signature(settings)
+    cli.output_dir("output_dir", settings["output_dir"], files=("results.md", "curves.png"))
+    store = RunStore(settings["output_dir"], run_signature(settings))
     plan = [(kind, key, seed) for seed in seeds for key in keys for kind in kinds]
     records = {}
-    for kind, key, seed in plan:
-        path = runs_dir / f"{run_name(kind, key, seed)}.json"
-        if path.exists():
-            record = cli.json_file("output_dir", path)
-            if not isinstance(record, dict) or record.get("signature") != signature:
-                raise cli.BadInput(
-                    f"{path} was made with different settings; use another output_dir or delete {runs_dir}"
-                )
-            records[path.stem] = record
+    for name in (run_name(*p) for p in plan):
+        record = store.finished(name)
+        if record is not None:
+            records[name] = record
     return Sweep(task, fields, plan, records)
 
 
@@ -230,11 +204,10 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
         os.environ.setdefault("RAYON_NUM_THREADS", str(settings["threads"]))  # the Rust tokenizer's thread pool
 
     out = Path(settings["output_dir"])
-    runs_dir = out / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    signature = run_signature(settings)
+    store = RunStore(out, run_signature(settings))
+    store.folder.mkdir(parents=True, exist_ok=True)
     pending = [p for p in plan if run_name(*p) not in records]
-    print(f"{len(plan) - len(pending)} of {len(plan)} runs already done in {runs_dir}; {len(pending)} to go")
+    print(f"{len(plan) - len(pending)} of {len(plan)} runs already done in {store.folder}; {len(pending)} to go")
 
     if pending:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(settings["tokenizer"]))
@@ -252,7 +225,7 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
             transformers.set_seed(seed)
             model = ScratchForSequenceClassification(config)
             run = train(
-                model, train_data, collator, fields, seed, out / ".checkpoints" / name,
+                model, train_data, collator, fields, seed, store.checkpoints(name),
                 settings.get("checkpoint_every"), eval_dataset=dev_data, compute_metrics=accuracy,
             )
             curve = learning_curve(run.history)
@@ -263,7 +236,7 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
                 "key_size": key,
                 "seed": seed,
                 "task": task.name,
-                "signature": signature,
+                "signature": store.signature,
                 "parameters": model.parameter_counts(),
                 "majority_baseline": majority,
                 "threads": torch.get_num_threads(),
@@ -273,7 +246,7 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
                 "train_seconds": run.seconds - eval_seconds,  # training alone: evaluations left out
                 "resumed_seconds": run.resumed_seconds,
             }
-            write_text_atomic(runs_dir / f"{name}.json", json.dumps(record, indent=1) + "\n")
+            store.save(record)
             records[name] = record
             print(f"{name}: dev accuracy {record['dev_accuracy']:.4f}, {record['train_seconds']:.0f} s", flush=True)
 
@@ -285,10 +258,6 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
     return ordered
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def summary_rows(records: Sequence[dict]) -> list[dict]:
     """One row per (attention, key size): parameter counts and final dev metrics, mean and std over seeds."""
     groups: dict[tuple[str, int], list[dict]] = {}
@@ -296,8 +265,8 @@ def summary_rows(records: Sequence[dict]) -> list[dict]:
         groups.setdefault((record["attention"], record["key_size"]), []).append(record)
     rows = []
     for (kind, key), runs in sorted(groups.items(), key=lambda item: (-item[0][1], ATTENTION_KINDS.index(item[0][0]))):
-        accuracy, accuracy_std = _mean_std([r["dev_accuracy"] for r in runs])
-        loss, loss_std = _mean_std([r["dev_loss"] for r in runs])
+        accuracy, accuracy_std = mean_std([r["dev_accuracy"] for r in runs])
+        loss, loss_std = mean_std([r["dev_loss"] for r in runs])
         rows.append({
             "attention": kind,
             "key_size": key,
@@ -346,7 +315,7 @@ def _curves_by_config(records: Sequence[dict]) -> dict[tuple[str, int], tuple[li
     for config, runs in groups.items():
         by_step = [{p["step"]: p["dev_accuracy"] for p in r["curve"]} for r in runs]
         steps = sorted(set.intersection(*(set(c) for c in by_step)))
-        stats = [_mean_std([c[s] for c in by_step]) for s in steps]
+        stats = [mean_std([c[s] for c in by_step]) for s in steps]
         curves[config] = (steps, [m for m, _ in stats], [s for _, s in stats])
     return curves
 
@@ -407,8 +376,8 @@ __all__ = [
     "learning_curve",
     "load_task",
     "model_config",
-    "recipe",
     "run_sweep",
     "summary_rows",
+    "trainer_fields",
     "write_summary",
 ]

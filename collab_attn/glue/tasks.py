@@ -20,6 +20,8 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import f1_score, matthews_corrcoef
 
+from collab_attn.texts import sample_texts
+
 HUB_DATASET = "nyu-mll/glue"
 _TSV_FORMAT_VERSION = 1  # bump when TSV parsing changes, to invalidate tokenization caches
 
@@ -412,44 +414,18 @@ __all__ = [
 ]
 
 
-# Texts for activation-aware calibration
-
-
-def load_texts(source: str | Path, limit: int | None = 512, seed: int = 0) -> list[str | tuple[str, str]]:
-    """Calibration texts from a file: a ``.tsv`` of the GLUE layout (``<glue_dir>/<Task>/{train,dev}.tsv``: the
-    task's text fields, one text or sentence pair per row) or any other text file (one text per non-empty line).
-    With more than ``limit`` texts, a sample of ``limit`` drawn with ``seed`` (in file order)."""
-    path = Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"calibration text file {path} not found")
-    if path.suffix == ".tsv":
-        split = {"train.tsv": "train", "dev.tsv": "validation"}.get(path.name)
-        if split is None:
-            raise ValueError(f"{path}: expected a GLUE train.tsv or dev.tsv")
-        return task_texts(path.parent.name, path.parent.parent, split, limit=limit, seed=seed)
-    with path.open(encoding="utf-8") as handle:
-        texts = [line.strip() for line in handle if line.strip()]
-    if not texts:
-        raise ValueError(f"{path} holds no texts")
-    return _sample(texts, limit, seed)
+# Texts for activation-aware calibration (``collab_attn.texts.load_texts`` reads a GLUE .tsv through ``task_texts``)
 
 
 def task_texts(
     task, glue_dir: str | Path | None, split: str = "train", *, limit: int | None = 512, seed: int = 0
 ) -> list[str | tuple[str, str]]:
     """A GLUE task's texts (one text or sentence pair per example) from ``glue_dir`` (None: the Hub), sampled as
-    in ``load_texts``."""
+    in ``collab_attn.texts.load_texts``."""
     task = get_task(task)
     data = load_glue(task, glue_dir, splits=[split])[split]
     columns = [data[f] for f in task.text_fields]
     texts = list(columns[0]) if len(columns) == 1 else list(zip(*columns))
     if not texts:
         raise ValueError(f"the {task.name} {split} split holds no texts")
-    return _sample(texts, limit, seed)
-
-
-def _sample(texts: list, limit: int | None, seed: int) -> list:
-    if limit is not None and len(texts) > limit:
-        keep = np.sort(np.random.RandomState(seed).choice(len(texts), limit, replace=False))
-        texts = [texts[i] for i in keep]
-    return texts
+    return sample_texts(texts, limit, seed)

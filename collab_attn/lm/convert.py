@@ -4,15 +4,11 @@ For each method and key size: load the trained model, convert it with ``collab_a
 validation loss (the fixed validation blocks of ``collab_attn.lm.data``), re-train it for ``retrain_fraction`` of
 the recipe's iterations (same recipe otherwise: warm-up, cosine schedule over the shorter run, batch, clipping;
 training blocks drawn with ``seed + 1``, evaluation every quarter of the re-training) and sample text with the
-cache before and after. Methods:
-
-- ``cp``: CP decomposition of the stacked head products (collaborative heads);
-- ``cp-aware``: the same fitted to the attention logits on training text (``collect_calibration`` over
-  ``calibration_blocks`` training blocks);
-- ``svd``: SVD-truncated concatenated heads of query/key size ``key_size / n_head``;
-- ``prune``: head pruning within the same query/key parameters, heads ranked by Michel et al.'s importance on
-  ``importance_samples`` training blocks (the model's own next-character loss);
-- ``none``: no conversion, only the re-training (a control: what the extra iterations alone give).
+cache before and after. Methods (``collab_attn.models.settings.labels``): every conversion method
+(``collab_attn.models.methods``) at its default options; ``<method>-aware`` for a method fitted to the attention
+logits on training text (``collect_calibration`` over ``calibration_blocks`` training blocks); a method that ranks
+heads gets Michel et al.'s importance on ``importance_samples`` training blocks (the model's own next-character
+loss); ``none``: no conversion, only the re-training (a control: what the extra iterations alone give).
 
 Each (method, key size) writes ``<output_dir>/runs/<method>-k<key size>.json`` atomically and is skipped when it
 exists.
@@ -20,7 +16,6 @@ exists.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -30,15 +25,14 @@ from transformers import default_data_collator
 
 import collab_attn
 from collab_attn import cli
-from collab_attn.files import write_text_atomic
 from collab_attn.lm import data as lm_data
 from collab_attn.lm.models import cache_bytes, parameter_counts
 from collab_attn.lm.runs import (
     check_model_settings,
     checked_corpus,
     learning_curve,
-    recipe_fields,
     train_model,
+    trainer_fields,
     use_bf16,
 )
 from collab_attn.lm.sampling import sample_text
@@ -46,8 +40,10 @@ from collab_attn.models.calibration import collect_calibration
 from collab_attn.models.checkpoints import resolve_model
 from collab_attn.models.conversion import check_request
 from collab_attn.models.importance import head_importance
+from collab_attn.models.settings import NO_CONVERSION, labels, parse_label
+from collab_attn.run_store import RunStore
 
-METHODS = ("none", "cp", "cp-aware", "svd", "prune")
+METHODS = labels()
 RESULT_VERSION = 1
 
 
@@ -96,17 +92,19 @@ def load_trained(model_dir: str | Path, corpus: lm_data.CharCorpus):
 
 def convert(model, method: str, key_size: int, corpus, settings: dict, seed: int):
     """Convert ``model`` in place; returns the report (None for ``none``)."""
-    if method == "none":
+    conversion, aware = parse_label(method)
+    if conversion is None:
         return None
-    if method == "cp-aware":
+    measured = {}
+    if aware:
         blocks = lm_data.Blocks(corpus.train, settings["block_size"], settings["calibration_blocks"], seed)
-        cal = collect_calibration(model, lm_data.input_batches(blocks, 64, len(blocks)))
-        return collab_attn.reparametrize(model, key_size, method="cp", seed=seed, calibration=cal, progress=False)
-    if method == "prune":
+        measured["calibration"] = collect_calibration(model, lm_data.input_batches(blocks, 64, len(blocks)))
+    if conversion.needs_importance:
         blocks = lm_data.Blocks(corpus.train, settings["block_size"], settings["importance_samples"], seed)
-        scores = head_importance(model, blocks, default_data_collator, samples=len(blocks), batch_size=64, seed=seed)
-        return collab_attn.reparametrize(model, key_size, method="prune", importance=scores, progress=False)
-    return collab_attn.reparametrize(model, key_size, method=method, seed=seed, progress=False)
+        measured["importance"] = head_importance(
+            model, blocks, default_data_collator, samples=len(blocks), batch_size=64, seed=seed
+        )
+    return collab_attn.reparametrize(model, key_size, method=conversion.name, seed=seed, progress=False, **measured)
 
 
 def plan(settings: dict) -> list[tuple[str, int]]:
@@ -114,7 +112,7 @@ def plan(settings: dict) -> list[tuple[str, int]]:
     d = cli.positive_int("model.n_embd", settings["model"]["n_embd"])
     keys = [d // 2, d // 4, d // 8] if settings.get("key_sizes") is None else [
         cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", settings["key_sizes"])]
-    return [(m, d if m == "none" else k) for m in methods for k in (keys[:1] if m == "none" else keys)]
+    return [(m, d if m == NO_CONVERSION else k) for m in methods for k in (keys[:1] if m == NO_CONVERSION else keys)]
 
 
 def check(settings: dict) -> list[tuple[str, int]]:
@@ -122,7 +120,7 @@ def check(settings: dict) -> list[tuple[str, int]]:
     written: a key size one method cannot take is refused before the first conversion. Returns the grid."""
     runs = plan(settings)
     check_model_settings(settings)
-    recipe_fields(settings)
+    trainer_fields(settings)
     cli.number("retrain_fraction", settings["retrain_fraction"], 0, 1)
     for key in ("calibration_blocks", "importance_samples", "eval_iters"):
         cli.positive_int(key, settings[key])
@@ -133,9 +131,10 @@ def check(settings: dict) -> list[tuple[str, int]]:
     out = cli.output_dir("output_dir", settings["output_dir"])
     config = trained_config(settings["model_dir"], checked_corpus(settings))
     for method, key in runs:
-        if method != "none":
+        conversion = parse_label(method)[0]
+        if conversion is not None:
             try:
-                check_request(config, "cp" if method == "cp-aware" else method, key)
+                check_request(config, conversion.name, key)
             except ValueError as err:
                 raise cli.BadInput(f"methods={method} cannot take key size {key} ({err}); change key_sizes or "
                                    "methods") from err
@@ -151,7 +150,7 @@ def check(settings: dict) -> list[tuple[str, int]]:
 def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     """Every (method, key size) in ``settings`` (the resolved ``configs/convert_lm.yaml``) without a result yet."""
     runs = check(settings)
-    fields = recipe_fields(settings, progress)
+    fields = trainer_fields(settings, progress)
     retrain_steps = math.ceil(float(settings["retrain_fraction"]) * fields["max_steps"])
     if settings.get("threads"):
         torch.set_num_threads(int(settings["threads"]))
@@ -159,7 +158,7 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     seed, bf16 = int(settings["seed"]), use_bf16(settings.get("bf16", "auto"))
     batch = fields["per_device_eval_batch_size"]
     val = lm_data.val_blocks(corpus, settings["block_size"], batch, settings["eval_iters"])
-    out = Path(settings["output_dir"])
+    store = RunStore(settings["output_dir"])  # records carry their version, not a signature: not checked
     original = load_trained(settings["model_dir"], corpus)
     base = {
         "version": RESULT_VERSION, "model_dir": str(settings["model_dir"]), "recipe": settings.get("recipe_name"),
@@ -171,10 +170,10 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     records = []
     for number, (method, key) in enumerate(runs, 1):
         name = f"{method}-k{key}"
-        path = out / "runs" / f"{name}.json"
-        if path.exists():
+        stored = store.finished(name)
+        if stored is not None:
             print(f"[{number}/{len(runs)}] {name}: done already, skipping", flush=True)
-            records.append(json.loads(path.read_text()))
+            records.append(stored)
             continue
         print(f"[{number}/{len(runs)}] {name}", flush=True)
         model = load_trained(settings["model_dir"], corpus)
@@ -189,15 +188,14 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
         }
         if retrain_steps:
             steps = {"max_steps": retrain_steps, "eval_steps": max(1, retrain_steps // 4)}
-            run, _ = train_model(settings, corpus, model, seed + 1, out / ".checkpoints" / name, progress, steps)
+            run, _ = train_model(settings, corpus, model, seed + 1, store.checkpoints(name), progress, steps)
             curve = learning_curve(run.history)
             record.update({
                 "retrain_curve": curve, "retrained_val_loss": curve[-1]["val_loss"],
                 "retrained_best_val_loss": min(p["val_loss"] for p in curve), "retrain_seconds": run.seconds,
                 "retrained_sample": sample_text(model, corpus, settings["sample_chars"], seed),
             })
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+        store.save(record)
         print(f"{name}: val loss {record['converted_val_loss']:.4f} converted, "
               f"{record.get('retrained_val_loss', float('nan')):.4f} re-trained", flush=True)
         records.append(record)

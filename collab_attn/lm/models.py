@@ -5,9 +5,9 @@ dropout on embeddings, attention and residuals), and the same architecture with 
 
 - ``concat`` at ``key_size = n_embd``: the plain ``GPT2LMHeadModel`` (nanoGPT's model);
 - ``concat`` below it: concatenated heads of query/key head size ``key_size / n_head`` (values keep ``n_embd /
-  n_head``), the library's ``collab_method="svd"`` layout built from a config;
+  n_head``), the library's ``concatenated`` layer kind built from a config;
 - ``collab``: collaborative heads with shared query/key projections of width ``key_size`` and one mixing vector per
-  head, started ``random`` (N(0, 1)) or at ``ones`` (``collab_method="cp"``).
+  head, started ``random`` (N(0, 1)) or at ``ones`` (the ``collaborative`` layer kind).
 - ``gqa``: grouped-query heads, ``key_size / (n_embd / n_head)`` key/value heads (the key width; ``n_embd`` is
   multi-head attention); ``mqa``: one key/value head (``key_size`` is the head size, or null);
 - ``mla``: latent attention without rotary positions, one latent of width ``key_size`` cached per token.
@@ -25,7 +25,7 @@ import math
 import torch
 import transformers
 
-from collab_attn.models.hf import attention_parameters, collab_config_class
+from collab_attn.models.hf import attention_parameters, collab_config_class, layer_kind
 from collab_attn.models.layers import ConvertedSelfAttention
 
 KINDS = ("concat", "collab", "gqa", "mqa", "mla")
@@ -67,13 +67,13 @@ def gpt_config(
     if kind == "concat":
         if key_size % n_head:
             raise ValueError(f"concatenated heads need key_size a multiple of n_head={n_head}, got {key_size}")
-        return collab_config_class("gpt2")(**common, collab_method="svd", collab_ranks=[key_size] * n_layer)
+        return collab_config_class("gpt2")(**common, collab_method="concatenated", collab_ranks=[key_size] * n_layer)
     if kind in ("gqa", "mqa", "mla"):
         return _scratch_layout_config(common, kind, key_size, n_embd // n_head, n_head, n_layer)
     if mixing_init not in MIXING_INITS:
         raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
     return collab_config_class("gpt2")(
-        **common, collab_method="cp", collab_ranks=[key_size] * n_layer, collab_mixing_init=mixing_init
+        **common, collab_method="collaborative", collab_ranks=[key_size] * n_layer, collab_mixing_init=mixing_init
     )
 
 
@@ -127,9 +127,10 @@ def cache_bytes(model, dtype_bytes: int = 2) -> int:
     ranks = getattr(config, "collab_ranks", None)
     if not ranks:
         return config.n_layer * 2 * config.n_embd * dtype_bytes
-    if config.collab_method == "gqa":
+    scratch = layer_kind(config.collab_method).scratch
+    if scratch == "gqa":
         return sum(2 * rank * dtype_bytes for rank in ranks)
-    if config.collab_method == "mla":
+    if scratch == "mla":
         return sum(rank * dtype_bytes for rank in ranks)
     heads = getattr(config, "collab_heads", None) or [config.n_head] * len(ranks)
     return sum((rank + h + h * head_dim) * dtype_bytes for rank, h in zip(ranks, heads))

@@ -1,6 +1,6 @@
 """Training runs on Tiny Shakespeare through the library's one training path (``collab_attn.training.train``).
 
-A run is one (attention kind, key size, mixing init, seed) trained with one recipe (``configs/lm_recipe/``): the
+A run is one (attention kind, key size, mixing init, seed) trained with one recipe (``configs/recipe/``): the
 Trainer's AdamW, linear warm-up then cosine decay to ``min_lr``, gradient clipping, bf16 autocast where the GPU has
 it. The validation blocks are evaluated at step 0, every ``eval_steps`` and at the end; the best validation loss is
 the minimum over those evaluations (nanoGPT's ``best_val_loss``). Each run writes ``<output_dir>/runs/<name>.json``
@@ -18,10 +18,8 @@ from pathlib import Path
 import torch
 from transformers import default_data_collator
 
-from collab_attn import cli
+from collab_attn import cli, run_store
 from collab_attn.files import write_text_atomic
-from collab_attn.glue.pipeline import check_logger
-from collab_attn.glue.tracking import WandbTracker
 from collab_attn.lm import data as lm_data
 from collab_attn.lm.models import (
     KINDS,
@@ -34,11 +32,12 @@ from collab_attn.lm.models import (
     parameter_counts,
 )
 from collab_attn.lm.sampling import sample_text
+from collab_attn.run_store import RunStore, key_sizes_for
+from collab_attn.tracking import check_logger, make_tracker
 from collab_attn.training import train, training_args
 
 RESULT_VERSION = 1
 MODES = ("train", "sweep")
-LOSS_KEYS = ("loss", "eval_loss")
 
 
 def use_bf16(setting) -> bool:
@@ -48,7 +47,7 @@ def use_bf16(setting) -> bool:
     return bool(setting)
 
 
-def recipe_fields(settings: dict, progress: bool = True) -> dict:
+def trainer_fields(settings: dict, progress: bool = True) -> dict:
     """TrainingArguments fields of every run: the recipe's ``trainer`` plus evaluation at step 0 and every
     ``eval_steps``, batches read in order (they were drawn with the seed), loss-only evaluation, and every key of
     a block kept (the Trainer would drop ``shift_labels``, not being a ``forward`` argument, and the model would
@@ -102,16 +101,9 @@ def check_model_settings(settings: dict) -> None:
 
 
 def learning_curve(history: Sequence[dict]) -> list[dict]:
-    """One point per evaluation of a Trainer log history: step, validation loss, and the train loss and learning
-    rate logged at that step (None where nothing was). A step evaluated twice (resumed runs) keeps its last."""
-    logged = {entry["step"]: entry for entry in history if "loss" in entry}
-    points = {}
-    for entry in history:
-        if "eval_loss" in entry:
-            train_log = logged.get(entry["step"], {})
-            points[entry["step"]] = {"step": entry["step"], "val_loss": entry["eval_loss"],
-                                     "train_loss": train_log.get("loss"), "lr": train_log.get("learning_rate")}
-    return [points[s] for s in sorted(points)]
+    """One point per evaluation: step, validation loss, and the train loss and learning rate logged at that step
+    (``collab_attn.run_store.learning_curve``)."""
+    return run_store.learning_curve(history, {"eval_loss": "val_loss"}, ("loss", "learning_rate"))
 
 
 def train_model(settings: dict, corpus, model, seed: int, checkpoints: Path, progress: bool = True,
@@ -119,7 +111,7 @@ def train_model(settings: dict, corpus, model, seed: int, checkpoints: Path, pro
     """Train ``model`` with the recipe in ``settings`` (``overrides``: TrainingArguments fields that replace the
     recipe's, e.g. a shorter ``max_steps`` with the schedule over that many steps); returns the ``TrainingRun`` and
     the training tokens it processed."""
-    fields = {**recipe_fields(settings, progress), **(overrides or {})}
+    fields = {**trainer_fields(settings, progress), **(overrides or {})}
     batch, block = fields["per_device_train_batch_size"], settings["block_size"]
     blocks = lm_data.train_blocks(corpus, block, batch, fields["max_steps"], seed)
     val = lm_data.val_blocks(corpus, block, fields["per_device_eval_batch_size"], settings["eval_iters"])
@@ -133,12 +125,9 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     out = Path(settings["output_dir"])
     mixing = settings.get("mixing_init", "random")
     name = run_name(kind, key_size, seed, mixing)
-    path = out / "runs" / f"{name}.json"
-    sig = signature(settings)
-    if path.exists():
-        record = json.loads(path.read_text())
-        if record.get("signature") != sig:
-            raise ValueError(f"{path} was made with different settings; use another output_dir or delete it")
+    store = RunStore(out, signature(settings))
+    record = store.finished(name)
+    if record is not None:
         print(f"{name}: done already (best val loss {record['best_val_loss']:.4f}), skipping", flush=True)
         return record
     config = gpt_config(corpus.vocab_size, settings["block_size"], **settings["model"], kind=kind,
@@ -146,14 +135,14 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     model = build_model(config, seed)
     if torch.cuda.is_available():
         model.cuda()
-    run, tokens = train_model(settings, corpus, model, seed, out / ".checkpoints" / name, progress)
+    run, tokens = train_model(settings, corpus, model, seed, store.checkpoints(name), progress)
     curve = learning_curve(run.history)
     eval_seconds = sum(entry.get("eval_runtime", 0.0) for entry in run.history)
     train_seconds = run.seconds - eval_seconds
     best = min(curve, key=lambda p: p["val_loss"])
     record = {
         "name": name, "attention": kind, "key_size": key_size, "mixing_init": mixing if kind == "collab" else None,
-        "seed": seed, "recipe": settings.get("recipe_name"), "signature": sig,
+        "seed": seed, "recipe": settings.get("recipe_name"), "signature": store.signature,
         "parameters": parameter_counts(model), "cache_bytes_per_token_bf16": cache_bytes(model, 2),
         "best_val_loss": best["val_loss"], "best_step": best["step"], "final_val_loss": curve[-1]["val_loss"],
         "curve": curve, "train_seconds": train_seconds, "resumed_seconds": run.resumed_seconds,
@@ -166,8 +155,7 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     if any(fnmatch.fnmatch(name, pattern) for pattern in settings.get("save_models") or []):
         model.save_pretrained(out / "models" / name)
         write_text_atomic(out / "models" / name / "vocab.json", json.dumps(corpus.chars) + "\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+    store.save(record)
     log_to_tracker(settings, record)
     print(f"{name}: best val loss {record['best_val_loss']:.4f} at step {best['step']}, "
           f"{record['tokens_per_second'] or 0:,.0f} tokens/s", flush=True)
@@ -176,26 +164,15 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
 
 def log_to_tracker(settings: dict, record: dict) -> None:
     """``logger=wandb``: one W&B run per training run with the learning curve and the summary numbers, through the
-    GLUE jobs' tracker, so the mode is chosen as for them (``logger.mode``, else ``WANDB_MODE``, else online
-    only when a key is set)."""
-    logger = settings.get("logger") or {}
-    if logger.get("name") != "wandb":
-        return
-    tracker = WandbTracker(
-        logger.get("project", "collab-attn"), f"{record['recipe']}-{record['name']}",
-        f"shakespeare_char-{record['recipe']}", record["signature"], Path(settings["output_dir"]), logger.get("mode"),
-        logger.get("entity"), logger.get("tags"),
+    tracker of the GLUE jobs (``collab_attn.tracking``), so the mode is chosen as for them (``logger.mode``, else
+    ``WANDB_MODE``, else online only when a key is set); ``logger=none``: nothing."""
+    tracker = make_tracker(
+        settings.get("logger") or {"name": "none"}, f"{record['recipe']}-{record['name']}",
+        f"shakespeare_char-{record['recipe']}", record["signature"], Path(settings["output_dir"]),
     )
     for point in record["curve"]:
-        tracker.run.log({k: v for k, v in point.items() if v is not None}, step=point["step"])
+        tracker.log_step({k: v for k, v in point.items() if v is not None}, point["step"])
     tracker.finish({k: record[k] for k in ("best_val_loss", "tokens_per_second", "cache_bytes_per_token_bf16")})
-
-
-def key_sizes_for(n_embd: int, key_sizes: Sequence[int] | None) -> list[int]:
-    """As given (positive integers), or ``n_embd``, ``/2``, ``/4``, ``/8``."""
-    if key_sizes is None:
-        return [n_embd // div for div in (1, 2, 4, 8)]
-    return [cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", key_sizes)]
 
 
 def plan(settings: dict) -> list[tuple[str, int, int]]:
@@ -213,8 +190,31 @@ def runs_of(settings: dict) -> list[tuple[str, int, int]]:
         return plan(settings)
     key = cli.positive_int("key_size", settings["key_size"], nullable=True)
     kind, model = cli.choice("attention", settings["attention"], KINDS), settings["model"]
+    key = size_alias(settings, kind, model, key)
     key = default_key_size(kind, model["n_embd"], model["n_head"]) if key is None else key
     return [(kind, key, cli.integer("seed", settings["seed"], 0))]
+
+
+# The sizes that name a variant's cache width in its own terms: grouped-query attention's number of key/value heads
+# (key_size = kv_heads x head size) and latent attention's latent width (key_size itself).
+SIZE_ALIASES = {"kv_heads": "gqa", "latent_size": "mla"}
+
+
+def size_alias(settings: dict, kind: str, model: dict, key_size: int | None) -> int | None:
+    """``key_size`` from ``kv_heads`` (``attention=gqa``) or ``latent_size`` (``attention=mla``) when one is set: an
+    alias given for another attention, or beside a ``key_size`` it disagrees with, is refused."""
+    for name, owner in SIZE_ALIASES.items():
+        value = cli.positive_int(name, settings.get(name), nullable=True)
+        if value is None:
+            continue
+        if kind != owner:
+            raise cli.BadInput(f"{name}={value} is a size of attention={owner}, not of attention={kind}; remove it "
+                               "or set key_size")
+        size = value * (model["n_embd"] // model["n_head"]) if name == "kv_heads" else value
+        if key_size is not None and key_size != size:
+            raise cli.BadInput(f"{name}={value} means key_size={size}, but key_size={key_size} is set; give one")
+        key_size = size
+    return key_size
 
 
 def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.CharCorpus:
@@ -232,18 +232,14 @@ def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.Ch
     for pattern in settings.get("save_models") or []:
         if not isinstance(pattern, str):
             raise cli.BadInput(f"save_models must be a list of run names or glob patterns, got {pattern!r}")
-    recipe_fields(settings)
+    trainer_fields(settings)
     check_logger(settings.get("logger"))
     out = cli.output_dir("output_dir", settings["output_dir"])
     corpus = checked_corpus(settings)
-    sig = signature(settings)
+    store = RunStore(out, signature(settings))
     for kind, key, seed in runs:
         gpt_config(2, block, **settings["model"], kind=kind, key_size=key, mixing_init=mixing)
-        stored = out / "runs" / f"{run_name(kind, key, seed, mixing)}.json"
-        if stored.exists():
-            record = cli.json_file("output_dir", stored)
-            if not isinstance(record, dict) or record.get("signature") != sig:
-                raise cli.BadInput(f"{stored} was made with different settings; use another output_dir or delete it")
+        store.finished(run_name(kind, key, seed, mixing))  # a stored run made with other settings is refused
     return corpus
 
 

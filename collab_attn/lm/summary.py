@@ -16,11 +16,13 @@ from pathlib import Path
 
 from collab_attn import cli
 from collab_attn.files import replacing, write_text_atomic
+from collab_attn.models.settings import NO_CONVERSION, labels
+from collab_attn.run_store import mean_std
 
 NANOGPT = {"gpu": 1.4697, "cpu": 1.88}  # nanoGPT's README: best val loss of its two shakespeare_char configs
 RESULTS_BEGIN = "<!-- results: written by scripts/summarize_lm.py -->"
 RESULTS_END = "<!-- end of results -->"
-METHOD_ORDER = ("none", "cp", "cp-aware", "svd", "prune")
+METHOD_ORDER = labels()
 # Per results sub-folder: the keys the tables read, the key naming the variant and its values, the writing script.
 RESULTS = {
     "runs": (("attention", "key_size", "seed", "best_val_loss", "final_val_loss", "curve", "parameters",
@@ -32,10 +34,6 @@ RESULTS = {
 
 def read_runs(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-
-
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def variant(record: dict) -> str:
@@ -57,8 +55,8 @@ def scratch_table(records: Sequence[dict]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for (kind, key), runs in _groups(records).items():
-        best, best_std = _mean_std([r["best_val_loss"] for r in runs])
-        final, final_std = _mean_std([r["final_val_loss"] for r in runs])
+        best, best_std = mean_std([r["best_val_loss"] for r in runs])
+        final, final_std = mean_std([r["final_val_loss"] for r in runs])
         speed = [r["tokens_per_second"] for r in runs if r.get("tokens_per_second")]
         p, cache = runs[0]["parameters"], runs[0]["cache_bytes_per_token_bf16"]
         lines.append(
@@ -89,7 +87,7 @@ def conversion_table(records: Sequence[dict]) -> str:
     for r in order:
         retrained = (f"{r['retrained_val_loss']:.4f} / {r['retrained_best_val_loss']:.4f}"
                      if "retrained_val_loss" in r else "-")
-        method = "none (re-training only)" if r["method"] == "none" else r["method"]
+        method = f"{NO_CONVERSION} (re-training only)" if r["method"] == NO_CONVERSION else r["method"]
         lines.append(
             f"| {method} | {r['key_size']} | {r['parameters']['query_key_params']:,} "
             f"| {r['cache_bytes_per_token_bf16']:,} | {r['relative_error']:.3f} | {r['converted_val_loss']:.4f} "
@@ -132,7 +130,7 @@ def plot_curves(records: Sequence[dict], recipe: str, path: Path) -> Path:
                   color=colours[key], label=f"{kind} {key}")
     reference = NANOGPT.get(recipe)
     for kind in styles:
-        rows = [(key, _mean_std([r["best_val_loss"] for r in runs])) for (k, key), runs in groups.items()
+        rows = [(key, mean_std([r["best_val_loss"] for r in runs])) for (k, key), runs in groups.items()
                 if k == kind]
         if rows:
             right.errorbar([k for k, _ in rows], [m for _, (m, _) in rows], yerr=[s for _, (_, s) in rows],

@@ -36,6 +36,8 @@ from collab_attn.decomposition.whitening import DEFAULT_EPS
 from collab_attn.models.hf import find_attention, is_collaborative
 
 KEY_STATISTICS = ("centered", "raw")
+DEFAULT_SAMPLES = 512  # calibration texts sampled from a file or a task
+DEFAULT_MAX_LENGTH = 128  # tokens per calibration text
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
@@ -177,7 +179,7 @@ def calibration_from_texts(
     texts: Sequence[str | tuple[str, str]],
     *,
     batch_size: int = 16,
-    max_length: int = 128,
+    max_length: int = DEFAULT_MAX_LENGTH,
     keys: str = "centered",
     eps: float = DEFAULT_EPS,
 ) -> Calibration:

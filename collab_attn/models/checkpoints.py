@@ -5,23 +5,23 @@
 - ``load_model_and_tokenizer``: the Auto classes, with a clear message when a Hub model is not available
   offline. ``model_class=None`` keeps the checkpoint's task head (the Auto class that maps
   ``config.architectures[0]``).
-- ``prepare_output_dir`` / ``finalize_output_dir``: write into a temporary sibling directory and rename it
-  into place at the end, so nothing half-written ever sits at the output path.
+- ``checked_model``: a checkpoint's folder and config, of a supported family, read before any work.
+
+Output folders are written whole or not at all with ``collab_attn.files.atomic_directory``.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModel, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig
 
-from collab_attn.models.hf import AUTO_CLASSES
+from collab_attn import cli
+from collab_attn.models.hf import AUTO_CLASSES, family_of
 
-ALIASES = ("minilm",)
 WEIGHT_FILES = (
     "model.safetensors",
     "pytorch_model.bin",
@@ -125,44 +125,20 @@ def load_model_and_tokenizer(name_or_path: str, model_class: type | None = AutoM
     return model, tokenizer
 
 
-def prepare_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
-    """Check that ``path`` may be written and return the temporary sibling to write into (not created yet).
 
-    An existing non-empty directory is refused unless ``overwrite``; a file at ``path`` always is. Pass the
-    returned directory to ``finalize_output_dir`` once everything is written.
-    """
-    path = Path(path).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"output path {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise ValueError(
-            f"output directory {path} exists and is not empty; pass overwrite=true to replace it"
-        )
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    if tmp.exists():  # left over from a crashed run of a process with the same pid
-        shutil.rmtree(tmp)
-    return tmp
-
-
-def finalize_output_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> Path:
-    """Move the fully written ``tmp`` directory to ``path``, replacing an existing directory there.
-
-    The old directory is first renamed aside and only deleted once the new one is in place, so ``path`` never
-    holds a partial result.
-    """
-    tmp, path = Path(tmp), Path(path).expanduser().absolute()
-    old = None
-    if path.exists():
-        old = path.with_name(f"{path.name}.old-{os.getpid()}")
-        if old.exists():
-            shutil.rmtree(old)
-        path.rename(old)
-    try:
-        tmp.rename(path)
-    except OSError:
-        if old is not None:
-            old.rename(path)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
-    return path
+def checked_model(name: str, argument: str = "model") -> tuple[str, PretrainedConfig]:
+    """The local folder (or Hub id) and config of the checkpoint ``name`` (see ``resolve_model``), of a supported
+    family, read before any work without loading weights; errors name the setting ``argument``."""
+    with cli.naming(argument, name):
+        path = resolve_model(name)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except OSError as err:
+            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+            raise cli.Missing(
+                f"could not load the config of {name!r}: no local checkpoint folder of that name" + (
+                    ", and since HF_HUB_OFFLINE is set a Hub id must already be in the Hugging Face cache"
+                    if offline else f" and no such Hub model ({str(err).splitlines()[0]})")
+            ) from err
+        family_of(config)
+    return path, config

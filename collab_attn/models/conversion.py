@@ -3,11 +3,11 @@
 1. Validate (once, for every method): the method is registered, the model is a supported family that is not
    converted yet and has attention modules, the ranks (or budget) are in range, the options are the method's own,
    and the query/key weights are finite.
-2. Plan: the method's planner (``collab_attn.models.methods``) turns every layer's query/key weights into a
-   ``LayerPlan``; nothing is changed yet, so an error leaves the model as it was.
-3. Apply: ``install_layers`` replaces each attention module by an empty converted one (collaborative for ``cp`` and
-   ``tucker``, concatenated heads for ``svd`` and ``prune``) and records the layout in the config, then the layers
-   are filled: the planned query/key side, the values and output projection of the kept heads, ALBERT's LayerNorm.
+2. Plan: the method (``collab_attn.models.methods``) turns every layer's query/key weights into a ``LayerPlan``;
+   nothing is changed yet, so an error leaves the model as it was.
+3. Apply: ``install_layers`` replaces each attention module by an empty converted one of the kind the method builds
+   and records the layout in the config, then the layers are filled: the planned query/key side, the values and
+   output projection of the kept heads, ALBERT's LayerNorm.
 
 The converted model saves with ``save_pretrained`` and loads back with the Auto classes after ``import
 collab_attn`` (``collab_attn.models.hf``), whatever the method.
@@ -22,7 +22,6 @@ from torch import nn
 
 from collab_attn.decomposition.decompose import check_finite
 from collab_attn.decomposition.rank_selection import RankBudget, is_budget
-from collab_attn.models import methods  # noqa: F401  (registers the methods)
 from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
     Family,
@@ -34,7 +33,8 @@ from collab_attn.models.hf import (
     is_collaborative,
     query_key_count,
 )
-from collab_attn.models.plan import METHODS, OPTIONS, LayerPlan, LayerWeights, Plan, Request, per_layer_ranks
+from collab_attn.models.methods import METHODS, PAPER_METHOD, ConversionMethod, get_method
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, per_layer_ranks
 from collab_attn.models.report import LayerReport, ReparamReport
 
 __all__ = ["METHODS", "ReparamReport", "check_request", "reparametrize"]
@@ -50,66 +50,41 @@ def _layer_weights(name: str, module: nn.Module, family: Family) -> LayerWeights
     return weights
 
 
-def _check_ranks(method: str, rank, num_layers: int, full_rank: int) -> tuple[list[int] | None, RankBudget | None]:
+def _check_ranks(method: ConversionMethod, rank, num_layers: int, full_rank: int):
     if is_budget(rank):
-        if not METHODS[method].takes_budgets:
-            raise ValueError(f"method={method!r} takes one rank or one per layer, not a budget ({rank!r})")
+        if not method.budgets:
+            raise ValueError(f"method={method.name!r} takes one rank or one per layer, not a budget ({rank!r})")
         return None, RankBudget.parse(rank)
     return per_layer_ranks(rank, num_layers, full_rank), None
 
 
-def _check_options(method: str, options: dict) -> dict:
-    """The method's options (``OPTIONS[method]``: name -> default) with the values given; an option given (not None)
-    that the method does not take is refused."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {tuple(METHODS)}")
-    accepted = OPTIONS[method]
-    for name, value in options.items():
-        if value is not None and name not in accepted:
-            takes = ", ".join(accepted) or "none besides rank and seed"
-            raise ValueError(f"{name}={value!r} does not apply to method={method!r} (its options: {takes})")
-    return {name: default if options.get(name) is None else options[name] for name, default in accepted.items()}
-
-
-def _validate(model: nn.Module, method: str, rank, options: dict):
-    """Every check a conversion passes before planning, for every method: the method and its options, a model that
-    is not converted yet and has attention modules of a supported family, ranks (or a budget) in range and the
-    method's own rank rule. Returns the family, the attention modules, the ranks or budget and the options."""
-    options = _check_options(method, options)
+def _validate(model: nn.Module, method: ConversionMethod, rank):
+    """Every check a conversion passes before planning, for every method: a model that is not converted yet and has
+    attention modules of a supported family, ranks (or a budget) in range and the method's own rank rule. Returns
+    the family, the attention modules and the ranks or budget."""
     if is_collaborative(model.config):
         raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
     family, found = find_attention(model)
     check_head_class(model, family)
     heads, head_dim = family.num_heads(found[0][1]), family.head_dim(found[0][1])
     ranks, budget = _check_ranks(method, rank, len(found), heads * head_dim)
-    if ranks is not None and METHODS[method].check_ranks is not None:
-        METHODS[method].check_ranks(ranks, heads)
-    return family, found, ranks, budget, options
+    if ranks is not None and method.check_ranks is not None:
+        method.check_ranks(ranks, heads)
+    return family, found, ranks, budget
 
 
-def check_request(config, method: str, rank, tucker_core_size: int | None = None) -> None:
+def check_request(config, method: str, rank, **options) -> None:
     """Check, before any training, that a model with this transformers ``config`` converts with ``method`` at
-    ``rank`` (``_validate`` on the model's skeleton, built on the meta device: no weights are read); raises a
-    ValueError that says what to change."""
+    ``rank`` with ``options`` (``_validate`` on the model's skeleton, built on the meta device: no weights are read);
+    raises a ValueError that says what to change."""
     from transformers import AutoModel
 
+    conversion = get_method(method)
+    conversion.make_options(**options)
     family_of(config)  # unsupported and rotary families are refused with the reason before anything is built
     with torch.device("meta"):
         skeleton = AutoModel.from_config(config)
-    _validate(skeleton, method, rank, {"tucker_core_size": tucker_core_size})
-
-
-def _plan(model: nn.Module, rank, method: str, seed: int, options: dict, calibration, progress: bool):
-    family, found, ranks, budget, options = _validate(model, method, rank, options)
-    if calibration is not None:
-        if not isinstance(calibration, Calibration):
-            raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")
-        calibration.check_matches([name for name, _ in found], family.d_in(found[0][1]))
-    request = Request(
-        [_layer_weights(name, module, family) for name, module in found], ranks, budget, seed, options,
-        calibration, [query_key_count(module, family) for _, module in found], progress,
-    )
-    return family, found, METHODS[method](request)
+    _validate(skeleton, conversion, rank)
 
 
 @torch.no_grad()
@@ -154,10 +129,10 @@ def _fill(entry: InstalledLayer, planned: LayerPlan, family: Family) -> None:
 
 def _apply(model: nn.Module, family: Family, found, plan: Plan, method: str) -> ReparamReport:
     before = {name: (_count(module), query_key_count(module, family)) for name, module in found}
-    report = ReparamReport(method=method, model_params_before=_count(model), solver=plan.solver)
-    report.calibration = plan.details.pop("calibration", None)
-    report.rank_selection = plan.details.pop("rank_selection", None)
-    report.details = plan.details
+    report = ReparamReport(
+        method=method, model_params_before=_count(model), solver=plan.solver, calibration=plan.calibration,
+        rank_selection=plan.rank_selection, pruning=plan.pruning,
+    )
     for entry, planned, rank in zip(install_layers(model, plan.layout), plan.layers, plan.layout.ranks):
         _fill(entry, planned, family)
         report.layers.append(LayerReport(
@@ -171,46 +146,52 @@ def _apply(model: nn.Module, family: Family, found, plan: Plan, method: str) -> 
 def reparametrize(
     model: nn.Module,
     rank: int | Sequence[int] | str | RankBudget,
-    method: str = "cp",
+    method: str = PAPER_METHOD,
     seed: int = 0,
     *,
-    solver: str | None = None,
-    init: str | None = None,
-    n_iter_max: int | None = None,
-    tol: float | None = None,
-    tucker_core_size: int | None = None,
     calibration: Calibration | None = None,
     importance=None,
     progress: bool = True,
     device: torch.device | str | None = None,
+    **options,
 ) -> ReparamReport:
-    """Convert every self-attention layer of a BERT, RoBERTa, DistilBERT or ALBERT model (any head class) in place.
+    """Convert every self-attention layer of a model of a supported family (BERT, RoBERTa, DistilBERT, ALBERT,
+    GPT-2, OPT; any head class) in place, with the conversion method ``method`` (``METHODS``; see
+    ``collab_attn.models.methods``; the default is the paper's CP decomposition).
 
     ``rank`` is the shared key/query size D~: one number, one per attention layer (ALBERT's shared layers count
-    once), or for ``cp`` and ``tucker`` a global budget from which per-layer ranks are chosen
+    once), or, for a method that takes budgets, a global budget from which per-layer ranks are chosen
     (``collab_attn.decomposition.rank_selection``): ``"params:F"``, ``"mean:R"``, ``"energy:E"`` or a ``RankBudget``.
+    ``options``: the method's own options (the fields of its options dataclass, e.g. ``solver``, ``init``,
+    ``n_iter_max``, ``tol`` and ``tucker_core_size`` of the decompositions); unset ones take the dataclass's
+    defaults. ``calibration``: input statistics of this model's attention layers
+    (``collab_attn.models.calibration``) for the methods that fit the logits (activation-aware); the report then
+    also gives each layer's whitened error. ``importance``: the head scores a pruning method ranks heads by (a
+    ``HeadImportance`` from ``collab_attn.models.importance.head_importance`` on task data, or one score tensor per
+    layer). ``device``: where a decomposition runs (None: the model's device; ``"cuda"`` for a model on the CPU
+    works too); the converted model stays where it was.
 
-    ``method``:
-
-    - ``"cp"`` (mixing vectors, the paper's method) or ``"tucker"`` (mixing matrices from a core of
-      ``tucker_core_size`` slices, default: heads). ``solver``: ``"implicit"`` (ALS on the projections, the
-      default) or ``"tensorly"`` (dense, the paper's); ``init`` (default ``"svd"``), ``n_iter_max`` (100), ``tol``
-      (5e-4: stop once the error improves by less than 0.05% in 3 iterations in a row) and ``seed`` go to
-      ``decompose_heads``. ``device``: where the decompositions run (None: the model's device; ``"cuda"`` for a
-      model on the CPU works too); the converted model stays where it was. ``calibration``: input statistics of
-      this model's attention layers (``collab_attn.models.calibration``) for activation-aware fitting; the report
-      then also gives each layer's whitened error.
-    - ``"svd"``: SVD-truncated concatenated heads of query/key size ``rank / heads`` (a multiple of the heads).
-    - ``"prune"``: head pruning within collaborative attention's query/key parameters at ``rank``;
-      ``importance``: a ``HeadImportance`` (``collab_attn.models.importance.head_importance`` on task data) or one
-      score tensor per layer.
-
-    An option the method does not take raises. The model is changed only once every layer has been planned, so an
-    error leaves it as it was. Returns a per-layer report.
+    An option or input the method does not take raises. The model is changed only once every layer has been planned,
+    so an error leaves it as it was. Returns a per-layer report.
     """
-    options = {"solver": solver, "init": init, "n_iter_max": n_iter_max, "tol": tol,
-               "tucker_core_size": tucker_core_size, "importance": importance, "device": device}
-    if calibration is not None and method not in ("cp", "tucker"):
-        raise ValueError(f"calibration does not apply to method={method!r}: only cp and tucker fit the logits")
-    family, found, plan = _plan(model, rank, method, seed, options, calibration, progress)
-    return _apply(model, family, found, plan, method)
+    conversion = get_method(method)
+    options = conversion.make_options(**options)
+    if calibration is not None and not conversion.calibrated:
+        raise ValueError(f"calibration does not apply to method={method!r}: only the methods that fit the logits "
+                         f"({', '.join(m for m, c in METHODS.items() if c.calibrated)}) take one")
+    if (importance is not None) != conversion.needs_importance:
+        raise ValueError(f"method={method!r} needs importance= (collab_attn.models.importance.head_importance on task "
+                         "data with labels, or one score tensor per layer)" if conversion.needs_importance else
+                         f"importance does not apply to method={method!r}: it needs no head scores")
+    if device is not None and not conversion.decomposes:
+        raise ValueError(f"device={device!r} does not apply to method={method!r}: it runs no decomposition")
+    family, found, ranks, budget = _validate(model, conversion, rank)
+    if calibration is not None:
+        if not isinstance(calibration, Calibration):
+            raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")
+        calibration.check_matches([name for name, _ in found], family.d_in(found[0][1]))
+    request = Request(
+        [_layer_weights(name, module, family) for name, module in found], ranks, budget, seed, options,
+        [query_key_count(module, family) for _, module in found], calibration, importance, device, progress,
+    )
+    return _apply(model, family, found, conversion.plan(request), method)

@@ -53,57 +53,70 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-# What each conversion method builds: collaborative layers, or concatenated heads whose query bias becomes the
-# content bias (``svd``) or that keep their query/key biases (``prune``).
-COLLABORATIVE_METHODS = ("cp", "tucker")
-CONCATENATED_METHODS = {"svd": {"content_bias": True}, "prune": {"content_bias": False}}
-CONVERSION_METHODS = (*COLLABORATIVE_METHODS, *CONCATENATED_METHODS)
-# Layouts of models trained from scratch only (no conversion builds them): grouped-query heads, whose ``size`` is the
-# key width kv_heads x head_dim (head_dim: multi-query attention), and latent attention, whose ``size`` is the
-# latent cached per token.
-SCRATCH_LAYOUTS = ("gqa", "mla")
-LAYOUTS = (*CONVERSION_METHODS, *SCRATCH_LAYOUTS)
+@dataclass(frozen=True)
+class LayerKind:
+    """What the layers of a layout are: collaborative heads (shared query/key projections and mixing), concatenated
+    heads whose query bias became the content bias (``content_bias``) or that keep their query/key biases, or one of
+    the from-scratch variants (``scratch``: grouped-query or latent attention)."""
+
+    collaborative: bool = False
+    content_bias: bool = True
+    scratch: str | None = None
+
+
+# The layer kinds, by the name a config's ``collab_method`` may give them. A conversion method's config records the
+# method's name instead (``cp``, ``svd``, ...), which ``layer_kind`` maps to the kind that method builds.
+LAYER_KINDS = {
+    "collaborative": LayerKind(collaborative=True),
+    "concatenated": LayerKind(),  # narrow concatenated heads, the query bias folded into the content bias
+    "kept-heads": LayerKind(content_bias=False),  # some of the original heads, with their query/key biases
+    "gqa": LayerKind(scratch="gqa"),  # grouped-query heads: ``size`` is the key width kv_heads x head_dim
+    "mla": LayerKind(scratch="mla"),  # latent attention: ``size`` is the latent cached per token
+}
+
+
+def layer_kind(layout: str) -> LayerKind:
+    """The kind of layer a layout name builds: one of ``LAYER_KINDS`` or a registered conversion method."""
+    from collab_attn.models.methods import METHODS  # the methods import this module
+
+    if layout in LAYER_KINDS:
+        return LAYER_KINDS[layout]
+    if layout in METHODS:
+        return LAYER_KINDS[METHODS[layout].layer]
+    raise ValueError(f"unknown layout {layout!r}; choose one of {(*LAYER_KINDS, *METHODS)}")
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     """The shape of one converted layer: ``size`` is the query/key width (the rank D~ of collaborative heads, or
-    heads x query/key head size of concatenated ones)."""
+    heads x query/key head size of concatenated ones; the cache width of grouped-query and latent layers)."""
 
-    collaborative: bool
+    kind: LayerKind
     num_heads: int
     size: int
     core_size: int | None = None
-    content_bias: bool = True
     mixing_init: str | None = None  # collaborative layers built from a config: None means block mixing where it fits
-    scratch: str | None = None  # one of SCRATCH_LAYOUTS: a grouped-query or latent layer (size: its cache width)
 
 
 @dataclass(frozen=True)
 class Layout:
     """What a converted model's config records, and from which its layers are rebuilt."""
 
-    method: str
+    method: str  # a conversion method (cp, svd, ...) or a layer kind (models built from a config)
     ranks: list[int]
     heads: list[int] | None = None  # per layer, where pruning changed the head count
     tucker_core_size: int | None = None
     mixing_init: str | None = None  # models built from a config to train from scratch: "ones" or "random"
 
     def __post_init__(self):
-        if self.method not in LAYOUTS:
-            raise ValueError(f"unknown layout {self.method!r}; choose one of {LAYOUTS}")
+        layer_kind(self.method)
 
     def specs(self, default_heads: int) -> list[LayerSpec]:
         heads = self.heads or [default_heads] * len(self.ranks)
         if len(heads) != len(self.ranks):
             raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(heads)} head counts")
-        collaborative = self.method in COLLABORATIVE_METHODS
-        return [
-            LayerSpec(collaborative, h, r, self.tucker_core_size,
-                      CONCATENATED_METHODS.get(self.method, {}).get("content_bias", True), self.mixing_init,
-                      self.method if self.method in SCRATCH_LAYOUTS else None)
-            for r, h in zip(self.ranks, heads)
-        ]
+        kind = layer_kind(self.method)
+        return [LayerSpec(kind, h, r, self.tucker_core_size, self.mixing_init) for r, h in zip(self.ranks, heads)]
 
     @classmethod
     def of(cls, config) -> Layout:
@@ -141,17 +154,18 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
         output_dropout=family.dropout_p(module, family.output_dropout) if family.output_dropout else None,
         residual_norm_eps=module.LayerNorm.eps if family.has_residual_norm else None,
     )
-    if spec.scratch == "gqa":
+    kind = spec.kind
+    if kind.scratch == "gqa":
         head_dim = common["head_dim"]
         if spec.size % head_dim or spec.num_heads % (spec.size // head_dim):
             raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
                              f"dividing {spec.num_heads} heads, got {spec.size}")
         layer = GroupedSelfAttention(weight.shape[1], spec.num_heads, spec.size // head_dim,
                                      logit_scale=common.pop("logit_scale"), **common)
-    elif spec.scratch == "mla":
+    elif kind.scratch == "mla":
         layer = LatentSelfAttention(weight.shape[1], spec.num_heads, spec.size, logit_scale=common.pop("logit_scale"),
                                     **common)
-    elif spec.collaborative:
+    elif kind.collaborative:
         layer = CollaborativeSelfAttention(
             weight.shape[1], spec.num_heads, spec.size, tucker_core_size=spec.core_size, mixing_init=spec.mixing_init,
             **common,
@@ -159,8 +173,8 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
     else:
         layer = ConcatenatedSelfAttention(
             weight.shape[1], spec.num_heads, spec.size // spec.num_heads,
-            query_key_bias=common["bias"] and not spec.content_bias,
-            content_bias=common["bias"] and spec.content_bias, **common,
+            query_key_bias=common["bias"] and not kind.content_bias,
+            content_bias=common["bias"] and kind.content_bias, **common,
         )
     return layer.to(device=weight.device, dtype=weight.dtype)
 

@@ -1,19 +1,19 @@
-"""What a conversion plans before it touches the model: per layer, one ``LayerPlan``; the methods that make them.
+"""What a conversion plans before it touches the model: per layer, one ``LayerPlan``; the request a method plans from.
 
-A method is a planner registered by name (``register_method``): it reads every layer's query/key weights
-(``LayerWeights``) and returns a ``Plan``: the layout the converted model's config records and, per layer, the
-weights of the new query/key side. ``collab_attn.models.conversion`` validates the request, calls the planner and
-applies the plan; the planners themselves live in ``collab_attn.models.methods``.
+A method (``collab_attn.models.methods``) reads every layer's query/key weights (``LayerWeights``) from a validated
+``Request`` and returns a ``Plan``: the layout the converted model's config records and, per layer, the weights of
+the new query/key side. ``collab_attn.models.conversion`` validates the request, asks the method for the plan and
+applies it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from collab_attn.decomposition.rank_selection import RankBudget
+from collab_attn.decomposition.rank_selection import RankBudget, RankSelection
 from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import Layout
 
@@ -66,48 +66,39 @@ class LayerPlan:
 
 
 @dataclass
+class Pruning:
+    """What head pruning decided: the heads each layer kept, the importance scores they were ranked by and the query/key
+    parameter budget they fit in."""
+
+    kept_heads: list[list[int]]
+    importance: list[list[float]]
+    query_key_budget: int
+
+
+@dataclass
 class Plan:
     layout: Layout
     layers: list[LayerPlan]
     solver: str
-    details: dict = field(default_factory=dict)  # what the report adds for this method (rank selection, kept heads)
+    calibration: dict | None = None  # Calibration.summary() of an activation-aware fit
+    rank_selection: RankSelection | None = None  # when a budget chose the ranks
+    pruning: Pruning | None = None
 
 
 @dataclass
 class Request:
-    """A validated conversion request: the planner's whole input."""
+    """A validated conversion request: the method's whole input."""
 
     weights: list[LayerWeights]
     ranks: list[int] | None  # per layer; None when a budget chooses them
     budget: RankBudget | None
     seed: int
-    options: dict  # the method's own options (solver, init, ... or importance)
-    calibration: Calibration | None
+    options: object  # the method's options dataclass
     original_query_key_params: list[int]
+    calibration: Calibration | None = None
+    importance: object = None  # a HeadImportance or one score tensor per layer (methods that need importance)
+    device: torch.device | str | None = None  # where decompositions run (None: where the weights are)
     progress: bool = True
-
-
-Planner = Callable[[Request], Plan]
-METHODS: dict[str, Planner] = {}
-# Options each method takes besides rank and seed, with their defaults. A method given any other option refuses it.
-OPTIONS: dict[str, dict] = {}
-
-
-def register_method(
-    name: str, options: dict | None = None, budgets: bool = False, check_ranks: Callable | None = None
-) -> Callable[[Planner], Planner]:
-    """Register ``planner`` as conversion method ``name``; ``options``: its keyword options and their defaults;
-    ``budgets``: whether it takes a global rank budget (``"mean:128"``) instead of ranks; ``check_ranks(ranks,
-    heads)``: the method's own rule for the per-layer ranks, raising a ValueError (run before any planning)."""
-
-    def decorate(planner: Planner) -> Planner:
-        METHODS[name] = planner
-        OPTIONS[name] = dict(options or {})
-        planner.takes_budgets = budgets
-        planner.check_ranks = check_ranks
-        return planner
-
-    return decorate
 
 
 def per_layer_ranks(rank: int | Sequence[int], num_layers: int, full_rank: int) -> list[int]:

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from collab_attn.decomposition.rank_selection import RankSelection
+from collab_attn.models.plan import Pruning
 
 
 @dataclass
@@ -32,7 +33,7 @@ class ReparamReport:
     solver: str = "implicit"
     calibration: dict | None = None  # Calibration.summary() when activation-aware
     rank_selection: RankSelection | None = None  # when the ranks came from a budget
-    details: dict = field(default_factory=dict)  # method-specific: pruning's kept heads, scores and budget
+    pruning: Pruning | None = None  # head pruning: the kept heads, their scores and the budget
 
     @property
     def mean_relative_error(self) -> float:
@@ -63,7 +64,7 @@ class ReparamReport:
             "layers": [asdict(layer) for layer in self.layers],
         } | ({} if self.calibration is None else {"calibration": self.calibration}) | (
             {} if self.rank_selection is None else {"rank_selection": self.rank_selection.to_dict()}
-        ) | self.details
+        ) | ({} if self.pruning is None else asdict(self.pruning))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

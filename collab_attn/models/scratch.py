@@ -25,11 +25,11 @@ from torch import nn
 from transformers import initialization as init
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from collab_attn.models.hf import QUERY_KEY_PARTS
 from collab_attn.nn.attention import MIXING_INITS, CollaborativeAttention, MultiHeadAttention
 
 ATTENTION_KINDS = ("concat", "collab")
 POOLINGS = ("mean", "cls")
-QUERY_KEY_COMPONENTS = ("query", "key", "mixing", "mixing_core", "content_bias")
 INIT_STD = 0.02  # BERT's
 
 
@@ -161,7 +161,7 @@ class ScratchForSequenceClassification(transformers.PreTrainedModel):
         return {
             "total": sum(p.numel() for p in self.parameters()),
             "attention_per_layer": layer_counts["total"],
-            "query_key_per_layer": sum(layer_counts.get(c, 0) for c in QUERY_KEY_COMPONENTS),
+            "query_key_per_layer": sum(layer_counts.get(part, 0) for part in QUERY_KEY_PARTS),
         }
 
     def forward(

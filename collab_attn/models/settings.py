@@ -1,23 +1,12 @@
 """Typed method settings: the ``collab`` config group as one validated object, built once per run.
 
-``MethodSettings.from_config(cfg["collab"])`` turns the composed group (``configs/collab/{cp,tucker,svd,prune,none}
-.yaml`` plus overrides) into a ``MethodSettings``: unknown keys, wrong types and values a method cannot take stop
-there, with the key named. Every entry point goes through it (``scripts/reparametrize.py``, ``scripts/visualize.py``
-and ``scripts/train_glue.py`` through ``collab_attn.glue.pipeline``) and asks it for what the library needs:
-``reparametrize_kwargs()`` (the arguments of ``reparametrize`` that its method takes, and only those),
-``rank_request`` (the budget string or the rank(s)), ``label`` (``cp``, ``cp-tensorly``, ``cp-aware``, ``svd``, ...)
-and ``check_model(config)`` (can a model with this config be converted so, before any training).
-
-Where the defaults live. The GLUE pipeline names each job's folder by a hash of the *composed* ``collab`` dict
-(``pipeline.job_dir``: sha1 of its JSON), so the keys and values of the group files are part of the names of the
-committed runs under ``experiments/*/runs/``: ``svd.yaml`` holds two keys, ``prune.yaml`` four, ``cp.yaml`` eleven,
-and a job run as ``collab=cp collab.method=none`` hashes all eleven. Moving a default out of the YAML (or adding one,
-such as an ``importance_data`` key) would rename committed runs. So the YAML group files are the one place a default
-value is written down, and this class writes none of its own: a field left unset is ``None``, which means "off"
-(``budget``, ``calibration``) or "not given", and a field not given is left out of the arguments, so the library
-function's own default applies (``reparametrize(n_iter_max=100)``, ``load_texts(limit=512)``, ...), which is what a
-Python caller building ``MethodSettings(method="cp", rank=128)`` by hand expects. The hashes are still computed from
-the composed dicts, exactly as before, never from this object.
+``MethodSettings.from_config(cfg["collab"])`` turns the composed group (``configs/collab/<method>.yaml`` plus
+overrides) into a ``MethodSettings``: the method (``collab_attn.models.methods``), the rank or budget, the method's
+own options dataclass, and what the method needs measured first (``CalibrationSettings`` for a method that can be
+fitted to activations, ``ImportanceSettings`` for one that ranks heads). The keys a method's group takes are derived
+from the method (``group_keys``): ``method``, ``rank``, ``budget`` where it takes budgets, its options' fields,
+``calibration*`` and ``importance_*`` where it needs them; their defaults are the dataclasses' and a test holds each
+YAML group to them. Unknown keys, wrong types and values a method cannot take stop here, with the key named.
 """
 
 from __future__ import annotations
@@ -27,126 +16,198 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from collab_attn.decomposition.decompose import METHODS as DECOMPOSITIONS
-from collab_attn.decomposition.decompose import SOLVERS
+from collab_attn import cli
 from collab_attn.decomposition.rank_selection import RankBudget
-from collab_attn.models.conversion import METHODS, check_request
+from collab_attn.models.calibration import DEFAULT_MAX_LENGTH, DEFAULT_SAMPLES
+from collab_attn.models.conversion import check_request
+from collab_attn.models.methods import METHODS, ConversionMethod, get_method
 
-CHOICES = ("none", *METHODS)  # "none": keep the concatenated heads (a GLUE pipeline baseline)
-INITS = ("svd", "random")
-
-_DECOMPOSITION_KEYS = (
-    "budget", "solver", "init", "n_iter_max", "tol", "tucker_core_size", "calibration", "calibration_samples",
-    "calibration_max_length",
-)
-# The keys each method takes besides ``method`` and ``rank``; a key another method takes must be unset (null).
-# ``none`` takes every key and ignores them: ``collab=cp collab.method=none`` is a documented run.
-TAKES = {
-    "none": (),
-    "cp": _DECOMPOSITION_KEYS,
-    "tucker": _DECOMPOSITION_KEYS,
-    "svd": (),
-    "prune": ("importance_samples", "importance_batch_size"),
-}
-# The arguments of collab_attn.reparametrize these keys become (calibration and importance are measured first).
-_REPARAMETRIZE_OPTIONS = ("solver", "init", "n_iter_max", "tol", "tucker_core_size")
+NO_CONVERSION = "none"  # keep the concatenated heads (a GLUE pipeline baseline)
+CHOICES = (NO_CONVERSION, *METHODS)
+AWARE = "-aware"  # the label suffix of an activation-aware fit
 
 
-def _is_int(value) -> bool:
-    return type(value) is int
+def labels() -> tuple[str, ...]:
+    """The method labels of a grid without solver choices: ``none``, each method, and each calibrated method's
+    activation-aware form (``cp``, ``cp-aware``, ...)."""
+    return (NO_CONVERSION, *(n for n, m in METHODS.items() for n in ((n, n + AWARE) if m.calibrated else (n,))))
 
 
-def _positive_int(name: str, value, nullable: bool = True) -> None:
-    if value is None and nullable:
-        return
-    if not (_is_int(value) and value > 0):
+def parse_label(label: str) -> tuple[ConversionMethod | None, bool]:
+    """``labels()``'s entry ``label`` as (method, activation-aware); (None, False) for ``none``."""
+    if label not in labels():
+        raise ValueError(f"unknown method {label!r}; choose one of {labels()}")
+    if label == NO_CONVERSION:
+        return None, False
+    aware = label.endswith(AWARE)
+    return METHODS[label.removesuffix(AWARE) if aware else label], aware
+
+
+def _positive_int(name: str, value) -> None:
+    if not (type(value) is int and value > 0):
         raise ValueError(f"collab.{name} must be a positive integer, got {value!r}")
 
 
-def _choice(name: str, value, choices) -> None:
-    if value is not None and value not in choices:
-        raise ValueError(f"unknown collab.{name} {value!r}; choose one of {choices}")
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """Activation-aware fitting: the texts to calibrate on (``source``: a text file with one text per line, a GLUE
+    train.tsv/dev.tsv, or ``"task"``, the task's training texts in the GLUE pipeline), how many are sampled and how
+    long each may be in tokens."""
+
+    source: str
+    samples: int = DEFAULT_SAMPLES
+    max_length: int = DEFAULT_MAX_LENGTH
+
+    def __post_init__(self):
+        if not (isinstance(self.source, str) and self.source.strip()):
+            raise ValueError(f"collab.calibration must be a file path, 'task' or null, got {self.source!r}")
+        _positive_int("calibration_samples", self.samples)
+        _positive_int("calibration_max_length", self.max_length)
+
+    @property
+    def from_task(self) -> bool:
+        return self.source == "task"
+
+
+@dataclass(frozen=True)
+class ImportanceSettings:
+    """Head importance (``collab_attn.models.importance.head_importance``): the mean over ``samples`` labelled
+    training examples, drawn with the job's seed; ``batch_size`` changes speed and memory only."""
+
+    samples: int = 256
+    batch_size: int = 32
+
+    def __post_init__(self):
+        _positive_int("importance_samples", self.samples)
+        _positive_int("importance_batch_size", self.batch_size)
+
+
+# The flat keys of the config group that the two dataclasses above read, and their fields.
+CALIBRATION_KEYS = {"calibration": "source", "calibration_samples": "samples",
+                    "calibration_max_length": "max_length"}
+IMPORTANCE_KEYS = {"importance_samples": "samples", "importance_batch_size": "batch_size"}
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def group_keys(method: ConversionMethod) -> dict:
+    """The keys of ``method``'s config group besides ``method`` and ``rank``, with their defaults."""
+    keys = {"budget": None} if method.budgets else {}
+    keys.update(_defaults(method.options))
+    if method.calibrated:
+        fields = {**_defaults(CalibrationSettings), "source": None}
+        keys.update({key: fields[field] for key, field in CALIBRATION_KEYS.items()})
+    if method.needs_importance:
+        fields = _defaults(ImportanceSettings)
+        keys.update({key: fields[field] for key, field in IMPORTANCE_KEYS.items()})
+    return keys
+
+
+def all_group_keys() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(k for m in METHODS.values() for k in ("method", "rank", *group_keys(m))))
 
 
 @dataclass(frozen=True)
 class MethodSettings:
-    """How to cut the query/key parameters of a model (one ``collab`` group). ``None`` means unset: off for
-    ``budget`` and ``calibration``, the library's default for the others."""
+    """How to cut the query/key parameters of a model (one ``collab`` group)."""
 
-    method: str
-    # Key/query size D~: one int, or one per attention layer; for svd a multiple of the heads.
-    rank: int | list[int] | None = None
-    # cp/tucker: per-layer ranks under a global budget ("params:F", "mean:R", "energy:E"), replacing rank.
-    budget: str | None = None
-    # cp/tucker: the decomposition (collab_attn.decompose_heads).
-    solver: str | None = None
-    init: str | None = None
-    n_iter_max: int | None = None
-    tol: float | None = None
-    tucker_core_size: int | None = None
-    # cp/tucker: activation-aware fitting on texts: a text file, a GLUE .tsv, or "task" (the GLUE pipeline only).
-    calibration: str | None = None
-    calibration_samples: int | None = None
-    calibration_max_length: int | None = None
-    # prune: head importance on labelled task examples.
-    importance_samples: int | None = None
-    importance_batch_size: int | None = None
+    method: str  # a registered conversion method, or "none"
+    rank: int | list[int] | None = None  # key/query size D~: one int, or one per attention layer
+    budget: str | None = None  # per-layer ranks under a global budget ("params:F", "mean:R", "energy:E")
+    options: object = None  # the method's options dataclass (None for "none")
+    calibration: CalibrationSettings | None = None  # None: fit the raw weights
+    importance: ImportanceSettings | None = None
 
     @classmethod
     def from_config(cls, collab: Mapping) -> MethodSettings:
-        """The settings of a composed ``collab`` group (a plain dict or a DictConfig); unknown keys are refused."""
+        """The settings of a composed ``collab`` group (a plain dict or a DictConfig). A key no method takes is
+        refused; one that another method takes must be unset (null). ``none`` takes every key and ignores them:
+        ``collab=cp collab.method=none`` is a documented run."""
         if hasattr(collab, "_metadata"):  # an OmegaConf DictConfig
             from omegaconf import OmegaConf
 
             collab = OmegaConf.to_container(collab, resolve=True)
-        known = [f.name for f in dataclasses.fields(cls)]
+        known = all_group_keys()
         for key in collab:
             if key not in known:
                 raise ValueError(f"unknown key collab.{key}; the collab group takes {', '.join(known)}")
-        if "method" not in collab:
+        name = collab.get("method")
+        if name is None:
             raise ValueError("collab.method is missing; choose one of " + ", ".join(CHOICES))
-        return cls(**collab)
+        if name not in CHOICES:
+            raise ValueError(f"unknown collab.method {name!r}; choose one of {CHOICES}")
+        if name == NO_CONVERSION:
+            return cls(NO_CONVERSION)
+        method = get_method(name)
+        takes = group_keys(method)
+        for key, value in collab.items():
+            if key not in ("method", "rank", *takes) and value is not None:
+                raise ValueError(
+                    f"collab.{key} does not apply to collab.method={name}; pick the method's group "
+                    f"(collab={name}) rather than collab.method={name}, or set collab.{key}=null"
+                )
+        given = {k: v for k, v in collab.items() if v is not None}
+        options = {k: given[k] for k in method.option_names if k in given}
+        try:
+            options = method.options(**options)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"collab.{err}") from err
+        calibration = None
+        if method.calibrated and given.get("calibration") is not None:
+            calibration = CalibrationSettings(**{f: given[k] for k, f in CALIBRATION_KEYS.items() if k in given})
+        importance = None
+        if method.needs_importance:
+            importance = ImportanceSettings(**{f: given[k] for k, f in IMPORTANCE_KEYS.items() if k in given})
+        return cls(name, collab.get("rank"), collab.get("budget"), options, calibration, importance)
 
     def __post_init__(self):
-        _choice("method", self.method, CHOICES)
-        if self.method == "none":
+        if self.method == NO_CONVERSION:
             return
-        for key in dataclasses.fields(self):
-            if key.name not in ("method", "rank", *TAKES[self.method]) and getattr(self, key.name) is not None:
-                raise ValueError(
-                    f"collab.{key.name} does not apply to collab.method={self.method}; pick the method's group "
-                    f"(collab={self.method}) rather than collab.method={self.method}, or set collab.{key.name}=null"
-                )
+        method = get_method(self.method)
+        if self.options is None:
+            object.__setattr__(self, "options", method.options())
+        if not isinstance(self.options, method.options):
+            raise TypeError(f"collab.method={self.method} takes {method.options.__name__}, got {self.options!r}")
         if self.budget is not None:
             if not isinstance(self.budget, str):
                 raise ValueError(f"collab.budget must be a string such as 'mean:128' or null, got {self.budget!r}")
             RankBudget.parse(self.budget)
         else:
             rank = self.rank
-            ok = _is_int(rank) or (isinstance(rank, (list, tuple)) and rank and all(_is_int(r) for r in rank))
+            is_int = type(rank) is int
+            ok = is_int or (isinstance(rank, (list, tuple)) and rank and all(type(r) is int for r in rank))
             if not ok:
-                raise ValueError(
-                    f"collab.rank must be an integer or a list of integers (one per layer), got {rank!r}"
-                )
+                raise ValueError(f"collab.rank must be an integer or a list of integers (one per layer), got {rank!r}")
             if isinstance(rank, tuple):
                 object.__setattr__(self, "rank", list(rank))
-        _choice("solver", self.solver, SOLVERS)
-        _choice("init", self.init, INITS)
-        for name in ("n_iter_max", "tucker_core_size", "calibration_samples", "calibration_max_length",
-                     "importance_samples", "importance_batch_size"):
-            _positive_int(name, getattr(self, name))
-        if self.tol is not None and not (type(self.tol) in (int, float) and self.tol >= 0):
-            raise ValueError(f"collab.tol must be a number >= 0, got {self.tol!r}")
-        if self.calibration is not None and not (isinstance(self.calibration, str) and self.calibration.strip()):
-            raise ValueError(f"collab.calibration must be a file path, 'task' or null, got {self.calibration!r}")
+
+    def to_group(self) -> dict:
+        """The settings as the flat ``collab`` group their method takes (``from_config``'s inverse): every key of
+        ``group_keys``, set or at its default; calibration keys at their defaults when calibration is off."""
+        if not self.converts:
+            return {"method": self.method}
+        group = {"method": self.method, "rank": self.rank, **group_keys(self.conversion)}
+        group.update(dataclasses.asdict(self.options))
+        if self.conversion.budgets:
+            group["budget"] = self.budget
+        for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
+            if settings is not None:
+                group.update({key: getattr(settings, field) for key, field in keys.items()})
+        return group
 
     # ----------------------------------------------------------------------------------------------------------
     # What the library and the results need
 
     @property
+    def conversion(self) -> ConversionMethod | None:
+        return None if self.method == NO_CONVERSION else METHODS[self.method]
+
+    @property
     def converts(self) -> bool:
         """False for ``none`` (the model keeps its concatenated heads)."""
-        return self.method != "none"
+        return self.method != NO_CONVERSION
 
     @property
     def rank_request(self):
@@ -155,17 +216,12 @@ class MethodSettings:
 
     @property
     def label(self) -> str:
-        """The method as results and tables name it: ``cp``, ``tucker``, ``svd``, ``prune`` or ``none``, then
-        ``-tensorly`` for the paper's dense solver and ``-aware`` for activation-aware fitting."""
+        """The method as results and tables name it: its name, then ``-tensorly`` for the paper's dense solver and
+        ``-aware`` for activation-aware fitting."""
         label = self.method
-        if self.method in DECOMPOSITIONS:
-            label += "-tensorly" if self.solver == "tensorly" else ""
-            label += "-aware" if self.calibration else ""
+        label += "-tensorly" if getattr(self.options, "solver", None) == "tensorly" else ""
+        label += AWARE if self.calibration is not None else ""
         return label
-
-    @property
-    def calibrated(self) -> bool:
-        return self.method in DECOMPOSITIONS and bool(self.calibration)
 
     def keeps_full_size(self, width: int) -> bool:
         """Whether every layer keeps its full key/query size ``width`` (an exact conversion: nothing to fit)."""
@@ -183,33 +239,32 @@ class MethodSettings:
         return self.rank_request
 
     def reparametrize_kwargs(self) -> dict:
-        """``rank``, ``method`` and the options of ``collab_attn.reparametrize`` this method takes, the unset ones
-        left to the library's defaults; the caller adds ``seed``, ``calibration=`` / ``importance=`` and
-        ``progress``."""
+        """``rank``, ``method`` and the method's options as arguments of ``collab_attn.reparametrize``; the caller
+        adds ``seed``, ``calibration=`` / ``importance=`` (measured first) and ``progress``."""
         if not self.converts:
             raise ValueError("collab.method=none keeps the concatenated heads: there is nothing to reparametrize")
-        kwargs = {"rank": self.rank_request, "method": self.method}
-        if self.method in DECOMPOSITIONS:
-            kwargs.update({k: getattr(self, k) for k in _REPARAMETRIZE_OPTIONS if getattr(self, k) is not None})
-        return kwargs
+        return {"rank": self.rank_request, "method": self.method, **dataclasses.asdict(self.options)}
 
     def check_calibration_source(self, task_allowed: bool) -> None:
         """The calibration texts exist: a file, or ``task`` where the caller has a task (the GLUE pipeline)."""
-        if not self.calibrated:
+        if self.calibration is None:
             return
-        if self.calibration == "task":
+        source = self.calibration.source
+        if self.calibration.from_task:
             if not task_allowed:
                 raise ValueError(
                     "collab.calibration=task means the task's training texts and is only for the GLUE pipeline; "
                     "pass a text file (one text per line) or a GLUE train.tsv/dev.tsv"
                 )
-        elif not Path(self.calibration).is_file():
+        elif not Path(source).is_file():
             raise FileNotFoundError(
-                f"collab.calibration={self.calibration}: no such file; use a text file (one text per line) or a "
+                f"collab.calibration={source}: no such file; use a text file (one text per line) or a "
                 "GLUE train.tsv/dev.tsv" + (", or 'task' (the task's training texts)" if task_allowed else "")
             )
 
     def check_model(self, config) -> None:
-        """Before any work: can a model with this transformers ``config`` be converted with this method and rank?"""
+        """Before any work: can a model with this transformers ``config`` be converted with this method and rank? A
+        refusal names the setting it is about (``collab.rank`` or ``collab.budget``)."""
         if self.converts:
-            check_request(config, self.method, self.rank_request, self.tucker_core_size)
+            with cli.naming("collab.budget" if self.budget else "collab.rank", self.rank_request):
+                check_request(config, self.method, self.rank_request, **dataclasses.asdict(self.options))

@@ -255,12 +255,9 @@ class CollaborativeAttention(_Attention):
     every dimension; ``"random"`` draws each entry from a standard normal (for training from scratch).
     ``tucker_core_size``: mix with full matrices built from a core of that many ``rank x rank`` slices.
     ``logit_scale``: what the logits are multiplied by (default ``1 / sqrt(head_dim)``).
-    ``fused``: ``True`` runs ``scaled_dot_product_attention`` instead of explicit logits unless weights are asked
-    for (a plain attribute, not saved with the weights). The kernel needs queries and values of one width, so the
-    values are padded with zeros to the rank: it was slower than the explicit path in every case measured, on the
-    CPU (which runs the explicit path in cache-sized blocks at inference) and on an H100, but it never holds the
-    (batch, heads, tgt, src) logits, which may matter for memory when training on long sequences on a GPU.
-    Measured: experiments/benchmarks/README.md, sections 4 and 10.
+    The logits are always explicit: a path through ``scaled_dot_product_attention`` (values padded with zeros to the
+    rank) was slower in every case measured, on the CPU and on an H100, and was removed
+    (experiments/benchmarks/README.md, sections 4 and 10).
     """
 
     def __init__(
@@ -292,7 +289,6 @@ class CollaborativeAttention(_Attention):
             )
         self.rank = rank
         self.mixing_init = mixing_init
-        self.fused = False
         self.query = nn.Linear(d_model, rank, bias=False)
         self.key = nn.Linear(self.kv_dim, rank, bias=False)
         self.content_bias = nn.Linear(self.kv_dim, num_heads, bias=False) if bias else None
@@ -340,22 +336,9 @@ class CollaborativeAttention(_Attention):
         )  # keys: (B, S, rank), one per position, shared by all heads
         batch, tgt_len, _ = query_states.shape
         shared_queries = self.query(query_states)  # (B, T, rank)
-        if self.fused and not need_weights:
-            # The fused kernel wants queries, keys and values of one width: zero columns change no dot product.
-            width = max(self.rank, self.head_dim)
-            context = F.scaled_dot_product_attention(
-                _widen(self._mixed(shared_queries), width),
-                _widen(keys, width)[:, None].expand(-1, self.num_heads, -1, -1),
-                _widen(values, width),
-                attn_mask=_plus(mask, content),
-                dropout_p=self._dropout(),
-                scale=1.0,
-            )[..., : self.head_dim]
-            weights = None
-        elif not need_weights and _blocks_pay(shared_queries, keys, values, self.num_heads):
+        if not need_weights and _blocks_pay(shared_queries, keys, values, self.num_heads):
             return self._finish(self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2)), None
-        else:
-            context, weights = self._explicit(shared_queries, keys, values, _plus(mask, content))
+        context, weights = self._explicit(shared_queries, keys, values, _plus(mask, content))
         context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
         return self._finish(context), (weights if need_weights else None)
 

@@ -1,7 +1,8 @@
-"""Experiment tracking for the GLUE pipeline: Weights & Biases (offline unless the user's settings say otherwise)
-or nothing. One tracker per job; ``finish`` is always called, so each job of a multirun closes its own run.
-Training curves (loss, learning rate, gradient norm, any evaluation during training) are logged while the Trainer
-runs, through ``training_callbacks``; each stage's metrics when the stage ends."""
+"""Experiment tracking: Weights & Biases (offline unless the user's settings say otherwise) or nothing, for the GLUE
+jobs and the language-model runs alike. One tracker per job or run; ``finish`` is always called, so each job of a
+multirun closes its own run. A GLUE job logs its training curves (loss, learning rate, gradient norm, any evaluation
+during training) while the Trainer runs, through ``training_callbacks``, and each stage's metrics when the stage ends;
+a language-model run logs its learning curve point by point (``log_step``) once it has finished."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ from typing import Protocol
 
 import transformers
 
+from collab_attn import cli
+
+DEFAULT_PROJECT = "collab-attn"
+
 
 class Tracker(Protocol):
     def training_callbacks(self, stage: str) -> list[transformers.TrainerCallback]: ...
 
     def log_stage(self, record: dict) -> None: ...
+
+    def log_step(self, values: dict, step: int) -> None: ...
 
     def finish(self, summary: dict) -> None: ...
 
@@ -28,6 +35,9 @@ class NoTracker:
         return []
 
     def log_stage(self, record: dict) -> None:
+        pass
+
+    def log_step(self, values: dict, step: int) -> None:
         pass
 
     def finish(self, summary: dict) -> None:
@@ -48,6 +58,13 @@ def wandb_mode(requested: str | None) -> str:
     except (FileNotFoundError, netrc.NetrcParseError):
         pass
     return "offline"
+
+
+def check_logger(logger: dict | None) -> None:
+    """The ``logger`` group: ``none``, or ``wandb`` with a mode W&B knows (null: chosen as ``wandb_mode`` says)."""
+    logger = logger or {"name": "none"}
+    if cli.choice("logger", logger.get("name"), ("none", "wandb")) == "wandb":
+        cli.choice("logger.mode", logger.get("mode"), (None, "online", "offline", "disabled"))
 
 
 class WandbTracker:
@@ -76,6 +93,10 @@ class WandbTracker:
         }
         self.run.log({f"{stage}/{k}": v for k, v in numbers.items()})
 
+    def log_step(self, values: dict, step: int) -> None:
+        """One point of a curve, ``values`` at the run's step ``step``."""
+        self.run.log(values, step=step)
+
     def finish(self, summary: dict) -> None:
         self.run.summary.update(summary)
         self.run.finish()
@@ -103,11 +124,13 @@ class _LiveCurves(transformers.TrainerCallback):
 
 
 def make_tracker(logger_cfg: dict, name: str, group: str, config: dict, run_dir: Path) -> Tracker:
+    """The tracker the ``logger`` group asks for: ``NoTracker`` for ``none``, a ``WandbTracker`` (in the group's
+    ``project``, ``collab-attn`` if it names none) for ``wandb``."""
     if logger_cfg["name"] == "none":
         return NoTracker()
     if logger_cfg["name"] != "wandb":
         raise ValueError(f"unknown logger {logger_cfg['name']!r}; choose logger=wandb or logger=none")
     return WandbTracker(
-        logger_cfg["project"], name, group, config, run_dir, logger_cfg.get("mode"), logger_cfg.get("entity"),
-        logger_cfg.get("tags"),
+        logger_cfg.get("project", DEFAULT_PROJECT), name, group, config, run_dir, logger_cfg.get("mode"),
+        logger_cfg.get("entity"), logger_cfg.get("tags"),
     )

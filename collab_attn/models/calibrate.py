@@ -1,0 +1,57 @@
+"""Activation-aware fitting from the ``collab`` group's calibration texts: a text file (one text per line), a GLUE
+train.tsv/dev.tsv, or ``task`` (the task's training texts, which the GLUE pipeline passes in). ``check_calibration``
+checks the source before any work; ``calibrate`` samples the texts and collects the attention layers' input
+statistics. GLUE's task names are read only for a ``.tsv`` source, so nothing here depends on the GLUE pipeline."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from collab_attn import cli
+from collab_attn.models.calibration import calibration_from_texts
+from collab_attn.models.settings import MethodSettings
+from collab_attn.texts import load_texts
+
+log = logging.getLogger(__name__)
+
+
+def check_calibration(method: MethodSettings, task_allowed: bool) -> None:
+    """The calibration texts of ``collab.calibration`` are there and are text (a GLUE train.tsv/dev.tsv in its task
+    folder, or a file of one text per line), before any work."""
+    source = None if method.calibration is None else method.calibration.source
+    if source is not None and Path(source).is_dir():
+        raise cli.BadInput(f"collab.calibration={source} is a folder; pass a text file (one text per "
+                           "line) or a GLUE train.tsv/dev.tsv")
+    method.check_calibration_source(task_allowed)
+    if source is None or method.calibration.from_task:
+        return
+    path = Path(source)
+    if path.suffix != ".tsv":
+        if not cli.text_file("collab.calibration", path).strip():
+            raise cli.BadInput(f"collab.calibration={path} holds no texts; pass a file with one text per line")
+        return
+    if path.name not in ("train.tsv", "dev.tsv"):
+        raise cli.BadInput(f"collab.calibration={path}: a .tsv must be a GLUE train.tsv or dev.tsv")
+    from collab_attn.glue.tasks import get_task
+
+    with cli.naming("collab.calibration", path):
+        get_task(path.parent.name)
+    cli.text_file("collab.calibration", path, limit=1 << 20)
+
+
+def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=None):
+    """Input statistics for activation-aware fitting (``collab.calibration``: a text file, a GLUE .tsv, or ``task``,
+    whose texts ``task_texts(limit, seed)`` draws), or None when it is off or when every layer keeps its full
+    key/query size (an exact conversion has nothing to fit)."""
+    settings = method.calibration
+    if settings is None or method.keeps_full_size(model.config.hidden_size):
+        return None
+    if settings.from_task:
+        if task_texts is None:
+            method.check_calibration_source(task_allowed=False)
+        texts = task_texts(limit=settings.samples, seed=seed)
+    else:
+        texts = load_texts(settings.source, seed=seed, limit=settings.samples)
+    log.info("calibrating on %d texts from %s", len(texts), settings.source)
+    return calibration_from_texts(model, tokenizer, texts, max_length=settings.max_length)

@@ -1,0 +1,87 @@
+"""A conversion method is one object: ``ConversionMethod``, registered by name in ``METHODS``.
+
+It says everything the rest of the library asks of a method: its options (a frozen dataclass whose fields and
+defaults are the method's keys of the ``collab`` config group), the kind of layer it builds
+(``collab_attn.models.hf.LAYER_KINDS``), what it needs besides the weights (calibration texts, head-importance
+scores from labelled data), whether it takes a global rank budget, its own rule for the ranks, and ``plan``, which
+turns a validated ``Request`` into a ``Plan``. ``collab_attn.models.conversion`` validates, plans and applies;
+``collab_attn.models.settings`` reads the config group; the GLUE pipeline, the language-model conversions, the
+scripts and the tests ask the method, never its name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from collab_attn.models.hf import LAYER_KINDS
+from collab_attn.models.plan import Plan, Request
+
+MIXINGS = ("vectors", "matrices")
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A method without options besides rank and seed."""
+
+
+@dataclass(frozen=True)
+class ConversionMethod:
+    name: str
+    description: str  # one line: what the method does
+    planner: Callable[[Request], Plan]
+    layer: str  # the kind of layer it builds: a key of collab_attn.models.hf.LAYER_KINDS
+    options: type = NoOptions  # frozen dataclass: the method's options and their defaults
+    budgets: bool = False  # takes a global rank budget ("mean:128", ...) in place of ranks
+    calibrated: bool = False  # can be fitted to activations (calibration texts)
+    needs_importance: bool = False  # needs head-importance scores, measured on labelled task data
+    decomposes: bool = False  # fits a decomposition (reparametrize's device= says where it runs)
+    mixing: str | None = None  # collaborative layers: "vectors" (one per head) or "matrices" (from a Tucker core)
+    check_ranks: Callable[[Sequence[int], int], None] | None = None  # (ranks, heads) -> raises ValueError
+
+    def __post_init__(self):
+        if self.layer not in LAYER_KINDS:
+            raise ValueError(f"method {self.name!r}: unknown layer kind {self.layer!r}; one of {tuple(LAYER_KINDS)}")
+        if self.mixing not in ((None,) if not LAYER_KINDS[self.layer].collaborative else MIXINGS):
+            raise ValueError(f"method {self.name!r}: collaborative methods mix with one of {MIXINGS}, others with None")
+        if not (dataclasses.is_dataclass(self.options) and self.options.__dataclass_params__.frozen):
+            raise TypeError(f"method {self.name!r}: options must be a frozen dataclass, got {self.options!r}")
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(self.options))
+
+    @property
+    def collaborative(self) -> bool:
+        return LAYER_KINDS[self.layer].collaborative
+
+    def make_options(self, **given):
+        """The method's options from keyword values; None means unset (the default). An option the method does not
+        take is refused, naming the ones it takes."""
+        for name, value in given.items():
+            if value is not None and name not in self.option_names:
+                takes = ", ".join(self.option_names) or "none besides rank and seed"
+                raise ValueError(f"{name}={value!r} does not apply to method={self.name!r} (its options: {takes})")
+        return self.options(**{k: v for k, v in given.items() if v is not None})
+
+    def plan(self, request: Request) -> Plan:
+        if not isinstance(request.options, self.options):
+            raise TypeError(f"method {self.name!r} plans with {self.options.__name__}, got {type(request.options)}")
+        return self.planner(request)
+
+
+METHODS: dict[str, ConversionMethod] = {}
+
+
+def register(method: ConversionMethod) -> ConversionMethod:
+    if method.name in METHODS:
+        raise ValueError(f"a conversion method named {method.name!r} is registered already")
+    METHODS[method.name] = method
+    return method
+
+
+def get_method(name: str) -> ConversionMethod:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {tuple(METHODS)}")
+    return METHODS[name]

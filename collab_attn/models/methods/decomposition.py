@@ -1,0 +1,117 @@
+"""Collaborative heads from a decomposition of the stacked head products ``Wq_h^T Wk_h`` (``decompose_heads``): the
+planner that the CP and Tucker methods share, and their options.
+
+At rank = heads x head_dim the heads are copied with block mixing and nothing is decomposed (exact). Ranks may come
+from a global budget (``collab_attn.decomposition.rank_selection``); with a calibration the fit is activation-aware
+(whitened products). The query bias becomes the content bias ``c_h = Wk_h^T bq_h`` (exact); the key bias is dropped
+(it shifts each softmax row by a constant).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from collab_attn.decomposition.cp_als import DEFAULT_N_ITER_MAX, DEFAULT_TOL, HeadProducts
+from collab_attn.decomposition.decompose import SOLVERS, decompose_heads
+from collab_attn.decomposition.rank_selection import RankSelection, select_ranks
+from collab_attn.decomposition.whitening import whitening_pair
+from collab_attn.models.hf import Layout
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
+
+INITS = ("svd", "random")
+
+
+@dataclass(frozen=True)
+class DecompositionOptions:
+    """``solver``: ``"implicit"`` (ALS from the projections) or ``"tensorly"`` (dense, the paper's); ``init``:
+    ``"svd"`` or ``"random"``; stop after ``n_iter_max`` iterations or once the relative error improved by less than
+    ``tol`` of its value in 3 iterations in a row (see ``decompose_heads``)."""
+
+    solver: str = "implicit"
+    init: str = "svd"
+    n_iter_max: int = DEFAULT_N_ITER_MAX
+    tol: float = DEFAULT_TOL
+
+    def __post_init__(self):
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver {self.solver!r} is unknown; choose one of {SOLVERS}")
+        if self.init not in INITS:
+            raise ValueError(f"init {self.init!r} is unknown; choose one of {INITS}")
+        if not (type(self.n_iter_max) is int and self.n_iter_max > 0):
+            raise ValueError(f"n_iter_max must be a positive integer, got {self.n_iter_max!r}")
+        if not (type(self.tol) in (int, float) and self.tol >= 0):
+            raise ValueError(f"tol must be a number >= 0, got {self.tol!r}")
+
+
+def _exact(layer: LayerWeights, core_size: int | None) -> LayerPlan:
+    """Full rank: keep every head's projections and give head h the indicator of its own block."""
+    heads = layer.heads
+    blocks = torch.eye(heads).repeat_interleave(layer.head_dim, dim=1)  # (heads, heads * head_dim)
+    plan = LayerPlan(layer.w_query.flatten(0, 1), layer.w_key.flatten(0, 1), mixing=blocks)
+    if core_size is not None:
+        if core_size != heads:
+            raise ValueError(f"an exact Tucker conversion needs tucker_core_size = heads ({heads})")
+        plan.mixing, plan.core = torch.eye(heads), torch.diag_embed(blocks)
+    return plan
+
+
+def _covariances(request: Request) -> list:
+    if request.calibration is None:
+        return [None] * len(request.weights)
+    return [request.calibration.covariance(i) for i in range(len(request.weights))]
+
+
+def _select(request: Request, decomposition: str, core_size: int | None) -> RankSelection:
+    """Per-layer ranks under the request's budget from the (whitened, with a calibration) head products."""
+    eps = None if request.calibration is None else request.calibration.eps
+    tensors = []
+    for layer, covariance in zip(request.weights, _covariances(request)):
+        tensor = HeadProducts(layer.w_query, layer.w_key)
+        if covariance is not None:
+            (s_query, _), (s_key, _) = whitening_pair(covariance, tensor.d_in, eps)
+            tensor = HeadProducts(tensor.a @ s_query, tensor.b @ s_key)
+        tensors.append(tensor)
+    first = request.weights[0]
+    return select_ranks(
+        tensors, request.budget, full_rank=first.heads * first.head_dim, method=decomposition, core_size=core_size,
+        bias=first.b_query is not None, original_params=request.original_query_key_params, seed=request.seed,
+    )
+
+
+def plan_decomposition(request: Request, decomposition: str, core_size: int | None) -> Plan:
+    """Collaborative layers from ``decomposition`` (``decompose_heads``'s method) of every layer's head products;
+    ``core_size``: the size of a Tucker core's head mode (None for CP)."""
+    options: DecompositionOptions = request.options
+    first = request.weights[0]
+    full_rank = first.heads * first.head_dim
+    calibration = None if request.calibration is None else request.calibration.summary()
+    selection = None
+    ranks = request.ranks
+    if ranks is None:
+        selection = _select(request, decomposition, core_size)
+        ranks = selection.ranks
+    eps = None if request.calibration is None else request.calibration.eps
+    layers = []
+    description = f"reparametrize ({decomposition}, rank {request.budget or ranks[0]})"
+    progress = tqdm(request.weights, desc=description, disable=not request.progress)
+    for layer, rank, covariance in zip(progress, ranks, _covariances(request)):
+        start = time.perf_counter()
+        if rank == full_rank:
+            planned = _exact(layer, core_size)
+            planned.weighted_error = None if covariance is None else 0.0
+        else:
+            fit = decompose_heads(
+                layer.w_query, layer.w_key, rank, decomposition, request.seed, solver=options.solver,
+                init=options.init, n_iter_max=options.n_iter_max, tol=options.tol, tucker_core_size=core_size,
+                covariance=covariance, whitening_eps=eps, device=request.device,
+            )
+            planned = LayerPlan(fit.shared_query.T, fit.shared_key.T, fit.mixing, fit.core,
+                                relative_error=fit.relative_error, weighted_error=fit.weighted_error)
+        planned.content_bias = layer.content_bias()
+        planned.seconds = time.perf_counter() - start
+        layers.append(planned)
+    return Plan(Layout(decomposition, ranks, None, core_size), layers, options.solver, calibration, selection)
