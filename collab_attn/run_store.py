@@ -87,3 +87,12 @@ def key_sizes_for(width: int, key_sizes: Sequence[int] | None) -> list[int]:
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def mean_curve(runs: Sequence[dict], metric: str, skip_steps: frozenset = frozenset()) -> tuple[list, list, list]:
+    """The learning curves (``record["curve"]``) of several seeds of one configuration as steps (those every run
+    evaluated, but ``skip_steps``), mean and standard deviation of ``metric`` at each."""
+    by_step = [{point["step"]: point[metric] for point in run["curve"]} for run in runs]
+    steps = sorted(set.intersection(*(set(curve) for curve in by_step)) - skip_steps)
+    stats = [mean_std([curve[step] for curve in by_step]) for step in steps]
+    return steps, [m for m, _ in stats], [s for _, s in stats]

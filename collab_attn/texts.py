@@ -10,8 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+CALIBRATION_SAMPLES = 512  # texts sampled from a file or a task to calibrate on, unless told otherwise
 
-def load_texts(source: str | Path, limit: int | None = 512, seed: int = 0) -> list[str | tuple[str, str]]:
+
+def load_texts(
+    source: str | Path, limit: int | None = CALIBRATION_SAMPLES, seed: int = 0
+) -> list[str | tuple[str, str]]:
     """Calibration texts from a file: a ``.tsv`` of the GLUE layout (``<glue_dir>/<Task>/{train,dev}.tsv``: the
     task's text fields, one text or sentence pair per row) or any other text file (one text per non-empty line).
     With more than ``limit`` texts, a sample of ``limit`` drawn with ``seed`` (in file order)."""

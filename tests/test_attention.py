@@ -3,6 +3,7 @@ import torch
 
 from collab_attn import CollaborativeAttention, MultiHeadAttention
 from collab_attn.nn.attention import additive_mask
+from collab_attn.nn.variants import cache_numbers_per_token
 
 D_MODEL, HEADS = 32, 4
 
@@ -336,3 +337,67 @@ def test_bad_mask_shape_is_explained():
         MultiHeadAttention(D_MODEL, HEADS)(torch.randn(1, 3, D_MODEL), attention_mask=torch.ones(3))
     with pytest.raises(ValueError, match="not a multiple of num_heads"):
         MultiHeadAttention(30, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared values (value_rank): one value per token for all heads, a value mixing vector per head
+
+
+def _with_shared_values(per_head: CollaborativeAttention) -> CollaborativeAttention:
+    """The same layer with value_rank = heads x head_dim: the shared value is every head's value side by side and
+    head h's value mixing the indicator of its block, so ``sum_h (P_h V) diag(n_h) Wo`` is the per-head output."""
+    heads, head_dim = per_head.num_heads, per_head.head_dim
+    shared = CollaborativeAttention(per_head.d_model, heads, per_head.rank, value_rank=heads * head_dim,
+                                    mixing_init="ones").eval()
+    state = per_head.state_dict()
+    state["value_mixing"] = torch.eye(heads).repeat_interleave(head_dim, dim=1)
+    shared.load_state_dict(state)
+    return shared
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_shared_values_at_full_value_rank_equal_per_head_values(need_weights):
+    torch.manual_seed(0)
+    per_head = CollaborativeAttention(48, 4, 20, mixing_init="random").eval()
+    shared = _with_shared_values(per_head)
+    x = torch.randn(3, 9, 48)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        expected, expected_weights = per_head(x, attention_mask=mask, is_causal=True, need_weights=need_weights)
+        out, weights = shared(x, attention_mask=mask, is_causal=True, need_weights=need_weights)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(weights, expected_weights)
+
+
+def test_shared_values_compute_the_mixed_sum_and_cache_one_value_per_token():
+    torch.manual_seed(1)
+    layer = CollaborativeAttention(32, 4, 8, value_rank=6, mixing_init="random").eval()
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        out, weights = layer(x, is_causal=True, need_weights=True)
+        # by hand: sum over heads of (weights_h @ (x A)) diag(n_h), then the output projection
+        values = x @ layer.value.weight.T + layer.value.bias
+        mixed = sum((weights[:, h] @ values) * layer.value_mixing[h] for h in range(4))
+        torch.testing.assert_close(out, mixed @ layer.output.weight.T + layer.output.bias, atol=1e-6, rtol=1e-5)
+        stored = {}
+
+        def cache(keys, values):
+            for name, new in (("keys", keys), ("values", values)):
+                stored[name] = new if name not in stored else torch.cat([stored[name], new], dim=2)
+            return stored["keys"], stored["values"]
+
+        pieces = [layer(x[:, :3], is_causal=True, kv_cache=cache)[0]]
+        pieces += [layer(x[:, i : i + 1], is_causal=True, kv_cache=cache)[0] for i in range(3, 7)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), out, atol=1e-6, rtol=1e-5)
+    assert stored["values"].shape == (2, 1, 7, 6)  # one value of width 6 per token, not 4 heads x 8
+    assert stored["keys"].shape == (2, 1, 7, 8 + 4)  # the shared key and the heads' content logits
+    assert cache_numbers_per_token(layer) == 8 + 4 + 6
+    counts = layer.parameter_counts()
+    assert (counts["value"], counts["value_mixing"], counts["output"]) == (32 * 6 + 6, 4 * 6, 6 * 32 + 32)
+
+
+def test_shared_values_refuse_a_bad_value_rank():
+    with pytest.raises(ValueError, match="value_rank must be a positive integer"):
+        CollaborativeAttention(32, 4, 8, value_rank=0)

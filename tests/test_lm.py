@@ -346,13 +346,14 @@ def test_wandb_runs_go_online_only_when_a_key_is_set(monkeypatch, tmp_path):
     assert modes == ["offline", "online", "disabled"]
 
 
-@pytest.mark.parametrize("attention, key_size, cached_per_layer", [
-    ("gqa", 8, 16),     # 2 key/value heads of 4 (of 4 query heads): keys and values, 2 x 8 numbers
-    ("mqa", None, 8),   # one key/value head of 4: 2 x 4
-    ("mla", 6, 6),      # one latent of 6
+@pytest.mark.parametrize("attention, key_size, cached_per_layer, extra", [
+    ("gqa", 8, 16, []),     # 2 key/value heads of 4 (of 4 query heads): keys and values, 2 x 8 numbers
+    ("mqa", None, 8, []),   # one key/value head of 4: 2 x 4
+    ("mla", 6, 6, []),      # one latent of 6
+    ("collab", 6, 6 + 4 + 5, ["value_size=5"]),  # shared key of 6, 4 content logits, one shared value of 5
 ])
 def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, attention, key_size,
-                                                           cached_per_layer):
+                                                           cached_per_layer, extra):
     """train_lm.py with each race variant (issue 44): a run is written; the model's cache holds the numbers the
     accounting says, decoding with it equals recomputation, generate agrees with and without the (static) cache, and
     the saved model loads back through the Auto classes with identical logits."""
@@ -360,7 +361,7 @@ def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, 
     out = tmp_path / "out"
     size = [] if key_size is None else [f"key_size={key_size}"]
     overrides = [*TINY, "model.n_head=4", f"data.path={text_file}", f"output_dir={out}", f"attention={attention}",
-                 *size, f"save_models=[{attention}-*]"]
+                 *size, *extra, f"save_models=[{attention}-*]"]
     (record,) = script.run(compose_cfg("train_lm", overrides))
     assert record["attention"] == attention
     assert record["cache_bytes_per_token_bf16"] == cached_per_layer * 2  # one layer
@@ -402,3 +403,13 @@ def test_size_aliases_refuse_what_they_cannot_mean(overrides, message):
     settings = OmegaConf.to_container(compose_cfg("train_lm", overrides), resolve=True)
     with pytest.raises(ValueError, match=message):
         runs.runs_of(settings)
+
+
+def test_value_size_is_for_collaborative_heads_only():
+    with pytest.raises(ValueError, match="value_size=4 needs attention=collab"):
+        models.gpt_config(65, 16, 1, 4, 16, kind="mqa", value_size=4)
+    with pytest.raises(ValueError, match="value_size=32 needs attention=collab and a width in 1..n_embd=16"):
+        models.gpt_config(65, 16, 1, 4, 16, kind="collab", key_size=8, value_size=32)
+    config = models.gpt_config(65, 16, 2, 4, 16, kind="collab", key_size=8, value_size=6)
+    assert config.collab_value_ranks == [6, 6]
+    assert models.cache_bytes(models.build_model(config, 0)) == 2 * (8 + 4 + 6) * 2  # two layers, bf16

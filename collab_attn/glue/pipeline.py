@@ -87,13 +87,16 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def validate(settings: dict) -> tuple[glue.GlueTask, str, MethodSettings, DistillSettings | None]:
+def validate(
+    settings: dict, method: MethodSettings | None = None
+) -> tuple[glue.GlueTask, str, MethodSettings, DistillSettings | None]:
     """Check everything that can be checked before anything is written or trained (``scripts/train_glue.py``'s
     check, run on every job of a sweep before the first starts); returns the task, the model path, the method
-    settings and the distillation settings (None without ``refit.distill``)."""
+    settings (``method``, when the caller has read them already) and the distillation settings (None without
+    ``refit.distill``)."""
     with cli.naming("task.name", settings["task"]["name"]):
         task = glue.get_task(settings["task"]["name"])
-    method = MethodSettings.from_config(settings["collab"])
+    method = method or MethodSettings.from_config(settings["collab"])
     path, config = checked_model(settings["model"])
     weights = settings.get("weights", "pretrained")
     if weights not in ("pretrained", "random"):
@@ -310,12 +313,13 @@ def run_job(settings: dict) -> list[dict]:
     (torchrun, accelerate launch, SLURM tasks), every process trains and evaluates, and rank 0 alone writes."""
     distributed.setup()
     main = distributed.is_main()
-    name, out = job_name(settings), job_dir(settings)
+    method = MethodSettings.from_config(settings["collab"])  # read once: the job's name, folder and stages
+    name, out = job_name(settings, method), job_dir(settings, method)
     if distributed.from_main((out / RESULTS_FILE).is_file()):
         if main:
             print(f"[{name}] results exist in {out}; skipping")
         return distributed.from_main(read_results(out / RESULTS_FILE) if main else None)
-    task, path, method, distill = validate(settings)
+    task, path, method, distill = validate(settings, method)
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = load_data(task, settings["data"], tokenizer)  # before any folder exists: bad data leaves nothing behind
     if main:

@@ -27,7 +27,7 @@ from huggingface_hub.errors import StrictDataclassError
 from collab_attn import cli, run_store
 from collab_attn.files import replacing, write_text_atomic
 from collab_attn.models.scratch import ATTENTION_KINDS, ScratchConfig, ScratchForSequenceClassification
-from collab_attn.run_store import RunStore, key_sizes_for, mean_std
+from collab_attn.run_store import RunStore, key_sizes_for, mean_curve, mean_std
 from collab_attn.training import train, training_args
 
 MODEL_SETTINGS = ("d_model", "num_layers", "num_heads", "ffn_dim", "dropout", "pooling", "mixing_init")
@@ -311,13 +311,7 @@ def _curves_by_config(records: Sequence[dict]) -> dict[tuple[str, int], tuple[li
     groups: dict[tuple[str, int], list[dict]] = {}
     for record in records:
         groups.setdefault((record["attention"], record["key_size"]), []).append(record)
-    curves = {}
-    for config, runs in groups.items():
-        by_step = [{p["step"]: p["dev_accuracy"] for p in r["curve"]} for r in runs]
-        steps = sorted(set.intersection(*(set(c) for c in by_step)))
-        stats = [mean_std([c[s] for c in by_step]) for s in steps]
-        curves[config] = (steps, [m for m, _ in stats], [s for _, s in stats])
-    return curves
+    return {config: mean_curve(runs, "dev_accuracy") for config, runs in groups.items()}
 
 
 def plot_curves(records: Sequence[dict], path: str | Path) -> Path:

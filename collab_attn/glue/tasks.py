@@ -20,7 +20,7 @@ import numpy as np
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import f1_score, matthews_corrcoef
 
-from collab_attn.texts import sample_texts
+from collab_attn.texts import CALIBRATION_SAMPLES, sample_texts
 
 HUB_DATASET = "nyu-mll/glue"
 _TSV_FORMAT_VERSION = 1  # bump when TSV parsing changes, to invalidate tokenization caches
@@ -418,7 +418,7 @@ __all__ = [
 
 
 def task_texts(
-    task, glue_dir: str | Path | None, split: str = "train", *, limit: int | None = 512, seed: int = 0
+    task, glue_dir: str | Path | None, split: str = "train", *, limit: int | None = CALIBRATION_SAMPLES, seed: int = 0
 ) -> list[str | tuple[str, str]]:
     """A GLUE task's texts (one text or sentence pair per example) from ``glue_dir`` (None: the Hub), sampled as
     in ``collab_attn.texts.load_texts``."""

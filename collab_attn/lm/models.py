@@ -27,9 +27,12 @@ import transformers
 
 from collab_attn.models.hf import attention_parameters, collab_config_class, layer_kind
 from collab_attn.models.layers import ConvertedSelfAttention
+from collab_attn.nn import attention as nn_attention
 
 KINDS = ("concat", "collab", "gqa", "mqa", "mla")
-MIXING_INITS = ("random", "ones")
+# A model built to train from scratch starts its mixing at random or at ones; "concatenate" (block mixing) is how a
+# conversion starts, and is refused here.
+MIXING_INITS = tuple(init for init in nn_attention.MIXING_INITS if init != "concatenate")
 MODEL_KEYS = ("n_layer", "n_head", "n_embd", "dropout")
 
 
@@ -48,8 +51,10 @@ def gpt_config(
     kind: str = "concat",
     key_size: int | None = None,
     mixing_init: str = "random",
+    value_size: int | None = None,
 ) -> transformers.GPT2Config:
-    """The config of one variant; bad combinations raise ``ValueError``."""
+    """The config of one variant; bad combinations raise ``ValueError``. ``value_size``: collaborative heads that
+    share their values too, one value of that width per token (None: a value head per head)."""
     if kind not in KINDS:
         raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
     if n_embd % n_head:
@@ -62,6 +67,8 @@ def gpt_config(
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, activation_function="gelu",
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
+    if value_size is not None and (kind != "collab" or not 0 < int(value_size) <= n_embd):
+        raise ValueError(f"value_size={value_size} needs attention=collab and a width in 1..n_embd={n_embd}")
     if kind == "concat" and key_size == n_embd:
         return transformers.GPT2Config(**common)
     if kind == "concat":
@@ -73,7 +80,8 @@ def gpt_config(
     if mixing_init not in MIXING_INITS:
         raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
     return collab_config_class("gpt2")(
-        **common, collab_method="collaborative", collab_ranks=[key_size] * n_layer, collab_mixing_init=mixing_init
+        **common, collab_method="collaborative", collab_ranks=[key_size] * n_layer, collab_mixing_init=mixing_init,
+        collab_value_ranks=None if value_size is None else [int(value_size)] * n_layer,
     )
 
 
@@ -121,7 +129,8 @@ def cache_bytes(model, dtype_bytes: int = 2) -> int:
     (``collab_attn.models.layers``; ``collab_attn.analysis.accounting.cache_bytes_per_token`` per layer): plain
     GPT-2 caches ``2 x n_embd`` numbers per layer; a converted layer with ``h`` heads its key of width ``key_size``
     plus one content-bias logit per head, and ``h x n_embd / n_head`` values (pruning leaves fewer heads);
-    grouped-query heads ``2 x key_size`` (keys and values of the kv heads); latent attention its latent."""
+    grouped-query heads ``2 x key_size`` (keys and values of the kv heads); latent attention its latent;
+    collaborative heads that share their values cache one value of ``value_size`` instead of the per-head ones."""
     config = model.config
     head_dim = config.n_embd // config.n_head
     ranks = getattr(config, "collab_ranks", None)
@@ -133,4 +142,6 @@ def cache_bytes(model, dtype_bytes: int = 2) -> int:
     if scratch == "mla":
         return sum(rank * dtype_bytes for rank in ranks)
     heads = getattr(config, "collab_heads", None) or [config.n_head] * len(ranks)
-    return sum((rank + h + h * head_dim) * dtype_bytes for rank, h in zip(ranks, heads))
+    values = getattr(config, "collab_value_ranks", None) or [None] * len(ranks)
+    per_layer = [rank + h + (h * head_dim if v is None else v) for rank, h, v in zip(ranks, heads, values)]
+    return sum(per_layer) * dtype_bytes

@@ -72,9 +72,10 @@ def trainer_fields(settings: dict, progress: bool = True) -> dict:
     return fields
 
 
-def run_name(kind: str, key_size: int, seed: int, mixing_init: str = "random") -> str:
+def run_name(kind: str, key_size: int, seed: int, mixing_init: str = "random", value_size: int | None = None) -> str:
     mixing = "-ones" if kind == "collab" and mixing_init == "ones" else ""
-    return f"{kind}{mixing}-k{key_size}-seed{seed}"
+    values = "" if value_size is None else f"-v{value_size}"
+    return f"{kind}{mixing}-k{key_size}{values}-seed{seed}"
 
 
 def signature(settings: dict) -> dict:
@@ -124,14 +125,15 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     """Train one variant (or read its stored result) and return its record."""
     out = Path(settings["output_dir"])
     mixing = settings.get("mixing_init", "random")
-    name = run_name(kind, key_size, seed, mixing)
+    values = settings.get("value_size")
+    name = run_name(kind, key_size, seed, mixing, values)
     store = RunStore(out, signature(settings))
     record = store.finished(name)
     if record is not None:
         print(f"{name}: done already (best val loss {record['best_val_loss']:.4f}), skipping", flush=True)
         return record
     config = gpt_config(corpus.vocab_size, settings["block_size"], **settings["model"], kind=kind,
-                        key_size=key_size, mixing_init=mixing)
+                        key_size=key_size, mixing_init=mixing, value_size=values)
     model = build_model(config, seed)
     if torch.cuda.is_available():
         model.cuda()
@@ -142,6 +144,7 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     best = min(curve, key=lambda p: p["val_loss"])
     record = {
         "name": name, "attention": kind, "key_size": key_size, "mixing_init": mixing if kind == "collab" else None,
+        **({} if values is None else {"value_size": values}),
         "seed": seed, "recipe": settings.get("recipe_name"), "signature": store.signature,
         "parameters": parameter_counts(model), "cache_bytes_per_token_bf16": cache_bytes(model, 2),
         "best_val_loss": best["val_loss"], "best_step": best["step"], "final_val_loss": curve[-1]["val_loss"],
@@ -229,6 +232,7 @@ def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.Ch
     if settings.get("bf16", "auto") != "auto":
         cli.boolean("bf16", settings["bf16"])
     mixing = cli.choice("mixing_init", settings.get("mixing_init", "random"), MIXING_INITS)
+    values = cli.positive_int("value_size", settings.get("value_size"), nullable=True)
     for pattern in settings.get("save_models") or []:
         if not isinstance(pattern, str):
             raise cli.BadInput(f"save_models must be a list of run names or glob patterns, got {pattern!r}")
@@ -238,8 +242,8 @@ def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.Ch
     corpus = checked_corpus(settings)
     store = RunStore(out, signature(settings))
     for kind, key, seed in runs:
-        gpt_config(2, block, **settings["model"], kind=kind, key_size=key, mixing_init=mixing)
-        store.finished(run_name(kind, key, seed, mixing))  # a stored run made with other settings is refused
+        gpt_config(2, block, **settings["model"], kind=kind, key_size=key, mixing_init=mixing, value_size=values)
+        store.finished(run_name(kind, key, seed, mixing, values))  # a stored run made with other settings is refused
     return corpus
 
 
@@ -269,7 +273,8 @@ def run_many(settings: dict, runs: Sequence[tuple[str, int, int]], progress: boo
         torch.set_num_threads(int(settings["threads"]))
     records = []
     for number, (kind, key, seed) in enumerate(runs, 1):
-        print(f"[{number}/{len(runs)}] {run_name(kind, key, seed, settings.get('mixing_init', 'random'))}",
+        print(f"[{number}/{len(runs)}] "
+              f"{run_name(kind, key, seed, settings.get('mixing_init', 'random'), settings.get('value_size'))}",
               flush=True)
         records.append(train_run(settings, corpus, kind, key, seed, progress))
     return records

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from collab_attn import cli
 from collab_attn.files import replacing, write_text_atomic
+from collab_attn.lm.models import KINDS
 from collab_attn.models.settings import NO_CONVERSION, labels
-from collab_attn.run_store import mean_std
+from collab_attn.run_store import mean_curve, mean_std
 
 NANOGPT = {"gpu": 1.4697, "cpu": 1.88}  # nanoGPT's README: best val loss of its two shakespeare_char configs
 RESULTS_BEGIN = "<!-- results: written by scripts/summarize_lm.py -->"
@@ -26,7 +27,7 @@ METHOD_ORDER = labels()
 # Per results sub-folder: the keys the tables read, the key naming the variant and its values, the writing script.
 RESULTS = {
     "runs": (("attention", "key_size", "seed", "best_val_loss", "final_val_loss", "curve", "parameters",
-              "cache_bytes_per_token_bf16", "sample"), "attention", ("concat", "collab"), "train_lm"),
+              "cache_bytes_per_token_bf16", "sample"), "attention", KINDS, "train_lm"),
     "convert/runs": (("method", "key_size", "original_val_loss", "original_parameters", "model_dir", "retrain_steps",
                       "parameters", "cache_bytes_per_token_bf16", "relative_error", "converted_val_loss",
                       "converted_sample"), "method", METHOD_ORDER, "convert_lm"),
@@ -37,7 +38,8 @@ def read_runs(folder: Path) -> list[dict]:
 
 
 def variant(record: dict) -> str:
-    return "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
+    name = "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
+    return name if record.get("value_size") is None else f"{name} (values {record['value_size']})"
 
 
 def _groups(records: Sequence[dict]) -> dict[tuple[str, int], list[dict]]:
@@ -112,6 +114,16 @@ def samples_markdown(scratch: Sequence[dict], converted: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+# Line style per variant: solid concatenated, dashed collaborative (dotted: ones mixing), dash-dot the race variants.
+STYLES = {"concat": "-", "collab": "--", "collab (ones)": ":"}
+
+
+def line_style(variant_name: str) -> str:
+    if variant_name in STYLES:
+        return STYLES[variant_name]
+    return "--" if variant_name.startswith("collab") else "-."
+
+
 def plot_curves(records: Sequence[dict], recipe: str, path: Path) -> Path:
     """Left: validation loss against iteration, mean over seeds; colour = key size, solid = concatenated,
     dashed = collaborative (dotted: ones mixing). Right: best validation loss against key size, mean ± std."""
@@ -120,21 +132,18 @@ def plot_curves(records: Sequence[dict], recipe: str, path: Path) -> Path:
     groups = _groups(records)
     keys = sorted({k for _, k in groups}, reverse=True)
     colours = {k: f"C{i}" for i, k in enumerate(keys)}
-    styles = {"concat": "-", "collab": "--", "collab (ones)": ":"}
     fig = Figure(figsize=(12, 4.5))
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
     for (kind, key), runs in groups.items():
-        by_step = [{p["step"]: p["val_loss"] for p in r["curve"]} for r in runs]
-        steps = sorted(set.intersection(*(set(c) for c in by_step)) - {0})
-        left.plot(steps, [statistics.fmean(c[s] for c in by_step) for s in steps], styles[kind],
-                  color=colours[key], label=f"{kind} {key}")
+        steps, mean, _ = mean_curve(runs, "val_loss", skip_steps=frozenset({0}))
+        left.plot(steps, mean, line_style(kind), color=colours[key], label=f"{kind} {key}")
     reference = NANOGPT.get(recipe)
-    for kind in styles:
+    for kind in sorted({kind for kind, _ in groups}, key=lambda kind: (kind not in STYLES, kind)):
         rows = [(key, mean_std([r["best_val_loss"] for r in runs])) for (k, key), runs in groups.items()
                 if k == kind]
         if rows:
             right.errorbar([k for k, _ in rows], [m for _, (m, _) in rows], yerr=[s for _, (_, s) in rows],
-                           fmt="o" + styles[kind], capsize=3, label=kind)
+                           fmt="o" + line_style(kind), capsize=3, label=kind)
     for ax in (left, right):
         if reference:
             ax.axhline(reference, color="grey", lw=0.8, ls=":", label=f"nanoGPT {reference}")

@@ -36,7 +36,6 @@ from collab_attn.decomposition.whitening import DEFAULT_EPS
 from collab_attn.models.hf import find_attention, is_collaborative
 
 KEY_STATISTICS = ("centered", "raw")
-DEFAULT_SAMPLES = 512  # calibration texts sampled from a file or a task
 DEFAULT_MAX_LENGTH = 128  # tokens per calibration text
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 

@@ -6,7 +6,8 @@ defines a config class with its own
 ``CollabBertForSequenceClassification``, ...), each a subclass of the transformers class it mirrors whose
 self-attention modules are converted layers (``collab_attn.models.layers``). The config records the conversion
 method (``collab_method``) and the per-layer sizes (``collab_ranks``: query/key size per layer; ``collab_heads``:
-heads per layer where pruning removed some; ``collab_tucker_core_size``; ``collab_mixing_init`` for a model built
+heads per layer where pruning removed some; ``collab_value_ranks``: the shared value's width per layer where
+collaborative heads share their values; ``collab_tucker_core_size``; ``collab_mixing_init`` for a model built
 from a config to train from scratch: ``"ones"`` or ``"random"``), from which the model class rebuilds the layers.
 Importing ``collab_attn`` registers them with the Auto classes, so ``AutoModel*.from_pretrained`` loads a converted
 checkpoint of any method. Without ``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*``
@@ -96,6 +97,7 @@ class LayerSpec:
     size: int
     core_size: int | None = None
     mixing_init: str | None = None  # collaborative layers built from a config: None means block mixing where it fits
+    value_size: int | None = None  # collaborative layers sharing their values: the shared value's width
 
 
 @dataclass(frozen=True)
@@ -107,16 +109,24 @@ class Layout:
     heads: list[int] | None = None  # per layer, where pruning changed the head count
     tucker_core_size: int | None = None
     mixing_init: str | None = None  # models built from a config to train from scratch: "ones" or "random"
+    value_ranks: list[int] | None = None  # per layer, where collaborative heads share their values
 
     def __post_init__(self):
-        layer_kind(self.method)
+        kind = layer_kind(self.method)
+        if self.value_ranks is not None:
+            if not kind.collaborative:
+                raise ValueError(f"shared values (value ranks) need collaborative layers, not layout {self.method!r}")
+            if len(self.value_ranks) != len(self.ranks):
+                raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.value_ranks)} value ranks")
 
     def specs(self, default_heads: int) -> list[LayerSpec]:
         heads = self.heads or [default_heads] * len(self.ranks)
         if len(heads) != len(self.ranks):
             raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(heads)} head counts")
         kind = layer_kind(self.method)
-        return [LayerSpec(kind, h, r, self.tucker_core_size, self.mixing_init) for r, h in zip(self.ranks, heads)]
+        values = self.value_ranks or [None] * len(self.ranks)
+        return [LayerSpec(kind, h, r, self.tucker_core_size, self.mixing_init, v)
+                for r, h, v in zip(self.ranks, heads, values)]
 
     @classmethod
     def of(cls, config) -> Layout:
@@ -125,7 +135,7 @@ class Layout:
                 f"{type(config).__name__} needs config.collab_ranks; convert a model with collab_attn.reparametrize"
             )
         return cls(config.collab_method, list(config.collab_ranks), config.collab_heads,
-                   config.collab_tucker_core_size, config.collab_mixing_init)
+                   config.collab_tucker_core_size, config.collab_mixing_init, config.collab_value_ranks)
 
 
 @dataclass
@@ -168,7 +178,7 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
     elif kind.collaborative:
         layer = CollaborativeSelfAttention(
             weight.shape[1], spec.num_heads, spec.size, tucker_core_size=spec.core_size, mixing_init=spec.mixing_init,
-            **common,
+            value_rank=spec.value_size, **common,
         )
     else:
         layer = ConcatenatedSelfAttention(
@@ -218,6 +228,7 @@ def _retag(model: nn.Module, layout: Layout) -> None:
             config.collab_heads = None if layout.heads is None else list(layout.heads)
             config.collab_tucker_core_size = layout.tucker_core_size
             config.collab_mixing_init = layout.mixing_init
+            config.collab_value_ranks = None if layout.value_ranks is None else list(layout.value_ranks)
             if type(module) in _COLLAB_MODELS:
                 module.__class__ = _COLLAB_MODELS[type(module)]
                 # transformers keys the output recorders (output_attentions=True) by class: a plain dict keyed by
@@ -263,6 +274,7 @@ def _collab_config_class(family: Family) -> type:
         "__annotations__": {
             "collab_method": str, "collab_ranks": list[int] | None, "collab_heads": list[int] | None,
             "collab_tucker_core_size": int | None, "collab_mixing_init": str | None,
+            "collab_value_ranks": list[int] | None,
         },
         "model_type": family.collab_model_type,
         "collab_method": "cp",
@@ -270,6 +282,7 @@ def _collab_config_class(family: Family) -> type:
         "collab_heads": None,
         "collab_tucker_core_size": None,
         "collab_mixing_init": None,
+        "collab_value_ranks": None,
     }
     name = "Collab" + family.config_class.__name__
     cls = strict(type(name, (family.config_class,), namespace))

@@ -16,6 +16,9 @@ from torch import nn
 
 from collab_attn.models.hf import find_attention
 
+DEFAULT_SAMPLES = 256  # labelled examples the importance is averaged over
+DEFAULT_BATCH_SIZE = 32
+
 
 @contextmanager
 def head_gates(model: nn.Module, gates: list):
@@ -62,8 +65,8 @@ def head_importance(
     dataset,
     collator,
     *,
-    samples: int = 256,
-    batch_size: int = 32,
+    samples: int = DEFAULT_SAMPLES,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     seed: int = 0,
 ) -> HeadImportance:
     """Michel et al.'s head importance: the mean over ``samples`` examples of ``|dL/d xi_h|``.

@@ -168,8 +168,8 @@ def _static_causal_mask(layer: StaticLayer, new_tokens: int, device: torch.devic
 
 
 class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention):
-    """Collaborative heads (shared query/key projections of width ``rank``, per-head mixing) in a transformers
-    model."""
+    """Collaborative heads (shared query/key projections of width ``rank``, per-head mixing; with ``value_rank``, one
+    shared value per token too) in a transformers model."""
 
     def __init__(
         self,
@@ -184,6 +184,7 @@ class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention)
         tucker_core_size: int | None = None,
         mixing_init: str | None = None,
         logit_scale: float | None = None,
+        value_rank: int | None = None,
         is_causal: bool = False,
         layer_idx: int | None = None,
         output_dropout: float | None = None,
@@ -192,7 +193,7 @@ class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention)
         CollaborativeAttention.__init__(
             self, d_model, num_heads, rank, head_dim=head_dim, dropout=dropout, bias=bias,
             output_projection=output_projection, tucker_core_size=tucker_core_size, logit_scale=logit_scale,
-            mixing_init=mixing_init or ("concatenate" if rank % num_heads == 0 else "ones"),
+            mixing_init=mixing_init or ("concatenate" if rank % num_heads == 0 else "ones"), value_rank=value_rank,
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 

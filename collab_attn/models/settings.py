@@ -18,9 +18,11 @@ from pathlib import Path
 
 from collab_attn import cli
 from collab_attn.decomposition.rank_selection import RankBudget
-from collab_attn.models.calibration import DEFAULT_MAX_LENGTH, DEFAULT_SAMPLES
+from collab_attn.models import importance
+from collab_attn.models.calibration import DEFAULT_MAX_LENGTH
 from collab_attn.models.conversion import check_request
 from collab_attn.models.methods import METHODS, ConversionMethod, get_method
+from collab_attn.texts import CALIBRATION_SAMPLES
 
 NO_CONVERSION = "none"  # keep the concatenated heads (a GLUE pipeline baseline)
 CHOICES = (NO_CONVERSION, *METHODS)
@@ -55,7 +57,7 @@ class CalibrationSettings:
     long each may be in tokens."""
 
     source: str
-    samples: int = DEFAULT_SAMPLES
+    samples: int = CALIBRATION_SAMPLES
     max_length: int = DEFAULT_MAX_LENGTH
 
     def __post_init__(self):
@@ -74,8 +76,8 @@ class ImportanceSettings:
     """Head importance (``collab_attn.models.importance.head_importance``): the mean over ``samples`` labelled
     training examples, drawn with the job's seed; ``batch_size`` changes speed and memory only."""
 
-    samples: int = 256
-    batch_size: int = 32
+    samples: int = importance.DEFAULT_SAMPLES
+    batch_size: int = importance.DEFAULT_BATCH_SIZE
 
     def __post_init__(self):
         _positive_int("importance_samples", self.samples)

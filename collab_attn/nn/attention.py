@@ -5,7 +5,10 @@ Concatenated heads (Vaswani et al.): head ``h`` scores ``(X Wq_h + bq_h)(Y Wk_h 
 Collaborative heads (Cordonnier et al., 2020): all heads share ``Wq~, Wk~`` of width ``rank`` and head ``h``
 keeps a mixing vector ``m_h``; it scores ``(X Wq~ diag(m_h) Wk~^T Y^T + 1 (Y c_h)^T) / sqrt(d_head)``, where
 ``c_h`` is the content bias (what the query bias of head ``h`` becomes). With ``tucker_core_size`` set, each head
-mixes with a full ``rank x rank`` matrix ``M_h = sum_g mixing[h, g] core[g]`` instead of ``diag(m_h)``.
+mixes with a full ``rank x rank`` matrix ``M_h = sum_g mixing[h, g] core[g]`` instead of ``diag(m_h)``. With
+``value_rank`` D_v the heads share the values too: one value per token ``Y A`` of width D_v (cached once for all
+heads) and a value mixing vector ``n_h`` per head; the output is ``sum_h (P_h Y A) diag(n_h) B`` with ``B`` the
+(D_v, d_model) output projection, the CP form of the per-head products ``Wv_h Wo_h``.
 
 ``MultiHeadAttention`` is the one concatenated-heads class: its query/key head size may be smaller than its value
 head size (``query_key_head_dim``: SVD-truncated heads, small-key models trained from scratch) and it may carry the
@@ -153,12 +156,15 @@ class _Attention(nn.Module):
         (None without content bias); ``_plus(mask, content)`` is the whole bias of the logits.
 
         ``kv_cache``, when given, is called with this call's packed keys (``_pack``: (B, 1 or H, S, width)) and values
-        (B, H, S, head_dim) and returns those of every position so far (a key/value cache's update); the mask then
-        covers the cached positions too, and a causal mask is aligned to the last query."""
+        (B, H, S, head_dim; shared values: (B, 1, S, D_v)) and returns those of every position so far (a key/value
+        cache's update); the mask then covers the cached positions too, and a causal mask is aligned to the last
+        query."""
         keys_from = query_states if key_value_states is None else key_value_states
         keys = self._key_heads(self.key(keys_from))
         content = None if self.content_bias is None else self.content_bias(keys_from)  # (B, S, H)
-        values = self.value(keys_from).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        values = self.value(keys_from)
+        shared = getattr(self, "value_mixing", None) is not None  # one value per token: (B, 1, S, D_v)
+        values = values[:, None] if shared else values.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
         if kv_cache is not None:
             packed, values = kv_cache(self._pack(keys, content), values)
             keys, content = self._unpack(packed)
@@ -255,6 +261,8 @@ class CollaborativeAttention(_Attention):
     every dimension; ``"random"`` draws each entry from a standard normal (for training from scratch).
     ``tucker_core_size``: mix with full matrices built from a core of that many ``rank x rank`` slices.
     ``logit_scale``: what the logits are multiplied by (default ``1 / sqrt(head_dim)``).
+    ``value_rank``: share the values too (see the module's docstring); the value mixing starts like the key mixing
+    (``"ones"`` for ``"concatenate"``, which has no block form here). None keeps a value head per head.
     The logits are always explicit: a path through ``scaled_dot_product_attention`` (values padded with zeros to the
     rank) was slower in every case measured, on the CPU and on an H100, and was removed
     (experiments/benchmarks/README.md, sections 4 and 10).
@@ -274,8 +282,19 @@ class CollaborativeAttention(_Attention):
         mixing_init: str = "concatenate",
         tucker_core_size: int | None = None,
         logit_scale: float | None = None,
+        value_rank: int | None = None,
     ):
         super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        if value_rank is not None:
+            if not isinstance(value_rank, int) or isinstance(value_rank, bool) or value_rank <= 0:
+                raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
+            # one value per token for all heads, mixed per head on its way to the output projection
+            self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
+            self.value_mixing = nn.Parameter(torch.empty(num_heads, value_rank))
+            self.output = nn.Linear(value_rank, d_model, bias=bias) if output_projection else None
+        else:
+            self.value_mixing = None
+        self.value_rank = value_rank
         if logit_scale is not None:
             self.scale = logit_scale
         if not isinstance(rank, int) or rank <= 0:
@@ -305,6 +324,11 @@ class CollaborativeAttention(_Attention):
         """Set the mixing to ``self.mixing_init``; Tucker cores start as identities (every head alike)."""
         if self.mixing.device.type == "meta":
             return
+        if self.value_mixing is not None:
+            if self.mixing_init == "random":
+                nn.init.normal_(self.value_mixing)
+            else:
+                self.value_mixing.fill_(1.0)
         heads, width = self.mixing.shape
         if self.mixing_core is not None:
             self.mixing_core.copy_(torch.eye(self.rank).expand_as(self.mixing_core))
@@ -336,10 +360,14 @@ class CollaborativeAttention(_Attention):
         )  # keys: (B, S, rank), one per position, shared by all heads
         batch, tgt_len, _ = query_states.shape
         shared_queries = self.query(query_states)  # (B, T, rank)
-        if not need_weights and _blocks_pay(shared_queries, keys, values, self.num_heads):
+        shared_values = self.value_mixing is not None
+        if not need_weights and not shared_values and _blocks_pay(shared_queries, keys, values, self.num_heads):
             return self._finish(self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2)), None
         context, weights = self._explicit(shared_queries, keys, values, _plus(mask, content))
-        context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
+        if shared_values:  # (B, H, T, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
+            context = torch.einsum("bhtv,hv->btv", context, self.value_mixing)
+        else:
+            context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
         return self._finish(context), (weights if need_weights else None)
 
     def _mixed(self, shared_queries: torch.Tensor) -> torch.Tensor:

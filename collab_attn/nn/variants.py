@@ -247,7 +247,8 @@ def cache_numbers_per_token(module: nn.Module) -> int:
     """Numbers the module hands its ``kv_cache`` hook per token (packed keys and values together), i.e. what a
     key/value cache holds per token for this layer: GQA ``2 kv_heads head_dim``, MQA ``2 head_dim``, MLA
     ``latent_size``; concatenated heads ``H (query_key_head_dim + head_dim)`` (``+ H`` with content bias);
-    collaborative heads ``rank + H head_dim`` (``+ H`` with content bias)."""
+    collaborative heads ``rank + H head_dim`` (``+ H`` with content bias), ``rank + value_rank`` (``+ H``) when they
+    share the values too."""
     if isinstance(module, _SharedKeyValueAttention):
         return module.cache_width()
     if not isinstance(module, (MultiHeadAttention, CollaborativeAttention)):
@@ -256,4 +257,4 @@ def cache_numbers_per_token(module: nn.Module) -> int:
     content = heads if module.content_bias is not None else 0
     if isinstance(module, MultiHeadAttention):
         return heads * module.query_key_head_dim + content + values
-    return module.rank + content + values
+    return module.rank + content + (values if module.value_rank is None else module.value_rank)

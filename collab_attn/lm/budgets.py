@@ -1,0 +1,98 @@
+"""Sizes of every attention variant at matched key/value-cache bytes, and at matched attention parameters, read from
+the models themselves (``cache_bytes`` and ``parameter_counts`` of a model built on the meta device), not by hand.
+
+For a target fraction of the concatenated model's cache (or attention parameters), each variant gets the size
+(``key_size``: the key width of concatenated and collaborative heads, the key width kv_heads x head size of grouped
+heads, the latent of latent attention; ``collab-kv``: collaborative heads sharing keys and values, value_size =
+key_size) whose cost is closest to the target, with the exact ratio it reaches. A
+variant whose cost cannot come within ``REACH`` of the target at any size (collaborative heads that share only their
+keys keep per-head values, half the original cache) is marked unreachable and reports its closest size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from collab_attn.lm.models import KINDS, cache_bytes, gpt_config, parameter_counts
+
+REACH = 0.1  # a size counts as matching when its ratio is within 10% of the target fraction
+# Every attention option, and collaborative heads that share their values too at value_size = key_size.
+SHARED_VALUES = "collab-kv"
+VARIANTS = (*KINDS, SHARED_VALUES)
+
+
+@dataclass(frozen=True)
+class Sized:
+    """One variant at one size: its cache bytes per token (bf16, all layers) and attention parameters."""
+
+    kind: str
+    key_size: int
+    cache_bytes: int
+    attention_params: int
+
+
+@dataclass(frozen=True)
+class Match:
+    kind: str
+    target: float  # the fraction of the original asked for
+    sized: Sized
+    ratio: float  # the fraction reached
+    reached: bool  # within REACH of the target
+
+
+def candidate_sizes(kind: str, n_embd: int, n_head: int) -> list[int]:
+    """Every ``key_size`` a variant takes at this width."""
+    head_dim = n_embd // n_head
+    if kind == "concat":
+        return list(range(n_head, n_embd + 1, n_head))
+    if kind == "mqa":
+        return [head_dim]
+    if kind == "gqa":
+        return [kv * head_dim for kv in range(1, n_head + 1) if n_head % kv == 0]
+    return list(range(1, n_embd + 1))  # collab, collab-kv, mla
+
+
+def sized(kind: str, key_size: int, model: dict) -> Sized:
+    """Build the variant on the meta device and read its costs."""
+    if kind == SHARED_VALUES:
+        config = gpt_config(2, 8, **model, kind="collab", key_size=key_size, value_size=key_size)
+    else:
+        config = gpt_config(2, 8, **model, kind=kind, key_size=key_size)
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(config)
+    return Sized(kind, key_size, cache_bytes(built), parameter_counts(built)["attention_params"])
+
+
+def all_sizes(model: dict, kinds: Sequence[str] = VARIANTS) -> dict[str, list[Sized]]:
+    """Every size of every variant for ``model`` (``n_layer``, ``n_head``, ``n_embd``, ``dropout``)."""
+    return {kind: [sized(kind, k, model) for k in candidate_sizes(kind, model["n_embd"], model["n_head"])]
+            for kind in kinds}
+
+
+def matched(sizes: dict[str, list[Sized]], fractions: Sequence[float], cost: str) -> list[Match]:
+    """Per fraction and variant, the size whose ``cost`` (``cache_bytes`` or ``attention_params``) is closest to that
+    fraction of the full concatenated model's."""
+    original = getattr(max(sizes["concat"], key=lambda s: s.key_size), cost)
+    rows = []
+    for fraction in fractions:
+        for kind, options in sizes.items():
+            best = min(options, key=lambda s: (abs(getattr(s, cost) / original - fraction), s.key_size))
+            ratio = getattr(best, cost) / original
+            rows.append(Match(kind, fraction, best, ratio, abs(ratio - fraction) <= REACH * fraction))
+    return rows
+
+
+def table(rows: Sequence[Match], cost: str) -> str:
+    """A Markdown table of ``matched``'s rows."""
+    name = {"cache_bytes": "cache", "attention_params": "attention parameters"}[cost]
+    lines = [f"| target {name} | attention | key_size | cache B/token (bf16) | attention params | reached |",
+             "|---:|---|---:|---:|---:|---|"]
+    for row in rows:
+        reached = f"{row.ratio:.3f}x" if row.reached else f"no (closest {row.ratio:.3f}x)"
+        lines.append(f"| {row.target:g} | {row.kind} | {row.sized.key_size} | {row.sized.cache_bytes:,} "
+                     f"| {row.sized.attention_params:,} | {reached} |")
+    return "\n".join(lines)
