@@ -216,3 +216,21 @@ def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path, capsy
         assert cells[3] == ("" if difference is None else f"{difference:.1e}")
         shown_name, ms, ratio = re.fullmatch(r"(\S.*?) +([\d.]+) ms +([\d.]+x)", line).groups()
         assert shown_name == name and shows(ms, row["ms"]) and shows(ratio, row["ms"] / base)
+
+
+def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tmp_path, monkeypatch):
+    from collab_attn.lm.models import build_model, cache_bytes, gpt_config
+
+    bench = load("race_decode")
+    timings = iter(range(1, 1000))
+    monkeypatch.setattr(bench, "median_seconds",
+                        lambda models, args, measure: {name: measure(name, model) * 0 + next(timings) / 1000
+                                                       for name, model in models.items()})
+    rows = bench.main(["--contexts", "16", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path / "r.md")])
+    assert [r["variant"] for r in rows] == [name for name, *_ in bench.VARIANTS]
+    for row, (_, kind, key, values) in zip(rows, bench.VARIANTS):
+        model = build_model(gpt_config(65, 17, **bench.MODEL, kind=kind, key_size=key, value_size=values), 0)
+        assert row["cache_bytes_per_token"] == 2 * cache_bytes(model)  # float32 here, bf16 in the accounting
+        assert row["ratio"] == pytest.approx(row["ms_per_token"] / rows[0]["ms_per_token"])
+    text = (tmp_path / "r.md").read_text()
+    assert "| collab k30 v30 | 16 | 1 | 8.000 | 8.00x | 1,024 |" in text

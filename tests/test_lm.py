@@ -413,3 +413,22 @@ def test_value_size_is_for_collaborative_heads_only():
     config = models.gpt_config(65, 16, 2, 4, 16, kind="collab", key_size=8, value_size=6)
     assert config.collab_value_ranks == [6, 6]
     assert models.cache_bytes(models.build_model(config, 0)) == 2 * (8 + 4 + 6) * 2  # two layers, bf16
+
+
+def test_cache_race_plot_draws_loss_against_cache_per_variant(tmp_path, monkeypatch):
+    def run(kind, key, seed, loss, cache, values=None):
+        return {"attention": kind, "key_size": key, "seed": seed, "best_val_loss": loss,
+                "cache_bytes_per_token_bf16": cache, **({} if values is None else {"value_size": values})}
+
+    race = [run("mqa", 32, 0, 1.90, 512), run("mqa", 32, 1, 1.92, 512),
+            run("collab", 30, 0, 1.95, 512, values=30), run("collab", 14, 0, 2.05, 256, values=14)]
+    grid = [run("concat", 128, 0, 1.88, 2048), run("concat", 64, 0, 1.93, 1536)]
+    figures = saved_figures(monkeypatch)
+    summary.plot_cache_race(race, tmp_path / "cache.png", grid)
+    (figure,) = figures
+    bars = errorbars(figure.axes[0])
+    assert bars["mqa"] == ([512], [pytest.approx(1.91)], [pytest.approx(0.0141421, rel=1e-4)])
+    assert bars["collab (values)"] == ([256, 512], [2.05, 1.95], [0.0, 0.0])  # both value sizes on one line
+    assert bars["concat"] == ([1536, 2048], [1.93, 1.88], [0.0, 0.0])
+    assert figure.axes[0].get_xlabel() == "key/value cache, bytes per token (bf16, all layers)"
+    assert (tmp_path / "cache.png").is_file()

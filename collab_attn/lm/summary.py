@@ -164,6 +164,34 @@ def plot_curves(records: Sequence[dict], recipe: str, path: Path) -> Path:
     return path
 
 
+def plot_cache_race(records: Sequence[dict], path: Path, reference: Sequence[dict] = ()) -> Path:
+    """Best validation loss (mean ± std over seeds) against key/value-cache bytes per token, one line per attention
+    variant; ``reference``: runs of another folder drawn beside them (the concatenated and collaborative grid)."""
+    from matplotlib.figure import Figure
+
+    lines: dict[str, list[tuple[int, float, float]]] = {}
+    for (kind, _), runs in _groups([*records, *reference]).items():
+        best, spread = mean_std([r["best_val_loss"] for r in runs])
+        family = "collab (values)" if kind.startswith("collab (values") else kind
+        lines.setdefault(family, []).append((runs[0]["cache_bytes_per_token_bf16"], best, spread))
+    fig = Figure(figsize=(7, 4.5))
+    axes = fig.subplots()
+    for family, points in sorted(lines.items()):
+        points.sort()
+        axes.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
+                      fmt="o" + line_style(family), capsize=3, label=family)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("key/value cache, bytes per token (bf16, all layers)")
+    axes.set_ylabel("best validation loss")
+    axes.set_title("validation loss against cache, mean ± std over seeds")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    return path
+
+
 def results_markdown(root: Path) -> str:
     """The generated README part: per recipe folder, the from-scratch table, the conversion table, the samples."""
     parts = [RESULTS_BEGIN, ""]
@@ -178,6 +206,8 @@ def results_markdown(root: Path) -> str:
                       f"device {scratch[0].get('device')}).", "", scratch_table(scratch), ""]
             if (root / f"curves_{folder.name}.png").exists():
                 parts += [f"![learning curves](curves_{folder.name}.png)", ""]
+            if (root / f"cache_{folder.name}.png").exists():
+                parts += [f"![loss against cache](cache_{folder.name}.png)", ""]
         if converted:
             parts += ["Conversion of the concatenated seed-0 model:", "", conversion_table(converted), ""]
         parts += ["<details><summary>samples</summary>", "", samples_markdown(scratch, converted), "</details>", ""]
@@ -212,6 +242,10 @@ def write_summary(root: str | Path) -> Path:
         scratch = read_runs(folder / "runs")
         if scratch:
             plot_curves(scratch, scratch[0].get("recipe") or folder.name, root / f"curves_{folder.name}.png")
+        if {r["attention"] for r in scratch} - {"concat", "collab"}:  # a cache race: beside the grid of its recipe
+            grid = root / str(scratch[0].get("recipe")) / "runs"
+            reference = read_runs(grid) if grid.is_dir() and grid != folder / "runs" else []
+            plot_cache_race(scratch, root / f"cache_{folder.name}.png", reference)
     readme = root / "README.md"
     text = readme.read_text() if readme.exists() else "# Tiny Shakespeare, character level\n\n"
     generated = results_markdown(root)

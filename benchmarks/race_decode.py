@@ -1,0 +1,81 @@
+"""Decoding time per token of the attention variants of the cache race (experiments/shakespeare_char/kv_race.md)
+at a long context on the CPU, side by side in one process: the cpu recipe's model (4 layers, 4 heads, d 128, a
+65-character vocabulary) with positions up to the context, randomly initialized, its cache filled with random keys
+and values (``benchmarks/decode.py``'s machinery: one new token per step against ``context`` cached positions, the
+models taking turns step by step).
+
+    python benchmarks/race_decode.py                      # context 2048, batch 1, every race variant
+    python benchmarks/race_decode.py --contexts 2048 8192 --batch 8
+
+Rows: median milliseconds per token, the ratio to the concatenated model, and the cache bytes measured from the
+cache's tensors (float32 here; the race tables give bf16). Results: ``experiments/benchmarks/race_decode_cpu.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from decode import cache_bytes, decode_step, filled_cache, median_seconds  # noqa: E402
+
+from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.lm.models import build_model, gpt_config  # noqa: E402
+
+MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0}
+# (name, attention, key_size, value_size): the race's variants at 1/1, 1/2, 1/4 and 1/8 of the cache
+VARIANTS = [
+    ("concat", "concat", 128, None), ("gqa kv2", "gqa", 64, None), ("mqa", "mqa", 32, None),
+    ("mla 128", "mla", 128, None), ("mla 64", "mla", 64, None), ("mla 32", "mla", 32, None),
+    ("collab k62 v62", "collab", 62, 62), ("collab k30 v30", "collab", 30, 30), ("collab k14 v14", "collab", 14, 14),
+]
+
+
+def rows_for(context: int, batch: int, args) -> list[dict]:
+    models = {name: build_model(gpt_config(65, context + 1, **MODEL, kind=kind, key_size=key, value_size=values),
+                                seed=0).eval() for name, kind, key, values in VARIANTS}
+    caches = {name: filled_cache(model, "dynamic", batch, context) for name, model in models.items()}
+    ids = torch.randint(0, 65, (batch, 1))
+    mask = torch.ones(batch, context + 1, dtype=torch.long)
+    medians = median_seconds(models, args, lambda name, model: decode_step(model, None, caches[name], ids, mask,
+                                                                           context))
+    base = medians["concat"]
+    return [{"variant": name, "context": context, "batch": batch, "ms_per_token": 1e3 * seconds / batch,
+             "ratio": seconds / base, "cache_bytes_per_token": cache_bytes(caches[name]) // (batch * context)}
+            for name, seconds in medians.items()]
+
+
+def markdown(rows: list[dict], args) -> str:
+    lines = [f"Decoding on the CPU ({torch.get_num_threads()} threads), float32, median of {args.repeats} steps after "
+             f"{args.warmup}; `python benchmarks/race_decode.py {' '.join(sys.argv[1:])}`", "",
+             "| variant | context | batch | ms / token | vs concat | cache B / token (float32, measured) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['context']} | {r['batch']} | {r['ms_per_token']:.3f} | {r['ratio']:.2f}x "
+              f"| {r['cache_bytes_per_token']:,} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "race_decode_cpu.md")
+    args = parser.parse_args(argv)
+    rows = [row for context in args.contexts for row in rows_for(context, args.batch, args)]
+    text = markdown(rows, args)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(args.out, text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
