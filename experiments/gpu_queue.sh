@@ -18,20 +18,24 @@
 #      finished jobs (their results.jsonl is committed) and fine-tunes each task's baseline once.
 #   3. lm: the Tiny Shakespeare gpu recipe (nanoGPT's 6x6x384) with collaborative heads at d/2, d/4, d/8, seed 0
 #      (the concatenated baseline is committed); train_lm.py skips finished runs.
+#   4. race: the cache race on the gpu recipe (issue 44), seed by seed (0, 1, 2): at a quarter of the cache
+#      collaborative keys and values (key_size = value_size = 93) and MLA (latent 192), with MQA (1/6) and GQA with
+#      two key/value heads (1/3) beside them (sizes: python scripts/kv_budgets.py --recipe gpu).
 # Every job runs under `timeout` against the one deadline, so the script always ends in time and keeps what finished.
 # Results are written in the tree (experiments/...) and every file a job made or changed is copied to
 # $OUT/experiments/... at the end, so the copy-back above puts them where they belong. Logs: $OUT/queue_logs.
 #
 # Settings (environment): PYTHON (python), GPU_QUEUE_DEADLINE (540), GPU_QUEUE_JOBS (which jobs, in order:
-# "decode glue lm"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT only).
+# "decode glue lm race"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT only).
 set -u
-JOBS=${GPU_QUEUE_JOBS:-decode glue lm}
+JOBS=${GPU_QUEUE_JOBS:-decode glue lm race}
 if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic static; benchmarks/decode_kernels.py --batch 1, 32";;
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
+      race) echo "race: scripts/train_lm.py recipe=gpu output_dir=experiments/shakespeare_char/kv_race_gpu seed=0,1,2: collab key_size=value_size=93, mla latent_size=192, mqa, gqa kv_heads=2";;
       *) echo "unknown job $job" >&2; exit 2;;
     esac
   done
@@ -119,11 +123,31 @@ lm() {
   done
 }
 
+race() {
+  if [ ! -f "$LM_DATA" ]; then echo "race: skipped, no Tiny Shakespeare at $LM_DATA"; return; fi
+  local common=("data.path=$LM_DATA" progress=false checkpoint_every=null "save_models=[]"
+                output_dir="$ROOT/shakespeare_char/kv_race_gpu")
+  if [ "$DRY" = 1 ]; then
+    run_job race "$PYTHON" scripts/train_lm.py "${common[@]}" attention=collab key_size=6 value_size=6 seed=0 \
+      model.n_layer=1 model.n_head=2 model.n_embd=16 block_size=16 eval_iters=2 trainer.max_steps=1 \
+      trainer.eval_steps=1 trainer.logging_steps=1 trainer.warmup_steps=0 sample_chars=10 threads=1
+    return
+  fi
+  for seed in 0 1 2; do
+    for variant in "attention=collab key_size=93 value_size=93" "attention=mla latent_size=192" "attention=mqa" \
+                   "attention=gqa kv_heads=2"; do
+      # shellcheck disable=SC2086  # the variant's settings are separate arguments
+      run_job "race-$(echo $variant | tr ' =' '_-')-seed$seed" "$PYTHON" scripts/train_lm.py recipe=gpu \
+        "${common[@]}" $variant seed=$seed
+    done
+  done
+}
+
 { nvidia-smi || true; "$PYTHON" -c "import torch, transformers; print(torch.__version__, transformers.__version__, \
 torch.cuda.is_available())"; } > "$LOGS/environment.txt" 2>&1
 for job in $JOBS; do
   case $job in
-    decode|glue|lm) $job;;
+    decode|glue|lm|race) $job;;
     *) echo "unknown job $job" >&2; exit 2;;
   esac
 done

@@ -15,7 +15,7 @@ LM_DATA = GLUE_DIR.parents[0] / "tinyshakespeare" / "input.txt"
 
 def test_the_queue_lists_its_jobs_in_priority_order():
     listed = subprocess.run(["bash", str(SCRIPT), "--list"], capture_output=True, text=True, check=True).stdout
-    assert [line.split(":")[0] for line in listed.splitlines()] == ["decode", "glue", "lm"]
+    assert [line.split(":")[0] for line in listed.splitlines()] == ["decode", "glue", "lm", "race"]
     assert "--caches dynamic static" in listed and "refit=distill" in listed and "recipe=gpu" in listed
 
 
@@ -37,5 +37,8 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path):
     if LM_DATA.is_file():
         assert "lm: exit 0" in done.stdout
         assert (tmp_path / "dry_run" / "shakespeare_char" / "gpu" / "runs" / "collab-k8-seed0.json").is_file()
+        assert "race: exit 0" in done.stdout
+        race = tmp_path / "dry_run" / "shakespeare_char" / "kv_race_gpu" / "runs" / "collab-k6-v6-seed0.json"
+        assert race.is_file()
     else:
-        assert "lm: skipped" in done.stdout
+        assert "lm: skipped" in done.stdout and "race: skipped" in done.stdout
