@@ -32,7 +32,7 @@ from collab_attn.lm.data import corpus_from_text, val_blocks
 from collab_attn.lm.models import MODEL_KEYS, gpt_config
 from collab_attn.models import calibrate as calibrate_module
 from collab_attn.models.methods import METHODS
-from collab_attn.models.settings import CHOICES, MethodSettings, group_keys
+from collab_attn.models.settings import MethodSettings, choices, group_keys
 from collab_attn.training import training_args
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -335,7 +335,7 @@ def test_settings_refuse_bad_values_naming_the_key(bad, message):
 
 
 def test_settings_helpers():
-    assert CHOICES == ("none", *METHODS)
+    assert choices() == ("none", *METHODS)
     cp = MethodSettings.from_config(resolved("train_glue")["collab"])
     assert (cp.label, cp.rank_request, cp.converts) == ("cp", 192, True)
     assert cp.reparametrize_kwargs() == {"rank": 192, "method": "cp", "solver": "implicit", "init": "svd",

@@ -25,7 +25,13 @@ from collab_attn.models.methods import METHODS, ConversionMethod, get_method
 from collab_attn.texts import CALIBRATION_SAMPLES
 
 NO_CONVERSION = "none"  # keep the concatenated heads (a GLUE pipeline baseline)
-CHOICES = (NO_CONVERSION, *METHODS)
+
+
+def choices() -> tuple[str, ...]:
+    """What ``collab.method`` may be: ``none`` or a registered method (read when asked: methods registered later
+    count)."""
+    return (NO_CONVERSION, *METHODS)
+
 AWARE = "-aware"  # the label suffix of an activation-aware fit
 
 
@@ -137,9 +143,9 @@ class MethodSettings:
                 raise ValueError(f"unknown key collab.{key}; the collab group takes {', '.join(known)}")
         name = collab.get("method")
         if name is None:
-            raise ValueError("collab.method is missing; choose one of " + ", ".join(CHOICES))
-        if name not in CHOICES:
-            raise ValueError(f"unknown collab.method {name!r}; choose one of {CHOICES}")
+            raise ValueError("collab.method is missing; choose one of " + ", ".join(choices()))
+        if name not in choices():
+            raise ValueError(f"unknown collab.method {name!r}; choose one of {choices()}")
         if name == NO_CONVERSION:
             return cls(NO_CONVERSION)
         method = get_method(name)

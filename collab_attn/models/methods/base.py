@@ -66,9 +66,12 @@ class ConversionMethod:
         return self.options(**{k: v for k, v in given.items() if v is not None})
 
     def plan(self, request: Request) -> Plan:
+        """The planner's plan, its layout recorded under this method's name (a planner may serve several methods)."""
         if not isinstance(request.options, self.options):
             raise TypeError(f"method {self.name!r} plans with {self.options.__name__}, got {type(request.options)}")
-        return self.planner(request)
+        plan = self.planner(request)
+        plan.layout = dataclasses.replace(plan.layout, method=self.name)
+        return plan
 
 
 METHODS: dict[str, ConversionMethod] = {}
