@@ -78,7 +78,8 @@ class JobKey:
     task: str
     model: str
     weights: str
-    method: dict  # MethodSettings.to_group(): the method and every option, defaults included
+    method: dict  # MethodSettings.to_group() without unset (None) keys: an option added later, off by default,
+    #               leaves the keys of the jobs made before it as they were
     seed: int
     finetune: bool
     trainer: dict
@@ -96,7 +97,8 @@ class JobKey:
         }
         return cls(
             task=glue.get_task(settings["task"]["name"]).name, model=settings["model"], weights=weights_of(settings),
-            method=method.to_group(), seed=settings["seed"], finetune=settings["finetune"],
+            method={k: v for k, v in method.to_group().items() if v is not None}, seed=settings["seed"],
+            finetune=settings["finetune"],
             trainer=without_logging(settings["trainer"]), refit=refit,
             data={k: v for k, v in settings["data"].items() if k != "glue_dir"},
         )
