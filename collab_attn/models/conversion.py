@@ -34,7 +34,7 @@ from collab_attn.models.hf import (
     query_key_count,
 )
 from collab_attn.models.methods import METHODS, PAPER_METHOD, ConversionMethod, get_method
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, per_layer_ranks
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights, per_layer_ranks
 from collab_attn.models.report import LayerReport, ReparamReport
 
 __all__ = ["METHODS", "ReparamReport", "check_request", "reparametrize"]
@@ -73,7 +73,7 @@ def _validate(model: nn.Module, method: ConversionMethod, rank):
     return family, found, ranks, budget
 
 
-def check_request(config, method: str, rank, **options) -> None:
+def check_request(config, method: str, rank, value_rank=None, **options) -> None:
     """Check, before any training, that a model with this transformers ``config`` converts with ``method`` at
     ``rank`` with ``options`` (``_validate`` on the model's skeleton, built on the meta device: no weights are read);
     raises a ValueError that says what to change."""
@@ -84,7 +84,8 @@ def check_request(config, method: str, rank, **options) -> None:
     family_of(config)  # unsupported and rotary families are refused with the reason before anything is built
     with torch.device("meta"):
         skeleton = AutoModel.from_config(config)
-    _validate(skeleton, conversion, rank)
+    family, found, _, _ = _validate(skeleton, conversion, rank)
+    _check_value_ranks(conversion, value_rank, None, found, family)
 
 
 @torch.no_grad()
@@ -106,6 +107,31 @@ def _fill(entry: InstalledLayer, planned: LayerPlan, family: Family) -> None:
             put(layer.mixing if name == "mixing" else layer.mixing_core, getattr(planned, name))
     if planned.content_bias is not None:
         put(layer.content_bias.weight, planned.content_bias)
+    if planned.values is not None:
+        _fill_shared_values(entry, planned.values, family, put)
+    else:
+        _fill_head_values(entry, planned, family, put)
+    if layer.LayerNorm is not None:
+        layer.LayerNorm.load_state_dict(old.LayerNorm.state_dict())
+
+
+def _fill_shared_values(entry: InstalledLayer, values, family: Family, put) -> None:
+    """The shared value projection (its bias zero: folded into the output bias), the heads' value mixing and the
+    output projection (inside the layer, or the new one beside it)."""
+    layer = entry.new
+    put(layer.value.weight, values.value)
+    if layer.value.bias is not None:
+        layer.value.bias.zero_()
+    put(layer.value_mixing, values.value_mixing)
+    target = layer.output if family.output is not None else entry.new_outer_output
+    put(target.weight, values.output)
+    if values.output_bias is not None:
+        put(target.bias, values.output_bias)
+
+
+def _fill_head_values(entry: InstalledLayer, planned: LayerPlan, family: Family, put) -> None:
+    """The kept heads' values and output columns, copied."""
+    layer, old = entry.new, entry.old
     head_dim = family.head_dim(old)
     index = None if planned.kept_heads is None else torch.tensor(
         [h * head_dim + i for h in planned.kept_heads for i in range(head_dim)]
@@ -123,8 +149,6 @@ def _fill(entry: InstalledLayer, planned: LayerPlan, family: Family) -> None:
         put(target.weight, weight if index is None else weight[:, index])
         if bias is not None:
             put(target.bias, bias)
-    if layer.LayerNorm is not None:
-        layer.LayerNorm.load_state_dict(old.LayerNorm.state_dict())
 
 
 def _apply(model: nn.Module, family: Family, found, plan: Plan, method: str) -> ReparamReport:
@@ -151,6 +175,7 @@ def reparametrize(
     *,
     calibration: Calibration | None = None,
     importance=None,
+    value_rank: int | Sequence[int] | None = None,
     progress: bool = True,
     device: torch.device | str | None = None,
     **options,
@@ -169,7 +194,9 @@ def reparametrize(
     also gives each layer's whitened error. ``importance``: the head scores a pruning method ranks heads by (a
     ``HeadImportance`` from ``collab_attn.models.importance.head_importance`` on task data, or one score tensor per
     layer). ``device``: where a decomposition runs (None: the model's device; ``"cuda"`` for a model on the CPU
-    works too); the converted model stays where it was.
+    works too); the converted model stays where it was. ``value_rank``: for a method that shares values, one value
+    of width D_v per token for all heads (one number, or one per layer; heads x head_dim is exact), from a CP
+    decomposition of the per-head value-output products ``Wv_h^T Wo_h^T``; None keeps every head's values.
 
     An option or input the method does not take raises. The model is changed only once every layer has been planned,
     so an error leaves it as it was. Returns a per-layer report.
@@ -186,12 +213,36 @@ def reparametrize(
     if device is not None and not conversion.decomposes:
         raise ValueError(f"device={device!r} does not apply to method={method!r}: it runs no decomposition")
     family, found, ranks, budget = _validate(model, conversion, rank)
+    value_ranks = _check_value_ranks(conversion, value_rank, calibration, found, family)
     if calibration is not None:
         if not isinstance(calibration, Calibration):
             raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")
         calibration.check_matches([name for name, _ in found], family.d_in(found[0][1]))
     request = Request(
         [_layer_weights(name, module, family) for name, module in found], ranks, budget, seed, options,
-        [query_key_count(module, family) for _, module in found], calibration, importance, device, progress,
+        [query_key_count(module, family) for _, module in found], calibration=calibration, importance=importance,
+        value_ranks=value_ranks, device=device, progress=progress,
+        values=None if value_ranks is None else [
+            ValueWeights(*family.value_output_weights(model, name, module)) for name, module in found
+        ],
     )
     return _apply(model, family, found, conversion.plan(request), method)
+
+
+def _check_value_ranks(conversion: ConversionMethod, value_rank, calibration, found, family) -> list[int] | None:
+    """Per-layer shared-value widths D_v (None: each head keeps its values), each in [1, heads x head_dim]."""
+    if value_rank is None:
+        return None
+    if not conversion.shares_values:
+        shared = [name for name, m in METHODS.items() if m.shares_values]
+        raise ValueError(f"value_rank does not apply to method={conversion.name!r}: its heads keep their values "
+                         f"(methods that share the values: {shared})")
+    if calibration is not None:
+        raise ValueError("value_rank with calibration is not supported yet: the shared values are fitted to the raw "
+                         "weights; drop calibration= or value_rank=")
+    module = found[0][1]
+    full = family.num_heads(module) * family.head_dim(module)
+    try:
+        return per_layer_ranks(value_rank, len(found), full)
+    except ValueError as err:
+        raise ValueError(f"value_rank: {err}") from err

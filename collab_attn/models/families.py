@@ -98,6 +98,17 @@ class Family:
         w_query, b_query, w_key, b_key = tensors
         return w_query, w_key, b_query, b_key
 
+    def value_output_weights(self, model: nn.Module, name: str, module: nn.Module):
+        """Layer ``name``'s value side per head: (heads, head_dim, d_in) value weights ``Wv_h``, (heads, head_dim,
+        d_out) transposed output columns ``Wo_h^T``, the (heads * head_dim) value bias and the (d_out) output bias
+        (float32, CPU, detached; biases None where absent). Head h adds ``P_h X Wv_h^T Wo_h^T`` to the output."""
+        heads, head_dim = self.num_heads(module), self.head_dim(module)
+        weight, bias = self.projection(module, "value")
+        out_weight, out_bias = self.output_weights(self.output_projection(model, name))
+        detached = [None if t is None else t.detach().float().cpu() for t in (weight, out_weight, bias, out_bias)]
+        w_value, w_output, b_value, b_output = detached
+        return (w_value.reshape(heads, head_dim, -1), w_output.T.reshape(heads, head_dim, -1), b_value, b_output)
+
     def output_projection_name(self, name: str) -> str:
         return f"{name}.{self.output}" if self.output is not None else f"{name.rpartition('.')[0]}.output.dense"
 

@@ -191,8 +191,8 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
 
 def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
     """Replace every self-attention module by an empty converted one shaped by ``layout`` and retag the model and
-    config as collaborative. A layer with fewer heads also gets a narrower output projection (BERT, RoBERTa: the
-    one beside the attention module)."""
+    config as collaborative. A layer with fewer heads, or with shared values, also gets a narrower output projection
+    (BERT, RoBERTa: the one beside the attention module)."""
     family = family_of(model.config)
     found = attention_modules(model, family)
     if len(layout.ranks) != len(found):
@@ -202,9 +202,9 @@ def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
         layer = build_layer(family, module, spec)
         replace_module(model, name, layer)
         entry = InstalledLayer(name, module, layer)
-        if family.output is None and spec.num_heads != family.num_heads(module):
+        if family.output is None and (spec.num_heads != family.num_heads(module) or spec.value_size is not None):
             old = family.output_projection(model, name)
-            width = spec.num_heads * family.head_dim(module)
+            width = spec.value_size or spec.num_heads * family.head_dim(module)
             new = nn.Linear(width, old.out_features, bias=old.bias is not None).to(old.weight)
             entry.old_outer_output, entry.new_outer_output = old, new
             replace_module(model, family.output_projection_name(name), new)

@@ -46,6 +46,37 @@ class LayerWeights:
 
 
 @dataclass
+class ValueWeights:
+    """One original layer's value side (read only when the values are to be shared): (heads, head_dim, d_in) value
+    weights ``Wv_h``, (heads, head_dim, d_out) transposed output columns ``Wo_h^T``, the value and output biases."""
+
+    w_value: torch.Tensor
+    w_output: torch.Tensor
+    b_value: torch.Tensor | None
+    b_output: torch.Tensor | None
+
+    def output_bias(self) -> torch.Tensor | None:
+        """The output bias with the value bias folded in: every row of an attention map sums to one, so head h's
+        value bias adds the constant ``Wo_h bv_h`` to the output (exact)."""
+        if self.b_value is None:
+            return self.b_output
+        folded = torch.einsum("hao,ha->o", self.w_output, self.b_value.reshape(self.w_output.shape[:2]))
+        return folded if self.b_output is None else self.b_output + folded
+
+
+@dataclass
+class ValuePlan:
+    """The shared value side of one layer: ``value`` (D_v, d_in) and ``output`` (d_out, D_v) ``nn.Linear`` weights,
+    the heads' ``value_mixing`` (heads, D_v) and the output bias (the value bias folded in; the value bias is 0)."""
+
+    value: torch.Tensor
+    output: torch.Tensor
+    value_mixing: torch.Tensor
+    output_bias: torch.Tensor | None
+    relative_error: float = 0.0
+
+
+@dataclass
 class LayerPlan:
     """The new query/key side of one layer. ``query`` and ``key`` are (size, d_in) ``nn.Linear`` weights: shared
     projections of width D~ (collaborative, with ``mixing`` and for Tucker ``core``) or the stacked heads
@@ -63,6 +94,7 @@ class LayerPlan:
     relative_error: float = 0.0
     weighted_error: float | None = None  # activation-aware fits: the error of the whitened products
     seconds: float = 0.0
+    values: ValuePlan | None = None  # shared values (a value rank was asked for)
 
 
 @dataclass
@@ -97,6 +129,8 @@ class Request:
     original_query_key_params: list[int]
     calibration: Calibration | None = None
     importance: object = None  # a HeadImportance or one score tensor per layer (methods that need importance)
+    value_ranks: list[int] | None = None  # per layer, for shared values (methods that share values)
+    values: list[ValueWeights] | None = None  # the layers' value sides, read when value_ranks is set
     device: torch.device | str | None = None  # where decompositions run (None: where the weights are)
     progress: bool = True
 

@@ -103,6 +103,8 @@ def _defaults(cls) -> dict:
 def group_keys(method: ConversionMethod) -> dict:
     """The keys of ``method``'s config group besides ``method`` and ``rank``, with their defaults."""
     keys = {"budget": None} if method.budgets else {}
+    if method.shares_values:
+        keys["value_rank"] = None
     keys.update(_defaults(method.options))
     if method.calibrated:
         fields = {**_defaults(CalibrationSettings), "source": None}
@@ -125,6 +127,7 @@ class MethodSettings:
     rank: int | list[int] | None = None  # key/query size D~: one int, or one per attention layer
     budget: str | None = None  # per-layer ranks under a global budget ("params:F", "mean:R", "energy:E")
     options: object = None  # the method's options dataclass (None for "none")
+    value_rank: int | list[int] | None = None  # shared values: D_v, one int or one per layer (None: per-head values)
     calibration: CalibrationSettings | None = None  # None: fit the raw weights
     importance: ImportanceSettings | None = None
 
@@ -168,7 +171,8 @@ class MethodSettings:
         importance = None
         if method.needs_importance:
             importance = ImportanceSettings(**{f: given[k] for k, f in IMPORTANCE_KEYS.items() if k in given})
-        return cls(name, collab.get("rank"), collab.get("budget"), options, calibration, importance)
+        return cls(name, collab.get("rank"), collab.get("budget"), options, collab.get("value_rank"), calibration,
+                   importance)
 
     def __post_init__(self):
         if self.method == NO_CONVERSION:
@@ -190,6 +194,14 @@ class MethodSettings:
                 raise ValueError(f"collab.rank must be an integer or a list of integers (one per layer), got {rank!r}")
             if isinstance(rank, tuple):
                 object.__setattr__(self, "rank", list(rank))
+        value = self.value_rank
+        if value is not None:
+            is_int = type(value) is int and value > 0
+            if not (is_int or (isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value))):
+                raise ValueError(f"collab.value_rank must be a positive integer, a list of them (one per layer) or "
+                                 f"null, got {value!r}")
+            if isinstance(value, tuple):
+                object.__setattr__(self, "value_rank", list(value))
 
     def to_group(self) -> dict:
         """The settings as the flat ``collab`` group their method takes (``from_config``'s inverse): every key of
@@ -200,6 +212,8 @@ class MethodSettings:
         group.update(dataclasses.asdict(self.options))
         if self.conversion.budgets:
             group["budget"] = self.budget
+        if self.conversion.shares_values:
+            group["value_rank"] = self.value_rank
         for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
             if settings is not None:
                 group.update({key: getattr(settings, field) for key, field in keys.items()})
@@ -251,7 +265,8 @@ class MethodSettings:
         adds ``seed``, ``calibration=`` / ``importance=`` (measured first) and ``progress``."""
         if not self.converts:
             raise ValueError("collab.method=none keeps the concatenated heads: there is nothing to reparametrize")
-        return {"rank": self.rank_request, "method": self.method, **dataclasses.asdict(self.options)}
+        shared = {} if self.value_rank is None else {"value_rank": self.value_rank}
+        return {"rank": self.rank_request, "method": self.method, **shared, **dataclasses.asdict(self.options)}
 
     def check_calibration_source(self, task_allowed: bool) -> None:
         """The calibration texts exist: a file, or ``task`` where the caller has a task (the GLUE pipeline)."""
@@ -275,4 +290,5 @@ class MethodSettings:
         refusal names the setting it is about (``collab.rank`` or ``collab.budget``)."""
         if self.converts:
             with cli.naming("collab.budget" if self.budget else "collab.rank", self.rank_request):
-                check_request(config, self.method, self.rank_request, **dataclasses.asdict(self.options))
+                check_request(config, self.method, self.rank_request, self.value_rank,
+                              **dataclasses.asdict(self.options))

@@ -20,7 +20,7 @@ from collab_attn.decomposition.decompose import SOLVERS, decompose_heads
 from collab_attn.decomposition.rank_selection import RankSelection, select_ranks
 from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.models.hf import Layout
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValuePlan, ValueWeights
 
 INITS = ("svd", "random")
 
@@ -57,6 +57,23 @@ def _exact(layer: LayerWeights, core_size: int | None) -> LayerPlan:
             raise ValueError(f"an exact Tucker conversion needs tucker_core_size = heads ({heads})")
         plan.mixing, plan.core = torch.eye(heads), torch.diag_embed(blocks)
     return plan
+
+
+def shared_values(values: ValueWeights, rank: int, request: Request) -> ValuePlan:
+    """One value of width ``rank`` per token for all heads: a CP decomposition of the per-head value-output products
+    ``Wv_h^T Wo_h^T`` (the same tensor shape as the query/key products), ``Wv_h^T Wo_h^T ~= A diag(n_h) B^T`` with
+    ``A`` the shared value projection, ``n_h`` head h's value mixing and ``B`` the output projection. At rank =
+    heads x head_dim every head keeps its block (exact)."""
+    heads, head_dim, _ = values.w_value.shape
+    if rank == heads * head_dim:
+        blocks = torch.eye(heads).repeat_interleave(head_dim, dim=1)
+        return ValuePlan(values.w_value.flatten(0, 1), values.w_output.flatten(0, 1).T, blocks, values.output_bias())
+    options: DecompositionOptions = request.options
+    fit = decompose_heads(
+        values.w_value, values.w_output, rank, "cp", request.seed, solver=options.solver, init=options.init,
+        n_iter_max=options.n_iter_max, tol=options.tol, device=request.device,
+    )
+    return ValuePlan(fit.shared_query.T, fit.shared_key, fit.mixing, values.output_bias(), fit.relative_error)
 
 
 def _covariances(request: Request) -> list:
@@ -112,6 +129,10 @@ def plan_decomposition(request: Request, decomposition: str, core_size: int | No
             planned = LayerPlan(fit.shared_query.T, fit.shared_key.T, fit.mixing, fit.core,
                                 relative_error=fit.relative_error, weighted_error=fit.weighted_error)
         planned.content_bias = layer.content_bias()
+        if request.value_ranks is not None:
+            index = len(layers)
+            planned.values = shared_values(request.values[index], request.value_ranks[index], request)
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
-    return Plan(Layout(decomposition, ranks, None, core_size), layers, options.solver, calibration, selection)
+    layout = Layout(decomposition, ranks, None, core_size, value_ranks=request.value_ranks)
+    return Plan(layout, layers, options.solver, calibration, selection)

@@ -1,0 +1,128 @@
+"""Collaborative values (issue 43): ``reparametrize(..., value_rank=D_v)`` shares one value per token among the heads,
+from a CP decomposition of the per-head value-output products. Exact at full value rank for encoders and decoders;
+below it, the cache holds D~ + heads + D_v numbers per token and layer, decoding with it equals recomputation,
+generate agrees with and without the cache (greedy, beams, left padding), and save/load is identical."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from conftest import random_batch, small_model
+
+import collab_attn
+from collab_attn.glue.jobs import job_name
+from collab_attn.models.settings import MethodSettings
+
+DECODERS = {
+    "gpt2": transformers.GPT2Config(n_embd=48, n_head=4, n_layer=2, vocab_size=100, n_positions=64,
+                                    bos_token_id=0, eos_token_id=0, pad_token_id=0),
+    "opt": transformers.OPTConfig(hidden_size=48, num_attention_heads=4, num_hidden_layers=2, ffn_dim=96,
+                                  vocab_size=100, max_position_embeddings=64, word_embed_proj_dim=48,
+                                  bos_token_id=2, eos_token_id=2, pad_token_id=1),
+}
+
+
+def decoder(family: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(DECODERS[family])).eval()
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert"])
+def test_encoders_at_full_value_rank_are_exact(family, tmp_path):
+    model, batch = small_model(family), random_batch()
+    with torch.no_grad():
+        expected = model(**batch).last_hidden_state
+    collab_attn.reparametrize(model, 24, value_rank=48, progress=False)
+    reference = small_model(family)
+    collab_attn.reparametrize(reference, 24, progress=False)  # the same keys, every head's values kept
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).last_hidden_state, reference(**batch).last_hidden_state,
+                                   atol=1e-5, rtol=1e-5)
+    exact = small_model(family)
+    collab_attn.reparametrize(exact, 48, value_rank=48, progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(exact(**batch).last_hidden_state, expected, atol=1e-5, rtol=1e-5)
+    exact.save_pretrained(tmp_path)
+    loaded = transformers.AutoModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.collab_value_ranks == exact.config.collab_value_ranks
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).last_hidden_state, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(DECODERS))
+def test_decoders_at_full_value_rank_are_exact(family):
+    model = decoder(family)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+    collab_attn.reparametrize(model, 48, value_rank=48, progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_approximation_improves_with_the_value_rank():
+    model, batch = small_model("bert"), random_batch()
+    with torch.no_grad():
+        expected = model(**batch).last_hidden_state
+    errors = []
+    for value_rank in (8, 24, 40, 48):
+        converted = small_model("bert")
+        collab_attn.reparametrize(converted, 48, value_rank=value_rank, progress=False)
+        with torch.no_grad():
+            errors.append(float((converted(**batch).last_hidden_state - expected).norm() / expected.norm()))
+    assert errors[0] > errors[1] > errors[2] > errors[3] and errors[3] < 1e-5, errors
+
+
+@pytest.mark.parametrize("family", list(DECODERS))
+def test_decoders_cache_one_value_per_token_and_generate_alike(family, tmp_path):
+    model = decoder(family)
+    collab_attn.reparametrize(model, 24, value_rank=12, progress=False)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    cache = transformers.DynamicCache()
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        pieces = [model(ids[:, s:e], use_cache=True, cache=cache).logits for s, e in [(0, 4)] + [(i, i + 1)
+                                                                                               for i in range(4, 9)]]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+    stored = [sum(t[0, :, 0].numel() for t in (layer.keys, layer.values)) for layer in cache.layers]
+    assert stored == [24 + 4 + 12] * 2  # shared key, 4 content logits, one shared value of 12
+    settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": model.config.pad_token_id}
+    prompt = ids[:, :5]
+    greedy = model.generate(prompt, **settings)
+    assert torch.equal(model.generate(prompt, use_cache=False, **settings), greedy)
+    assert torch.equal(model.generate(prompt, cache_implementation="static", **settings), greedy)
+    beams = model.generate(prompt, num_beams=3, **settings)
+    assert torch.equal(model.generate(prompt, num_beams=3, use_cache=False, **settings), beams)
+    # left padding: the second prompt, two tokens shorter, continues as it does alone
+    padded = prompt.clone()
+    padded[1, :2] = model.config.pad_token_id
+    mask = torch.ones_like(padded)
+    mask[1, :2] = 0
+    batch_out = model.generate(padded, attention_mask=mask, **settings)
+    alone = model.generate(prompt[1:, 2:], **settings)
+    assert torch.equal(batch_out[1, 2:], alone[0])
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, use_cache=False).logits, full)
+
+
+def test_value_rank_is_refused_where_it_cannot_be_honoured():
+    with pytest.raises(ValueError, match="value_rank does not apply to method='svd'"):
+        collab_attn.reparametrize(small_model("bert"), 48, method="svd", value_rank=24)
+    with pytest.raises(ValueError, match=r"value_rank: rank 49 for layer 0 is invalid.*\[1, 48\]"):
+        collab_attn.reparametrize(small_model("bert"), 24, value_rank=49)
+    with pytest.raises(ValueError, match="value_rank with calibration is not supported yet"):
+        collab_attn.reparametrize(small_model("bert"), 24, value_rank=24, calibration=object())
+    with pytest.raises(ValueError, match="collab.value_rank must be a positive integer"):
+        MethodSettings.from_config({"method": "cp", "rank": 24, "value_rank": "wide"})
+    with pytest.raises(ValueError, match="collab.value_rank does not apply to collab.method=svd"):
+        MethodSettings.from_config({"method": "svd", "rank": 48, "value_rank": 24})
+
+
+def test_the_collab_group_takes_a_value_rank():
+    settings = MethodSettings.from_config({"method": "cp", "rank": 128, "value_rank": 64})
+    assert settings.reparametrize_kwargs()["value_rank"] == 64 and settings.to_group()["value_rank"] == 64
+    job = {"task": {"name": "mrpc"}, "model": "minilm", "seed": 0, "collab": settings.to_group()}
+    assert job_name(job) == "mrpc/minilm/cp-r128-v64/seed0"
