@@ -126,3 +126,15 @@ def test_the_collab_group_takes_a_value_rank():
     assert settings.reparametrize_kwargs()["value_rank"] == 64 and settings.to_group()["value_rank"] == 64
     job = {"task": {"name": "mrpc"}, "model": "minilm", "seed": 0, "collab": settings.to_group()}
     assert job_name(job) == "mrpc/minilm/cp-r128-v64/seed0"
+
+
+def test_accounting_counts_what_the_shared_value_layer_holds():
+    from collab_attn import CollaborativeAttention
+    from collab_attn.analysis.accounting import attention_parameters, cache_bytes_per_token
+    from collab_attn.nn.variants import cache_numbers_per_token
+
+    layer = CollaborativeAttention(48, 4, 20, value_rank=16)
+    assert attention_parameters(48, 4, 20, value_rank=16) == layer.parameter_counts()
+    assert cache_bytes_per_token(48, 4, 20, value_rank=16, dtype_bytes=1)["total"] == cache_numbers_per_token(layer)
+    with pytest.raises(ValueError, match="value_rank .* needs collaborative heads"):
+        cache_bytes_per_token(48, 4, value_rank=16)

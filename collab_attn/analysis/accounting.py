@@ -41,6 +41,7 @@ def attention_parameters(
     method: str = PAPER_METHOD,
     tucker_core_size: int | None = None,
     output_projection: bool = True,
+    value_rank: int | None = None,
 ) -> dict[str, int]:
     """Parameters per component of one self-attention layer, and their ``total``.
 
@@ -49,11 +50,16 @@ def attention_parameters(
     ``d_model x D~`` maps without bias, ``mixing`` is ``heads x D~`` (Tucker: ``heads x core`` plus a
     ``mixing_core`` of ``core x D~ x D~``, core defaulting to ``heads``), the query bias becomes
     ``content_bias`` (``heads x d_model``, only when ``bias``) and the key bias is dropped. ``value`` and
-    ``output`` are unchanged. Components a layer does not have are left out, like ``parameter_counts()`` does.
+    ``output`` are unchanged; with a ``value_rank`` D_v (shared values) they are ``d_model x D_v`` maps and
+    ``value_mixing`` is ``heads x D_v``. Components a layer does not have are left out, like ``parameter_counts()``.
     """
     head_dim = _check(d_model, num_heads, head_dim, rank, method)
-    inner = num_heads * head_dim
+    if value_rank is not None and rank is None:
+        raise ValueError("value_rank (shared values) needs collaborative heads: pass rank too")
+    inner = num_heads * head_dim if value_rank is None else value_rank
     counts = {"value": d_model * inner + (inner if bias else 0)}
+    if value_rank is not None:
+        counts["value_mixing"] = num_heads * value_rank
     if output_projection:
         counts["output"] = inner * d_model + (d_model if bias else 0)
     if rank is None:
@@ -130,14 +136,18 @@ def cache_bytes_per_token(
     head_dim: int | None = None,
     bias: bool = True,
     dtype_bytes: int = 2,
+    value_rank: int | None = None,
 ) -> dict[str, int]:
     """Key/value cache bytes per token and layer of a decoder (``collab_attn.models.layers``' cache layout).
 
     Concatenated heads cache every head's key and value, ``2 heads x head_dim`` numbers. Collaborative heads cache
     one shared key of width D~, plus (with ``bias``) each head's content-bias logit, plus the per-head values:
-    ``D~ + heads + heads x head_dim``. ``dtype_bytes``: 2 for float16/bfloat16, 4 for float32."""
+    ``D~ + heads + heads x head_dim``; sharing the values too (``value_rank`` D_v), ``D~ + heads + D_v``.
+    ``dtype_bytes``: 2 for float16/bfloat16, 4 for float32."""
     head_dim = _check(d_model, num_heads, head_dim, rank, PAPER_METHOD)
-    values = num_heads * head_dim
+    if value_rank is not None and rank is None:
+        raise ValueError("value_rank (shared values) needs collaborative heads: pass rank too")
+    values = num_heads * head_dim if value_rank is None else value_rank
     keys = values if rank is None else rank + (num_heads if bias else 0)
     return {"keys": keys * dtype_bytes, "values": values * dtype_bytes, "total": (keys + values) * dtype_bytes}
 
