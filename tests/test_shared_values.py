@@ -125,7 +125,7 @@ def test_the_collab_group_takes_a_value_rank():
     settings = MethodSettings.from_config({"method": "cp", "rank": 128, "value_rank": 64})
     assert settings.reparametrize_kwargs()["value_rank"] == 64 and settings.to_group()["value_rank"] == 64
     job = {"task": {"name": "mrpc"}, "model": "minilm", "seed": 0, "collab": settings.to_group()}
-    assert job_name(job) == "mrpc/minilm/cp-r128-v64/seed0"
+    assert settings.label == "cp-v64" and job_name(job) == "mrpc/minilm/cp-v64-r128/seed0"
 
 
 def test_accounting_counts_what_the_shared_value_layer_holds():

@@ -115,7 +115,6 @@ def job_name(settings: dict, method: MethodSettings | None = None) -> str:
     """``<task>/<model>/<method label>[-r<rank>]/seed<seed>``: the job as logs and folders name it."""
     method = method or MethodSettings.from_config(settings["collab"])
     label = method.label + (f"-r{rank_tag(method.rank_request)}" if method.converts else "")
-    label += "" if method.value_rank is None else f"-v{rank_tag(method.value_rank)}"
     task = glue.get_task(settings["task"]["name"]).name
     return f"{task}/{model_label(settings)}/{label}/seed{settings['seed']}"
 

@@ -238,10 +238,13 @@ class MethodSettings:
 
     @property
     def label(self) -> str:
-        """The method as results and tables name it: its name, then ``-tensorly`` for the paper's dense solver and
-        ``-aware`` for activation-aware fitting."""
+        """The method as results and tables name it: its name, then ``-tensorly`` for the paper's dense solver,
+        ``-v<D_v>`` for shared values and ``-aware`` for activation-aware fitting."""
         label = self.method
         label += "-tensorly" if getattr(self.options, "solver", None) == "tensorly" else ""
+        if self.value_rank is not None:
+            values = self.value_rank
+            label += f"-v{'-'.join(map(str, values)) if isinstance(values, list) else values}"
         label += AWARE if self.calibration is not None else ""
         return label
 
