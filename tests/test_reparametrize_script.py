@@ -50,7 +50,7 @@ def test_default_config_composes_and_resolves():
     assert cfg.model == "minilm" and cfg.overwrite is False and cfg.seed == 0
     # the default conversion stops by the solver's own rule (tol 5e-4); only collab=cp_legacy keeps tol 1e-8
     assert dict(cfg.collab) == {
-        "method": "cp", "rank": 192, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL,
+        "method": "cp", "rank": 192, "value_rank": None, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL,
         "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": 512,
         "calibration_max_length": 128,
     }

@@ -138,7 +138,9 @@ def plot_curves(records: Sequence[dict], recipe: str, path: Path) -> Path:
         steps, mean, _ = mean_curve(runs, "val_loss", skip_steps=frozenset({0}))
         left.plot(steps, mean, line_style(kind), color=colours[key], label=f"{kind} {key}")
     reference = NANOGPT.get(recipe)
-    for kind in sorted({kind for kind, _ in groups}, key=lambda kind: (kind not in STYLES, kind)):
+    order = list(STYLES)  # the grid's variants first, in their order, then the others by name
+    for kind in sorted({kind for kind, _ in groups}, key=lambda kind: (order.index(kind) if kind in STYLES else
+                                                                        len(order), kind)):
         rows = [(key, mean_std([r["best_val_loss"] for r in runs])) for (k, key), runs in groups.items()
                 if k == kind]
         if rows:
