@@ -212,6 +212,7 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path):
     [
         (["collab.rank=0"], ValueError, "rank 0"),
         (["collab.rank=999"], ValueError, "rank 999"),
+        (["collab.value_rank=999"], ValueError, r"collab.value_rank=999: value_rank: rank 999 .* \[1, 384\]"),
         (["collab.rank=[384,384]"], ValueError, "got 2 ranks"),
         (["collab.rank=abc"], ValueError, "collab.rank must be an integer"),
         (["collab=none"], ValueError, "collab=none"),

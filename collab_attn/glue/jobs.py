@@ -21,7 +21,7 @@ from pathlib import Path
 
 from collab_attn.distillation import DistillSettings
 from collab_attn.glue import tasks as glue
-from collab_attn.models.settings import MethodSettings
+from collab_attn.models.settings import MethodSettings, rank_tag
 
 KEY_VERSION = 1
 INDEX_FILE = "index.json"
@@ -65,10 +65,6 @@ RANDOM_SUFFIX = "-random-init"  # how paths and records name a model with weight
 def model_label(settings: dict) -> str:
     """The model as paths name it: its slug, with ``-random-init`` for ``weights=random``."""
     return model_slug(settings["model"]) + RANDOM_SUFFIX * (weights_of(settings) == "random")
-
-
-def rank_tag(rank) -> str:
-    return "-".join(map(str, rank)) if isinstance(rank, list) else str(rank).replace(":", "")
 
 
 @dataclass(frozen=True)

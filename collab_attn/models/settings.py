@@ -96,6 +96,11 @@ CALIBRATION_KEYS = {"calibration": "source", "calibration_samples": "samples",
 IMPORTANCE_KEYS = {"importance_samples": "samples", "importance_batch_size": "batch_size"}
 
 
+def rank_tag(rank) -> str:
+    """A rank, per-layer ranks or a budget as names carry it: ``128``, ``384-128``, ``mean128``."""
+    return "-".join(map(str, rank)) if isinstance(rank, list) else str(rank).replace(":", "")
+
+
 def _defaults(cls) -> dict:
     return {f.name: f.default for f in dataclasses.fields(cls)}
 
@@ -242,9 +247,7 @@ class MethodSettings:
         ``-v<D_v>`` for shared values and ``-aware`` for activation-aware fitting."""
         label = self.method
         label += "-tensorly" if getattr(self.options, "solver", None) == "tensorly" else ""
-        if self.value_rank is not None:
-            values = self.value_rank
-            label += f"-v{'-'.join(map(str, values)) if isinstance(values, list) else values}"
+        label += "" if self.value_rank is None else f"-v{rank_tag(self.value_rank)}"
         label += AWARE if self.calibration is not None else ""
         return label
 
@@ -292,6 +295,9 @@ class MethodSettings:
         """Before any work: can a model with this transformers ``config`` be converted with this method and rank? A
         refusal names the setting it is about (``collab.rank`` or ``collab.budget``)."""
         if self.converts:
+            options = dataclasses.asdict(self.options)
             with cli.naming("collab.budget" if self.budget else "collab.rank", self.rank_request):
-                check_request(config, self.method, self.rank_request, self.value_rank,
-                              **dataclasses.asdict(self.options))
+                check_request(config, self.method, self.rank_request, **options)
+            if self.value_rank is not None:
+                with cli.naming("collab.value_rank", self.value_rank):
+                    check_request(config, self.method, self.rank_request, self.value_rank, **options)

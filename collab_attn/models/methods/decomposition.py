@@ -115,7 +115,7 @@ def plan_decomposition(request: Request, decomposition: str, core_size: int | No
     layers = []
     description = f"reparametrize ({decomposition}, rank {request.budget or ranks[0]})"
     progress = tqdm(request.weights, desc=description, disable=not request.progress)
-    for layer, rank, covariance in zip(progress, ranks, _covariances(request)):
+    for index, (layer, rank, covariance) in enumerate(zip(progress, ranks, _covariances(request))):
         start = time.perf_counter()
         if rank == full_rank:
             planned = _exact(layer, core_size)
@@ -130,7 +130,6 @@ def plan_decomposition(request: Request, decomposition: str, core_size: int | No
                                 relative_error=fit.relative_error, weighted_error=fit.weighted_error)
         planned.content_bias = layer.content_bias()
         if request.value_ranks is not None:
-            index = len(layers)
             planned.values = shared_values(request.values[index], request.value_ranks[index], request)
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
