@@ -14,6 +14,7 @@ the config files look like now; a job the index does not know gets the folder it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -116,10 +117,16 @@ def job_name(settings: dict, method: MethodSettings | None = None) -> str:
 
 
 def read_index(runs: Path) -> dict[str, str]:
-    """``runs/index.json`` as {canonical key JSON: folder relative to ``runs``}; empty when there is none."""
+    """``runs/index.json`` as {canonical key JSON: folder relative to ``runs``}; empty when there is none. Parsed
+    once per file version: a sweep asks it for every job."""
     path = runs / INDEX_FILE
     if not path.is_file():
         return {}
+    return _parsed_index(path.resolve(), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed_index(path: Path, version: int) -> dict[str, str]:
     index = json.loads(path.read_text())
     return {json.dumps(key, sort_keys=True): folder for folder, key in index["jobs"].items()}
 
