@@ -5,10 +5,13 @@ side in one process.
     python benchmarks/decode.py                                   # CPU, float32, batch 1, contexts 512 to 8192
     python benchmarks/decode.py --contexts 1024 4096 8192 --batches 1 8 --caches dynamic static
     python benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --caches dynamic static
+    python benchmarks/decode.py --contexts 2048 8192 --ranks 384 --cache-fractions 0.25    # the cache race's layouts
 
 Models: a randomly initialized GPT-2 small (12 layers, d_model 768, 12 heads of 64, 50,257-token vocabulary,
 positions up to the longest context) and the same architecture with collaborative attention at D~ = d/2, d/4, d/8
-(384, 192, 96), built from the library's ``CollabGPT2LMHeadModel`` config. Decoding time does not depend on the
+(384, 192, 96), built from the library's ``CollabGPT2LMHeadModel`` config; with ``--cache-fractions`` also the
+conversions of the cache race at the size that caches at most each fraction (shared keys and values, per-head SVD
+with narrow values, the MLA latent of ``kv-svd``, pruned heads). Decoding time does not depend on the
 weights' values, so no decomposition is run and the cache is filled with random keys and values of the right shapes
 (as ``model.generate`` would leave it after a prompt of ``context`` tokens) instead of running a prefill. Each
 measurement is one forward pass of one new token per sequence against that cache, the cache set back to ``context``
@@ -47,20 +50,43 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402,F401  (registers the collaborative model classes)
-from collab_attn.models.hf import collab_config_class  # noqa: E402
+from collab_attn.lm.budgets import conversion_at, conversion_sizes, converted_layout  # noqa: E402
+from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
+from collab_attn.models.methods import METHODS  # noqa: E402
 
 D_MODEL, HEADS, LAYERS = 768, 12, 12
+# The conversions of the cache race (experiments/kv_cache): keys and values shared (cp) or cut per head (svd),
+# a latent (kv-svd, MLA), whole heads removed (prune). key-svd never caches less than half.
+RACE_METHODS = ("cp", "svd", "kv-svd", "prune")
 
 
-def build(rank: int | None, positions: int, device: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
-    """GPT-2 small with concatenated heads (``rank=None``) or collaborative heads of shared key size ``rank``."""
+def build(layout: Layout | None, positions: int, device: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    """GPT-2 small with concatenated heads (``layout=None``) or converted layers of ``layout``."""
     sizes = {"n_embd": D_MODEL, "n_head": HEADS, "n_layer": LAYERS, "n_positions": positions}
-    if rank is None:
+    if layout is None:
         config = transformers.GPT2Config(**sizes)
     else:
-        config = collab_config_class("gpt2")(**sizes, collab_ranks=[rank] * LAYERS)
+        config = collab_config_class("gpt2")(**sizes, collab_method=layout.method, collab_ranks=layout.ranks,
+                                             collab_heads=layout.heads, collab_value_ranks=layout.value_ranks)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+
+
+def variants_of(args) -> dict[str, Layout | None]:
+    """The original, keys-only collaborative heads at ``--ranks`` and, per ``--cache-fractions``, each cache-race
+    method (``RACE_METHODS``) at the size that caches at most that fraction (``collab_attn.lm.budgets``)."""
+    variants = {"original": None} | {f"collab D~={rank}": Layout("cp", [rank] * LAYERS) for rank in args.ranks}
+    config = transformers.GPT2Config(n_embd=D_MODEL, n_head=HEADS, n_layer=LAYERS)
+    original = LAYERS * 2 * D_MODEL * 2
+    for method in RACE_METHODS:
+        sizes = conversion_sizes(config, METHODS[method])
+        for fraction in args.cache_fractions:
+            size = conversion_at(sizes, original, fraction)
+            if size is not None:
+                name = f"{method} k{size.key_size}" + ("" if size.value_size is None else f" v{size.value_size}")
+                variants[f"{name} ({fraction:g})"] = converted_layout(config, METHODS[method], size.key_size,
+                                                                      size.value_size)
+    return variants
 
 
 def filled_cache(model, kind: str, batch: int, context: int):
@@ -142,8 +168,8 @@ def median_seconds(models: dict, args, measure) -> dict[str, float]:
 def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     positions = max(args.contexts) + 8
-    variants = {"original": None} | {f"collab D~={rank}": rank for rank in args.ranks}
-    models = {name: build(rank, positions, args.device, dtype) for name, rank in variants.items()}
+    variants = variants_of(args)
+    models = {name: build(layout, positions, args.device, dtype) for name, layout in variants.items()}
     if args.prefill:
         return [row for batch in args.batches for context in args.contexts
                 for row in prefill_rows(models, variants, args, batch, context)]
@@ -156,8 +182,7 @@ def prefill_rows(models: dict, variants: dict, args, batch: int, context: int) -
     times = median_seconds(models, args, lambda name, model: prefill(model, ids))
     rows = []
     for name in models:
-        row = {"batch": batch, "context": context, "model": name, "rank": variants[name],
-               "prefill_ms": 1e3 * times[name]}
+        row = {"batch": batch, "context": context, "model": name, "prefill_ms": 1e3 * times[name]}
         base = rows[0] if rows else row  # the first model is the original
         row["time_vs_original"] = row["prefill_ms"] / base["prefill_ms"]
         rows.append(row)
@@ -199,8 +224,8 @@ def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, conte
     for name, model in models.items():
         step = times[name]
         per_sequence = (cache_bytes(caches[name]) + step_extra.get(name, 0)) / batch
-        row = {"batch": batch, "context": context, "cache": kind, "model": name, "rank": variants[name],
-               "ms_per_step": 1e3 * step, "ms_per_token": 1e3 * step / batch, "tokens_per_s": batch / step,
+        row = {"batch": batch, "context": context, "cache": kind, "model": name, "ms_per_step": 1e3 * step,
+               "ms_per_token": 1e3 * step / batch, "tokens_per_s": batch / step,
                "cache_mib": cache_bytes(caches[name]) / 2**20,
                "max_batch": int((budget - weight_bytes(model)) // per_sequence)}
         if name in step_extra:
@@ -272,6 +297,9 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--ranks", type=int, nargs="+", default=[D_MODEL // 2, D_MODEL // 4, D_MODEL // 8])
+    parser.add_argument("--cache-fractions", type=float, nargs="+", default=[],
+                        help="also each cache-race conversion (cp keys and values, svd with values, kv-svd, prune) "
+                             "at the size caching at most this fraction of the original's bytes")
     parser.add_argument("--batches", "--batch", type=int, nargs="+", default=[1], help="sequences per step")
     parser.add_argument("--caches", nargs="+", choices=("dynamic", "static"), default=["dynamic"],
                         help="dynamic: DynamicCache, eager; static: StaticCache and torch.compile(fullgraph=True)")
@@ -289,6 +317,8 @@ def main(argv=None) -> list[dict]:
         args.memory_gib = 80.0 if args.device == "cuda" else 24.0
     if min(args.batches + args.contexts + args.ranks) <= 0 or args.repeats <= 0:
         parser.error("--batches, --contexts, --ranks and --repeats must be positive")
+    if any(not 0 < f <= 1 for f in args.cache_fractions):
+        parser.error(f"--cache-fractions must lie in (0, 1], got {args.cache_fractions}")
     if args.threads:
         torch.set_num_threads(args.threads)
     environment = {

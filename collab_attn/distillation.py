@@ -9,11 +9,12 @@ Per batch, with student logits ``s``, teacher logits ``t``, labels ``y`` and tem
          + hidden_weight * mean over layers of MSE(student hidden state, teacher hidden state)
          + attention_weight * mean over layers and heads of KL(teacher attention row || student attention row)
 
-The KL term is Hinton et al.'s: the divergence of the student's softened distribution from the teacher's (its
-gradient is that of the cross-entropy against the teacher's soft targets), scaled by ``T^2`` so that its gradients
-keep their size as ``T`` changes. The per-layer terms average over real tokens only (padding is masked out) and
-compare every layer's output and every head's attention map with the teacher's same layer and head; a pruned
-student's heads are compared with the teacher heads it kept (``teacher_heads``).
+A language model's logits (batch, tokens, vocabulary) count every position as one example (next-token targets
+in ``labels``). The KL term is Hinton et al.'s: the divergence of the student's softened distribution from the
+teacher's (its gradient is that of the cross-entropy against the teacher's soft targets), scaled by ``T^2`` so that
+its gradients keep their size as ``T`` changes. The per-layer terms average over real tokens only (padding is
+masked out) and compare every layer's output and every head's attention map with the teacher's same layer and head;
+a pruned student's heads are compared with the teacher heads it kept (``teacher_heads``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def distillation_loss(
     ``hidden_loss`` and ``attention_loss``) from the student's and the teacher's model outputs (``logits``, and
     ``hidden_states``/``attentions`` where the per-layer terms are on)."""
     s, t = student.logits.float(), teacher.logits.float()
+    if s.dim() == 3:  # a language model: every position's next-token distribution is one example
+        s, t, labels = s.flatten(0, 1), t.flatten(0, 1), labels.flatten()
     if regression:
         s, t = s.squeeze(-1), t.squeeze(-1)
         terms = {"label_loss": F.mse_loss(s, labels.float()), "teacher_loss": F.mse_loss(s, t)}
@@ -140,8 +143,9 @@ def attention_map_loss(
 
 
 class DistillationTrainer(transformers.Trainer):
-    """A ``Trainer`` whose loss is ``distillation_loss`` against ``teacher``; each term's running mean is logged
-    beside the Trainer's ``loss`` (``distill_label_loss``, ``distill_teacher_loss``, ...)."""
+    """A ``Trainer`` whose training loss is ``distillation_loss`` against ``teacher``; each term's running mean is
+    logged beside the Trainer's ``loss`` (``distill_label_loss``, ``distill_teacher_loss``, ...). Evaluation reports
+    the model's own loss on the labels (``eval_loss``), so that curves compare with a plain re-training's."""
 
     def __init__(self, *args, teacher, distill: DistillSettings, regression: bool, teacher_heads=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -149,12 +153,22 @@ class DistillationTrainer(transformers.Trainer):
         self.distill, self.regression, self.teacher_heads = distill, regression, teacher_heads
         self.loss_is_scaled_for_ga = False  # a per-batch mean: the Trainer divides it over accumulated batches
         self._sums, self._counts = {}, defaultdict(int)  # detached tensors: no device sync until a log
+        self._evaluating = False
+
+    def prediction_step(self, *args, **kwargs):
+        self._evaluating = True
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self._evaluating = False
 
     def _outputs_wanted(self) -> dict:
         return {"output_hidden_states": bool(self.distill.hidden_weight),
                 "output_attentions": bool(self.distill.attention_weight)}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._evaluating:  # the model's own loss on the labels, as a plain (re-)training reports it
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         wanted = self._outputs_wanted()

@@ -4,6 +4,7 @@
     python scripts/accounting.py --preset bert-base --seq-len 512
     python scripts/accounting.py --d-model 1024 --heads 16 --layers 24 --ranks 1024 512 256 128 64
     python scripts/accounting.py --method tucker --output experiments/accounting/tucker.md
+    python scripts/accounting.py --preset gpt2 --ranks 384 186 90 --value-rank 186   # keys and values shared
 
 For each size: one layer's parameters as the number of heads changes at fixed d_model, the parameters per
 component at each rank (default d, 3d/4, d/2, d/3, d/4, d/6, d/8 and head_dim), the FLOPs per token at
@@ -43,6 +44,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help="head counts for the fixed-d_model table (those dividing d_model are shown)")
     parser.add_argument("--method", choices=METHODS, default=PAPER_METHOD)
     parser.add_argument("--tucker-core-size", type=positive_arg, help="Tucker core size (default: heads)")
+    parser.add_argument("--value-rank", type=positive_arg,
+                        help="collaborative heads share one value of this width D_v too (cp; default: per-head values)")
     parser.add_argument("--no-bias", action="store_true", help="projections without biases")
     parser.add_argument("--dtype-bytes", type=int, default=2, choices=(1, 2, 4),
                         help="bytes per cached number (2: float16/bfloat16, 4: float32)")
@@ -63,6 +66,7 @@ def tables(args: argparse.Namespace) -> str:
             size["d_model"], size["num_heads"], args.ranks, args.seq_len, num_layers=size["num_layers"],
             head_counts=args.head_counts, bias=not args.no_bias, method=args.method,
             tucker_core_size=args.tucker_core_size, title=size["title"], dtype_bytes=args.dtype_bytes,
+            value_rank=args.value_rank,
         )
         for size in sizes
     )
@@ -72,6 +76,9 @@ def check(args: argparse.Namespace) -> str:
     """The tables (pure arithmetic: sizes that do not fit refuse here) and the output path, before writing."""
     if args.d_model is not None and args.d_model % args.heads:
         raise ValueError(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    if args.value_rank is not None and args.method != PAPER_METHOD:
+        raise ValueError(f"--value-rank shares the values of cp's collaborative heads; --method {args.method} keeps "
+                         "every head's values")
     if args.output is not None:
         output_file("--output", args.output)
     return tables(args)

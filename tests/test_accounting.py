@@ -8,7 +8,13 @@ from conftest import small_model
 from transformers import AutoModel
 
 from collab_attn import CollaborativeAttention, MultiHeadAttention, reparametrize
-from collab_attn.analysis.accounting import attention_flops_per_token, attention_parameters, default_ranks, table
+from collab_attn.analysis.accounting import (
+    attention_flops_per_token,
+    attention_parameters,
+    cache_bytes_per_token,
+    default_ranks,
+    table,
+)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "accounting.py"
 _spec = importlib.util.spec_from_file_location("accounting_script", SCRIPT)
@@ -154,3 +160,29 @@ def test_cli(tmp_path, capsys):
     for args in (["--d-model", "100", "--heads", "12"], ["--d-model", "384"], ["--ranks", "0"], ["--seq-len", "x"]):
         code, out, err = _cli(capsys, *args)
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and not out, args
+
+
+def test_shared_value_flops_by_hand():
+    """d 48, 4 heads, 10 tokens, D~ 20, D_v 16: the value projection narrows, every head sums the one shared value,
+    the value mixing and the heads' sum cost 2 heads D_v, the output reads D_v."""
+    flops = attention_flops_per_token(48, 4, 10, 20, value_rank=16)
+    assert flops == {
+        "projections": 2 * 2 * 48 * 20 + 2 * 48 * 16 + 2 * 48 * 4, "mixing": 4 * 20 + 2 * 4 * 16,
+        "scores": 2 * 4 * 10 * 20, "weighted_sum": 2 * 4 * 10 * 16, "output": 2 * 16 * 48,
+        "total": sum([2 * 2 * 48 * 20 + 2 * 48 * 16 + 2 * 48 * 4, 4 * 20 + 2 * 4 * 16, 2 * 4 * 10 * 20,
+                      2 * 4 * 10 * 16, 2 * 16 * 48]),
+    }
+    with pytest.raises(ValueError, match="value_rank .* needs collaborative heads"):
+        attention_flops_per_token(48, 4, 10, value_rank=16)
+
+
+def test_cli_shares_values_in_every_table(capsys):
+    code, out, err = _cli(capsys, "--d-model", "48", "--heads", "4", "--ranks", "20", "--value-rank", "16")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| cp, D~=20, D_v=16 |")]
+    assert len(rows) == 3  # parameters, FLOPs, cache
+    assert f"| {attention_parameters(48, 4, 20, value_rank=16)['total']:,} |" in rows[0]
+    assert f"| {attention_flops_per_token(48, 4, 128, 20, value_rank=16)['total']:,} |" in rows[1]
+    assert f"| {cache_bytes_per_token(48, 4, 20, value_rank=16)['total']:,} |" in rows[2]
+    code, out, err = _cli(capsys, "--d-model", "48", "--heads", "4", "--method", "tucker", "--value-rank", "16")
+    assert code == 2 and "--value-rank shares the values of cp" in err and not out

@@ -168,6 +168,19 @@ def test_decode_times_the_original_and_a_collaborative_gpt2(tmp_path, prefill, c
     assert_decode_reports(rows, table, capsys.readouterr().out, prefill)
 
 
+def test_decode_times_the_cache_race_layouts_with_the_cache_they_hold(tmp_path, capsys):
+    """``--cache-fractions 0.25``: every race conversion at a quarter of the cache, its cache measured from the
+    cache's tensors at or below a quarter of the original's."""
+    decode = load("decode")
+    rows = decode.main(["--threads", "1", "--ranks", "96", "--contexts", "16", "--repeats", "1", "--warmup", "0",
+                        "--cache-fractions", "0.25", "--out", str(tmp_path / "dec")])
+    assert [r["model"] for r in rows] == ["original", "collab D~=96", "cp k186 v186 (0.25)", "svd k180 v180 (0.25)",
+                                          "kv-svd k384 (0.25)", "prune k190 (0.25)"]
+    for row in rows[2:]:
+        assert 0.2 < row["cache_vs_original"] <= 0.25 + 1e-9
+    assert_decode_reports(rows, (tmp_path / "dec.md").read_text(), capsys.readouterr().out, False)
+
+
 def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     """Batches 1 and 2, dynamic and static (compiled) caches: one row per model and setting, per-token time the
     step's divided by the batch, and a static cache that holds one slot more than the context."""

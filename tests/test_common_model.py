@@ -29,7 +29,7 @@ from collab_attn.models.layers import CollaborativeSelfAttention, ConvertedSelfA
 
 VOCAB, D, HEADS, HEAD_DIM = 120, 48, 4, 12
 FULL, HALF = HEADS * HEAD_DIM, HEADS * HEAD_DIM // 2
-METHODS = ["cp", "tucker", "svd", "prune"]
+METHODS = ["cp", "tucker", "svd", "prune", "key-svd", "kv-svd"]
 ENCODERS = ["bert", "roberta", "distilbert", "albert"]
 DECODERS = ["gpt2", "opt", "bert-decoder", "roberta-decoder"]
 CASES = [(family, method, rank) for family in ENCODERS + DECODERS for method in METHODS for rank in (FULL, HALF)]
@@ -69,7 +69,7 @@ def convert(model: transformers.PreTrainedModel, method: str, rank: int) -> tran
     layers = len(attention_modules(model, FAMILY_SPECS[model_type(model.config.model_type)]))
     options = {
         "cp": {"n_iter_max": 5}, "tucker": {"n_iter_max": 5}, "svd": {},
-        "prune": {"importance": [torch.tensor([0.4, 0.9, 0.1, 0.6])] * layers},
+        "prune": {"importance": [torch.tensor([0.4, 0.9, 0.1, 0.6])] * layers}, "key-svd": {}, "kv-svd": {},
     }[method]
     reparametrize(model, rank, method=method, progress=False, **options)
     return model.eval()
@@ -406,7 +406,7 @@ def test_generate_from_inputs_embeds(family):
 def test_cache_layout_is_the_documented_one(family, method):
     """transformers' own test expects (batch, heads, tokens, head_dim) keys; the README documents, per layer and
     token, one shared key of width D~ plus a content logit per head (collaborative) or each head's narrowed key plus
-    its content logit (svd), beside per-head values."""
+    its content logit (svd), beside per-head values; one shared key (key-svd) or the latent alone (kv-svd)."""
     _, model = original_and_converted(family, method, HALF)
     ids = token_ids(length=5)
     with torch.no_grad():
@@ -417,9 +417,14 @@ def test_cache_layout_is_the_documented_one(family, method):
             assert cached.keys.shape == (2, 1, 5, HALF + HEADS)
         elif method == "svd":
             assert cached.keys.shape == (2, HEADS, 5, HALF // HEADS + 1)
+        elif method in ("key-svd", "kv-svd"):  # one shared key, or the latent, per token
+            assert cached.keys.shape == (2, 1, 5, HALF)
         else:  # pruned heads keep their keys and query/key biases
             assert cached.keys.shape == (2, layer.num_heads, 5, HEAD_DIM)
-        assert cached.values.shape == (2, layer.num_heads, 5, HEAD_DIM)
+        if method == "kv-svd":  # no values: an empty tensor keeps the position count
+            assert cached.values.shape == (2, 1, 5, 0)
+        else:
+            assert cached.values.shape == (2, layer.num_heads, 5, HEAD_DIM)
 
 
 def test_plain_auto_loading_of_a_family_base_is_collaborative(tmp_path):

@@ -82,4 +82,5 @@ def test_methods_are_declared_consistently():
         ConversionMethod("x", "", plan_svd, layer="concatenated", options=dict)
     with pytest.raises(ValueError, match="registered already"):
         methods.register(METHODS["cp"])
-    assert list(METHODS) == ["cp", "tucker", "svd", "prune"]  # the order tables and choices list them in
+    # the order tables and choices list them in
+    assert list(METHODS) == ["cp", "tucker", "svd", "prune", "key-svd", "kv-svd"]

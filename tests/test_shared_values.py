@@ -109,16 +109,14 @@ def test_decoders_cache_one_value_per_token_and_generate_alike(family, tmp_path)
 
 
 def test_value_rank_is_refused_where_it_cannot_be_honoured():
-    with pytest.raises(ValueError, match="value_rank does not apply to method='svd'"):
-        collab_attn.reparametrize(small_model("bert"), 48, method="svd", value_rank=24)
+    with pytest.raises(ValueError, match="value_rank does not apply to method='tucker'"):
+        collab_attn.reparametrize(small_model("bert"), 48, method="tucker", value_rank=24)
     with pytest.raises(ValueError, match=r"value_rank: rank 49 for layer 0 is invalid.*\[1, 48\]"):
         collab_attn.reparametrize(small_model("bert"), 24, value_rank=49)
-    with pytest.raises(ValueError, match="value_rank with calibration is not supported yet"):
-        collab_attn.reparametrize(small_model("bert"), 24, value_rank=24, calibration=object())
     with pytest.raises(ValueError, match="collab.value_rank must be a positive integer"):
         MethodSettings.from_config({"method": "cp", "rank": 24, "value_rank": "wide"})
-    with pytest.raises(ValueError, match="collab.value_rank does not apply to collab.method=svd"):
-        MethodSettings.from_config({"method": "svd", "rank": 48, "value_rank": 24})
+    with pytest.raises(ValueError, match="collab.value_rank does not apply to collab.method=tucker"):
+        MethodSettings.from_config({"method": "tucker", "rank": 48, "value_rank": 24})
 
 
 def test_the_collab_group_takes_a_value_rank():

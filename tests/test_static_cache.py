@@ -76,10 +76,15 @@ def test_static_buffers_hold_the_bytes_the_accounting_counts(method):
             expected = cache_bytes_per_token(D, HEADS, HALF, dtype_bytes=4)["total"]
         elif method == "svd":  # each head's key narrowed to HALF / HEADS plus its content logit, full values
             expected = (HEADS * (HALF // HEADS + 1) + D) * 4
+        elif method == "key-svd":  # one shared key of HALF, full values
+            expected = (HALF + D) * 4
+        elif method == "kv-svd":  # the latent alone
+            expected = HALF * 4
         else:  # pruned: the kept heads' keys and values
             expected = cache_bytes_per_token(layer.num_heads * HEAD_DIM, layer.num_heads, dtype_bytes=4)["total"]
         assert per_token == expected
-        assert cached.keys.shape[2] == cached.values.shape[2] == 16 and cached.values.shape[1] == layer.num_heads
+        value_heads = 1 if method == "kv-svd" else layer.num_heads
+        assert cached.keys.shape[2] == cached.values.shape[2] == 16 and cached.values.shape[1] == value_heads
 
 
 @pytest.mark.parametrize("method", ["cp", "svd", "prune"])  # one per cache layout: shared key, narrow keys, fewer heads

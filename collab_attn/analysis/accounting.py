@@ -88,6 +88,7 @@ def attention_flops_per_token(
     bias: bool = True,
     method: str = PAPER_METHOD,
     output_projection: bool = True,
+    value_rank: int | None = None,
 ) -> dict[str, int]:
     """FLOPs of one self-attention layer per token of a ``seq_len``-token sequence (queries = keys = tokens).
 
@@ -103,6 +104,11 @@ def attention_flops_per_token(
     - ``weighted_sum``: the softmax-weighted sum of values, ``2 heads x seq_len x head_dim``;
     - ``output``: the output projection, ``2 heads x head_dim x d_model`` (when ``output_projection``).
 
+    Shared values (``value_rank`` D_v, collaborative only): the value projection is ``2 d_model x D_v``, every head
+    sums the one shared value, ``2 heads x seq_len x D_v``, ``value_mixing`` scales each head's sum, ``heads x D_v``
+    multiplications, and the output projection reads the heads' mixed sums added up, ``heads x D_v`` additions
+    (counted 1 each) and ``2 D_v x d_model``.
+
     Not counted: bias and mask additions, the logit scaling, the softmax itself (exponentials, sums,
     divisions), dropout, and Tucker's ``M_h = sum_g A[h, g] G[g]``, which is built once per forward pass and
     not per token. Note that the scores cost ``heads x D~`` per key against ``heads x head_dim`` for
@@ -111,7 +117,9 @@ def attention_flops_per_token(
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     head_dim = _check(d_model, num_heads, head_dim, rank, method)
-    inner = num_heads * head_dim
+    if value_rank is not None and rank is None:
+        raise ValueError("value_rank (shared values) needs collaborative heads: pass rank too")
+    inner = num_heads * head_dim if value_rank is None else value_rank
     if rank is None:
         flops = {"projections": 3 * 2 * d_model * inner, "mixing": 0, "scores": 2 * num_heads * seq_len * head_dim}
     else:
@@ -122,7 +130,11 @@ def attention_flops_per_token(
             "mixing": num_heads * rank if vectors else 2 * num_heads * rank * rank,
             "scores": 2 * num_heads * seq_len * rank,
         }
-    flops["weighted_sum"] = 2 * num_heads * seq_len * head_dim
+    if value_rank is None:
+        flops["weighted_sum"] = 2 * num_heads * seq_len * head_dim
+    else:
+        flops["mixing"] += 2 * num_heads * value_rank  # value mixing, then the heads' sums added up
+        flops["weighted_sum"] = 2 * num_heads * seq_len * value_rank
     flops["output"] = 2 * inner * d_model if output_projection else 0
     flops["total"] = sum(flops.values())
     return flops
@@ -181,19 +193,26 @@ def heads_table(d_model: int, head_counts: Sequence[int], rank: int, bias: bool 
     return _markdown(["heads", "head_dim", "concatenated", f"collaborative, D~={rank}"], rows)
 
 
+def _name(method: str, rank: int | None, value_rank: int | None) -> str:
+    if rank is None:
+        return "concatenated"
+    return f"{method}, D~={rank}" + ("" if value_rank is None else f", D_v={value_rank}")
+
+
 def parameters_table(
     d_model: int, num_heads: int, ranks: Sequence[int], num_layers: int = 1, bias: bool = True,
-    method: str = PAPER_METHOD, tucker_core_size: int | None = None,
+    method: str = PAPER_METHOD, tucker_core_size: int | None = None, value_rank: int | None = None,
 ) -> str:
-    """Per-layer parameters by component, concatenated first, then collaborative at each rank."""
+    """Per-layer parameters by component, concatenated first, then collaborative at each rank (sharing values of
+    width ``value_rank`` when given)."""
     concat = attention_parameters(d_model, num_heads, bias=bias)
     rows = []
     for rank in [None, *ranks]:
         counts = attention_parameters(d_model, num_heads, rank, bias=bias, method=method,
-                                      tucker_core_size=tucker_core_size)
-        mixing = counts.get("mixing", 0) + counts.get("mixing_core", 0)
+                                      tucker_core_size=tucker_core_size, value_rank=rank and value_rank)
+        mixing = counts.get("mixing", 0) + counts.get("mixing_core", 0) + counts.get("value_mixing", 0)
         rows.append([
-            "concatenated" if rank is None else f"{method}, D~={rank}",
+            _name(method, rank, rank and value_rank),
             f"{counts['query']:,}", f"{counts['key']:,}", f"{counts['value']:,}", f"{counts['output']:,}",
             f"{mixing:,}", f"{counts.get('content_bias', 0):,}", f"{counts['total']:,}",
             _percent(counts["total"], concat["total"]), f"{num_layers * counts['total']:,}",
@@ -204,15 +223,17 @@ def parameters_table(
 
 
 def flops_table(
-    d_model: int, num_heads: int, ranks: Sequence[int], seq_len: int, bias: bool = True, method: str = PAPER_METHOD
+    d_model: int, num_heads: int, ranks: Sequence[int], seq_len: int, bias: bool = True, method: str = PAPER_METHOD,
+    value_rank: int | None = None,
 ) -> str:
     """Per-layer FLOPs per token by part, concatenated first, then collaborative at each rank."""
     concat = attention_flops_per_token(d_model, num_heads, seq_len, bias=bias)
     rows = []
     for rank in [None, *ranks]:
-        flops = attention_flops_per_token(d_model, num_heads, seq_len, rank, bias=bias, method=method)
+        flops = attention_flops_per_token(d_model, num_heads, seq_len, rank, bias=bias, method=method,
+                                          value_rank=rank and value_rank)
         rows.append([
-            "concatenated" if rank is None else f"{method}, D~={rank}",
+            _name(method, rank, rank and value_rank),
             *(f"{flops[part]:,}" for part in ("projections", "mixing", "scores", "weighted_sum", "output", "total")),
             _percent(flops["total"], concat["total"]),
         ])
@@ -221,15 +242,17 @@ def flops_table(
 
 
 def cache_table(
-    d_model: int, num_heads: int, ranks: Sequence[int], num_layers: int = 1, bias: bool = True, dtype_bytes: int = 2
+    d_model: int, num_heads: int, ranks: Sequence[int], num_layers: int = 1, bias: bool = True, dtype_bytes: int = 2,
+    value_rank: int | None = None,
 ) -> str:
     """Key/value cache bytes per token, per layer and for the whole model, concatenated first."""
     concat = cache_bytes_per_token(d_model, num_heads, bias=bias, dtype_bytes=dtype_bytes)
     rows = []
     for rank in [None, *ranks]:
-        cache = cache_bytes_per_token(d_model, num_heads, rank, bias=bias, dtype_bytes=dtype_bytes)
+        cache = cache_bytes_per_token(d_model, num_heads, rank, bias=bias, dtype_bytes=dtype_bytes,
+                                      value_rank=rank and value_rank)
         rows.append([
-            "concatenated" if rank is None else f"cp, D~={rank}", f"{cache['keys']:,}", f"{cache['values']:,}",
+            _name("cp", rank, rank and value_rank), f"{cache['keys']:,}", f"{cache['values']:,}",
             f"{cache['total']:,}", _percent(cache["total"], concat["total"]), f"{num_layers * cache['total']:,}",
         ])
     header = ["attention", "keys", "values", "bytes / token / layer", "vs concat", f"x {num_layers} layers"]
@@ -249,6 +272,7 @@ def table(
     tucker_core_size: int | None = None,
     title: str | None = None,
     dtype_bytes: int = 2,
+    value_rank: int | None = None,
 ) -> str:
     """The four tables (heads at fixed d_model, parameters per rank, FLOPs per token per rank, cache bytes per token
     per rank) as Markdown, under a ``### title: sizes`` heading. ``ranks`` defaults to ``default_ranks``."""
@@ -266,11 +290,11 @@ def table(
         f"heads changes at d_model={d_model}:",
         heads_table(d_model, head_counts, d_model // 2, bias),
         f"Parameters per layer, concatenated vs collaborative ({method}) at shared key/query size D~:",
-        parameters_table(d_model, num_heads, ranks, num_layers, bias, method, tucker_core_size),
+        parameters_table(d_model, num_heads, ranks, num_layers, bias, method, tucker_core_size, value_rank),
         f"FLOPs per token per layer at sequence length {seq_len} (multiply-add = 2 FLOPs; softmax, biases and "
         "masks not counted; see `collab_attn.analysis.accounting.attention_flops_per_token`):",
-        flops_table(d_model, num_heads, ranks, seq_len, bias, method),
+        flops_table(d_model, num_heads, ranks, seq_len, bias, method, value_rank),
         f"Key/value cache bytes per token when it runs as a decoder ({dtype_bytes}-byte numbers; collaborative "
         "heads cache one shared key of width D~ and one content-bias logit per head, and the per-head values):",
-        cache_table(d_model, num_heads, ranks, num_layers, bias, dtype_bytes),
+        cache_table(d_model, num_heads, ranks, num_layers, bias, dtype_bytes, value_rank),
     ])

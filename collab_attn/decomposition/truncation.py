@@ -1,7 +1,10 @@
-"""SVD truncation of single heads: the best rank-``k`` approximation of each head product ``Wq_h^T Wk_h``.
+"""SVD truncations: of single heads (the best rank-``k`` approximation of each head product ``Wq_h^T Wk_h``) and of
+a whole projection into one subspace that every head reads (``shared_subspace``).
 
 The SVD-truncated-heads baseline keeps concatenated heads but cuts their query/key head size to ``k``; it spends the
-same query/key parameters as collaborative attention at ``D~ = heads x k`` (minus the mixing).
+same query/key parameters as collaborative attention at ``D~ = heads x k`` (minus the mixing). The shared-key and
+latent conversions (``key-svd``, ``kv-svd``) cut the stacked key projection, or keys and values together, to one
+subspace cached per token.
 """
 
 from __future__ import annotations
@@ -53,3 +56,37 @@ def truncate_head_products(w_query: torch.Tensor, w_key: torch.Tensor, k: int) -
     new_query = (q_basis @ left[:, :, :k] * root).transpose(1, 2)
     new_key = (k_basis @ right_t[:, :k].transpose(1, 2) * root).transpose(1, 2)
     return TruncatedHeads(new_query.float(), new_key.float(), singular.float())
+
+
+@dataclass
+class SharedSubspace:
+    """The best rank-``r`` approximation ``matrix ~= up @ down`` of an (out, d_in) projection (``down``: (r, d_in),
+    what every token is mapped to; ``up``: (out, r)), optionally in the norm of the inputs' statistics."""
+
+    up: torch.Tensor
+    down: torch.Tensor
+    relative_error: float  # ||matrix - up down||_F / ||matrix||_F
+    weighted_error: float | None  # the same in the whitened norm ||(matrix - up down) S||_F (with a whitening)
+
+
+def shared_subspace(matrix: torch.Tensor, rank: int, whitening=None) -> SharedSubspace:
+    """Truncated SVD of an (out, d_in) projection with ``sqrt(S_r)`` to each side; with ``whitening = (S, S^-1)``
+    (``collab_attn.decomposition.whitening``) the SVD of ``matrix S``, mapped back with ``S^-1``: the rank-``r``
+    map whose outputs on the calibration inputs are closest to the original's. Beyond the matrix's rank the extra
+    directions are zero (exact). Computed in float64."""
+    matrix = matrix.double()
+    if not 0 < rank:
+        raise ValueError(f"the rank must be positive, got {rank}")
+    scale, inverse = (None, None) if whitening is None else (w.double() for w in whitening)
+    target = matrix if scale is None else matrix @ scale
+    left, singular, right_t = torch.linalg.svd(target, full_matrices=False)
+    kept = min(rank, singular.numel())
+    root = singular[:kept].sqrt()
+    up = matrix.new_zeros(matrix.shape[0], rank)
+    down = matrix.new_zeros(rank, matrix.shape[1])
+    up[:, :kept] = left[:, :kept] * root
+    down[:kept] = root[:, None] * (right_t[:kept] if inverse is None else right_t[:kept] @ inverse)
+    energy = singular.square()
+    dropped = float((energy[kept:].sum() / energy.sum().clamp_min(1e-300)).sqrt())
+    raw = float(torch.linalg.norm(matrix - up @ down) / torch.linalg.norm(matrix).clamp_min(1e-300))
+    return SharedSubspace(up.float(), down.float(), raw, None if scale is None else dropped)

@@ -96,3 +96,71 @@ def table(rows: Sequence[Match], cost: str) -> str:
         lines.append(f"| {row.target:g} | {row.kind} | {row.sized.key_size} | {row.sized.cache_bytes:,} "
                      f"| {row.sized.attention_params:,} | {reached} |")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ConversionSize:
+    """A conversion of a trained model at one cache budget: the method's rank (``key_size``), its value rank
+    (``value_size``; None: the heads keep their values), and the cache bytes per token (bf16, all layers) of the
+    converted model, read from its layers."""
+
+    key_size: int
+    value_size: int | None
+    cache_bytes: int
+
+
+def converted_layout(config: transformers.GPT2Config, method, key_size: int, value_size: int | None):
+    """The layout (``collab_attn.models.hf.Layout``) of ``config``'s model converted by ``method`` at these sizes;
+    pruning keeps as many whole heads as fit in the query/key budget of rank ``key_size``, spread evenly over the
+    layers (the cache depends on their number only)."""
+    from collab_attn.models.hf import Layout
+    from collab_attn.models.methods.prune import kept_head_count
+
+    layers, heads, head_dim = config.n_layer, config.n_head, config.n_embd // config.n_head
+    values = None if value_size is None else [value_size] * layers
+    if not method.needs_importance:
+        return Layout(method.name, [key_size] * layers, value_ranks=values)
+    _, count = kept_head_count([key_size] * layers, [heads] * layers, head_dim, config.n_embd, bias=True)
+    count = min(max(count, layers), heads * layers)
+    kept = [count // layers + (layer < count % layers) for layer in range(layers)]
+    return Layout(method.name, [h * head_dim for h in kept], kept, value_ranks=values)
+
+
+def _converted_cache_bytes(config: transformers.GPT2Config, method, key_size: int, value_size: int | None) -> int:
+    """Cache bytes per token (bf16, all layers) of ``config``'s model converted by ``method`` at these sizes: each
+    converted layer built on the meta device (``collab_attn.models.hf.build_layer``) and asked what it caches."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    from collab_attn.models.hf import FAMILIES, build_layer
+    from collab_attn.nn.variants import cache_numbers_per_token
+
+    specs = converted_layout(config, method, key_size, value_size).specs(config.n_head)
+    with torch.device("meta"):
+        original = GPT2Attention(config, layer_idx=0)
+    per_spec = {spec: cache_numbers_per_token(build_layer(FAMILIES["gpt2"], original, spec)) for spec in set(specs)}
+    return 2 * sum(per_spec[spec] for spec in specs)
+
+
+def conversion_sizes(config: transformers.GPT2Config, method) -> list[ConversionSize]:
+    """Every size a conversion method (``collab_attn.models.methods``) takes for a trained GPT-2 ``config``: each rank
+    its rank rule allows, with an equal value rank where the method cuts the values too."""
+    sizes = []
+    for key_size in range(1, config.n_embd + 1):
+        if method.check_ranks is not None:
+            try:
+                method.check_ranks([key_size], config.n_head)
+            except ValueError:
+                continue
+        value_size = key_size if method.cuts_values else None
+        sizes.append(ConversionSize(key_size, value_size, _converted_cache_bytes(config, method, key_size,
+                                                                                 value_size)))
+    return sizes
+
+
+def conversion_at(sizes: Sequence[ConversionSize], original_bytes: int, fraction: float) -> ConversionSize | None:
+    """Of a method's ``sizes`` (``conversion_sizes``), the one whose converted model caches the most bytes per token
+    within ``fraction`` of the original's ``original_bytes`` (the largest rank among equals: pruning's rank only
+    sets how many heads fit), or None when none fits (key-only methods keep every value: never below half; pruning
+    keeps a head per layer)."""
+    fitting = [s for s in sizes if s.cache_bytes <= fraction * original_bytes]
+    return max(fitting, key=lambda s: (s.cache_bytes, s.key_size)) if fitting else None

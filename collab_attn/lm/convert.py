@@ -17,6 +17,7 @@ exists.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +26,9 @@ from transformers import default_data_collator
 
 import collab_attn
 from collab_attn import cli
+from collab_attn.distillation import DistillationTrainer, DistillSettings
 from collab_attn.lm import data as lm_data
+from collab_attn.lm.budgets import conversion_at, conversion_sizes
 from collab_attn.lm.models import cache_bytes, parameter_counts
 from collab_attn.lm.runs import (
     check_model_settings,
@@ -90,9 +93,24 @@ def load_trained(model_dir: str | Path, corpus: lm_data.CharCorpus):
     return model.cuda() if torch.cuda.is_available() else model
 
 
-def convert(model, method: str, key_size: int, corpus, settings: dict, seed: int):
+@dataclass(frozen=True)
+class Conversion:
+    """One run of the grid: a method label (``labels()``) at a rank (``key_size``) and, for a method that cuts the
+    values too, a value rank; ``fraction``: the cache budget it was sized for (``cache_fractions``), if any."""
+
+    method: str
+    key_size: int
+    value_size: int | None = None
+    fraction: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-k{self.key_size}" + ("" if self.value_size is None else f"-v{self.value_size}")
+
+
+def convert(model, run: Conversion, corpus, settings: dict, seed: int):
     """Convert ``model`` in place; returns the report (None for ``none``)."""
-    conversion, aware = parse_label(method)
+    conversion, aware = parse_label(run.method)
     if conversion is None:
         return None
     measured = {}
@@ -104,21 +122,53 @@ def convert(model, method: str, key_size: int, corpus, settings: dict, seed: int
         measured["importance"] = head_importance(
             model, blocks, default_data_collator, samples=len(blocks), batch_size=64, seed=seed
         )
-    return collab_attn.reparametrize(model, key_size, method=conversion.name, seed=seed, progress=False, **measured)
+    return collab_attn.reparametrize(model, run.key_size, method=conversion.name, seed=seed, progress=False,
+                                     value_rank=run.value_size, **measured)
 
 
-def plan(settings: dict) -> list[tuple[str, int]]:
+def _fractions(settings: dict) -> list[float] | None:
+    if settings.get("cache_fractions") is None:
+        return None
+    if settings.get("key_sizes") is not None:
+        raise cli.BadInput("key_sizes and cache_fractions both set: give the sizes, or the cache budgets to size "
+                           "every method for, not both")
+    return [cli.number("cache_fractions", f, 0, 1) for f in cli.nonempty_list("cache_fractions",
+                                                                          settings["cache_fractions"])]
+
+
+def plan(settings: dict, config) -> tuple[list[Conversion], list[str]]:
+    """The grid: every method at every key size (``key_sizes``; default n_embd/2, /4, /8), or at every cache budget
+    (``cache_fractions``: each method sized by ``collab_attn.lm.budgets.conversion_at``, keys and values together
+    where it cuts both); ``none`` once. Also the (method, budget) pairs no size of the method reaches."""
     methods = [cli.choice("methods", m, METHODS) for m in cli.nonempty_list("methods", settings["methods"])]
     d = cli.positive_int("model.n_embd", settings["model"]["n_embd"])
+    fractions = _fractions(settings)
+    runs, unreachable = [], []
+    if fractions is not None:
+        original = config.n_layer * 2 * config.n_embd * 2
+        for method in methods:
+            conversion = parse_label(method)[0]
+            if conversion is None:
+                runs.append(Conversion(method, d))
+                continue
+            sizes = conversion_sizes(config, conversion)
+            for fraction in fractions:
+                size = conversion_at(sizes, original, fraction)
+                if size is None:
+                    unreachable.append(f"{method} at {fraction:g} of the cache")
+                else:
+                    runs.append(Conversion(method, size.key_size, size.value_size, fraction))
+        return runs, unreachable
     keys = [d // 2, d // 4, d // 8] if settings.get("key_sizes") is None else [
         cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", settings["key_sizes"])]
-    return [(m, d if m == NO_CONVERSION else k) for m in methods for k in (keys[:1] if m == NO_CONVERSION else keys)]
+    for method in methods:
+        runs += [Conversion(method, d)] if method == NO_CONVERSION else [Conversion(method, k) for k in keys]
+    return runs, unreachable
 
 
-def check(settings: dict) -> list[tuple[str, int]]:
-    """Every setting, the text, the trained model and every (method, key size) of the grid, before anything is
-    written: a key size one method cannot take is refused before the first conversion. Returns the grid."""
-    runs = plan(settings)
+def check(settings: dict) -> list[Conversion]:
+    """Every setting, the text, the trained model and every run of the grid, before anything is written: a size one
+    method cannot take is refused before the first conversion. Returns the grid."""
     check_model_settings(settings)
     trainer_fields(settings)
     cli.number("retrain_fraction", settings["retrain_fraction"], 0, 1)
@@ -128,28 +178,51 @@ def check(settings: dict) -> list[tuple[str, int]]:
         cli.positive_int(key, settings.get(key), nullable=True)
     cli.integer("seed", settings["seed"], 0)
     cli.integer("sample_chars", settings["sample_chars"], 0)
+    distill = distill_settings(settings)
     out = cli.output_dir("output_dir", settings["output_dir"])
     config = trained_config(settings["model_dir"], checked_corpus(settings))
-    for method, key in runs:
-        conversion = parse_label(method)[0]
+    runs, _ = plan(settings, config)
+    for run in runs:
+        conversion = parse_label(run.method)[0]
         if conversion is not None:
             try:
-                check_request(config, conversion.name, key)
+                check_request(config, conversion.name, run.key_size, value_rank=run.value_size)
             except ValueError as err:
-                raise cli.BadInput(f"methods={method} cannot take key size {key} ({err}); change key_sizes or "
-                                   "methods") from err
-        stored = out / "runs" / f"{method}-k{key}.json"
+                raise cli.BadInput(f"methods={run.method} cannot take key size {run.key_size} ({err}); change "
+                                   "key_sizes or methods") from err
+        stored = out / "runs" / f"{run.name}.json"
         if stored.exists():
             record = cli.json_file("output_dir", stored)
-            if not isinstance(record, dict) or (record.get("version"), record.get("method"), record.get("key_size")) \
-                    != (RESULT_VERSION, method, key):
+            identity = (RESULT_VERSION, run.method, run.key_size, run.value_size, _distill_record(distill))
+            if not isinstance(record, dict) or (record.get("version"), record.get("method"), record.get("key_size"),
+                                                record.get("value_size"), record.get("distill")) != identity:
                 raise cli.BadInput(f"{stored} is not a result of this conversion; use another output_dir or delete it")
     return runs
 
 
+def distill_settings(settings: dict) -> DistillSettings | None:
+    """The ``distill`` block (alpha, temperature) of a re-training distilled from the original model, or None."""
+    block = settings.get("distill")
+    if block is None:
+        return None
+    try:
+        distill = DistillSettings.from_config(dict(block))
+    except (TypeError, ValueError) as err:
+        raise cli.BadInput(str(err).replace("refit.distill", "distill")) from err
+    if distill.hidden_weight or distill.attention_weight:
+        raise cli.BadInput("distill.hidden_weight and distill.attention_weight are not supported for the language "
+                           "models (next-character logits only); set them to 0")
+    return distill
+
+
+def _distill_record(distill: DistillSettings | None) -> dict | None:
+    return None if distill is None else {"alpha": distill.alpha, "temperature": distill.temperature}
+
+
 def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
-    """Every (method, key size) in ``settings`` (the resolved ``configs/convert_lm.yaml``) without a result yet."""
+    """Every run of the grid in ``settings`` (the resolved ``configs/convert_lm.yaml``) without a result yet."""
     runs = check(settings)
+    distill = distill_settings(settings)
     fields = trainer_fields(settings, progress)
     retrain_steps = math.ceil(float(settings["retrain_fraction"]) * fields["max_steps"])
     if settings.get("threads"):
@@ -160,26 +233,28 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     val = lm_data.val_blocks(corpus, settings["block_size"], batch, settings["eval_iters"])
     store = RunStore(settings["output_dir"])  # records carry their version, not a signature: not checked
     original = load_trained(settings["model_dir"], corpus)
+    for missed in plan(settings, original.config)[1]:
+        print(f"{missed}: no size of the method fits, skipped", flush=True)
     base = {
         "version": RESULT_VERSION, "model_dir": str(settings["model_dir"]), "recipe": settings.get("recipe_name"),
         "original_val_loss": validation_loss(original, val, batch, bf16),
         "original_parameters": parameter_counts(original), "original_cache_bytes_per_token_bf16": cache_bytes(original),
-        "retrain_steps": retrain_steps, "seed": seed,
+        "retrain_steps": retrain_steps, "seed": seed, "distill": _distill_record(distill),
     }
     print(f"original model: val loss {base['original_val_loss']:.4f}", flush=True)
     records = []
-    for number, (method, key) in enumerate(runs, 1):
-        name = f"{method}-k{key}"
-        stored = store.finished(name)
+    for number, run in enumerate(runs, 1):
+        stored = store.finished(run.name)
         if stored is not None:
-            print(f"[{number}/{len(runs)}] {name}: done already, skipping", flush=True)
+            print(f"[{number}/{len(runs)}] {run.name}: done already, skipping", flush=True)
             records.append(stored)
             continue
-        print(f"[{number}/{len(runs)}] {name}", flush=True)
+        print(f"[{number}/{len(runs)}] {run.name}", flush=True)
         model = load_trained(settings["model_dir"], corpus)
-        report = convert(model, method, key, corpus, settings, seed)
+        report = convert(model, run, corpus, settings, seed)
         record = {
-            **base, "name": name, "method": method, "key_size": key,
+            **base, "name": run.name, "method": run.method, "key_size": run.key_size, "value_size": run.value_size,
+            "cache_fraction": run.fraction,
             "relative_error": report.mean_relative_error if report is not None else 0.0,
             "convert_seconds": report.seconds if report is not None else 0.0,
             "parameters": parameter_counts(model), "cache_bytes_per_token_bf16": cache_bytes(model),
@@ -188,15 +263,18 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
         }
         if retrain_steps:
             steps = {"max_steps": retrain_steps, "eval_steps": max(1, retrain_steps // 4)}
-            run, _ = train_model(settings, corpus, model, seed + 1, store.checkpoints(name), progress, steps)
-            curve = learning_curve(run.history)
+            teacher = {} if distill is None else {
+                "trainer_class": DistillationTrainer, "teacher": original, "distill": distill, "regression": False}
+            trained, _ = train_model(settings, corpus, model, seed + 1, store.checkpoints(run.name), progress, steps,
+                                     **teacher)
+            curve = learning_curve(trained.history)
             record.update({
                 "retrain_curve": curve, "retrained_val_loss": curve[-1]["val_loss"],
-                "retrained_best_val_loss": min(p["val_loss"] for p in curve), "retrain_seconds": run.seconds,
+                "retrained_best_val_loss": min(p["val_loss"] for p in curve), "retrain_seconds": trained.seconds,
                 "retrained_sample": sample_text(model, corpus, settings["sample_chars"], seed),
             })
         store.save(record)
-        print(f"{name}: val loss {record['converted_val_loss']:.4f} converted, "
+        print(f"{run.name}: val loss {record['converted_val_loss']:.4f} converted, "
               f"{record.get('retrained_val_loss', float('nan')):.4f} re-trained", flush=True)
         records.append(record)
     return records

@@ -25,9 +25,10 @@ import math
 import torch
 import transformers
 
-from collab_attn.models.hf import attention_parameters, collab_config_class, layer_kind
+from collab_attn.models.hf import attention_parameters, collab_config_class
 from collab_attn.models.layers import ConvertedSelfAttention
 from collab_attn.nn import attention as nn_attention
+from collab_attn.nn.variants import cache_numbers_per_token
 
 KINDS = ("concat", "collab", "gqa", "mqa", "mla")
 # A model built to train from scratch starts its mixing at random or at ones; "concatenate" (block mixing) is how a
@@ -125,23 +126,11 @@ def parameter_counts(model) -> dict[str, int]:
 
 
 def cache_bytes(model, dtype_bytes: int = 2) -> int:
-    """Key/value cache bytes per token over all layers, as the library's cache stores them
-    (``collab_attn.models.layers``; ``collab_attn.analysis.accounting.cache_bytes_per_token`` per layer): plain
-    GPT-2 caches ``2 x n_embd`` numbers per layer; a converted layer with ``h`` heads its key of width ``key_size``
-    plus one content-bias logit per head, and ``h x n_embd / n_head`` values (pruning leaves fewer heads);
-    grouped-query heads ``2 x key_size`` (keys and values of the kv heads); latent attention its latent;
-    collaborative heads that share their values cache one value of ``value_size`` instead of the per-head ones."""
-    config = model.config
-    head_dim = config.n_embd // config.n_head
-    ranks = getattr(config, "collab_ranks", None)
-    if not ranks:
-        return config.n_layer * 2 * config.n_embd * dtype_bytes
-    scratch = layer_kind(config.collab_method).scratch
-    if scratch == "gqa":
-        return sum(2 * rank * dtype_bytes for rank in ranks)
-    if scratch == "mla":
-        return sum(rank * dtype_bytes for rank in ranks)
-    heads = getattr(config, "collab_heads", None) or [config.n_head] * len(ranks)
-    values = getattr(config, "collab_value_ranks", None) or [None] * len(ranks)
-    per_layer = [rank + h + (h * head_dim if v is None else v) for rank, h, v in zip(ranks, heads, values)]
-    return sum(per_layer) * dtype_bytes
+    """Key/value cache bytes per token over all layers, as the library's cache stores them: plain GPT-2 caches
+    ``2 x n_embd`` numbers per layer; a converted layer what it hands its cache per token
+    (``collab_attn.nn.variants.cache_numbers_per_token``: its key of width ``key_size`` plus one content-bias logit
+    per head and the values of its heads, or one shared value; grouped-query keys and values; a latent; ...)."""
+    layers = [m for m in model.modules() if isinstance(m, ConvertedSelfAttention)]
+    if not layers:
+        return model.config.n_layer * 2 * model.config.n_embd * dtype_bytes
+    return sum(cache_numbers_per_token(layer) for layer in layers) * dtype_bytes

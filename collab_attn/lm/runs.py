@@ -108,16 +108,17 @@ def learning_curve(history: Sequence[dict]) -> list[dict]:
 
 
 def train_model(settings: dict, corpus, model, seed: int, checkpoints: Path, progress: bool = True,
-                overrides: dict | None = None):
+                overrides: dict | None = None, **trainer):
     """Train ``model`` with the recipe in ``settings`` (``overrides``: TrainingArguments fields that replace the
-    recipe's, e.g. a shorter ``max_steps`` with the schedule over that many steps); returns the ``TrainingRun`` and
-    the training tokens it processed."""
+    recipe's, e.g. a shorter ``max_steps`` with the schedule over that many steps; ``trainer``: a ``trainer_class``
+    and its arguments, as ``collab_attn.training.train`` takes them); returns the ``TrainingRun`` and the training
+    tokens it processed."""
     fields = {**trainer_fields(settings, progress), **(overrides or {})}
     batch, block = fields["per_device_train_batch_size"], settings["block_size"]
     blocks = lm_data.train_blocks(corpus, block, batch, fields["max_steps"], seed)
     val = lm_data.val_blocks(corpus, block, fields["per_device_eval_batch_size"], settings["eval_iters"])
     run = train(model, blocks, default_data_collator, fields, seed, checkpoints, settings.get("checkpoint_every"),
-                eval_dataset=val)
+                eval_dataset=val, **trainer)
     return run, fields["max_steps"] * batch * block
 
 

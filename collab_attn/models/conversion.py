@@ -85,7 +85,7 @@ def check_request(config, method: str, rank, value_rank=None, **options) -> None
     with torch.device("meta"):
         skeleton = AutoModel.from_config(config)
     family, found, _, _ = _validate(skeleton, conversion, rank)
-    _check_value_ranks(conversion, value_rank, None, found, family)
+    _check_value_ranks(conversion, value_rank, found, family)
 
 
 @torch.no_grad()
@@ -107,6 +107,10 @@ def _fill(entry: InstalledLayer, planned: LayerPlan, family: Family) -> None:
             put(layer.mixing if name == "mixing" else layer.mixing_core, getattr(planned, name))
     if planned.content_bias is not None:
         put(layer.content_bias.weight, planned.content_bias)
+    if planned.latent is not None:
+        put(layer.latent.weight, planned.latent)
+        if layer.latent.bias is not None:
+            layer.latent.bias.zero_()
     if planned.values is not None:
         _fill_shared_values(entry, planned.values, family, put)
     else:
@@ -116,13 +120,14 @@ def _fill(entry: InstalledLayer, planned: LayerPlan, family: Family) -> None:
 
 
 def _fill_shared_values(entry: InstalledLayer, values, family: Family, put) -> None:
-    """The shared value projection (its bias zero: folded into the output bias), the heads' value mixing and the
-    output projection (inside the layer, or the new one beside it)."""
+    """The planned value projection (its bias zero: folded into the output bias), the heads' value mixing (shared
+    values) and the output projection (inside the layer, or the new one beside it)."""
     layer = entry.new
     put(layer.value.weight, values.value)
     if layer.value.bias is not None:
         layer.value.bias.zero_()
-    put(layer.value_mixing, values.value_mixing)
+    if values.value_mixing is not None:
+        put(layer.value_mixing, values.value_mixing)
     target = layer.output if family.output is not None else entry.new_outer_output
     put(target.weight, values.output)
     if values.output_bias is not None:
@@ -213,7 +218,7 @@ def reparametrize(
     if device is not None and not conversion.decomposes:
         raise ValueError(f"device={device!r} does not apply to method={method!r}: it runs no decomposition")
     family, found, ranks, budget = _validate(model, conversion, rank)
-    value_ranks = _check_value_ranks(conversion, value_rank, calibration, found, family)
+    value_ranks = _check_value_ranks(conversion, value_rank, found, family)
     if calibration is not None:
         if not isinstance(calibration, Calibration):
             raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")
@@ -222,27 +227,28 @@ def reparametrize(
         [_layer_weights(name, module, family) for name, module in found], ranks, budget, seed, options,
         [query_key_count(module, family) for _, module in found], calibration=calibration, importance=importance,
         value_ranks=value_ranks, device=device, progress=progress,
-        values=None if value_ranks is None else [
+        values=None if value_ranks is None and not conversion.reads_values else [
             ValueWeights(*family.value_output_weights(model, name, module)) for name, module in found
         ],
     )
     return _apply(model, family, found, conversion.plan(request), method)
 
 
-def _check_value_ranks(conversion: ConversionMethod, value_rank, calibration, found, family) -> list[int] | None:
-    """Per-layer shared-value widths D_v (None: each head keeps its values), each in [1, heads x head_dim]."""
+def _check_value_ranks(conversion: ConversionMethod, value_rank, found, family) -> list[int] | None:
+    """Per-layer value widths D_v cached per token (None: each head keeps its values), each in [1, heads x head_dim]
+    and within the method's rank rule."""
     if value_rank is None:
         return None
-    if not conversion.shares_values:
-        shared = [name for name, m in METHODS.items() if m.shares_values]
+    if not conversion.cuts_values:
+        cutting = [name for name, m in METHODS.items() if m.cuts_values]
         raise ValueError(f"value_rank does not apply to method={conversion.name!r}: its heads keep their values "
-                         f"(methods that share the values: {shared})")
-    if calibration is not None:
-        raise ValueError("value_rank with calibration is not supported yet: the shared values are fitted to the raw "
-                         "weights; drop calibration= or value_rank=")
+                         f"(methods that cut the values: {cutting})")
     module = found[0][1]
-    full = family.num_heads(module) * family.head_dim(module)
+    heads = family.num_heads(module)
     try:
-        return per_layer_ranks(value_rank, len(found), full)
+        ranks = per_layer_ranks(value_rank, len(found), heads * family.head_dim(module))
+        if conversion.check_ranks is not None:
+            conversion.check_ranks(ranks, heads)
     except ValueError as err:
         raise ValueError(f"value_rank: {err}") from err
+    return ranks

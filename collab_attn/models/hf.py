@@ -5,9 +5,10 @@ defines a config class with its own
 ``model_type`` (``collab_attn_bert``, ...) and one model class per head class of that family (``CollabBertModel``,
 ``CollabBertForSequenceClassification``, ...), each a subclass of the transformers class it mirrors whose
 self-attention modules are converted layers (``collab_attn.models.layers``). The config records the conversion
-method (``collab_method``) and the per-layer sizes (``collab_ranks``: query/key size per layer; ``collab_heads``:
-heads per layer where pruning removed some; ``collab_value_ranks``: the shared value's width per layer where
-collaborative heads share their values; ``collab_tucker_core_size``; ``collab_mixing_init`` for a model built
+method (``collab_method``) and the per-layer sizes (``collab_ranks``: query/key size per layer, or the shared key's
+or the latent's width; ``collab_heads``: heads per layer where pruning removed some; ``collab_value_ranks``: the
+values' width per layer where they were cut: one shared value, or narrow value heads in all;
+``collab_tucker_core_size``; ``collab_mixing_init`` for a model built
 from a config to train from scratch: ``"ones"`` or ``"random"``), from which the model class rebuilds the layers.
 Importing ``collab_attn`` registers them with the Auto classes, so ``AutoModel*.from_pretrained`` loads a converted
 checkpoint of any method. Without ``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*``
@@ -39,6 +40,7 @@ from collab_attn.models.layers import (
     ConvertedSelfAttention,
     GroupedSelfAttention,
     LatentSelfAttention,
+    SharedKeySelfAttention,
 )
 from collab_attn.nn.attention import CollaborativeAttention
 
@@ -58,11 +60,11 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 class LayerKind:
     """What the layers of a layout are: collaborative heads (shared query/key projections and mixing), concatenated
     heads whose query bias became the content bias (``content_bias``) or that keep their query/key biases, or one of
-    the from-scratch variants (``scratch``: grouped-query or latent attention)."""
+    the variants of ``collab_attn.nn.variants`` (``variant``: grouped-query, latent or shared-key attention)."""
 
     collaborative: bool = False
     content_bias: bool = True
-    scratch: str | None = None
+    variant: str | None = None
 
 
 # The layer kinds, by the name a config's ``collab_method`` may give them. A conversion method's config records the
@@ -71,8 +73,9 @@ LAYER_KINDS = {
     "collaborative": LayerKind(collaborative=True),
     "concatenated": LayerKind(),  # narrow concatenated heads, the query bias folded into the content bias
     "kept-heads": LayerKind(content_bias=False),  # some of the original heads, with their query/key biases
-    "gqa": LayerKind(scratch="gqa"),  # grouped-query heads: ``size`` is the key width kv_heads x head_dim
-    "mla": LayerKind(scratch="mla"),  # latent attention: ``size`` is the latent cached per token
+    "gqa": LayerKind(variant="gqa"),  # grouped-query heads: ``size`` is the key width kv_heads x head_dim
+    "mla": LayerKind(variant="mla"),  # latent attention: ``size`` is the latent cached per token
+    "shared-key": LayerKind(variant="shared-key"),  # one key of width ``size`` shared by the heads, per-head values
 }
 
 
@@ -97,7 +100,7 @@ class LayerSpec:
     size: int
     core_size: int | None = None
     mixing_init: str | None = None  # collaborative layers built from a config: None means block mixing where it fits
-    value_size: int | None = None  # collaborative layers sharing their values: the shared value's width
+    value_size: int | None = None  # values cached per token: the shared value's width, or heads x narrow value heads
 
 
 @dataclass(frozen=True)
@@ -109,13 +112,14 @@ class Layout:
     heads: list[int] | None = None  # per layer, where pruning changed the head count
     tucker_core_size: int | None = None
     mixing_init: str | None = None  # models built from a config to train from scratch: "ones" or "random"
-    value_ranks: list[int] | None = None  # per layer, where collaborative heads share their values
+    value_ranks: list[int] | None = None  # per layer, where the values were cut (shared, or narrower heads)
 
     def __post_init__(self):
         kind = layer_kind(self.method)
         if self.value_ranks is not None:
-            if not kind.collaborative:
-                raise ValueError(f"shared values (value ranks) need collaborative layers, not layout {self.method!r}")
+            if not (kind.collaborative or kind == LAYER_KINDS["concatenated"]):
+                raise ValueError(f"value ranks need collaborative or narrow concatenated layers, not layout "
+                                 f"{self.method!r}")
             if len(self.value_ranks) != len(self.ranks):
                 raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.value_ranks)} value ranks")
 
@@ -165,22 +169,24 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
         residual_norm_eps=module.LayerNorm.eps if family.has_residual_norm else None,
     )
     kind = spec.kind
-    if kind.scratch == "gqa":
+    if kind.variant == "gqa":
         head_dim = common["head_dim"]
         if spec.size % head_dim or spec.num_heads % (spec.size // head_dim):
             raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
                              f"dividing {spec.num_heads} heads, got {spec.size}")
         layer = GroupedSelfAttention(weight.shape[1], spec.num_heads, spec.size // head_dim,
                                      logit_scale=common.pop("logit_scale"), **common)
-    elif kind.scratch == "mla":
-        layer = LatentSelfAttention(weight.shape[1], spec.num_heads, spec.size, logit_scale=common.pop("logit_scale"),
-                                    **common)
+    elif kind.variant in ("mla", "shared-key"):
+        variant = LatentSelfAttention if kind.variant == "mla" else SharedKeySelfAttention
+        layer = variant(weight.shape[1], spec.num_heads, spec.size, logit_scale=common.pop("logit_scale"), **common)
     elif kind.collaborative:
         layer = CollaborativeSelfAttention(
             weight.shape[1], spec.num_heads, spec.size, tucker_core_size=spec.core_size, mixing_init=spec.mixing_init,
             value_rank=spec.value_size, **common,
         )
     else:
+        if spec.value_size is not None:  # narrow value heads
+            common["head_dim"] = spec.value_size // spec.num_heads
         layer = ConcatenatedSelfAttention(
             weight.shape[1], spec.num_heads, spec.size // spec.num_heads,
             query_key_bias=common["bias"] and not kind.content_bias,
@@ -192,7 +198,8 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
 def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
     """Replace every self-attention module by an empty converted one shaped by ``layout`` and retag the model and
     config as collaborative. A layer with fewer heads, or with shared values, also gets a narrower output projection
-    (BERT, RoBERTa: the one beside the attention module)."""
+    (BERT, RoBERTa: the one beside the attention module), and a latent layer a new one of the same width (the value
+    bias it drops is folded into that projection's bias)."""
     family = family_of(model.config)
     found = attention_modules(model, family)
     if len(layout.ranks) != len(found):
@@ -202,7 +209,8 @@ def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
         layer = build_layer(family, module, spec)
         replace_module(model, name, layer)
         entry = InstalledLayer(name, module, layer)
-        if family.output is None and (spec.num_heads != family.num_heads(module) or spec.value_size is not None):
+        if family.output is None and (spec.num_heads != family.num_heads(module) or spec.value_size is not None
+                                      or spec.kind.variant == "mla"):
             old = family.output_projection(model, name)
             width = spec.value_size or spec.num_heads * family.head_dim(module)
             new = nn.Linear(width, old.out_features, bias=old.bias is not None).to(old.weight)

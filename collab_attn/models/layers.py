@@ -1,8 +1,10 @@
 """The attention modules behind the call contract of a transformers 5.x self-attention module.
 
-A converted layer is either collaborative (``CollaborativeSelfAttention``: ``cp``, ``tucker``) or concatenated heads
-(``ConcatenatedSelfAttention``: ``svd``, ``prune``). Both take ``(hidden_states, attention_mask, **kwargs)`` and
-return ``(output, attention_weights)``, with weights when ``output_attentions=True`` is passed down or when the model
+A converted layer is collaborative (``CollaborativeSelfAttention``: ``cp``, ``tucker``), concatenated heads
+(``ConcatenatedSelfAttention``: ``svd``, ``prune``) or one of the variants (``SharedKeySelfAttention``: ``key-svd``;
+``LatentSelfAttention``: ``kv-svd`` and, with ``GroupedSelfAttention``, models trained from scratch). All take
+``(hidden_states, attention_mask, **kwargs)`` and return ``(output, attention_weights)``, with weights when
+``output_attentions=True`` is passed down or when the model
 records attention maps with its output hooks (transformers 5.x: ``output_attentions`` as a call argument or in the
 config), as an eager transformers attention module does.
 ``output_dropout`` adds GPT-2's dropout after the output projection, and ``residual_norm_eps`` ALBERT's dropout,
@@ -26,7 +28,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderC
 from transformers.utils.output_capturing import _active_collector  # what the output hooks collect into
 
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
-from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention
+from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention
 
 # Every name under which transformers 5.x hands a self-attention module its key/value cache: models pass it as
 # ``past_key_values`` up to 5.23 and as ``cache`` from 5.24 on; ``past_key_value`` and ``layer_past`` are older
@@ -228,26 +230,33 @@ class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention):
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
 
-class _ScratchSelfAttention(ConvertedSelfAttention):
-    """A race variant (grouped-query or latent heads) in a transformers model, for models trained from scratch: the
-    variant's module built with ``size`` (its kv heads or latent width), GPT-2's logit scale, the call contract."""
+class _VariantSelfAttention(ConvertedSelfAttention):
+    """A variant of ``collab_attn.nn.variants`` (grouped-query, latent or shared-key heads) in a transformers model:
+    the variant's module built with ``size`` (its kv heads, latent width or key width), the original model's logit
+    scale, the call contract."""
 
     def __init__(self, d_model: int, num_heads: int, size: int, *, head_dim: int, dropout: float, bias: bool,
                  output_projection: bool, is_causal: bool = False, layer_idx: int | None = None,
                  output_dropout: float | None = None, residual_norm_eps: float | None = None,
                  logit_scale: float | None = None):
-        variant = next(base for base in type(self).__mro__ if base in (GroupedQueryAttention, LatentAttention))
+        variant = next(base for base in type(self).__mro__
+                       if base in (GroupedQueryAttention, LatentAttention, SharedKeyAttention))
         variant.__init__(self, d_model, num_heads, size, head_dim=head_dim, dropout=dropout, bias=bias,
                          output_projection=output_projection)
         self.scale = self.scale if logit_scale is None else logit_scale
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
 
-class GroupedSelfAttention(_ScratchSelfAttention, GroupedQueryAttention):
+class GroupedSelfAttention(_VariantSelfAttention, GroupedQueryAttention):
     """Grouped-query heads (``size`` = kv_heads key/value heads; one is multi-query attention). Caches ``(batch,
     kv_heads, tokens, head_dim)`` keys and values."""
 
 
-class LatentSelfAttention(_ScratchSelfAttention, LatentAttention):
+class LatentSelfAttention(_VariantSelfAttention, LatentAttention):
     """Multi-head latent attention without rotary positions (``size`` = the latent width). Caches one latent per
     token (``(batch, 1, tokens, latent_size)``, and an empty values tensor that keeps the position count)."""
+
+
+class SharedKeySelfAttention(_VariantSelfAttention, SharedKeyAttention):
+    """Thin keys (``size`` = the shared key's width): caches ``(batch, 1, tokens, size)`` keys and ``(batch, heads,
+    tokens, head_dim)`` values."""

@@ -66,22 +66,25 @@ class ValueWeights:
 
 @dataclass
 class ValuePlan:
-    """The shared value side of one layer: ``value`` (D_v, d_in) and ``output`` (d_out, D_v) ``nn.Linear`` weights,
-    the heads' ``value_mixing`` (heads, D_v) and the output bias (the value bias folded in; the value bias is 0)."""
+    """A new value side of one layer: the ``value`` and ``output`` (d_out, width) ``nn.Linear`` weights and the output
+    bias (the value bias folded in; the value projection gets none). Shared values: ``value`` (D_v, d_in) and the
+    heads' ``value_mixing`` (heads, D_v); latent values: ``value`` the up-projection (heads x head_dim, latent) and
+    no mixing."""
 
     value: torch.Tensor
     output: torch.Tensor
-    value_mixing: torch.Tensor
+    value_mixing: torch.Tensor | None
     output_bias: torch.Tensor | None
     relative_error: float = 0.0
 
 
 @dataclass
 class LayerPlan:
-    """The new query/key side of one layer. ``query`` and ``key`` are (size, d_in) ``nn.Linear`` weights: shared
-    projections of width D~ (collaborative, with ``mixing`` and for Tucker ``core``) or the stacked heads
-    (concatenated, ``mixing`` None). ``kept_heads``: the original heads whose values and output columns stay (None:
-    all)."""
+    """The new query/key side of one layer. ``query`` and ``key`` are ``nn.Linear`` weights: (size, d_in) shared
+    projections of width D~ (collaborative, with ``mixing`` and for Tucker ``core``), the stacked heads
+    (concatenated, ``mixing`` None), per-head queries into one shared key (shared-key layers) or, for a latent
+    layer, the queries and the keys' up-projection from the ``latent`` (size, d_in). ``kept_heads``: the original
+    heads whose values and output columns stay (None: all)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -91,10 +94,11 @@ class LayerPlan:
     query_bias: torch.Tensor | None = None
     key_bias: torch.Tensor | None = None
     kept_heads: list[int] | None = None
+    latent: torch.Tensor | None = None
     relative_error: float = 0.0
     weighted_error: float | None = None  # activation-aware fits: the error of the whitened products
     seconds: float = 0.0
-    values: ValuePlan | None = None  # shared values (a value rank was asked for)
+    values: ValuePlan | None = None  # a new value side (shared or latent values); None: the heads keep theirs
 
 
 @dataclass
@@ -130,7 +134,8 @@ class Request:
     calibration: Calibration | None = None
     importance: object = None  # a HeadImportance or one score tensor per layer (methods that need importance)
     value_ranks: list[int] | None = None  # per layer, for shared values (methods that share values)
-    values: list[ValueWeights] | None = None  # the layers' value sides, read when value_ranks is set
+    values: list[ValueWeights] | None = None  # the layers' value sides, read when value_ranks is set or the method
+    # reads the values
     device: torch.device | str | None = None  # where decompositions run (None: where the weights are)
     progress: bool = True
 

@@ -108,7 +108,7 @@ def _defaults(cls) -> dict:
 def group_keys(method: ConversionMethod) -> dict:
     """The keys of ``method``'s config group besides ``method`` and ``rank``, with their defaults."""
     keys = {"budget": None} if method.budgets else {}
-    if method.shares_values:
+    if method.cuts_values:
         keys["value_rank"] = None
     keys.update(_defaults(method.options))
     if method.calibrated:
@@ -217,7 +217,7 @@ class MethodSettings:
         group.update(dataclasses.asdict(self.options))
         if self.conversion.budgets:
             group["budget"] = self.budget
-        if self.conversion.shares_values:
+        if self.conversion.cuts_values:
             group["value_rank"] = self.value_rank
         for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
             if settings is not None:

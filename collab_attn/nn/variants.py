@@ -5,6 +5,8 @@
 - ``MultiQueryAttention`` (MQA, Shazeer, 2019): GQA with one key/value head.
 - ``LatentAttention``: multi-head latent attention (DeepSeek-V2) without its rotary part. Keys and values are
   per-head up-projections ``W_uk``, ``W_uv`` of one shared latent ``c = Y W_dkv + b`` of width ``latent_size``.
+- ``SharedKeyAttention`` ("thin keys"): one key of width ``key_size`` per token shared by every head, each head's
+  query projected into that space, every head keeping its own value.
 
 All take the inputs of ``MultiHeadAttention`` (``collab_attn.nn.attention``) and return what it returns:
 ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
@@ -16,6 +18,8 @@ What each hands the ``kv_cache`` hook ``(packed_keys, values) -> (all_packed_key
 - GQA / MQA: keys and values (batch, kv_heads, positions, head_dim) each: ``2 kv_heads head_dim`` numbers per token.
 - MLA: the latent as the keys, (batch, 1, positions, latent_size), and an empty tensor (batch, 1, positions, 0) as the
   values (it only keeps the cache's position count in step): ``latent_size`` numbers per token.
+- Shared key: the key (batch, 1, positions, key_size) and the values (batch, heads, positions, head_dim):
+  ``key_size + heads head_dim`` numbers per token.
 
 ``cache_numbers_per_token(module)`` gives those numbers (for the concatenated and collaborative modules too).
 """
@@ -23,6 +27,7 @@ What each hands the ``kv_cache`` hook ``(packed_keys, values) -> (all_packed_key
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, _Attention, additive_mask, attend
@@ -49,17 +54,20 @@ def grouped_attend(
     if heads % groups:
         raise ValueError(f"{heads} query heads cannot share {groups} key/value heads")
     group = heads // groups
-    if group > 1:
-        queries = queries.reshape(batch, groups, group * tgt_len, queries.shape[-1])
-        bias = _grouped_bias(bias, groups, group, tgt_len)
-    context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
     if group == 1:
-        context = context.view(batch, tgt_len, heads, -1)
-    else:  # (B, r T, G Dv): row j T + t of group g belongs to head g r + j
-        context = context.view(batch, group, tgt_len, groups, -1).permute(0, 2, 3, 1, 4).flatten(2, 3)
-    if weights is not None:
-        weights = weights.reshape(batch, heads, tgt_len, weights.shape[-1])
-    return context, weights
+        context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
+        return context.view(batch, tgt_len, heads, -1), weights
+    queries = queries.reshape(batch, groups, group * tgt_len, queries.shape[-1])
+    bias = _grouped_bias(bias, groups, group, tgt_len)
+    if need_weights:  # the weights per query head, (B, H, T, S), are the ones the context is made of
+        logits = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+        weights = (logits if bias is None else logits + bias).softmax(dim=-1).view(batch, heads, tgt_len, -1)
+        grouped = F.dropout(weights.view(batch, groups, group * tgt_len, -1), p=dropout)
+        context = torch.matmul(grouped, values).transpose(1, 2)  # (B, r T, G, Dv)
+    else:
+        context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
+    # (B, r T, G Dv): row j T + t of group g belongs to head g r + j
+    return context.reshape(batch, group, tgt_len, groups, -1).permute(0, 2, 3, 1, 4).flatten(2, 3), weights
 
 
 def _grouped_bias(bias: torch.Tensor | None, groups: int, group: int, tgt_len: int) -> torch.Tensor | None:
@@ -243,12 +251,61 @@ class LatentAttention(_SharedKeyValueAttention):
         return self.latent_size
 
 
+class SharedKeyAttention(_SharedKeyValueAttention):
+    """Thin keys: every head scores against one shared key ``Y Wk`` of width ``key_size`` (no key bias: it would
+    add one constant to a whole softmax row) with its own query ``X Wq_h + bq_h`` of the same width; each head
+    keeps its value head. Parameters: ``query`` (d_model -> heads x key_size), ``key`` (kv_dim -> key_size),
+    ``value`` (kv_dim -> heads x head_dim), ``output``. The logit scale stays ``1/sqrt(head_dim)``. The cache holds
+    the shared key (B, 1, S, key_size) and the values (B, heads, S, head_dim)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        key_size: int,
+        *,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        output_projection: bool = True,
+    ):
+        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        if not isinstance(key_size, int) or key_size <= 0:
+            raise ValueError(f"key_size must be a positive integer, got {key_size!r}")
+        self.key_size = key_size
+        self.query = nn.Linear(d_model, num_heads * key_size, bias=bias)
+        self.key = nn.Linear(self.kv_dim, key_size, bias=False)
+
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keys_from = query_states if key_value_states is None else key_value_states
+        keys = self.key(keys_from)[:, None]  # (B, 1, S, key_size)
+        values = self._heads(self.value(keys_from), self.num_heads)
+        if kv_cache is not None:
+            keys, values = kv_cache(keys, values)
+        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        queries = self._heads(self.query(query_states), self.num_heads)  # (B, H, T, key_size)
+        context, weights = attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        return self._finish(context), weights
+
+    def cache_width(self) -> int:
+        return self.key_size + self.num_heads * self.head_dim
+
+
 def cache_numbers_per_token(module: nn.Module) -> int:
     """Numbers the module hands its ``kv_cache`` hook per token (packed keys and values together), i.e. what a
     key/value cache holds per token for this layer: GQA ``2 kv_heads head_dim``, MQA ``2 head_dim``, MLA
-    ``latent_size``; concatenated heads ``H (query_key_head_dim + head_dim)`` (``+ H`` with content bias);
-    collaborative heads ``rank + H head_dim`` (``+ H`` with content bias), ``rank + value_rank`` (``+ H``) when they
-    share the values too."""
+    ``latent_size``, shared key ``key_size + H head_dim``; concatenated heads ``H (query_key_head_dim + head_dim)``
+    (``+ H`` with content bias); collaborative heads ``rank + H head_dim`` (``+ H`` with content bias),
+    ``rank + value_rank`` (``+ H``) when they share the values too."""
     if isinstance(module, _SharedKeyValueAttention):
         return module.cache_width()
     if not isinstance(module, (MultiHeadAttention, CollaborativeAttention)):

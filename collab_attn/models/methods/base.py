@@ -38,7 +38,8 @@ class ConversionMethod:
     needs_importance: bool = False  # needs head-importance scores, measured on labelled task data
     decomposes: bool = False  # fits a decomposition (reparametrize's device= says where it runs)
     mixing: str | None = None  # collaborative layers: "vectors" (one per head) or "matrices" (from a Tucker core)
-    shares_values: bool = False  # can share the values too (a value rank: one value per token for all heads)
+    cuts_values: bool = False  # takes a value rank: the values cached per token cut to that width (shared or narrow)
+    reads_values: bool = False  # plans the value side from the values and output projection (as shared values do)
     check_ranks: Callable[[Sequence[int], int], None] | None = None  # (ranks, heads) -> raises ValueError
 
     def __post_init__(self):

@@ -17,5 +17,5 @@ def plan_cp(request: Request) -> Plan:
 CP = register(ConversionMethod(
     NAME, "collaborative heads with mixing vectors from a CP decomposition of the head products (the paper's)",
     plan_cp, layer="collaborative", options=DecompositionOptions, budgets=True, calibrated=True, decomposes=True,
-    mixing="vectors", shares_values=True,
+    mixing="vectors", cuts_values=True,
 ))

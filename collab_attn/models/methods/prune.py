@@ -38,6 +38,14 @@ def heads_to_keep(scores: Sequence[torch.Tensor], count: int) -> list[list[int]]
     return [sorted(heads) for heads in keep]
 
 
+def kept_head_count(ranks: Sequence[int], heads: Sequence[int], head_dim: int, d_in: int,
+                    bias: bool) -> tuple[int, int]:
+    """The query/key parameter budget of collaborative attention at ``ranks`` (per layer) and how many whole heads
+    (``2 head_dim (d_in + bias)`` parameters each) fit in it."""
+    budget = sum(query_key_params(r, d_in, h, bias=bias) for r, h in zip(ranks, heads))
+    return budget, budget // (2 * head_dim * (d_in + int(bias)))
+
+
 def _head_energy(layer: LayerWeights) -> torch.Tensor:
     """||Wq_h^T Wk_h||_F^2 per head, from the head_dim x head_dim Gram matrices."""
     w_query, w_key = layer.w_query.double(), layer.w_key.double()
@@ -58,9 +66,8 @@ def plan_prune(request: Request) -> Plan:
     if [len(s) for s in scores] != heads:
         raise ValueError(f"importance has {[len(s) for s in scores]} scores per layer; the model has {heads} heads")
     first = request.weights[0]
-    bias = first.b_query is not None
-    budget = sum(query_key_params(r, first.d_in, h, bias=bias) for r, h in zip(request.ranks, heads))
-    keep = heads_to_keep(scores, budget // (2 * first.head_dim * (first.d_in + int(bias))))
+    budget, count = kept_head_count(request.ranks, heads, first.head_dim, first.d_in, first.b_query is not None)
+    keep = heads_to_keep(scores, count)
     shared = importance.seconds / len(heads) if isinstance(importance, HeadImportance) else 0.0
     layers = []
     for layer, kept in zip(request.weights, keep):

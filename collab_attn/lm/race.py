@@ -1,0 +1,177 @@
+"""The conversion race at matched key/value-cache bytes: tables and a plot from ``scripts/convert_lm.py`` runs with
+``cache_fractions`` (``collab_attn.lm.convert``), one folder per seed.
+
+Layout read: ``<model folder>/<variant>/seed<N>/runs/*.json``, e.g. ``experiments/kv_cache/shakespeare_cpu/convert/
+seed0/runs/cp-k30-v30.json``; a variant is one way of re-training (``convert``: the plain loss, ``convert_distill``:
+distilled from the original). Per (method, cache budget) the validation loss converted and re-trained, mean ± std
+over seeds, beside the original models' and the re-training-only control (``none``); per budget and seed the method
+that wins; one plot per variant (loss against cache bytes, one line per method).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from collab_attn import cli
+from collab_attn.files import replacing, write_text_atomic
+from collab_attn.models.settings import NO_CONVERSION, labels
+from collab_attn.run_store import mean_std
+
+KEYS = ("method", "key_size", "value_size", "cache_fraction", "seed", "original_val_loss", "converted_val_loss",
+        "cache_bytes_per_token_bf16", "original_cache_bytes_per_token_bf16")
+STAGES = {"converted_val_loss": "converted", "retrained_val_loss": "re-trained"}
+
+
+def read_variant(folder: Path) -> list[dict]:
+    """Every run of every seed folder under ``folder`` (``seed*/runs/*.json``), checked to be a conversion result."""
+    records = []
+    for path in sorted(folder.glob("seed*/runs/*.json")):
+        record = cli.json_file("root", path)
+        if not isinstance(record, dict) or not set(KEYS) <= set(record) or record["method"] not in labels():
+            raise cli.BadInput(f"{path} is not a result of scripts/convert_lm.py; move it out of {folder}")
+        records.append(record)
+    return records
+
+
+def variants(root: Path) -> dict[str, list[dict]]:
+    """``<model>/<variant>`` -> its runs, for every folder under ``root`` that holds seed folders of runs."""
+    found = {}
+    for folder in sorted(p for p in root.glob("*/*") if p.is_dir() and any(p.glob("seed*/runs/*.json"))):
+        found[f"{folder.parent.name}/{folder.name}"] = read_variant(folder)
+    return found
+
+
+def _size(record: dict) -> str:
+    return f"{record['key_size']}" + ("" if record.get("value_size") is None else f"/{record['value_size']}")
+
+
+def _groups(records: Sequence[dict]) -> dict[tuple[str, float | None], list[dict]]:
+    """Runs by (method, budget); the budget of runs sized by hand (``key_sizes``) is None."""
+    order = {label: i for i, label in enumerate(labels())}
+    groups: dict[tuple[str, float | None], list[dict]] = {}
+    for record in records:
+        groups.setdefault((record["method"], record.get("cache_fraction")), []).append(record)
+    return dict(sorted(groups.items(), key=lambda item: (-(item[0][1] or 2), order[item[0][0]],
+                                                         -item[1][0]["cache_bytes_per_token_bf16"])))
+
+
+def _cell(runs: Sequence[dict], key: str) -> str:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    if not values:
+        return "-"
+    mean, std = mean_std(values)
+    return f"{mean:.4f} ± {std:.4f}"
+
+
+def table(records: Sequence[dict]) -> str:
+    """One row per (method, budget): sizes, cache bytes measured from the converted model, validation loss converted
+    and re-trained (mean ± std over seeds)."""
+    originals = {r["seed"]: r["original_val_loss"] for r in records}
+    mean, std = mean_std(list(originals.values()))
+    original_bytes = records[0]["original_cache_bytes_per_token_bf16"]
+    lines = [f"Original models (seeds {', '.join(map(str, sorted(originals)))}): val loss {mean:.4f} ± {std:.4f}, "
+             f"{original_bytes:,} cache bytes per token (bf16).", "",
+             "| budget | method | rank / value rank | cache B/token | vs original | val loss converted "
+             "| val loss re-trained | seeds |",
+             "|---:|---|---|---:|---:|---:|---:|---|"]
+    for (method, fraction), runs in _groups(records).items():
+        cache = runs[0]["cache_bytes_per_token_bf16"]
+        budget = "-" if fraction is None else f"{fraction:g}"
+        lines.append(f"| {budget} | {method} | {_size(runs[0])} | {cache:,} | {cache / original_bytes:.3f}x "
+                     f"| {_cell(runs, 'converted_val_loss')} | {_cell(runs, 'retrained_val_loss')} "
+                     f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} |")
+    return "\n".join(lines)
+
+
+def winners(records: Sequence[dict]) -> str:
+    """Per budget, stage and seed, the method with the lowest validation loss (and the runner-up's margin)."""
+    lines = ["| budget | stage | seed | best | runner-up (+ loss) |", "|---:|---|---:|---|---|"]
+    fractions = sorted({r["cache_fraction"] for r in records if r.get("cache_fraction")}, reverse=True)
+    for fraction in fractions:
+        for key, stage in STAGES.items():
+            for seed in sorted({r["seed"] for r in records}):
+                runs = sorted((r for r in records if r.get("cache_fraction") == fraction and r["seed"] == seed
+                               and r.get(key) is not None), key=lambda r: r[key])
+                if len(runs) < 2:
+                    continue
+                best, second = runs[0], runs[1]
+                lines.append(f"| {fraction:g} | {stage} | {seed} | {best['method']} ({best[key]:.4f}) "
+                             f"| {second['method']} (+{second[key] - best[key]:.4f}) |")
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[dict], path: Path, title: str) -> Path:
+    """Validation loss against cache bytes per token, one line per method (mean ± std over seeds), converted on the
+    left and re-trained on the right; the original models and the re-training-only control as horizontal lines."""
+    fig = Figure(figsize=(11, 4.2))
+    panels = fig.subplots(1, 2)
+    original = statistics.fmean(r["original_val_loss"] for r in records)
+    for axes, (key, stage) in zip(panels, STAGES.items()):
+        lines: dict[str, list[tuple[int, float, float]]] = {}
+        for (method, _), runs in _groups(records).items():
+            values = [r[key] for r in runs if r.get(key) is not None]
+            if values and method != NO_CONVERSION:
+                mean, std = mean_std(values)
+                lines.setdefault(method, []).append((runs[0]["cache_bytes_per_token_bf16"], mean, std))
+        for method, points in lines.items():
+            points.sort()
+            axes.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], fmt="o-",
+                          capsize=3, label=method)
+        axes.axhline(original, color="black", linestyle=":", label=f"original {original:.4f}")
+        control = [r[key] for r in records if r["method"] == NO_CONVERSION and r.get(key) is not None]
+        if key == "retrained_val_loss" and control:
+            axes.axhline(statistics.fmean(control), color="grey", linestyle="--",
+                         label=f"none, re-trained {statistics.fmean(control):.4f}")
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("key/value cache, bytes per token (bf16, all layers)")
+        axes.set_title(f"{stage}")
+        axes.grid(alpha=0.3)
+    panels[0].set_ylabel("validation loss")
+    panels[1].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=110)
+    return path
+
+
+RESULTS_BEGIN = "<!-- race results: written by scripts/summarize_race.py -->"
+RESULTS_END = "<!-- end of race results -->"
+
+
+def check_root(root: str | Path) -> dict[str, list[dict]]:
+    """Every run under ``root`` read and checked, and the README writable, before anything is written."""
+    root = cli.input_dir("root", root)
+    found = variants(root)
+    if not found:
+        raise cli.Missing(f"root={root} holds no <model>/<variant>/seed*/runs/*.json: run scripts/convert_lm.py with "
+                          "cache_fractions and output_dir=<root>/<model>/<variant>/seed<N> first")
+    if (root / "README.md").exists():
+        cli.text_file("root", root / "README.md")
+    cli.output_dir("root", root, files=("README.md", *(f"{name.replace('/', '_')}.png" for name in found)))
+    return found
+
+
+def write_summary(root: str | Path) -> Path:
+    """A plot per variant and the README's results part (between the markers; the rest is kept)."""
+    found = check_root(root)
+    root = Path(root)
+    parts = [RESULTS_BEGIN, ""]
+    for name, records in found.items():
+        image = f"{name.replace('/', '_')}.png"
+        plot(records, root / image, name)
+        parts += [f"### `{name}`", "", table(records), "", f"![loss against cache]({image})", "",
+                  "Per budget and seed, the best method:", "", winners(records), ""]
+    generated = "\n".join(parts + [RESULTS_END]) + "\n"
+    readme = root / "README.md"
+    text = readme.read_text() if readme.exists() else "# The cache race\n\n"
+    if RESULTS_BEGIN in text and RESULTS_END in text:
+        head, rest = text.split(RESULTS_BEGIN, 1)
+        text = head + generated + rest.split(RESULTS_END, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + generated
+    return write_text_atomic(readme, text)

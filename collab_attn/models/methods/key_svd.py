@@ -1,0 +1,57 @@
+"""``key-svd`` ("thin keys"): one SVD of the stacked key projection of all heads, ``[Wk_1; ...; Wk_H] ~= U S V^T``
+cut to ``rank`` directions. Every head scores against the one shared key ``Y V S^{1/2}`` of width ``rank``, and
+head h's query keeps its own map into that space, ``Wq_h^T U_h S^{1/2}`` (``U_h``: head h's rows of ``U``), so the
+logits are ``(X Wq_h^T + bq_h) U_h S V^T Y^T``. The values stay per head. The cache holds ``rank + heads x
+head_dim`` numbers per token and layer: never below half of the original's. Exact once ``rank`` reaches the key
+projection's rank (heads x head_dim here). The key bias is dropped (one constant per softmax row); the query bias
+is mapped with the query. With a calibration the SVD is of the key projection whitened by its inputs' statistics
+(the keys, not the logits, are fitted to the data)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from collab_attn.decomposition.truncation import shared_subspace
+from collab_attn.decomposition.whitening import whitening_pair
+from collab_attn.models.hf import Layout
+from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
+
+NAME = "key-svd"
+
+
+def input_whitening(request: Request, index: int, layer: LayerWeights, values: bool = False):
+    """(S, S^-1) of layer ``index``'s inputs (``collab_attn.decomposition.whitening``), or None without a
+    calibration: from the key statistics (centered by default: a key's mean only shifts whole softmax rows), or with
+    ``values`` from the raw second moments (a value's mean reaches the output)."""
+    if request.calibration is None:
+        return None
+    raw, keys = request.calibration.covariance(index)
+    return whitening_pair((raw, raw if values else keys), layer.d_in, request.calibration.eps)[1]
+
+
+def calibration_summary(request: Request) -> dict | None:
+    return None if request.calibration is None else request.calibration.summary()
+
+
+def plan_key_svd(request: Request) -> Plan:
+    layers = []
+    progress = tqdm(request.weights, desc=NAME, disable=not request.progress)
+    for index, (layer, rank) in enumerate(zip(progress, request.ranks)):
+        start = time.perf_counter()
+        fit = shared_subspace(layer.w_key.flatten(0, 1), rank, input_whitening(request, index, layer))
+        per_head = fit.up.reshape(layer.heads, layer.head_dim, rank)  # U_h S^{1/2}
+        query = torch.einsum("hdr,hdi->hri", per_head, layer.w_query).flatten(0, 1)
+        query_bias = None if layer.b_query is None else torch.einsum("hdr,hd->hr", per_head, layer.b_query).flatten()
+        layers.append(LayerPlan(query, fit.down, query_bias=query_bias, relative_error=fit.relative_error,
+                                weighted_error=fit.weighted_error, seconds=time.perf_counter() - start))
+    return Plan(Layout(NAME, list(request.ranks)), layers, "svd", calibration_summary(request))
+
+
+KEY_SVD = register(ConversionMethod(
+    NAME, "one key of width rank shared by every head, from an SVD of the stacked key projection (thin keys)",
+    plan_key_svd, layer="shared-key", calibrated=True,
+))
