@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402,F401  (registers the collaborative model classes)
-from collab_attn.lm.budgets import conversion_at, conversion_sizes, converted_layout  # noqa: E402
 from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
 from collab_attn.models.methods import METHODS  # noqa: E402
+from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
 
 D_MODEL, HEADS, LAYERS = 768, 12, 12
 # The conversions of the cache race (experiments/kv_cache): keys and values shared (cp) or cut per head (svd),
@@ -74,10 +74,10 @@ def build(layout: Layout | None, positions: int, device: str, dtype: torch.dtype
 
 def variants_of(args) -> dict[str, Layout | None]:
     """The original, keys-only collaborative heads at ``--ranks`` and, per ``--cache-fractions``, each cache-race
-    method (``RACE_METHODS``) at the size that caches at most that fraction (``collab_attn.lm.budgets``)."""
+    method (``RACE_METHODS``) at the size that caches at most that fraction (``collab_attn.models.sizing``)."""
     variants = {"original": None} | {f"collab D~={rank}": Layout("cp", [rank] * LAYERS) for rank in args.ranks}
     config = transformers.GPT2Config(n_embd=D_MODEL, n_head=HEADS, n_layer=LAYERS)
-    original = LAYERS * 2 * D_MODEL * 2
+    original = original_size(config)
     for method in RACE_METHODS:
         sizes = conversion_sizes(config, METHODS[method])
         for fraction in args.cache_fractions:

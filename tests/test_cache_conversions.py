@@ -13,10 +13,10 @@ import transformers
 from conftest import random_batch, small_model
 
 import collab_attn
-from collab_attn.lm.budgets import conversion_at, conversion_sizes
 from collab_attn.lm.models import cache_bytes
 from collab_attn.models.calibration import collect_calibration
 from collab_attn.models.methods import METHODS
+from collab_attn.models.sizing import conversion_at, conversion_sizes, original_size
 from collab_attn.nn.attention import MultiHeadAttention
 from collab_attn.nn.variants import SharedKeyAttention, cache_numbers_per_token
 
@@ -160,19 +160,20 @@ def test_value_rank_is_refused_by_methods_that_keep_the_values():
 @pytest.mark.parametrize("fraction", [0.5, 0.25, 0.125])
 def test_the_race_sizes_each_method_within_the_budget_measured_from_the_converted_model(fraction):
     config = gpt2().config
-    original = cache_bytes(gpt2())
+    original = original_size(config)
+    assert original.cache_bytes == cache_bytes(gpt2())
     for name in ("cp", "svd", "kv-svd", "key-svd", "prune"):
         method = METHODS[name]
         sizes = conversion_sizes(config, method)
         chosen = conversion_at(sizes, original, fraction)
         if name == "key-svd":  # every value stays: never at or below half
-            assert chosen is None and min(s.cache_bytes for s in sizes) > original / 2
+            assert chosen is None and min(s.cache_bytes for s in sizes) > original.cache_bytes / 2
             continue
         if name == "prune" and fraction == 0.125:  # a head per layer is a quarter of 4 heads
             assert chosen is None
             continue
-        assert chosen.cache_bytes <= fraction * original
-        assert not [s for s in sizes if chosen.cache_bytes < s.cache_bytes <= fraction * original]
+        assert chosen.cache_bytes <= fraction * original.cache_bytes
+        assert not [s for s in sizes if chosen.cache_bytes < s.cache_bytes <= fraction * original.cache_bytes]
         model = gpt2()
         extra = {"importance": [torch.tensor([0.4, 0.9, 0.1, 0.6])] * 2} if name == "prune" else {}
         collab_attn.reparametrize(model, chosen.key_size, method=name, value_rank=chosen.value_size,
@@ -181,3 +182,30 @@ def test_the_race_sizes_each_method_within_the_budget_measured_from_the_converte
             cache = model(token_ids(), use_cache=True).past_key_values
         measured = sum(t[0, :, 0].numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))
         assert measured == chosen.cache_bytes == cache_bytes(model)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_encoder_sizes_at_an_attention_parameter_budget_are_the_converted_models(fraction):
+    """BERT (output projection beside the attention module): the attention parameters a size reports are those of
+    the converted model, the new outer output projection included; key-svd and kv-svd keep the queries and the
+    output projection whole, so they never reach half."""
+    config = small_model("bert").config
+    original = original_size(config)
+    model = small_model("bert")
+    outer = [layer.attention.output.dense for layer in model.encoder.layer]
+    assert original.attention_params == sum(
+        sum(p.numel() for p in layer.attention.self.parameters()) + sum(p.numel() for p in dense.parameters())
+        for layer, dense in zip(model.encoder.layer, outer))
+    for name in ("cp", "svd", "kv-svd", "key-svd", "prune"):
+        sizes = conversion_sizes(config, METHODS[name])
+        chosen = conversion_at(sizes, original, fraction, cost="attention_params")
+        if name in ("kv-svd", "key-svd") or (name, fraction) == ("prune", 0.25):  # a head per layer: its biases too
+            assert chosen is None and min(s.attention_params for s in sizes) > fraction * original.attention_params
+            continue
+        converted = small_model("bert")
+        extra = {"importance": [torch.tensor([0.4, 0.9, 0.1, 0.6])] * 2} if name == "prune" else {}
+        collab_attn.reparametrize(converted, chosen.key_size, method=name, value_rank=chosen.value_size,
+                                  progress=False, **extra)
+        measured = sum(sum(p.numel() for part in (layer.attention.self, layer.attention.output.dense)
+                           for p in part.parameters()) for layer in converted.encoder.layer)
+        assert measured == chosen.attention_params <= fraction * original.attention_params

@@ -28,7 +28,6 @@ import collab_attn
 from collab_attn import cli
 from collab_attn.distillation import DistillationTrainer, DistillSettings
 from collab_attn.lm import data as lm_data
-from collab_attn.lm.budgets import conversion_at, conversion_sizes
 from collab_attn.lm.models import cache_bytes, parameter_counts
 from collab_attn.lm.runs import (
     check_model_settings,
@@ -44,6 +43,7 @@ from collab_attn.models.checkpoints import resolve_model
 from collab_attn.models.conversion import check_request
 from collab_attn.models.importance import head_importance
 from collab_attn.models.settings import NO_CONVERSION, labels, parse_label
+from collab_attn.models.sizing import conversion_at, conversion_sizes, original_size
 from collab_attn.run_store import RunStore
 
 METHODS = labels()
@@ -138,14 +138,14 @@ def _fractions(settings: dict) -> list[float] | None:
 
 def plan(settings: dict, config) -> tuple[list[Conversion], list[str]]:
     """The grid: every method at every key size (``key_sizes``; default n_embd/2, /4, /8), or at every cache budget
-    (``cache_fractions``: each method sized by ``collab_attn.lm.budgets.conversion_at``, keys and values together
+    (``cache_fractions``: each method sized by ``collab_attn.models.sizing.conversion_at``, keys and values together
     where it cuts both); ``none`` once. Also the (method, budget) pairs no size of the method reaches."""
     methods = [cli.choice("methods", m, METHODS) for m in cli.nonempty_list("methods", settings["methods"])]
     d = cli.positive_int("model.n_embd", settings["model"]["n_embd"])
     fractions = _fractions(settings)
     runs, unreachable = [], []
     if fractions is not None:
-        original = config.n_layer * 2 * config.n_embd * 2
+        original = original_size(config)
         for method in methods:
             conversion = parse_label(method)[0]
             if conversion is None:

@@ -1,0 +1,131 @@
+"""Sizes of every conversion method at a budget of key/value-cache bytes or of attention parameters, read from the
+converted layers themselves (built on the meta device), not by hand.
+
+``conversion_sizes(config, method)`` lists every rank a method's rank rule allows for a model of ``config`` (any
+supported family), with an equal value rank where the method cuts the values too, and the costs of the converted
+model: the bytes per token its key/value cache would hold as a decoder (bf16, all layers:
+``collab_attn.nn.variants.cache_numbers_per_token`` of each converted layer) and its attention parameters (the
+converted self-attention layers and, where the family keeps it beside them, the output projection).
+``conversion_at`` picks the largest one within a fraction of the original's cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from collab_attn.models.hf import Layout, build_layer, find_attention
+from collab_attn.models.methods.prune import kept_head_count
+from collab_attn.nn.variants import cache_numbers_per_token
+
+COSTS = ("cache_bytes", "attention_params")
+DTYPE_BYTES = 2  # the cache is counted in bf16
+
+
+@dataclass(frozen=True)
+class ConversionSize:
+    """A conversion at one size: the method's rank (``key_size``), its value rank (``value_size``; None: the heads
+    keep their values), and the converted model's cache bytes per token and attention parameters."""
+
+    key_size: int
+    value_size: int | None
+    cache_bytes: int
+    attention_params: int
+
+
+@dataclass(frozen=True)
+class _Skeleton:
+    """A model of ``config`` on the meta device: its family, first attention module and sizes."""
+
+    model: torch.nn.Module
+    family: object
+    name: str
+    module: torch.nn.Module
+    layers: int
+
+    @classmethod
+    def of(cls, config) -> _Skeleton:
+        with torch.device("meta"):
+            model = transformers.AutoModel.from_config(config)
+        family, found = find_attention(model)
+        return cls(model, family, found[0][0], found[0][1], len(found))
+
+    @property
+    def heads(self) -> int:
+        return self.family.num_heads(self.module)
+
+    @property
+    def head_dim(self) -> int:
+        return self.family.head_dim(self.module)
+
+    def outer_output(self, width: int | None = None) -> int:
+        """Parameters of the output projection beside the attention module (BERT, RoBERTa; 0 elsewhere), reading
+        ``width`` inputs (None: the original's)."""
+        if self.family.output is not None:
+            return 0
+        projection = self.family.output_projection(self.model, self.name)
+        bias = 0 if projection.bias is None else projection.out_features
+        return projection.out_features * (width or projection.in_features) + bias
+
+
+def converted_layout(config, method, key_size: int, value_size: int | None, skeleton: _Skeleton | None = None):
+    """The layout of ``config``'s model converted by ``method`` at these sizes; pruning keeps as many whole heads as
+    fit in the query/key budget of rank ``key_size``, spread evenly over the layers (the costs depend on their
+    number only)."""
+    skeleton = skeleton or _Skeleton.of(config)
+    layers, heads, head_dim = skeleton.layers, skeleton.heads, skeleton.head_dim
+    values = None if value_size is None else [value_size] * layers
+    if not method.needs_importance:
+        return Layout(method.name, [key_size] * layers, value_ranks=values)
+    bias = skeleton.family.projection(skeleton.module, "query")[1] is not None
+    d_in = skeleton.family.d_in(skeleton.module)
+    _, count = kept_head_count([key_size] * layers, [heads] * layers, head_dim, d_in, bias=bias)
+    count = min(max(count, layers), heads * layers)
+    kept = [count // layers + (layer < count % layers) for layer in range(layers)]
+    return Layout(method.name, [h * head_dim for h in kept], kept, value_ranks=values)
+
+
+def original_size(config) -> ConversionSize:
+    """The original model's costs (``key_size``: heads x head_dim)."""
+    skeleton = _Skeleton.of(config)
+    width = skeleton.heads * skeleton.head_dim
+    params = sum(p.numel() for p in skeleton.module.parameters()) + skeleton.outer_output()
+    return ConversionSize(width, None, skeleton.layers * 2 * width * DTYPE_BYTES, skeleton.layers * params)
+
+
+def conversion_sizes(config, method) -> list[ConversionSize]:
+    """Every size a conversion method (``collab_attn.models.methods``) takes for a model of ``config``: each rank its
+    rank rule allows, with an equal value rank where the method cuts the values too."""
+    skeleton = _Skeleton.of(config)
+    per_spec = {}  # one converted layer per distinct shape: (cache numbers per token, attention parameters)
+    sizes = []
+    for key_size in range(1, skeleton.heads * skeleton.head_dim + 1):
+        if method.check_ranks is not None:
+            try:
+                method.check_ranks([key_size], skeleton.heads)
+            except ValueError:
+                continue
+        value_size = key_size if method.cuts_values else None
+        specs = converted_layout(config, method, key_size, value_size, skeleton).specs(skeleton.heads)
+        for spec in set(specs) - set(per_spec):
+            layer = build_layer(skeleton.family, skeleton.module, spec)
+            replaced = spec.num_heads != skeleton.heads or spec.value_size is not None or spec.kind.variant == "mla"
+            outer = skeleton.outer_output(spec.value_size or spec.num_heads * skeleton.head_dim if replaced else None)
+            per_spec[spec] = (cache_numbers_per_token(layer), sum(p.numel() for p in layer.parameters()) + outer)
+        sizes.append(ConversionSize(key_size, value_size, DTYPE_BYTES * sum(per_spec[s][0] for s in specs),
+                                    sum(per_spec[s][1] for s in specs)))
+    return sizes
+
+
+def conversion_at(sizes: Sequence[ConversionSize], original: ConversionSize, fraction: float,
+                  cost: str = "cache_bytes") -> ConversionSize | None:
+    """Of a method's ``sizes``, the one with the largest ``cost`` (``COSTS``) within ``fraction`` of the original's
+    (the largest rank among equals: pruning's rank only sets how many heads fit), or None when none fits (key-only
+    methods keep every value: never below half the cache; pruning keeps a head per layer)."""
+    if cost not in COSTS:
+        raise ValueError(f"unknown cost {cost!r}; choose one of {COSTS}")
+    fitting = [s for s in sizes if getattr(s, cost) <= fraction * getattr(original, cost)]
+    return max(fitting, key=lambda s: (getattr(s, cost), s.key_size)) if fitting else None
