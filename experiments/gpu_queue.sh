@@ -21,14 +21,17 @@
 #   4. race: the cache race on the gpu recipe (issue 44), seed by seed (0, 1, 2): at a quarter of the cache
 #      collaborative keys and values (key_size = value_size = 93) and MLA (latent 192), with MQA (1/6) and GQA with
 #      two key/value heads (1/3) beside them (sizes: python scripts/kv_budgets.py --recipe gpu).
+#   5. convert: the conversion race on the gpu recipe (issue 43), seed by seed (0, 1, 2): the concatenated model
+#      trained and saved (experiments/kv_cache/shakespeare_gpu), then every method at 1/2, 1/4, 1/8 of its cache
+#      (scripts/convert_lm.py recipe=gpu cache_fractions=...), re-trained plainly; convert_lm.py skips finished runs.
 # Every job runs under `timeout` against the one deadline, so the script always ends in time and keeps what finished.
 # Results are written in the tree (experiments/...) and every file a job made or changed is copied to
 # $OUT/experiments/... at the end, so the copy-back above puts them where they belong. Logs: $OUT/queue_logs.
 #
 # Settings (environment): PYTHON (python), GPU_QUEUE_DEADLINE (540), GPU_QUEUE_JOBS (which jobs, in order:
-# "decode glue lm race"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT only).
+# "decode glue lm race convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT only).
 set -u
-JOBS=${GPU_QUEUE_JOBS:-decode glue lm race}
+JOBS=${GPU_QUEUE_JOBS:-decode glue lm race convert}
 if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
@@ -36,6 +39,7 @@ if [ "${1:-}" = "--list" ]; then
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
       race) echo "race: scripts/train_lm.py recipe=gpu output_dir=experiments/shakespeare_char/kv_race_gpu seed=0,1,2: collab key_size=value_size=93, mla latent_size=192, mqa, gqa kv_heads=2";;
+      convert) echo "convert: scripts/train_lm.py recipe=gpu output_dir=experiments/kv_cache/shakespeare_gpu seed=0,1,2, then scripts/convert_lm.py recipe=gpu cache_fractions=[0.5,0.25,0.125] per seed";;
       *) echo "unknown job $job" >&2; exit 2;;
     esac
   done
@@ -143,11 +147,31 @@ race() {
   done
 }
 
+convert() {
+  if [ ! -f "$LM_DATA" ]; then echo "convert: skipped, no Tiny Shakespeare at $LM_DATA"; return; fi
+  local out="$ROOT/kv_cache/shakespeare_gpu" recipe=(recipe=gpu) train=() sizes=() width=384
+  local methods="methods=[none,cp,cp-aware,svd,kv-svd,kv-svd-aware,prune]"
+  if [ "$DRY" = 1 ]; then
+    recipe=() width=16 methods="methods=[cp,kv-svd]"
+    sizes=(model.n_layer=1 model.n_head=2 model.n_embd=16 block_size=16 eval_iters=2 trainer.warmup_steps=0 threads=1)
+    train=(trainer.max_steps=2 trainer.eval_steps=1 trainer.logging_steps=1)
+  fi
+  for seed in 0 1 2; do
+    run_job "convert-train-seed$seed" "$PYTHON" scripts/train_lm.py "${recipe[@]}" "${sizes[@]}" "${train[@]}" \
+      "data.path=$LM_DATA" progress=false output_dir="$out" attention=concat seed=$seed 'save_models=["concat-*"]' \
+      sample_chars=10
+    run_job "convert-seed$seed" "$PYTHON" scripts/convert_lm.py "${recipe[@]}" "${sizes[@]}" "data.path=$LM_DATA" \
+      progress=false train_dir="$out" model_dir="$out/models/concat-k$width-seed$seed" seed=$seed \
+      output_dir="$out/convert/seed$seed" "$methods" 'cache_fractions=[0.5,0.25,0.125]' sample_chars=10
+    [ "$DRY" = 1 ] && return
+  done
+}
+
 { nvidia-smi || true; "$PYTHON" -c "import torch, transformers; print(torch.__version__, transformers.__version__, \
 torch.cuda.is_available())"; } > "$LOGS/environment.txt" 2>&1
 for job in $JOBS; do
   case $job in
-    decode|glue|lm|race) $job;;
+    decode|glue|lm|race|convert) $job;;
     *) echo "unknown job $job" >&2; exit 2;;
   esac
 done

@@ -15,7 +15,7 @@ LM_DATA = GLUE_DIR.parents[0] / "tinyshakespeare" / "input.txt"
 
 def test_the_queue_lists_its_jobs_in_priority_order():
     listed = subprocess.run(["bash", str(SCRIPT), "--list"], capture_output=True, text=True, check=True).stdout
-    assert [line.split(":")[0] for line in listed.splitlines()] == ["decode", "glue", "lm", "race"]
+    assert [line.split(":")[0] for line in listed.splitlines()] == ["decode", "glue", "lm", "race", "convert"]
     assert "--caches dynamic static" in listed and "refit=distill" in listed and "recipe=gpu" in listed
 
 
@@ -40,5 +40,9 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path):
         assert "race: exit 0" in done.stdout
         race = tmp_path / "dry_run" / "shakespeare_char" / "kv_race_gpu" / "runs" / "collab-k6-v6-seed0.json"
         assert race.is_file()
+        assert "convert-train-seed0: exit 0" in done.stdout and "convert-seed0: exit 0" in done.stdout
+        converted = tmp_path / "dry_run" / "kv_cache" / "shakespeare_gpu" / "convert" / "seed0" / "runs"
+        assert sorted(p.name for p in converted.glob("*.json")) == [
+            "cp-k1-v1.json", "cp-k3-v3.json", "cp-k7-v7.json", "kv-svd-k16.json", "kv-svd-k4.json", "kv-svd-k8.json"]
     else:
-        assert "lm: skipped" in done.stdout and "race: skipped" in done.stdout
+        assert "lm: skipped" in done.stdout and "race: skipped" in done.stdout and "convert: skipped" in done.stdout
