@@ -252,7 +252,7 @@ def cache_table(
         cache = cache_bytes_per_token(d_model, num_heads, rank, bias=bias, dtype_bytes=dtype_bytes,
                                       value_rank=rank and value_rank)
         rows.append([
-            _name("cp", rank, rank and value_rank), f"{cache['keys']:,}", f"{cache['values']:,}",
+            _name(PAPER_METHOD, rank, rank and value_rank), f"{cache['keys']:,}", f"{cache['values']:,}",
             f"{cache['total']:,}", _percent(cache["total"], concat["total"]), f"{num_layers * cache['total']:,}",
         ])
     header = ["attention", "keys", "values", "bytes / token / layer", "vs concat", f"x {num_layers} layers"]

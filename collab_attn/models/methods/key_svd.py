@@ -15,26 +15,12 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
-from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.base import ConversionMethod, register
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
+from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
+from collab_attn.models.plan import LayerPlan, Plan, Request
 
 NAME = "key-svd"
-
-
-def input_whitening(request: Request, index: int, layer: LayerWeights, values: bool = False):
-    """(S, S^-1) of layer ``index``'s inputs (``collab_attn.decomposition.whitening``), or None without a
-    calibration: from the key statistics (centered by default: a key's mean only shifts whole softmax rows), or with
-    ``values`` from the raw second moments (a value's mean reaches the output)."""
-    if request.calibration is None:
-        return None
-    raw, keys = request.calibration.covariance(index)
-    return whitening_pair((raw, raw if values else keys), layer.d_in, request.calibration.eps)[1]
-
-
-def calibration_summary(request: Request) -> dict | None:
-    return None if request.calibration is None else request.calibration.summary()
 
 
 def plan_key_svd(request: Request) -> Plan:
@@ -48,7 +34,7 @@ def plan_key_svd(request: Request) -> Plan:
         query_bias = None if layer.b_query is None else torch.einsum("hdr,hd->hr", per_head, layer.b_query).flatten()
         layers.append(LayerPlan(query, fit.down, query_bias=query_bias, relative_error=fit.relative_error,
                                 weighted_error=fit.weighted_error, seconds=time.perf_counter() - start))
-    return Plan(Layout(NAME, list(request.ranks)), layers, "svd", calibration_summary(request))
+    return Plan(Layout(NAME, list(request.ranks)), layers, SOLVER, calibration_summary(request))
 
 
 KEY_SVD = register(ConversionMethod(

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.base import ConversionMethod, register
-from collab_attn.models.methods.key_svd import calibration_summary, input_whitening
+from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request, ValuePlan
 
 NAME = "kv-svd"
@@ -39,7 +39,7 @@ def plan_kv_svd(request: Request) -> Plan:
             query_bias=None if layer.b_query is None else layer.b_query.flatten(),
             relative_error=fit.relative_error, weighted_error=fit.weighted_error, seconds=time.perf_counter() - start,
         ))
-    return Plan(Layout(NAME, list(request.ranks)), layers, "svd", calibration_summary(request))
+    return Plan(Layout(NAME, list(request.ranks)), layers, SOLVER, calibration_summary(request))
 
 
 KV_SVD = register(ConversionMethod(
