@@ -209,3 +209,17 @@ def test_encoder_sizes_at_an_attention_parameter_budget_are_the_converted_models
         measured = sum(sum(p.numel() for part in (layer.attention.self, layer.attention.output.dense)
                            for p in part.parameters()) for layer in converted.encoder.layer)
         assert measured == chosen.attention_params <= fraction * original.attention_params
+
+
+def test_the_report_gives_the_value_fit_error_where_values_were_cut():
+    model = gpt2()
+    report = collab_attn.reparametrize(model, 24, value_rank=12, n_iter_max=20, progress=False)
+    errors = [layer.value_error for layer in report.layers]
+    assert all(0 < e < 1 for e in errors)
+    header, *_, total = report.table().splitlines()
+    assert "| value error |" in header and f"| {sum(errors) / 2:.4f} (mean) |" in total
+    assert report.to_dict()["layers"][0]["value_error"] == errors[0]
+    keys_only = collab_attn.reparametrize(gpt2(), 24, n_iter_max=20, progress=False)
+    assert all(layer.value_error is None for layer in keys_only.layers) and "value error" not in keys_only.table()
+    exact = collab_attn.reparametrize(gpt2(), 48, method="svd", value_rank=48, progress=False)
+    assert all(layer.value_error == pytest.approx(0, abs=1e-6) for layer in exact.layers)

@@ -10,7 +10,13 @@ logits on training text (``collect_calibration`` over ``calibration_blocks`` tra
 heads gets Michel et al.'s importance on ``importance_samples`` training blocks (the model's own next-character
 loss); ``none``: no conversion, only the re-training (a control: what the extra iterations alone give).
 
-Each (method, key size) writes ``<output_dir>/runs/<method>-k<key size>.json`` atomically and is skipped when it
+The sizes are ``key_sizes`` (every method at each), or, with ``cache_fractions``, the cache race's: each method at
+the largest size whose converted model caches at most that fraction of the original's bytes per token
+(``collab_attn.models.sizing``), keys and values together where the method cuts both (a method no size of which
+fits is skipped and said so). ``distill`` re-trains with distillation from the original model (``refit=distill``'s
+loss on the next-character logits).
+
+Each run writes ``<output_dir>/runs/<method>-k<key size>[-v<value size>].json`` atomically and is skipped when it
 exists.
 """
 

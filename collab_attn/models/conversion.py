@@ -167,6 +167,7 @@ def _apply(model: nn.Module, family: Family, found, plan: Plan, method: str) -> 
         report.layers.append(LayerReport(
             entry.name, rank, planned.relative_error, planned.seconds, *before[entry.name][:1], _count(entry.new),
             before[entry.name][1], query_key_count(entry.new, family), planned.weighted_error,
+            None if planned.values is None else planned.values.relative_error,
         ))
     report.model_params_after = _count(model)
     return report

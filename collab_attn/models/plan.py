@@ -75,7 +75,7 @@ class ValuePlan:
     output: torch.Tensor
     value_mixing: torch.Tensor | None
     output_bias: torch.Tensor | None
-    relative_error: float = 0.0
+    relative_error: float | None = 0.0  # of the value-output products; None where keys and values were fitted jointly
 
 
 @dataclass

@@ -22,6 +22,8 @@ class LayerReport:
     query_key_params_after: int
     # activation-aware fits: relative error of the whitened products (RMS relative logit error); else None
     weighted_error: float | None = None
+    # values cut to a value rank (shared or narrow): relative error of the value-output products; else None
+    value_error: float | None = None
 
 
 @dataclass
@@ -70,17 +72,21 @@ class ReparamReport:
         return json.dumps(self.to_dict(), indent=2)
 
     def table(self) -> str:
-        """A per-layer Markdown table with a total row (and a whitened-error column for activation-aware fits)."""
+        """A per-layer Markdown table with a total row (and a whitened-error column for activation-aware fits, a
+        value-error column where the values were cut)."""
         weighted = self.calibration is not None
+        values = any(layer.value_error is not None for layer in self.layers)
+        columns = (" whitened error |" if weighted else "") + (" value error |" if values else "")
         rows = [
-            "| layer | rank | rel. error |" + (" whitened error |" if weighted else "")
-            + " seconds | attn params before | after | q/k params before | after |",
-            "|---|---:|---:|" + ("---:|" if weighted else "") + "---:|---:|---:|---:|---:|",
+            f"| layer | rank | rel. error |{columns} seconds | attn params before | after | q/k params before "
+            "| after |",
+            "|---|---:|---:|" + "---:|" * columns.count("|") + "---:|---:|---:|---:|---:|",
         ]
         for layer in self.layers:
             extra = f" {layer.weighted_error:.4f} |" if weighted and layer.weighted_error is not None else (
                 " 0.0000 |" if weighted else ""
             )
+            extra += f" {layer.value_error:.4f} |" if values else ""
             rows.append(
                 f"| {layer.name} | {layer.rank} | {layer.relative_error:.4f} |{extra} {layer.seconds:.2f} | "
                 f"{layer.params_before:,} | {layer.params_after:,} | {layer.query_key_params_before:,} | "
@@ -88,8 +94,11 @@ class ReparamReport:
             )
         mean_weighted = ""
         if weighted:
-            values = [layer.weighted_error or 0.0 for layer in self.layers]
-            mean_weighted = f" {sum(values) / len(values):.4f} (mean) |"
+            whitened = [layer.weighted_error or 0.0 for layer in self.layers]
+            mean_weighted = f" {sum(whitened) / len(whitened):.4f} (mean) |"
+        if values:
+            errors = [layer.value_error for layer in self.layers]
+            mean_weighted += f" {sum(errors) / len(errors):.4f} (mean) |"
         rows.append(
             f"| total | | {self.mean_relative_error:.4f} (mean) |{mean_weighted} {self.seconds:.2f} | "
             f"{self.attention_params_before:,} | {self.attention_params_after:,} | "
