@@ -129,7 +129,8 @@ def test_svd_writes_a_checkpoint_like_cp(tmp_path, minilm_path):
     assert all(0 < layer["relative_error"] < 1 for layer in result["layers"])
     assert result["attention_params_after"] < result["attention_params_before"]
     assert {"config.json", "model.safetensors", "reparam_report.json"} <= {p.name for p in out.iterdir()}
-    assert json.loads((out / "reparam_report.json").read_text())["config"]["collab"] == {"method": "svd", "rank": 96}
+    assert json.loads((out / "reparam_report.json").read_text())["config"]["collab"] == {
+        "method": "svd", "rank": 96, "value_rank": None}
 
     reloaded = AutoModel.from_pretrained(out).eval()
     converted = AutoModel.from_pretrained(minilm_path).eval()
