@@ -88,6 +88,10 @@ def test_a_budget_and_key_sizes_together_are_refused(text_file, trained):
     with pytest.raises(cli.BadInput, match="key_sizes and cache_fractions both set"):
         check(settings_of(cfg))
     cfg = compose_cfg("convert_lm", [*CONVERT, f"data.path={text_file}", f"train_dir={trained}",
+                                     "cache_fractions=[0.5,0]"])
+    with pytest.raises(cli.BadInput, match="cache_fractions must be above 0"):
+        check(settings_of(cfg))
+    cfg = compose_cfg("convert_lm", [*CONVERT, f"data.path={text_file}", f"train_dir={trained}",
                                      "distill={alpha:2}"])
     with pytest.raises(cli.BadInput, match=r"distill.alpha=2 must lie in \[0, 1\]"):
         check(settings_of(cfg))

@@ -138,8 +138,11 @@ def _fractions(settings: dict) -> list[float] | None:
     if settings.get("key_sizes") is not None:
         raise cli.BadInput("key_sizes and cache_fractions both set: give the sizes, or the cache budgets to size "
                            "every method for, not both")
-    return [cli.number("cache_fractions", f, 0, 1) for f in cli.nonempty_list("cache_fractions",
-                                                                          settings["cache_fractions"])]
+    fractions = [cli.number("cache_fractions", f, 0, 1) for f in cli.nonempty_list("cache_fractions",
+                                                                                   settings["cache_fractions"])]
+    if 0 in fractions:
+        raise cli.BadInput("cache_fractions must be above 0 (a fraction of the original's cache), got 0")
+    return fractions
 
 
 def plan(settings: dict, config) -> tuple[list[Conversion], list[str]]:

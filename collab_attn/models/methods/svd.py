@@ -25,7 +25,7 @@ def check_svd_ranks(ranks: Sequence[int], heads: int) -> None:
             lower, upper = max(heads, value - value % heads), value - value % heads + heads
             raise ValueError(
                 f"rank {value} for layer {layer} is not a multiple of the {heads} heads: the SVD baseline gives "
-                f"each head rank / heads query/key dimensions; choose e.g. {lower} or {upper}"
+                f"each head rank / heads dimensions; choose e.g. {lower} or {upper}"
             )
 
 
