@@ -6,6 +6,7 @@ never on a file lock. In one process every helper here is a no-op."""
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +47,14 @@ def setup() -> None:
         dist.init_process_group("nccl")
     else:
         dist.init_process_group("gloo")
+    atexit.register(_teardown)
+
+
+def _teardown() -> None:
+    """Leave the process group before the interpreter exits: a gloo group left to die with the process can abort it
+    ("terminate called without an active exception") after its work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _active() -> bool:
