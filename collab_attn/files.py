@@ -31,6 +31,21 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
+def write_section(path: str | Path, section: str, begin: str, end: str, new_file: str) -> Path:
+    """Put ``section`` (which starts with the ``begin`` marker and ends with the ``end`` marker) in place of the part
+    of the text file ``path`` between those markers, or append it when they are missing; the rest of the file is kept
+    as written. A missing file starts as ``new_file``. All or nothing."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else new_file
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        text = head + section + ("\n" + tail if tail else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    return write_text_atomic(path, text)
+
+
 @contextmanager
 def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a new, empty folder beside ``path`` to write a whole result into; when the block succeeds the folder

@@ -175,9 +175,10 @@ def plan(settings: dict, config) -> tuple[list[Conversion], list[str]]:
     return runs, unreachable
 
 
-def check(settings: dict) -> list[Conversion]:
+def check(settings: dict) -> tuple[list[Conversion], list[str]]:
     """Every setting, the text, the trained model and every run of the grid, before anything is written: a size one
-    method cannot take is refused before the first conversion. Returns the grid."""
+    method cannot take is refused before the first conversion. Returns the grid and what it could not size
+    (``plan``)."""
     check_model_settings(settings)
     trainer_fields(settings)
     cli.number("retrain_fraction", settings["retrain_fraction"], 0, 1)
@@ -190,7 +191,7 @@ def check(settings: dict) -> list[Conversion]:
     distill = distill_settings(settings)
     out = cli.output_dir("output_dir", settings["output_dir"])
     config = trained_config(settings["model_dir"], checked_corpus(settings))
-    runs, _ = plan(settings, config)
+    runs, unreachable = plan(settings, config)
     for run in runs:
         conversion = parse_label(run.method)[0]
         if conversion is not None:
@@ -206,7 +207,7 @@ def check(settings: dict) -> list[Conversion]:
             if not isinstance(record, dict) or (record.get("version"), record.get("method"), record.get("key_size"),
                                                 record.get("value_size"), record.get("distill")) != identity:
                 raise cli.BadInput(f"{stored} is not a result of this conversion; use another output_dir or delete it")
-    return runs
+    return runs, unreachable
 
 
 def distill_settings(settings: dict) -> DistillSettings | None:
@@ -230,7 +231,7 @@ def _distill_record(distill: DistillSettings | None) -> dict | None:
 
 def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     """Every run of the grid in ``settings`` (the resolved ``configs/convert_lm.yaml``) without a result yet."""
-    runs = check(settings)
+    runs, unreachable = check(settings)
     distill = distill_settings(settings)
     fields = trainer_fields(settings, progress)
     retrain_steps = math.ceil(float(settings["retrain_fraction"]) * fields["max_steps"])
@@ -242,7 +243,7 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     val = lm_data.val_blocks(corpus, settings["block_size"], batch, settings["eval_iters"])
     store = RunStore(settings["output_dir"])  # records carry their version, not a signature: not checked
     original = load_trained(settings["model_dir"], corpus)
-    for missed in plan(settings, original.config)[1]:
+    for missed in unreachable:
         print(f"{missed}: no size of the method fits, skipped", flush=True)
     base = {
         "version": RESULT_VERSION, "model_dir": str(settings["model_dir"]), "recipe": settings.get("recipe_name"),

@@ -17,7 +17,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from collab_attn import cli
-from collab_attn.files import replacing, write_text_atomic
+from collab_attn.files import replacing, write_section
 from collab_attn.models.settings import NO_CONVERSION, labels
 from collab_attn.run_store import mean_std
 
@@ -167,11 +167,4 @@ def write_summary(root: str | Path) -> Path:
         parts += [f"### `{name}`", "", table(records), "", f"![loss against cache]({image})", "",
                   "Per budget and seed, the best method:", "", winners(records), ""]
     generated = "\n".join(parts + [RESULTS_END]) + "\n"
-    readme = root / "README.md"
-    text = readme.read_text() if readme.exists() else "# The cache race\n\n"
-    if RESULTS_BEGIN in text and RESULTS_END in text:
-        head, rest = text.split(RESULTS_BEGIN, 1)
-        text = head + generated + rest.split(RESULTS_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + generated
-    return write_text_atomic(readme, text)
+    return write_section(root / "README.md", generated, RESULTS_BEGIN, RESULTS_END, "# The cache race\n\n")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from collab_attn import cli
-from collab_attn.files import replacing, write_text_atomic
+from collab_attn.files import replacing, write_section
 from collab_attn.lm.models import KINDS
 from collab_attn.models.settings import NO_CONVERSION, labels
 from collab_attn.run_store import mean_curve, mean_std
@@ -248,13 +248,5 @@ def write_summary(root: str | Path) -> Path:
             grid = root / str(scratch[0].get("recipe")) / "runs"
             reference = read_runs(grid) if grid.is_dir() and grid != folder / "runs" else []
             plot_cache_race(scratch, root / f"cache_{folder.name}.png", reference)
-    readme = root / "README.md"
-    text = readme.read_text() if readme.exists() else "# Tiny Shakespeare, character level\n\n"
-    generated = results_markdown(root)
-    if RESULTS_BEGIN in text and RESULTS_END in text:
-        head, rest = text.split(RESULTS_BEGIN, 1)
-        tail = rest.split(RESULTS_END, 1)[1].lstrip("\n")
-        text = head + generated + ("\n" + tail if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + generated
-    return write_text_atomic(readme, text)
+    return write_section(root / "README.md", results_markdown(root), RESULTS_BEGIN, RESULTS_END,
+                         "# Tiny Shakespeare, character level\n\n")
