@@ -20,6 +20,7 @@ from pathlib import Path
 from collab_attn.analysis.accounting import METHODS, table
 from collab_attn.cli import ArgumentParser, exit_on_bad_input, output_file, positive_arg
 from collab_attn.files import write_text_atomic
+from collab_attn.models.methods import METHODS as CONVERSION_METHODS
 from collab_attn.models.methods import PAPER_METHOD
 
 PRESETS = {
@@ -45,7 +46,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--method", choices=METHODS, default=PAPER_METHOD)
     parser.add_argument("--tucker-core-size", type=positive_arg, help="Tucker core size (default: heads)")
     parser.add_argument("--value-rank", type=positive_arg,
-                        help="collaborative heads share one value of this width D_v too (cp; default: per-head values)")
+                        help="collaborative heads share one value of this width D_v too (default: per-head values)")
     parser.add_argument("--no-bias", action="store_true", help="projections without biases")
     parser.add_argument("--dtype-bytes", type=int, default=2, choices=(1, 2, 4),
                         help="bytes per cached number (2: float16/bfloat16, 4: float32)")
@@ -76,9 +77,9 @@ def check(args: argparse.Namespace) -> str:
     """The tables (pure arithmetic: sizes that do not fit refuse here) and the output path, before writing."""
     if args.d_model is not None and args.d_model % args.heads:
         raise ValueError(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
-    if args.value_rank is not None and args.method != PAPER_METHOD:
-        raise ValueError(f"--value-rank shares the values of cp's collaborative heads; --method {args.method} keeps "
-                         "every head's values")
+    if args.value_rank is not None and not CONVERSION_METHODS[args.method].cuts_values:
+        raise ValueError(f"--value-rank shares the values of collaborative heads (cp, tucker); --method {args.method} "
+                         "keeps every head's values")
     if args.output is not None:
         output_file("--output", args.output)
     return tables(args)

@@ -174,6 +174,10 @@ def test_shared_value_flops_by_hand():
     }
     with pytest.raises(ValueError, match="value_rank .* needs collaborative heads"):
         attention_flops_per_token(48, 4, 10, value_rank=16)
+    tucker = attention_flops_per_token(48, 4, 10, 20, value_rank=16, method="tucker")
+    # Tucker: each head's query times M_h (2 heads D~^2), each head's sum times N_h into the total (2 heads D_v^2)
+    assert tucker["mixing"] == 2 * 4 * 20 * 20 + 2 * 4 * 16 * 16
+    assert tucker["total"] - tucker["mixing"] == flops["total"] - flops["mixing"]
 
 
 def test_cli_shares_values_in_every_table(capsys):
@@ -184,5 +188,10 @@ def test_cli_shares_values_in_every_table(capsys):
     assert f"| {attention_parameters(48, 4, 20, value_rank=16)['total']:,} |" in rows[0]
     assert f"| {attention_flops_per_token(48, 4, 128, 20, value_rank=16)['total']:,} |" in rows[1]
     assert f"| {cache_bytes_per_token(48, 4, 20, value_rank=16)['total']:,} |" in rows[2]
-    code, out, err = _cli(capsys, "--d-model", "48", "--heads", "4", "--method", "tucker", "--value-rank", "16")
-    assert code == 2 and "--value-rank shares the values of cp" in err and not out
+    code, out, err = _cli(capsys, "--d-model", "48", "--heads", "4", "--ranks", "20", "--method", "tucker",
+                          "--value-rank", "16")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| tucker, D~=20, D_v=16 |")]
+    counts = attention_parameters(48, 4, 20, value_rank=16, method="tucker")
+    assert len(rows) == 3 and f"| {counts['total']:,} |" in rows[0]
+    assert f"| {cache_bytes_per_token(48, 4, 20, value_rank=16)['total']:,} |" in rows[2]  # CP's cache

@@ -398,6 +398,35 @@ def test_shared_values_compute_the_mixed_sum_and_cache_one_value_per_token():
     assert (counts["value"], counts["value_mixing"], counts["output"]) == (32 * 6 + 6, 4 * 6, 6 * 32 + 32)
 
 
+def test_tucker_shared_values_mix_each_head_by_a_matrix():
+    """With a Tucker core the heads' sums are mixed by N_h = sum_g value_mixing[h, g] value_core[g]; with the core
+    made of block indicators (one slice per head, the value_rank split among the heads) this is per-head values."""
+    torch.manual_seed(2)
+    layer = CollaborativeAttention(32, 4, 8, value_rank=6, tucker_core_size=3, mixing_init="random").eval()
+    with torch.no_grad():
+        layer.value_core.normal_()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        out, weights = layer(x, is_causal=True, need_weights=True)
+        values = x @ layer.value.weight.T + layer.value.bias
+        mixing = torch.einsum("hg,gvw->hvw", layer.value_mixing, layer.value_core)
+        mixed = sum(weights[:, h] @ values @ mixing[h] for h in range(4))
+    torch.testing.assert_close(out, mixed @ layer.output.weight.T + layer.output.bias, atol=1e-5, rtol=1e-5)
+    per_head = CollaborativeAttention(48, 4, 20, mixing_init="random").eval()
+    blocks = torch.eye(4).repeat_interleave(12, dim=1)
+    tucker = CollaborativeAttention(48, 4, 20, value_rank=48, tucker_core_size=4, mixing_init="random").eval()
+    tucker.load_state_dict(per_head.state_dict() | {
+        "mixing": torch.eye(4), "mixing_core": torch.diag_embed(per_head.mixing.detach()),  # M_h = diag(m_h)
+        "value_mixing": torch.eye(4), "value_core": torch.diag_embed(blocks),  # N_h: head h's block of the values
+    })
+    x = torch.randn(3, 9, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(tucker(x, is_causal=True)[0], per_head(x, is_causal=True)[0], atol=1e-5,
+                                   rtol=1e-5)
+    with pytest.raises(ValueError, match="keeps a value head per head"):
+        per_head.value_mixing_matrices()
+
+
 def test_shared_values_refuse_a_bad_value_rank():
     with pytest.raises(ValueError, match="value_rank must be a positive integer"):
         CollaborativeAttention(32, 4, 8, value_rank=0)

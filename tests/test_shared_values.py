@@ -1,7 +1,7 @@
 """Collaborative values (issue 43): ``reparametrize(..., value_rank=D_v)`` shares one value per token among the heads,
-from a CP decomposition of the per-head value-output products. Exact at full value rank for encoders and decoders;
-below it, the cache holds D~ + heads + D_v numbers per token and layer, decoding with it equals recomputation,
-generate agrees with and without the cache (greedy, beams, left padding), and save/load is identical."""
+from a CP (or Tucker) decomposition of the per-head value-output products. Exact at full value rank for encoders and
+decoders; below it, the cache holds D~ + heads + D_v numbers per token and layer, decoding with it equals
+recomputation, generate agrees with and without the cache (greedy, beams, left padding), and save/load is identical."""
 
 import copy
 
@@ -28,19 +28,20 @@ def decoder(family: str) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(DECODERS[family])).eval()
 
 
+@pytest.mark.parametrize("method", ["cp", "tucker"])
 @pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert"])
-def test_encoders_at_full_value_rank_are_exact(family, tmp_path):
+def test_encoders_at_full_value_rank_are_exact(family, method, tmp_path):
     model, batch = small_model(family), random_batch()
     with torch.no_grad():
         expected = model(**batch).last_hidden_state
-    collab_attn.reparametrize(model, 24, value_rank=48, progress=False)
+    collab_attn.reparametrize(model, 24, method=method, value_rank=48, progress=False)
     reference = small_model(family)
-    collab_attn.reparametrize(reference, 24, progress=False)  # the same keys, every head's values kept
+    collab_attn.reparametrize(reference, 24, method=method, progress=False)  # the same keys, every head's values
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).last_hidden_state, reference(**batch).last_hidden_state,
                                    atol=1e-5, rtol=1e-5)
     exact = small_model(family)
-    collab_attn.reparametrize(exact, 48, value_rank=48, progress=False)
+    collab_attn.reparametrize(exact, 48, method=method, value_rank=48, progress=False)
     with torch.no_grad():
         torch.testing.assert_close(exact(**batch).last_hidden_state, expected, atol=1e-5, rtol=1e-5)
     exact.save_pretrained(tmp_path)
@@ -50,34 +51,49 @@ def test_encoders_at_full_value_rank_are_exact(family, tmp_path):
         torch.testing.assert_close(loaded(**batch).last_hidden_state, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["cp", "tucker"])
 @pytest.mark.parametrize("family", list(DECODERS))
-def test_decoders_at_full_value_rank_are_exact(family):
+def test_decoders_at_full_value_rank_are_exact(family, method):
     model = decoder(family)
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(ids).logits
-    collab_attn.reparametrize(model, 48, value_rank=48, progress=False)
+    collab_attn.reparametrize(model, 48, method=method, value_rank=48, progress=False)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_approximation_improves_with_the_value_rank():
+def _value_rank_errors(method: str, value_ranks) -> list[float]:
+    """Relative error of the last hidden state of a small BERT with its keys exact and its values shared."""
     model, batch = small_model("bert"), random_batch()
     with torch.no_grad():
         expected = model(**batch).last_hidden_state
     errors = []
-    for value_rank in (8, 24, 40, 48):
+    for value_rank in value_ranks:
         converted = small_model("bert")
-        collab_attn.reparametrize(converted, 48, value_rank=value_rank, progress=False)
+        collab_attn.reparametrize(converted, 48, method=method, value_rank=value_rank, progress=False)
         with torch.no_grad():
             errors.append(float((converted(**batch).last_hidden_state - expected).norm() / expected.norm()))
+    return errors
+
+
+@pytest.mark.parametrize("method", ["cp", "tucker"])
+def test_approximation_improves_with_the_value_rank(method):
+    errors = _value_rank_errors(method, (8, 24, 40, 48))
     assert errors[0] > errors[1] > errors[2] > errors[3] and errors[3] < 1e-5, errors
 
 
-@pytest.mark.parametrize("family", list(DECODERS))
-def test_decoders_cache_one_value_per_token_and_generate_alike(family, tmp_path):
+def test_tucker_values_fit_at_least_as_well_as_cp_at_the_same_width():
+    """Tucker's per-head mixing matrices contain CP's diagonal ones: at the same D_v it fits no worse."""
+    for value_rank in (8, 24):
+        (cp,), (tucker,) = _value_rank_errors("cp", [value_rank]), _value_rank_errors("tucker", [value_rank])
+        assert tucker <= cp * 1.02, (value_rank, cp, tucker)
+
+
+@pytest.mark.parametrize("family,method", [("gpt2", "cp"), ("opt", "cp"), ("gpt2", "tucker")])
+def test_decoders_cache_one_value_per_token_and_generate_alike(family, method, tmp_path):
     model = decoder(family)
-    collab_attn.reparametrize(model, 24, value_rank=12, progress=False)
+    collab_attn.reparametrize(model, 24, method=method, value_rank=12, progress=False)
     ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(2))
     cache = transformers.DynamicCache()
     with torch.no_grad():
@@ -109,14 +125,16 @@ def test_decoders_cache_one_value_per_token_and_generate_alike(family, tmp_path)
 
 
 def test_value_rank_is_refused_where_it_cannot_be_honoured():
-    with pytest.raises(ValueError, match="value_rank does not apply to method='tucker'"):
-        collab_attn.reparametrize(small_model("bert"), 48, method="tucker", value_rank=24)
+    with pytest.raises(ValueError, match="value_rank does not apply to method='key-svd'"):
+        collab_attn.reparametrize(small_model("bert"), 24, method="key-svd", value_rank=24)
+    with pytest.raises(ValueError, match=r"exact Tucker values need tucker_core_size = heads \(4\)"):
+        collab_attn.reparametrize(small_model("bert"), 24, method="tucker", value_rank=48, tucker_core_size=2)
     with pytest.raises(ValueError, match=r"value_rank: rank 49 for layer 0 is invalid.*\[1, 48\]"):
         collab_attn.reparametrize(small_model("bert"), 24, value_rank=49)
     with pytest.raises(ValueError, match="collab.value_rank must be a positive integer"):
         MethodSettings.from_config({"method": "cp", "rank": 24, "value_rank": "wide"})
-    with pytest.raises(ValueError, match="collab.value_rank does not apply to collab.method=tucker"):
-        MethodSettings.from_config({"method": "tucker", "rank": 48, "value_rank": 24})
+    with pytest.raises(ValueError, match="collab.value_rank does not apply to collab.method=prune"):
+        MethodSettings.from_config({"method": "prune", "rank": 48, "value_rank": 24})
 
 
 def test_the_collab_group_takes_a_value_rank():
@@ -134,5 +152,9 @@ def test_accounting_counts_what_the_shared_value_layer_holds():
     layer = CollaborativeAttention(48, 4, 20, value_rank=16)
     assert attention_parameters(48, 4, 20, value_rank=16) == layer.parameter_counts()
     assert cache_bytes_per_token(48, 4, 20, value_rank=16, dtype_bytes=1)["total"] == cache_numbers_per_token(layer)
+    tucker = CollaborativeAttention(48, 4, 20, value_rank=16, tucker_core_size=3)
+    counts = attention_parameters(48, 4, 20, value_rank=16, method="tucker", tucker_core_size=3)
+    assert counts == tucker.parameter_counts() and counts["value_core"] == 3 * 16 * 16
+    assert cache_numbers_per_token(tucker) == cache_numbers_per_token(layer)
     with pytest.raises(ValueError, match="value_rank .* needs collaborative heads"):
         cache_bytes_per_token(48, 4, value_rank=16)

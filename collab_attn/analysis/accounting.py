@@ -51,15 +51,20 @@ def attention_parameters(
     ``mixing_core`` of ``core x D~ x D~``, core defaulting to ``heads``), the query bias becomes
     ``content_bias`` (``heads x d_model``, only when ``bias``) and the key bias is dropped. ``value`` and
     ``output`` are unchanged; with a ``value_rank`` D_v (shared values) they are ``d_model x D_v`` maps and
-    ``value_mixing`` is ``heads x D_v``. Components a layer does not have are left out, like ``parameter_counts()``.
+    ``value_mixing`` is ``heads x D_v`` (Tucker: ``heads x core`` plus a ``value_core`` of ``core x D_v x D_v``).
+    Components a layer does not have are left out, like ``parameter_counts()``.
     """
     head_dim = _check(d_model, num_heads, head_dim, rank, method)
     if value_rank is not None and rank is None:
         raise ValueError("value_rank (shared values) needs collaborative heads: pass rank too")
     inner = num_heads * head_dim if value_rank is None else value_rank
     counts = {"value": d_model * inner + (inner if bias else 0)}
+    vectors = CONVERSION_METHODS[method].mixing == "vectors"
+    core = tucker_core_size or num_heads
     if value_rank is not None:
-        counts["value_mixing"] = num_heads * value_rank
+        counts["value_mixing"] = num_heads * (value_rank if vectors else core)
+        if not vectors:
+            counts["value_core"] = core * value_rank * value_rank
     if output_projection:
         counts["output"] = inner * d_model + (d_model if bias else 0)
     if rank is None:
@@ -68,10 +73,9 @@ def attention_parameters(
         counts["query"] = counts["key"] = d_model * rank
         if bias:
             counts["content_bias"] = num_heads * d_model
-        if CONVERSION_METHODS[method].mixing == "vectors":
+        if vectors:
             counts["mixing"] = num_heads * rank
         else:
-            core = tucker_core_size or num_heads
             counts["mixing"] = num_heads * core
             counts["mixing_core"] = core * rank * rank
     counts["total"] = sum(counts.values())
@@ -107,7 +111,8 @@ def attention_flops_per_token(
     Shared values (``value_rank`` D_v, collaborative only): the value projection is ``2 d_model x D_v``, every head
     sums the one shared value, ``2 heads x seq_len x D_v``, ``value_mixing`` scales each head's sum, ``heads x D_v``
     multiplications, and the output projection reads the heads' mixed sums added up, ``heads x D_v`` additions
-    (counted 1 each) and ``2 D_v x d_model``.
+    (counted 1 each) and ``2 D_v x d_model``; Tucker mixes each head's sum by ``N_h`` into the heads' total,
+    ``2 heads x D_v^2``.
 
     Not counted: bias and mask additions, the logit scaling, the softmax itself (exponentials, sums,
     divisions), dropout, and Tucker's ``M_h = sum_g A[h, g] G[g]``, which is built once per forward pass and
@@ -120,11 +125,11 @@ def attention_flops_per_token(
     if value_rank is not None and rank is None:
         raise ValueError("value_rank (shared values) needs collaborative heads: pass rank too")
     inner = num_heads * head_dim if value_rank is None else value_rank
+    vectors = CONVERSION_METHODS[method].mixing == "vectors"
     if rank is None:
         flops = {"projections": 3 * 2 * d_model * inner, "mixing": 0, "scores": 2 * num_heads * seq_len * head_dim}
     else:
         content = 2 * d_model * num_heads if bias else 0
-        vectors = CONVERSION_METHODS[method].mixing == "vectors"
         flops = {
             "projections": 2 * 2 * d_model * rank + 2 * d_model * inner + content,
             "mixing": num_heads * rank if vectors else 2 * num_heads * rank * rank,
@@ -133,7 +138,8 @@ def attention_flops_per_token(
     if value_rank is None:
         flops["weighted_sum"] = 2 * num_heads * seq_len * head_dim
     else:
-        flops["mixing"] += 2 * num_heads * value_rank  # value mixing, then the heads' sums added up
+        # value mixing, then the heads' sums added up (Tucker: one D_v x D_v product per head into the sum)
+        flops["mixing"] += 2 * num_heads * value_rank * (1 if vectors else value_rank)
         flops["weighted_sum"] = 2 * num_heads * seq_len * value_rank
     flops["output"] = 2 * inner * d_model if output_projection else 0
     flops["total"] = sum(flops.values())
@@ -210,7 +216,7 @@ def parameters_table(
     for rank in [None, *ranks]:
         counts = attention_parameters(d_model, num_heads, rank, bias=bias, method=method,
                                       tucker_core_size=tucker_core_size, value_rank=rank and value_rank)
-        mixing = counts.get("mixing", 0) + counts.get("mixing_core", 0) + counts.get("value_mixing", 0)
+        mixing = sum(counts.get(name, 0) for name in ("mixing", "mixing_core", "value_mixing", "value_core"))
         rows.append([
             _name(method, rank, rank and value_rank),
             f"{counts['query']:,}", f"{counts['key']:,}", f"{counts['value']:,}", f"{counts['output']:,}",
@@ -243,16 +249,17 @@ def flops_table(
 
 def cache_table(
     d_model: int, num_heads: int, ranks: Sequence[int], num_layers: int = 1, bias: bool = True, dtype_bytes: int = 2,
-    value_rank: int | None = None,
+    value_rank: int | None = None, method: str = PAPER_METHOD,
 ) -> str:
-    """Key/value cache bytes per token, per layer and for the whole model, concatenated first."""
+    """Key/value cache bytes per token, per layer and for the whole model, concatenated first (``method`` names the
+    rows: CP and Tucker cache the same)."""
     concat = cache_bytes_per_token(d_model, num_heads, bias=bias, dtype_bytes=dtype_bytes)
     rows = []
     for rank in [None, *ranks]:
         cache = cache_bytes_per_token(d_model, num_heads, rank, bias=bias, dtype_bytes=dtype_bytes,
                                       value_rank=rank and value_rank)
         rows.append([
-            _name(PAPER_METHOD, rank, rank and value_rank), f"{cache['keys']:,}", f"{cache['values']:,}",
+            _name(method, rank, rank and value_rank), f"{cache['keys']:,}", f"{cache['values']:,}",
             f"{cache['total']:,}", _percent(cache["total"], concat["total"]), f"{num_layers * cache['total']:,}",
         ])
     header = ["attention", "keys", "values", "bytes / token / layer", "vs concat", f"x {num_layers} layers"]
@@ -296,5 +303,5 @@ def table(
         flops_table(d_model, num_heads, ranks, seq_len, bias, method, value_rank),
         f"Key/value cache bytes per token when it runs as a decoder ({dtype_bytes}-byte numbers; collaborative "
         "heads cache one shared key of width D~ and one content-bias logit per head, and the per-head values):",
-        cache_table(d_model, num_heads, ranks, num_layers, bias, dtype_bytes, value_rank),
+        cache_table(d_model, num_heads, ranks, num_layers, bias, dtype_bytes, value_rank, method),
     ])

@@ -128,6 +128,8 @@ def _fill_shared_values(entry: InstalledLayer, values, family: Family, put) -> N
         layer.value.bias.zero_()
     if values.value_mixing is not None:
         put(layer.value_mixing, values.value_mixing)
+    if values.value_core is not None:
+        put(layer.value_core, values.value_core)
     target = layer.output if family.output is not None else entry.new_outer_output
     put(target.weight, values.output)
     if values.output_bias is not None:

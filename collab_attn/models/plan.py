@@ -68,14 +68,15 @@ class ValueWeights:
 class ValuePlan:
     """A new value side of one layer: the ``value`` and ``output`` (d_out, width) ``nn.Linear`` weights and the output
     bias (the value bias folded in; the value projection gets none). Shared values: ``value`` (D_v, d_in) and the
-    heads' ``value_mixing`` (heads, D_v); latent values: ``value`` the up-projection (heads x head_dim, latent) and
-    no mixing."""
+    heads' ``value_mixing`` (heads, D_v; Tucker: (heads, core) with ``value_core`` (core, D_v, D_v)); latent values:
+    ``value`` the up-projection (heads x head_dim, latent) and no mixing."""
 
     value: torch.Tensor
     output: torch.Tensor
     value_mixing: torch.Tensor | None
     output_bias: torch.Tensor | None
     relative_error: float | None = 0.0  # of the value-output products; None where keys and values were fitted jointly
+    value_core: torch.Tensor | None = None
 
 
 @dataclass

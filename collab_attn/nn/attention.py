@@ -8,7 +8,9 @@ keeps a mixing vector ``m_h``; it scores ``(X Wq~ diag(m_h) Wk~^T Y^T + 1 (Y c_h
 mixes with a full ``rank x rank`` matrix ``M_h = sum_g mixing[h, g] core[g]`` instead of ``diag(m_h)``. With
 ``value_rank`` D_v the heads share the values too: one value per token ``Y A`` of width D_v (cached once for all
 heads) and a value mixing vector ``n_h`` per head; the output is ``sum_h (P_h Y A) diag(n_h) B`` with ``B`` the
-(D_v, d_model) output projection, the CP form of the per-head products ``Wv_h Wo_h``.
+(D_v, d_model) output projection, the CP form of the per-head products ``Wv_h Wo_h``; with ``tucker_core_size`` as well,
+each head mixes its sum with a full ``D_v x D_v`` matrix ``N_h = sum_g value_mixing[h, g] value_core[g]`` (their
+Tucker form).
 
 ``MultiHeadAttention`` is the one concatenated-heads class: its query/key head size may be smaller than its value
 head size (``query_key_head_dim``: SVD-truncated heads, small-key models trained from scratch) and it may carry the
@@ -262,7 +264,8 @@ class CollaborativeAttention(_Attention):
     ``tucker_core_size``: mix with full matrices built from a core of that many ``rank x rank`` slices.
     ``logit_scale``: what the logits are multiplied by (default ``1 / sqrt(head_dim)``).
     ``value_rank``: share the values too (see the module's docstring); the value mixing starts like the key mixing
-    (``"ones"`` for ``"concatenate"``, which has no block form here). None keeps a value head per head.
+    (``"ones"`` for ``"concatenate"``, which has no block form here), with ``tucker_core_size`` a core of that many
+    ``value_rank x value_rank`` slices. None keeps a value head per head.
     The logits are always explicit: a path through ``scaled_dot_product_attention`` (values padded with zeros to the
     rank) was slower in every case measured, on the CPU and on an H100, and was removed
     (experiments/benchmarks/README.md, sections 4 and 10).
@@ -290,10 +293,15 @@ class CollaborativeAttention(_Attention):
                 raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
             # one value per token for all heads, mixed per head on its way to the output projection
             self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
-            self.value_mixing = nn.Parameter(torch.empty(num_heads, value_rank))
+            if tucker_core_size is None:
+                self.value_mixing = nn.Parameter(torch.empty(num_heads, value_rank))
+                self.value_core = None
+            else:
+                self.value_mixing = nn.Parameter(torch.empty(num_heads, tucker_core_size))
+                self.value_core = nn.Parameter(torch.empty(tucker_core_size, value_rank, value_rank))
             self.output = nn.Linear(value_rank, d_model, bias=bias) if output_projection else None
         else:
-            self.value_mixing = None
+            self.value_mixing = self.value_core = None
         self.value_rank = value_rank
         if logit_scale is not None:
             self.scale = logit_scale
@@ -324,11 +332,14 @@ class CollaborativeAttention(_Attention):
         """Set the mixing to ``self.mixing_init``; Tucker cores start as identities (every head alike)."""
         if self.mixing.device.type == "meta":
             return
+        if self.value_core is not None:
+            self.value_core.copy_(torch.eye(self.value_rank).expand_as(self.value_core))
         if self.value_mixing is not None:
+            core = self.value_mixing.shape[1] if self.value_core is not None else None
             if self.mixing_init == "random":
-                nn.init.normal_(self.value_mixing)
+                nn.init.normal_(self.value_mixing, std=1.0 if core is None else core**-0.5)
             else:
-                self.value_mixing.fill_(1.0)
+                self.value_mixing.fill_(1.0 if core is None else 1.0 / core)
         heads, width = self.mixing.shape
         if self.mixing_core is not None:
             self.mixing_core.copy_(torch.eye(self.rank).expand_as(self.mixing_core))
@@ -345,6 +356,15 @@ class CollaborativeAttention(_Attention):
         if self.mixing_core is None:
             return torch.diag_embed(self.mixing)
         return torch.einsum("hg,grs->hrs", self.mixing, self.mixing_core)
+
+    def value_mixing_matrices(self) -> torch.Tensor:
+        """The per-head ``value_rank x value_rank`` value mixing, (heads, D_v, D_v): ``diag(n_h)`` for CP, ``N_h``
+        for Tucker."""
+        if self.value_mixing is None:
+            raise ValueError("this layer keeps a value head per head (value_rank=None): it has no value mixing")
+        if self.value_core is None:
+            return torch.diag_embed(self.value_mixing)
+        return torch.einsum("hg,gvw->hvw", self.value_mixing, self.value_core)
 
     def forward(
         self,
@@ -364,7 +384,9 @@ class CollaborativeAttention(_Attention):
         if not need_weights and not shared_values and _blocks_pay(shared_queries, keys, values, self.num_heads):
             return self._finish(self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2)), None
         context, weights = self._explicit(shared_queries, keys, values, _plus(mask, content))
-        if shared_values:  # (B, H, T, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
+        if shared_values and self.value_core is not None:  # (B, H, T, D_v) -> sum_h context_h N_h: (B, T, D_v)
+            context = torch.einsum("bhtv,hvw->btw", context, self.value_mixing_matrices())
+        elif shared_values:  # (B, H, T, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
             context = torch.einsum("bhtv,hv->btv", context, self.value_mixing)
         else:
             context = context.transpose(1, 2).reshape(batch, tgt_len, -1)

@@ -59,17 +59,25 @@ def _exact(layer: LayerWeights, core_size: int | None) -> LayerPlan:
     return plan
 
 
-def shared_values(values: ValueWeights, rank: int, request: Request, covariance=None) -> ValuePlan:
-    """One value of width ``rank`` per token for all heads: a CP decomposition of the per-head value-output products
-    ``Wv_h^T Wo_h^T`` (the same tensor shape as the query/key products), ``Wv_h^T Wo_h^T ~= A diag(n_h) B^T`` with
-    ``A`` the shared value projection, ``n_h`` head h's value mixing and ``B`` the output projection. At rank =
+def shared_values(values: ValueWeights, rank: int, request: Request, covariance, decomposition: str,
+                  core_size: int | None) -> ValuePlan:
+    """One value of width ``rank`` per token for all heads: a CP decomposition (``decomposition``, as for the keys)
+    of the per-head value-output products ``Wv_h^T Wo_h^T`` (the same tensor shape as the query/key products),
+    ``Wv_h^T Wo_h^T ~= A diag(n_h) B^T`` with ``A`` the shared value projection, ``n_h`` head h's value mixing and
+    ``B`` the output projection; Tucker (``core_size``: the core's head mode) mixes with ``N_h = sum_g n_hg G_g``
+    instead of ``diag(n_h)``. At rank =
     heads x head_dim every head keeps its block (exact). With ``covariance`` (the layer's (query side, key side)
     input statistics) the fit is activation-aware on the input side: whitened by the inputs' raw second moments
     (a value's mean reaches the output), the output side left as it is (whitened by the identity)."""
     heads, head_dim, d_in = values.w_value.shape
     if rank == heads * head_dim:
         blocks = torch.eye(heads).repeat_interleave(head_dim, dim=1)
-        return ValuePlan(values.w_value.flatten(0, 1), values.w_output.flatten(0, 1).T, blocks, values.output_bias())
+        plan = ValuePlan(values.w_value.flatten(0, 1), values.w_output.flatten(0, 1).T, blocks, values.output_bias())
+        if core_size is not None:
+            if core_size != heads:
+                raise ValueError(f"exact Tucker values need tucker_core_size = heads ({heads})")
+            plan.value_mixing, plan.value_core = torch.eye(heads), torch.diag_embed(blocks)
+        return plan
     options: DecompositionOptions = request.options
     whitened = None
     if covariance is not None:
@@ -79,11 +87,12 @@ def shared_values(values: ValueWeights, rank: int, request: Request, covariance=
             raise ValueError(f"activation-aware shared values need d_out = d_in, got {d_out} and {d_in}")
         whitened = (raw, torch.eye(d_out, dtype=raw.dtype))
     fit = decompose_heads(
-        values.w_value, values.w_output, rank, "cp", request.seed, solver=options.solver, init=options.init,
+        values.w_value, values.w_output, rank, decomposition, request.seed, solver=options.solver, init=options.init,
         n_iter_max=options.n_iter_max, tol=options.tol, device=request.device, covariance=whitened,
-        whitening_eps=None if request.calibration is None else request.calibration.eps,
+        whitening_eps=None if request.calibration is None else request.calibration.eps, tucker_core_size=core_size,
     )
-    return ValuePlan(fit.shared_query.T, fit.shared_key, fit.mixing, values.output_bias(), fit.relative_error)
+    return ValuePlan(fit.shared_query.T, fit.shared_key, fit.mixing, values.output_bias(), fit.relative_error,
+                     fit.core)
 
 
 def _covariances(request: Request) -> list:
@@ -140,7 +149,8 @@ def plan_decomposition(request: Request, decomposition: str, core_size: int | No
                                 relative_error=fit.relative_error, weighted_error=fit.weighted_error)
         planned.content_bias = layer.content_bias()
         if request.value_ranks is not None:
-            planned.values = shared_values(request.values[index], request.value_ranks[index], request, covariance)
+            planned.values = shared_values(request.values[index], request.value_ranks[index], request, covariance,
+                                           decomposition, core_size)
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
     layout = Layout(decomposition, ranks, None, core_size, value_ranks=request.value_ranks)

@@ -1,5 +1,6 @@
 """``tucker``: collaborative heads with mixing matrices built from a core of ``tucker_core_size`` slices (default: the
-heads), from a Tucker decomposition of the stacked head products (``collab_attn.models.methods.decomposition``)."""
+heads), from a Tucker decomposition of the stacked head products (``collab_attn.models.methods.decomposition``); with
+a value rank, the values shared the same way (a Tucker decomposition of the value-output products)."""
 
 from __future__ import annotations
 
@@ -30,5 +31,5 @@ def plan_tucker(request: Request) -> Plan:
 TUCKER = register(ConversionMethod(
     NAME, "collaborative heads with mixing matrices from a Tucker decomposition of the head products",
     plan_tucker, layer="collaborative", options=TuckerOptions, budgets=True, calibrated=True, decomposes=True,
-    mixing="matrices",
+    mixing="matrices", cuts_values=True,
 ))
