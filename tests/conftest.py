@@ -42,6 +42,20 @@ def real_batch(minilm_tokenizer):
     return batch
 
 
+# A tiny corpus for the character-level language models: a few repeated lines, every character of them in the
+# vocabulary.
+LM_TEXT = "".join(f"{w} to be, or not to be: that is the question {i % 7}.\n" for i, w in
+                  enumerate(["To", "Or", "So", "Ay"] * 40))
+
+
+@pytest.fixture
+def text_file(tmp_path) -> Path:
+    """``LM_TEXT`` in a file, as the language-model scripts read their data."""
+    path = tmp_path / "input.txt"
+    path.write_text(LM_TEXT)
+    return path
+
+
 @pytest.fixture(scope="session")
 def glue_dir() -> Path:
     if not GLUE_DIR.is_dir():

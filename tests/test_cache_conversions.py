@@ -163,7 +163,7 @@ def test_the_race_sizes_each_method_within_the_budget_measured_from_the_converte
     config = gpt2().config
     original = original_size(config)
     assert original.cache_bytes == cache_bytes(gpt2())
-    for name in ("cp", "svd", "kv-svd", "key-svd", "prune"):
+    for name in ("cp", "tucker", "svd", "kv-svd", "key-svd", "prune"):
         method = METHODS[name]
         sizes = conversion_sizes(config, method)
         chosen = conversion_at(sizes, original, fraction)
@@ -197,7 +197,7 @@ def test_encoder_sizes_at_an_attention_parameter_budget_are_the_converted_models
     assert original.attention_params == sum(
         sum(p.numel() for p in layer.attention.self.parameters()) + sum(p.numel() for p in dense.parameters())
         for layer, dense in zip(model.encoder.layer, outer))
-    for name in ("cp", "svd", "kv-svd", "key-svd", "prune"):
+    for name in ("cp", "tucker", "svd", "kv-svd", "key-svd", "prune"):
         sizes = conversion_sizes(config, METHODS[name])
         chosen = conversion_at(sizes, original, fraction, cost="attention_params")
         if name in ("kv-svd", "key-svd") or (name, fraction) == ("prune", 0.25):  # a head per layer: its biases too

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_lm import TEXT, TINY, compose_cfg, errorbars, load_script, saved_figures
+from test_lm import TINY, compose_cfg, errorbars, load_script, saved_figures
 
 from collab_attn import cli
 from collab_attn.cli import settings_of
@@ -18,13 +18,6 @@ CONVERT = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "block_size=1
            "trainer.max_steps=10", "trainer.per_device_train_batch_size=4", "trainer.warmup_steps=1",
            "retrain_fraction=0.2", "threads=1", "progress=false", "sample_chars=8", "checkpoint_every=null",
            "calibration_blocks=8", "importance_samples=8"]
-
-
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "input.txt"
-    path.write_text(TEXT)
-    return path
 
 
 @pytest.fixture

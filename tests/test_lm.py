@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import LM_TEXT as TEXT
 from conftest import with_cache
 from hydra import compose, initialize_config_dir
 from matplotlib.figure import Figure
@@ -26,19 +27,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT / "../shared/data/tinyshakespeare/input.txt"
-TEXT = "".join(f"{w} to be, or not to be: that is the question {i % 7}.\n" for i, w in
-               enumerate(["To", "Or", "So", "Ay"] * 40))
 TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "block_size=16", "eval_iters=2",
         "trainer.max_steps=6", "trainer.eval_steps=3", "trainer.logging_steps=3",
         "trainer.per_device_train_batch_size=4", "trainer.warmup_steps=1", "threads=1", "progress=false",
         "sample_chars=20", "checkpoint_every=null"]
-
-
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "input.txt"
-    path.write_text(TEXT)
-    return path
 
 
 def settings_for(primary: str, *overrides: str) -> dict:

@@ -72,14 +72,15 @@ class _Skeleton:
 
 
 def converted_layout(config, method, key_size: int, value_size: int | None, skeleton: _Skeleton | None = None):
-    """The layout of ``config``'s model converted by ``method`` at these sizes; pruning keeps as many whole heads as
-    fit in the query/key budget of rank ``key_size``, spread evenly over the layers (the costs depend on their
-    number only)."""
+    """The layout of ``config``'s model converted by ``method`` at these sizes (mixing matrices: a core of the
+    default size, the heads); pruning keeps as many whole heads as fit in the query/key budget of rank
+    ``key_size``, spread evenly over the layers (the costs depend on their number only)."""
     skeleton = skeleton or _Skeleton.of(config)
     layers, heads, head_dim = skeleton.layers, skeleton.heads, skeleton.head_dim
     values = None if value_size is None else [value_size] * layers
     if not method.needs_importance:
-        return Layout(method.name, [key_size] * layers, value_ranks=values)
+        core_size = heads if method.mixing == "matrices" else None
+        return Layout(method.name, [key_size] * layers, tucker_core_size=core_size, value_ranks=values)
     bias = skeleton.family.projection(skeleton.module, "query")[1] is not None
     d_in = skeleton.family.d_in(skeleton.module)
     _, count = kept_head_count([key_size] * layers, [heads] * layers, head_dim, d_in, bias=bias)
