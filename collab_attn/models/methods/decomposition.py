@@ -65,10 +65,10 @@ def shared_values(values: ValueWeights, rank: int, request: Request, covariance,
     of the per-head value-output products ``Wv_h^T Wo_h^T`` (the same tensor shape as the query/key products),
     ``Wv_h^T Wo_h^T ~= A diag(n_h) B^T`` with ``A`` the shared value projection, ``n_h`` head h's value mixing and
     ``B`` the output projection; Tucker (``core_size``: the core's head mode) mixes with ``N_h = sum_g n_hg G_g``
-    instead of ``diag(n_h)``. At rank =
-    heads x head_dim every head keeps its block (exact). With ``covariance`` (the layer's (query side, key side)
-    input statistics) the fit is activation-aware on the input side: whitened by the inputs' raw second moments
-    (a value's mean reaches the output), the output side left as it is (whitened by the identity)."""
+    instead of ``diag(n_h)``. At rank = heads x head_dim every head keeps its block (exact). With ``covariance``
+    (the layer's (query side, key side) input statistics) the fit is activation-aware on the input side: whitened
+    by the inputs' raw second moments (a value's mean reaches the output), the output side left as it is (whitened
+    by the identity)."""
     heads, head_dim, d_in = values.w_value.shape
     if rank == heads * head_dim:
         blocks = torch.eye(heads).repeat_interleave(head_dim, dim=1)
