@@ -6,6 +6,7 @@ side in one process.
     python benchmarks/decode.py --contexts 1024 4096 8192 --batches 1 8 --caches dynamic static
     python benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --caches dynamic static
     python benchmarks/decode.py --contexts 2048 8192 --ranks 384 --cache-fractions 0.25    # the cache race's layouts
+    python benchmarks/decode.py --contexts 2048 8192 --ranks 384 --cache-fractions 0.25 --race-methods cp tucker
 
 Models: a randomly initialized GPT-2 small (12 layers, d_model 768, 12 heads of 64, 50,257-token vocabulary,
 positions up to the longest context) and the same architecture with collaborative attention at D~ = d/2, d/4, d/8
@@ -55,8 +56,9 @@ from collab_attn.models.methods import METHODS  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
 
 D_MODEL, HEADS, LAYERS = 768, 12, 12
-# The conversions of the cache race (experiments/kv_cache): keys and values shared (cp) or cut per head (svd),
-# a latent (kv-svd, MLA), whole heads removed (prune). key-svd never caches less than half.
+# The conversions of the cache race (experiments/kv_cache): keys and values shared (cp; tucker: mixed by a matrix per
+# head) or cut per head (svd), a latent (kv-svd, MLA), whole heads removed (prune). key-svd never caches less than
+# half. The default set; --race-methods picks others.
 RACE_METHODS = ("cp", "svd", "kv-svd", "prune")
 
 
@@ -67,18 +69,19 @@ def build(layout: Layout | None, positions: int, device: str, dtype: torch.dtype
         config = transformers.GPT2Config(**sizes)
     else:
         config = collab_config_class("gpt2")(**sizes, collab_method=layout.method, collab_ranks=layout.ranks,
-                                             collab_heads=layout.heads, collab_value_ranks=layout.value_ranks)
+                                             collab_heads=layout.heads, collab_value_ranks=layout.value_ranks,
+                                             collab_tucker_core_size=layout.tucker_core_size)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
 def variants_of(args) -> dict[str, Layout | None]:
     """The original, keys-only collaborative heads at ``--ranks`` and, per ``--cache-fractions``, each cache-race
-    method (``RACE_METHODS``) at the size that caches at most that fraction (``collab_attn.models.sizing``)."""
+    method (``--race-methods``) at the size that caches at most that fraction (``collab_attn.models.sizing``)."""
     variants = {"original": None} | {f"collab D~={rank}": Layout("cp", [rank] * LAYERS) for rank in args.ranks}
     config = transformers.GPT2Config(n_embd=D_MODEL, n_head=HEADS, n_layer=LAYERS)
     original = original_size(config)
-    for method in RACE_METHODS:
+    for method in args.race_methods:
         sizes = conversion_sizes(config, METHODS[method])
         for fraction in args.cache_fractions:
             size = conversion_at(sizes, original, fraction)
@@ -300,6 +303,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cache-fractions", type=float, nargs="+", default=[],
                         help="also each cache-race conversion (cp keys and values, svd with values, kv-svd, prune) "
                              "at the size caching at most this fraction of the original's bytes")
+    parser.add_argument("--race-methods", nargs="+", default=list(RACE_METHODS),
+                        choices=list(METHODS), help="the conversions that --cache-fractions sizes (default: "
+                        f"{' '.join(RACE_METHODS)}; one that cannot reach a fraction gives no row there)")
     parser.add_argument("--batches", "--batch", type=int, nargs="+", default=[1], help="sequences per step")
     parser.add_argument("--caches", nargs="+", choices=("dynamic", "static"), default=["dynamic"],
                         help="dynamic: DynamicCache, eager; static: StaticCache and torch.compile(fullgraph=True)")

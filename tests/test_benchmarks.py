@@ -2,6 +2,7 @@
 the rows the script returns, the table it writes and the lines it prints: the rows are the ones asked for, and every
 ratio shown is the ratio of the timings (or sizes) it was computed from, recomputed here."""
 
+import argparse
 import importlib.util
 import json
 import re
@@ -9,6 +10,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from collab_attn.analysis.accounting import attention_flops_per_token
 
@@ -179,6 +181,17 @@ def test_decode_times_the_cache_race_layouts_with_the_cache_they_hold(tmp_path, 
     for row in rows[2:]:
         assert 0.2 < row["cache_vs_original"] <= 0.25 + 1e-9
     assert_decode_reports(rows, (tmp_path / "dec.md").read_text(), capsys.readouterr().out, False)
+
+
+def test_decode_races_the_methods_it_is_given_in_their_own_layout():
+    """``--race-methods cp tucker``: Tucker at the size CP takes (the same cache), built with its cores."""
+    decode = load("decode")
+    args = argparse.Namespace(ranks=[96], cache_fractions=[0.25], race_methods=["tucker", "key-svd"])
+    variants = decode.variants_of(args)
+    assert list(variants) == ["original", "collab D~=96", "tucker k186 v186 (0.25)"]  # key-svd never fits
+    model = decode.build(variants["tucker k186 v186 (0.25)"], positions=8, device="cpu", dtype=torch.float32)
+    layer = model.transformer.h[0].attn
+    assert layer.mixing_core.shape == (12, 186, 186) and layer.value_core.shape == (12, 186, 186)
 
 
 def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
