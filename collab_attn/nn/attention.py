@@ -293,12 +293,7 @@ class CollaborativeAttention(_Attention):
                 raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
             # one value per token for all heads, mixed per head on its way to the output projection
             self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
-            if tucker_core_size is None:
-                self.value_mixing = nn.Parameter(torch.empty(num_heads, value_rank))
-                self.value_core = None
-            else:
-                self.value_mixing = nn.Parameter(torch.empty(num_heads, tucker_core_size))
-                self.value_core = nn.Parameter(torch.empty(tucker_core_size, value_rank, value_rank))
+            self.value_mixing, self.value_core = _head_mixing(num_heads, value_rank, tucker_core_size)
             self.output = nn.Linear(value_rank, d_model, bias=bias) if output_projection else None
         else:
             self.value_mixing = self.value_core = None
@@ -319,12 +314,7 @@ class CollaborativeAttention(_Attention):
         self.query = nn.Linear(d_model, rank, bias=False)
         self.key = nn.Linear(self.kv_dim, rank, bias=False)
         self.content_bias = nn.Linear(self.kv_dim, num_heads, bias=False) if bias else None
-        if tucker_core_size is None:
-            self.mixing = nn.Parameter(torch.empty(num_heads, rank))
-            self.mixing_core = None
-        else:
-            self.mixing = nn.Parameter(torch.empty(num_heads, tucker_core_size))
-            self.mixing_core = nn.Parameter(torch.empty(tucker_core_size, rank, rank))
+        self.mixing, self.mixing_core = _head_mixing(num_heads, rank, tucker_core_size)
         self.reset_mixing()
 
     @torch.no_grad()
@@ -485,6 +475,14 @@ class CollaborativeAttention(_Attention):
                     F.dropout(block_logits, p=dropout, inplace=True)
                 torch.bmm(block_logits, values[b, :, :width], out=context[b, start:stop].transpose(0, 1))
         return context
+
+
+def _head_mixing(heads: int, width: int, core_size: int | None) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """Uninitialized per-head mixing of a shared space of ``width``: one vector per head (CP) and no core, or with a
+    Tucker core of ``core_size`` slices, (heads, core_size) weights of the (core_size, width, width) slices."""
+    if core_size is None:
+        return nn.Parameter(torch.empty(heads, width)), None
+    return nn.Parameter(torch.empty(heads, core_size)), nn.Parameter(torch.empty(core_size, width, width))
 
 
 def _keys_seen(mask: torch.Tensor, src_len: int) -> torch.Tensor:
