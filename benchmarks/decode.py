@@ -34,7 +34,6 @@ for the last position only (``logits_to_keep=1``, as ``generate`` asks), the mod
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -51,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402,F401  (registers the collaborative model classes)
+from collab_attn.cli import ArgumentParser  # noqa: E402
 from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
 from collab_attn.models.methods import METHODS  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
@@ -297,7 +297,7 @@ def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])  # its errors: one error: line
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--ranks", type=int, nargs="+", default=[D_MODEL // 2, D_MODEL // 4, D_MODEL // 8])
     parser.add_argument("--cache-fractions", type=float, nargs="+", default=[],

@@ -183,6 +183,18 @@ def test_decode_times_the_cache_race_layouts_with_the_cache_they_hold(tmp_path, 
     assert_decode_reports(rows, (tmp_path / "dec.md").read_text(), capsys.readouterr().out, False)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (["--race-methods", "bogus"], "argument --race-methods: invalid choice: 'bogus'"),
+    (["--cache-fractions", "0"], "--cache-fractions must lie in (0, 1], got [0.0]"),
+])
+def test_decode_refuses_a_bad_option_in_one_line_before_writing(bad, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        load("decode").main([*bad, "--out", str(tmp_path / "dec")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_decode_races_the_methods_it_is_given_in_their_own_layout():
     """``--race-methods cp tucker``: Tucker at the size CP takes (the same cache), built with its cores."""
     decode = load("decode")

@@ -124,6 +124,26 @@ def test_decoders_cache_one_value_per_token_and_generate_alike(family, method, t
         torch.testing.assert_close(loaded(ids, use_cache=False).logits, full)
 
 
+@pytest.mark.parametrize("method", ["cp", "tucker"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert", *DECODERS])
+def test_shared_values_give_attention_maps(family, method):
+    """``output_attentions=True``: one (batch, heads, tgt, src) map per layer, rows summing to one, the output the
+    same as without the maps."""
+    model = decoder(family) if family in DECODERS else small_model(family)
+    collab_attn.reparametrize(model, 24, method=method, value_rank=16, n_iter_max=20, progress=False)
+    model.set_attn_implementation("eager")
+    inputs = {"input_ids": torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(4))}
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True)
+        plain = model(**inputs)
+    first = out.logits if family in DECODERS else out.last_hidden_state
+    torch.testing.assert_close(first, plain.logits if family in DECODERS else plain.last_hidden_state)
+    assert len(out.attentions) == model.config.num_hidden_layers
+    for maps in out.attentions:
+        assert maps.shape == (2, 4, 7, 7)
+        torch.testing.assert_close(maps.sum(-1), torch.ones(2, 4, 7))
+
+
 def test_value_rank_is_refused_where_it_cannot_be_honoured():
     with pytest.raises(ValueError, match="value_rank does not apply to method='key-svd'"):
         collab_attn.reparametrize(small_model("bert"), 24, method="key-svd", value_rank=24)

@@ -92,15 +92,15 @@ class ReparamReport:
                 f"{layer.params_before:,} | {layer.params_after:,} | {layer.query_key_params_before:,} | "
                 f"{layer.query_key_params_after:,} |"
             )
-        mean_weighted = ""
+        means = ""  # the mean of each extra column
         if weighted:
             whitened = [layer.weighted_error or 0.0 for layer in self.layers]
-            mean_weighted = f" {sum(whitened) / len(whitened):.4f} (mean) |"
+            means = f" {sum(whitened) / len(whitened):.4f} (mean) |"
         if values:
             errors = [layer.value_error for layer in self.layers]
-            mean_weighted += f" {sum(errors) / len(errors):.4f} (mean) |"
+            means += f" {sum(errors) / len(errors):.4f} (mean) |"
         rows.append(
-            f"| total | | {self.mean_relative_error:.4f} (mean) |{mean_weighted} {self.seconds:.2f} | "
+            f"| total | | {self.mean_relative_error:.4f} (mean) |{means} {self.seconds:.2f} | "
             f"{self.attention_params_before:,} | {self.attention_params_after:,} | "
             f"{sum(x.query_key_params_before for x in self.layers):,} | "
             f"{sum(x.query_key_params_after for x in self.layers):,} |"

@@ -33,7 +33,8 @@ def plan_kv_svd(request: Request) -> Plan:
         joint = torch.cat([keys, values.w_value.flatten(0, 1)])
         fit = shared_subspace(joint, rank, input_whitening(request, index, layer, values=True))
         up_key, up_value = fit.up.split([keys.shape[0], joint.shape[0] - keys.shape[0]])
-        value_side = ValuePlan(up_value, values.w_output.flatten(0, 1).T, None, values.output_bias(), None)
+        value_side = ValuePlan(up_value, values.w_output.flatten(0, 1).T, None, values.output_bias(),
+                               relative_error=None)  # fitted jointly with the keys
         layers.append(LayerPlan(
             layer.w_query.flatten(0, 1), up_key, latent=fit.down, values=value_side,
             query_bias=None if layer.b_query is None else layer.b_query.flatten(),
