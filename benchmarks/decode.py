@@ -68,9 +68,7 @@ def build(layout: Layout | None, positions: int, device: str, dtype: torch.dtype
     if layout is None:
         config = transformers.GPT2Config(**sizes)
     else:
-        config = collab_config_class("gpt2")(**sizes, collab_method=layout.method, collab_ranks=layout.ranks,
-                                             collab_heads=layout.heads, collab_value_ranks=layout.value_ranks,
-                                             collab_tucker_core_size=layout.tucker_core_size)
+        config = collab_config_class("gpt2")(**sizes, **layout.config_fields())
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 

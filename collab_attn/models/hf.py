@@ -132,6 +132,15 @@ class Layout:
         return [LayerSpec(kind, h, r, self.tucker_core_size, self.mixing_init, v)
                 for r, h, v in zip(self.ranks, heads, values)]
 
+    def config_fields(self) -> dict:
+        """The ``collab_*`` config fields that record this layout (``Layout.of`` reads it back from them)."""
+        return {
+            "collab_method": self.method, "collab_ranks": list(self.ranks),
+            "collab_heads": None if self.heads is None else list(self.heads),
+            "collab_tucker_core_size": self.tucker_core_size, "collab_mixing_init": self.mixing_init,
+            "collab_value_ranks": None if self.value_ranks is None else list(self.value_ranks),
+        }
+
     @classmethod
     def of(cls, config) -> Layout:
         if not config.collab_ranks:
@@ -231,12 +240,8 @@ def _retag(model: nn.Module, layout: Layout) -> None:
             if not is_collaborative(config):
                 config.__class__ = _COLLAB_CONFIGS[family_of(config).model_type]
                 vars(config).pop("model_type", None)  # a loaded config may shadow the class's model_type
-            config.collab_method = layout.method
-            config.collab_ranks = list(layout.ranks)
-            config.collab_heads = None if layout.heads is None else list(layout.heads)
-            config.collab_tucker_core_size = layout.tucker_core_size
-            config.collab_mixing_init = layout.mixing_init
-            config.collab_value_ranks = None if layout.value_ranks is None else list(layout.value_ranks)
+            for field, value in layout.config_fields().items():
+                setattr(config, field, value)
             if type(module) in _COLLAB_MODELS:
                 module.__class__ = _COLLAB_MODELS[type(module)]
                 # transformers keys the output recorders (output_attentions=True) by class: a plain dict keyed by
