@@ -1,21 +1,23 @@
-"""One run store for the sweeps that keep one JSON record per run (training from scratch on a GLUE task, the
-Tiny Shakespeare models and their conversions), and what their summaries share.
+"""One run store for every sweep (GLUE jobs, training from scratch on a GLUE task, the Tiny Shakespeare models and
+their conversions), and what their summaries share.
 
-``RunStore``: ``<output_dir>/runs/<name>.json``, written atomically once a run has finished, so a file means done
-and a rerun of the same sweep skips it; a record carries the ``signature`` of the settings that made it, and a
-stored run made with other settings is refused rather than mixed in. Resumable training checkpoints live in
-``<output_dir>/.checkpoints/<name>`` meanwhile. (The GLUE pipeline's jobs, several stages each, are named by their
-``JobKey`` instead: ``collab_attn.glue.jobs``.)
+``RunStore``: a run's results are written atomically under ``<output_dir>/runs`` once it has finished, so a file
+means done and a rerun of the same sweep skips it; a stored run made with other settings (its ``signature``, or the
+fields a caller expects) is refused rather than mixed in. A run is one JSON record in ``runs/<name>.json``, or, for
+a run of several stages (a GLUE job: fine-tuned, reparametrized, re-fine-tuned), one record per stage in
+``runs/<name>/results.jsonl``, whose folder also holds the job's W&B run. Resumable training checkpoints live in
+``<output_dir>/.checkpoints/<name>`` (a staged run: ``runs/<name>/.checkpoints``) meanwhile.
 
-``learning_curve`` reads a Trainer log history into one point per evaluation; ``key_sizes_for`` is every sweep's
-default grid of key sizes; ``mean_std`` the spread over seeds that every table reports.
+``read_results`` reads every result file of a sweep for its summary, each checked to be one; ``learning_curve``
+reads a Trainer log history into one point per evaluation; ``key_sizes_for`` is every sweep's default grid of key
+sizes; ``mean_std`` and ``mean_curve`` the spread over seeds that every table and plot reports.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 from collab_attn import cli
@@ -23,39 +25,77 @@ from collab_attn.files import write_text_atomic
 
 # What a Trainer logs at a training step, as curves name it.
 TRAIN_LOGS = {"loss": "train_loss", "learning_rate": "lr", "grad_norm": "grad_norm"}
+STAGES_FILE = "results.jsonl"  # a staged run's results, one JSON line per stage
 
 
 class RunStore:
-    def __init__(self, output_dir: str | Path, signature: dict | None = None):
+    def __init__(self, output_dir: str | Path, signature: dict | None = None, staged: bool = False):
         """The runs under ``output_dir``; ``signature``: what a stored run must have been made with to be reused
-        (None: not checked)."""
+        (None: not checked); ``staged``: a run is a folder of stage records rather than one record."""
         self.root = Path(output_dir)
         self.folder = self.root / "runs"
         self.signature = signature
+        self.staged = staged
 
     def path(self, name: str) -> Path:
-        return self.folder / f"{name}.json"
+        return self.folder / name / STAGES_FILE if self.staged else self.folder / f"{name}.json"
 
     def checkpoints(self, name: str) -> Path:
-        return self.root / ".checkpoints" / name
+        return self.folder / name / ".checkpoints" if self.staged else self.root / ".checkpoints" / name
 
-    def finished(self, name: str) -> dict | None:
-        """The stored record of run ``name``, or None when it has not finished; one made with other settings is
-        refused."""
+    def finished(self, name: str, expected: Mapping | None = None) -> dict | list[dict] | None:
+        """The stored record of run ``name`` (a staged run: its list of stage records), or None when it has not
+        finished. One made with other settings (a ``signature`` or an ``expected`` field that differs) is refused."""
         path = self.path(name)
         if not path.exists():
             return None
-        record = cli.json_file("output_dir", path)
-        if self.signature is not None and (not isinstance(record, dict) or record.get("signature") != self.signature):
-            raise cli.BadInput(f"{path} was made with different settings; use another output_dir or delete it")
-        return record
+        stored = cli.json_file("output_dir", path, lines=self.staged)
+        wanted = {**({"signature": self.signature} if self.signature is not None else {}), **(expected or {})}
+        for record in stored if self.staged else [stored]:
+            differs = [key for key in wanted if not isinstance(record, dict) or record.get(key) != wanted[key]]
+            if differs:
+                raise cli.BadInput(f"{path} was made with different settings ({', '.join(differs)}); use another "
+                                   "output_dir or delete it")
+        return stored
 
-    def save(self, record: dict) -> Path:
-        """Write ``record`` (its ``name`` names the file) atomically."""
-        path = self.path(record["name"])
+    def save(self, name: str, record: dict | Sequence[dict]) -> Path:
+        """Write run ``name``'s ``record`` (a staged run: its stage records) atomically."""
+        path = self.path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+        text = "".join(json.dumps(r) + "\n" for r in record) if self.staged else json.dumps(record, indent=1) + "\n"
+        write_text_atomic(path, text)
         return path
+
+
+def read_results(
+    argument: str, root: str | Path, pattern: str, keys: Collection[str], script: str,
+    accept: Callable[[dict], bool] = lambda record: True,
+) -> list[tuple[Path, dict]]:
+    """Every record of the result files matching ``pattern`` below ``root`` (``*.jsonl``: one per line), in path
+    order, with its file. A record that is not an object, lacks one of ``keys`` or that ``accept`` refuses stops
+    with the file and the script that writes such results (``argument``: the setting that named ``root``)."""
+    found = []
+    for path in sorted(Path(root).glob(pattern)):
+        lines = path.suffix == ".jsonl"
+        stored = cli.json_file(argument, path, lines=lines)
+        for number, record in enumerate(stored if lines else [stored], 1):
+            why = _not_a_result(record, keys, accept)
+            if why:
+                where = f", result {number}," if lines else ""
+                raise cli.BadInput(f"{path}{where} is not a result of scripts/{script}.py ({why}); move it out of "
+                                   f"{argument}={root}")
+            found.append((path, record))
+    return found
+
+
+def _not_a_result(record, keys: Collection[str], accept: Callable[[dict], bool]) -> str | None:
+    """Why ``record`` is not a result (None when it is one)."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    missing = sorted(set(keys) - set(record))
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    return None if accept(record) else "holds a value it never writes"
 
 
 def learning_curve(history: Sequence[dict], evaluated: Mapping[str, str], logged: Sequence[str]) -> list[dict]:

@@ -16,6 +16,7 @@ from transformers import AutoModel, AutoModelForSequenceClassification
 from collab_attn import reparametrize
 from collab_attn.decomposition.rank_selection import query_key_params
 from collab_attn.decomposition.truncation import truncate_head_products
+from collab_attn.glue import jobs as job_keys
 from collab_attn.glue import pipeline
 from collab_attn.models.hf import attention_parameters
 from collab_attn.models.importance import head_gates, head_importance
@@ -220,7 +221,7 @@ def test_bad_baseline_input_stops_before_training(tmp_path, overrides, message):
 @pytest.mark.glue
 def test_pipeline_runs_both_baselines(tmp_path, glue_dir):
     svd_job = settings(tmp_path, "collab=svd", "collab.rank=96", f"data.glue_dir={glue_dir}")
-    assert pipeline.job_dir(svd_job).parts[-2] == "svd-r96"
+    assert job_keys.job_dir(svd_job).parts[-2] == "svd-r96"
     finetuned, svd = pipeline.run_job(svd_job)
     assert svd["method"] == "svd" and svd["rank"] == 96
     assert svd["query_key_params"] == LAYERS * (2 * D * 96 + HEADS * D)

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from collab_attn import tracking
 from collab_attn.distillation import DistillationTrainer, DistillSettings
+from collab_attn.glue import jobs as job_keys
 from collab_attn.glue import pipeline
 from collab_attn.lm import runs as lm_runs
 from collab_attn.lm.data import corpus_from_text, val_blocks
@@ -274,7 +275,7 @@ def _task_arrives(primary: str, option: str, values: dict, settings: dict) -> No
     """The task ``validate`` returns and the folder the job's results go to."""
     task, _, _, _ = pipeline.validate(settings)
     assert task.name == values["name"]
-    assert pipeline.job_dir(settings).relative_to(Path(settings["output_root"]) / "runs" / values["name"])
+    assert job_keys.job_dir(settings).relative_to(Path(settings["output_root"]) / "runs" / values["name"])
 
 
 def _data_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
@@ -573,12 +574,12 @@ def test_committed_sweeps_are_found_and_skipped(experiment, multirun, command, m
     missing = []
     for job in jobs:
         assert Path(job["output_root"]) == Path("experiments") / experiment
-        results = pipeline.job_dir(job) / pipeline.RESULTS_FILE
-        if not results.is_file():
-            missing.append(str(pipeline.job_dir(job)))
+        stored = job_keys.job_store(job).finished(job_keys.stored_name(job))
+        if stored is None:
+            missing.append(str(job_keys.job_dir(job)))
             continue
         records = pipeline.run_job(job)
-        assert records == pipeline.read_results(results) and records
+        assert records == stored and records
         assert {r["seed"] for r in records} == {job["seed"]} and records[0]["stage"] == "finetuned"
     assert capsys.readouterr().out.count("skipping") == len(jobs) - len(missing)
     assert not missing, f"{len(missing)} of {len(jobs)} documented jobs have no results: {missing}"

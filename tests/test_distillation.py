@@ -20,6 +20,7 @@ from collab_attn.distillation import (
     distillation_loss,
     hidden_state_loss,
 )
+from collab_attn.glue import jobs as job_keys
 from collab_attn.glue import pipeline
 from collab_attn.models.conversion import reparametrize
 
@@ -162,9 +163,9 @@ def test_refit_settings_reach_the_trainer_and_stay_out_of_training_arguments(tmp
     job = tiny(tmp_path, "refit=distill", "refit.distill.alpha=0.2", "refit.distill.temperature=4")
     assert "distill" not in pipeline.refit_fields(job)
     plain = tiny(tmp_path)
-    assert pipeline.job_dir(job) != pipeline.job_dir(plain)
+    assert job_keys.job_dir(job) != job_keys.job_dir(plain)
     other = tiny(tmp_path, "refit=distill", "refit.distill.alpha=0.3", "refit.distill.temperature=4")
-    assert pipeline.job_dir(other) != pipeline.job_dir(job)  # the settings enter the recipe hash
+    assert job_keys.job_dir(other) != job_keys.job_dir(job)  # the settings enter the recipe hash
     with pytest.raises(ValueError, match="refit.distill.gamma"):
         pipeline.validate(tiny(tmp_path, "refit=distill", "+refit.distill.gamma=1"))
 
@@ -185,7 +186,7 @@ def test_distilled_job_runs_end_to_end(tmp_path, glue_dir, monkeypatch, task, me
     assert [r["stage"] for r in records] == ["finetuned", "reparam", "refit"]
     assert all(r["distill"] == {"alpha": 0.5, "temperature": 4, "hidden_weight": 0.5, "attention_weight": 0.5}
                for r in records)
-    out = pipeline.job_dir(job)
+    out = job_keys.job_dir(job)
     run_file = next(out.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
     for term in ("label_loss", "teacher_loss", "hidden_loss", "attention_loss"):
         assert f"refit/distill_{term}".encode() in run_file

@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from collab_attn.glue import jobs as job_keys
 from collab_attn.glue import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,5 +73,5 @@ def test_refit_inherits_the_trainer_fields_it_does_not_set(tmp_path):
     assert pipeline.refit_fields(settings("trainer.warmup_steps=5"))["warmup_steps"] == 5
     # the hash sees what runs: a smoke run's folder is not that of a full re-fine-tuning after 4 fine-tuning steps
     full = settings("trainer.max_steps=4", "refit.max_steps=-1", f"output_root={tmp_path}")
-    assert pipeline.job_dir(smoke) != pipeline.job_dir(full)
-    assert pipeline.job_dir(settings("refit.max_steps=-1")) == pipeline.job_dir(settings())
+    assert job_keys.job_dir(smoke) != job_keys.job_dir(full)
+    assert job_keys.job_dir(settings("refit.max_steps=-1")) == job_keys.job_dir(settings())

@@ -236,6 +236,12 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     assert cp4["parameters"]["query_key_params"] < none["parameters"]["query_key_params"]
     assert all(r["retrain_curve"][-1]["step"] == 2 and len(r["retrained_sample"]) == 12 for r in records)
     assert load_script("convert_lm").run(convert) == records  # a rerun skips every result
+    stored = train_dir / "convert" / "runs" / "svd-k4.json"
+    svd = stored.read_text()
+    stored.write_text(json.dumps({**json.loads(svd), "key_size": 8}))  # not what a run named svd-k4 makes
+    with pytest.raises(ValueError, match=r"svd-k4.json was made with different settings \(key_size\)"):
+        load_script("convert_lm").run(convert)
+    stored.write_text(svd)
 
     saved = saved_figures(monkeypatch)
     readme = summary.write_summary(tmp_path / "shakespeare_char")

@@ -17,6 +17,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from transformers import AutoModel
 
+from collab_attn.glue import jobs as job_keys
 from collab_attn.glue import pipeline
 from collab_attn.glue.summary import before_after, before_after_markdown, load_results, summarize, table, to_markdown
 from collab_attn.models import calibrate as calibrate_module
@@ -70,20 +71,20 @@ def test_unknown_task_and_unknown_key_stop_in_hydra():
 
 
 def test_job_dirs_separate_what_matters(tmp_path):
-    base = pipeline.job_dir(tiny(tmp_path))
+    base = job_keys.job_dir(tiny(tmp_path))
     assert base.parts[-4:-1] == ("mrpc", "minilm", "cp-r192") and base.name.startswith("seed0-")
-    assert pipeline.job_dir(tiny(tmp_path, "collab.rank=128")) != base
-    assert pipeline.job_dir(tiny(tmp_path, "seed=1")) != base
-    assert pipeline.job_dir(tiny(tmp_path, "refit.learning_rate=1e-4")) != base
-    assert pipeline.job_dir(tiny(tmp_path, "data.glue_dir=/elsewhere")) == base  # same data, another copy
-    assert pipeline.job_dir(tiny(tmp_path, "trainer.logging_steps=7")) == base  # logging only
+    assert job_keys.job_dir(tiny(tmp_path, "collab.rank=128")) != base
+    assert job_keys.job_dir(tiny(tmp_path, "seed=1")) != base
+    assert job_keys.job_dir(tiny(tmp_path, "refit.learning_rate=1e-4")) != base
+    assert job_keys.job_dir(tiny(tmp_path, "data.glue_dir=/elsewhere")) == base  # same data, another copy
+    assert job_keys.job_dir(tiny(tmp_path, "trainer.logging_steps=7")) == base  # logging only
     assert pipeline.finetuned_dir(tiny(tmp_path, "collab.rank=128")) == pipeline.finetuned_dir(tiny(tmp_path))
-    aware = pipeline.job_dir(tiny(tmp_path, "collab.budget=mean:128", "collab.calibration=task"))
+    aware = job_keys.job_dir(tiny(tmp_path, "collab.budget=mean:128", "collab.calibration=task"))
     assert aware.parts[-2] == "cp-aware-rmean128"
-    assert pipeline.job_dir(tiny(tmp_path, "collab.solver=tensorly")).parts[-2] == "cp-tensorly-r192"
-    assert pipeline.job_dir(tiny(tmp_path, "weights=pretrained")) == base
+    assert job_keys.job_dir(tiny(tmp_path, "collab.solver=tensorly")).parts[-2] == "cp-tensorly-r192"
+    assert job_keys.job_dir(tiny(tmp_path, "weights=pretrained")) == base
     random_init = tiny(tmp_path, "weights=random")
-    assert pipeline.job_dir(random_init).parts[-3] == "minilm-random-init"
+    assert job_keys.job_dir(random_init).parts[-3] == "minilm-random-init"
     assert pipeline.finetuned_dir(random_init).parent.name == "minilm-random-init"
 
 
@@ -131,7 +132,7 @@ def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch
     assert records[0]["query_key_params"] == 6 * 2 * (384 * 384 + 384)
     assert records[1]["query_key_params"] == 6 * (2 * 384 * 96 + 12 * 96 + 12 * 384)
     assert 0 < records[1]["mean_relative_error"] < 1 and records[1]["decomposition_seconds"] > 0
-    out = pipeline.job_dir(job)
+    out = job_keys.job_dir(job)
     assert [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] == records
     run_file = next(out.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
     assert b"refit/main" in run_file and b"query_key_compression" in run_file
@@ -217,7 +218,7 @@ def test_interrupted_job_leaves_no_results(tmp_path, glue_dir, monkeypatch):
     monkeypatch.setattr(pipeline, "reparametrize", crash)
     with pytest.raises(KeyboardInterrupt):
         pipeline.run_job(job)
-    out = pipeline.job_dir(job)
+    out = job_keys.job_dir(job)
     assert not (out / "results.jsonl").exists() and not list(out.glob(".scratch-*"))
 
 
@@ -268,7 +269,7 @@ def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, mon
         pipeline.run_job(job)
     checkpoints = pipeline.checkpoints_dir(job, stage)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2", "checkpoint-4"]
-    assert not (pipeline.job_dir(job) / "results.jsonl").exists()
+    assert not (job_keys.job_dir(job) / "results.jsonl").exists()
 
     calls.clear()
     crash_at["call"] = None

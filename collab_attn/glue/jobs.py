@@ -23,6 +23,7 @@ from pathlib import Path
 from collab_attn.distillation import DistillSettings
 from collab_attn.glue import tasks as glue
 from collab_attn.models.settings import MethodSettings, rank_tag
+from collab_attn.run_store import RunStore
 
 KEY_VERSION = 1
 INDEX_FILE = "index.json"
@@ -131,14 +132,21 @@ def _parsed_index(path: Path, version: int) -> dict[str, str]:
     return {json.dumps(key, sort_keys=True): folder for folder, key in index["jobs"].items()}
 
 
-def job_dir(settings: dict, method: MethodSettings | None = None) -> Path:
-    """Where a job's results go: the folder the index gives its key, else the one its key's digest names."""
+def job_store(settings: dict) -> RunStore:
+    """The run store of a sweep's jobs: one folder of stage records per job under ``<output_root>/runs``."""
+    return RunStore(settings["output_root"], staged=True)
+
+
+def stored_name(settings: dict, method: MethodSettings | None = None) -> str:
+    """The job's name in its store: the folder the index gives its key, else the one its key's digest names."""
     key = JobKey.of(settings, method)
-    runs = Path(settings["output_root"]) / "runs"
-    indexed = read_index(runs).get(json.dumps(key.to_dict(), sort_keys=True))
-    if indexed is not None:
-        return runs / indexed
-    return runs / f"{job_name(settings, method)}-{key.digest}"
+    indexed = read_index(job_store(settings).folder).get(json.dumps(key.to_dict(), sort_keys=True))
+    return indexed if indexed is not None else f"{job_name(settings, method)}-{key.digest}"
+
+
+def job_dir(settings: dict, method: MethodSettings | None = None) -> Path:
+    """The job's folder: its results, its W&B run, its re-fine-tuning's checkpoints."""
+    return job_store(settings).folder / stored_name(settings, method)
 
 
 def finetuned_dir(settings: dict) -> Path:

@@ -4,13 +4,13 @@ the typed method settings once (``MethodSettings.from_config(settings["collab"])
 needs.
 
 A job is one (task, model, collab method, rank, seed, recipe), identified by its ``JobKey``
-(``collab_attn.glue.jobs``). Its results are one JSON line per stage in
-``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<key digest>/results.jsonl`` (or the folder
-``runs/index.json`` gives a job finished before job keys), written only when every stage has finished, so a job
-with results is done and an interrupted job leaves no results. The fine-tuned model is cached in
-``<output_root>/finetuned/...`` and shared by every rank of a sweep. The stages are functions
-(``finetuned_checkpoint``, ``reparametrize_stage``, ``refit_stage``) that ``run_job`` calls in turn. Training saves a
-resumable checkpoint every ``checkpoint_every`` steps (beside the cached model while fine-tuning, in the job's
+(``collab_attn.glue.jobs``). Its results are one record per stage in the sweep's run store
+(``collab_attn.run_store``, staged): ``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<key
+digest>/results.jsonl`` (or the folder ``runs/index.json`` gives a job finished before job keys), written only when
+every stage has finished, so a job with results is done and an interrupted job leaves no results. The fine-tuned
+model is cached in ``<output_root>/finetuned/...`` and shared by every rank of a sweep. The stages are functions
+(``finetuned_checkpoint``, ``reparametrize_stage``, ``refit_stage``) that ``run_job`` calls in turn. Training saves
+a resumable checkpoint every ``checkpoint_every`` steps (beside the cached model while fine-tuning, in the job's
 ``.checkpoints`` while re-fine-tuning), so running an interrupted job again continues its training where it stopped.
 """
 
@@ -38,9 +38,10 @@ from collab_attn.glue.jobs import (
     RANDOM_SUFFIX,
     digest,
     finetuned_dir,
-    job_dir,
     job_name,
+    job_store,
     refit_fields,
+    stored_name,
     weights_of,
 )
 from collab_attn.models.calibrate import calibrate, check_calibration
@@ -53,9 +54,6 @@ from collab_attn.tracking import NoTracker, check_logger, make_tracker
 from collab_attn.training import train, training_args
 
 log = logging.getLogger(__name__)
-
-RESULTS_FILE = "results.jsonl"
-
 
 def refit_trainer(
     distill: DistillSettings | None, task: glue.GlueTask, teacher_path: Path, report: ReparamReport | None
@@ -80,11 +78,7 @@ def checkpoints_dir(settings: dict, stage: str) -> Path:
     if stage == "finetuned":
         target = finetuned_dir(settings)
         return target.with_name(f"{target.name}.checkpoints")
-    return job_dir(settings) / ".checkpoints"
-
-
-def read_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return job_store(settings).checkpoints(stored_name(settings))
 
 
 def validate(
@@ -314,11 +308,13 @@ def run_job(settings: dict) -> list[dict]:
     distributed.setup()
     main = distributed.is_main()
     method = MethodSettings.from_config(settings["collab"])  # read once: the job's name, folder and stages
-    name, out = job_name(settings, method), job_dir(settings, method)
-    if distributed.from_main((out / RESULTS_FILE).is_file()):
+    store, name, stored = job_store(settings), job_name(settings, method), stored_name(settings, method)
+    out = store.folder / stored
+    records = distributed.from_main(store.finished(stored) if main else None)
+    if records is not None:
         if main:
             print(f"[{name}] results exist in {out}; skipping")
-        return distributed.from_main(read_results(out / RESULTS_FILE) if main else None)
+        return records
     task, path, method, distill = validate(settings, method)
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = load_data(task, settings["data"], tokenizer)  # before any folder exists: bad data leaves nothing behind
@@ -360,7 +356,7 @@ def run_job(settings: dict) -> list[dict]:
                                       tracker.training_callbacks("refit"))
                 finish("refit", evaluate_model(), report, resumed)
         if main:
-            write_text_atomic(out / RESULTS_FILE, "".join(json.dumps(r) + "\n" for r in records))
+            store.save(stored, records)
         compression = records[-1]["query_key_params"] / records[0]["query_key_params"]
         summary.update(rank=records[-1]["rank"], query_key_compression=compression)
     finally:

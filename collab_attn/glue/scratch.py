@@ -246,7 +246,7 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
                 "train_seconds": run.seconds - eval_seconds,  # training alone: evaluations left out
                 "resumed_seconds": run.resumed_seconds,
             }
-            store.save(record)
+            store.save(name, record)
             records[name] = record
             print(f"{name}: dev accuracy {record['dev_accuracy']:.4f}, {record['train_seconds']:.0f} s", flush=True)
 

@@ -1,5 +1,6 @@
 """Summaries of GLUE sweeps: a task x rank x stage table (Markdown and CSV) and a compression-vs-accuracy plot,
-in the spirit of the paper's Table 2. Reads every ``results.jsonl`` under a sweep directory."""
+in the spirit of the paper's Table 2. Reads the stage records of every GLUE job under a sweep directory (its
+``results.jsonl``, ``collab_attn.run_store``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from collab_attn import cli  # noqa: E402
 from collab_attn.files import replacing, write_text_atomic  # noqa: E402
 from collab_attn.glue.tasks import get_task  # noqa: E402
+from collab_attn.run_store import STAGES_FILE, read_results  # noqa: E402
 
 TASK_COLUMNS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
 STAGE_ORDER = {"finetuned": 0, "reparam": 1, "refit": 2}
@@ -30,17 +31,10 @@ def load_results(
     only ``tasks`` when given, so that the table's average is over those tasks, and only ``seeds`` when given (to
     compare rows on the same seeds). A job re-fine-tuned with
     distillation has its settings in its method (``cp-aware + KD a0.5 T4``): its rows are its own."""
-    files = sorted(Path(sweep_dir).rglob("results.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"no results.jsonl under {sweep_dir}; run scripts/train_glue.py first")
-    rows = []
-    for path in files:
-        for number, row in enumerate(cli.json_file("sweep_dir", path, lines=True), 1):
-            missing = [key for key in RESULT_KEYS if not isinstance(row, dict) or key not in row]
-            if missing:
-                raise cli.BadInput(f"{path}, result {number} lacks {', '.join(missing)}: not a scripts/train_glue.py "
-                                   "result; move it out of sweep_dir")
-            rows.append({**row, "job": str(path.parent)})
+    found = read_results("sweep_dir", sweep_dir, f"**/{STAGES_FILE}", RESULT_KEYS, "train_glue")
+    if not found:
+        raise FileNotFoundError(f"no {STAGES_FILE} under {sweep_dir}; run scripts/train_glue.py first")
+    rows = [{**row, "job": str(path.parent)} for path, row in found]
     if tasks is not None:
         wanted = {get_task(t).name for t in tasks}
         found = {row["task"] for row in rows}

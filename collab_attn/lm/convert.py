@@ -189,7 +189,7 @@ def check(settings: dict) -> tuple[list[Conversion], list[str]]:
     cli.integer("seed", settings["seed"], 0)
     cli.integer("sample_chars", settings["sample_chars"], 0)
     distill = distill_settings(settings)
-    out = cli.output_dir("output_dir", settings["output_dir"])
+    store = RunStore(cli.output_dir("output_dir", settings["output_dir"]))
     config = trained_config(settings["model_dir"], checked_corpus(settings))
     runs, unreachable = plan(settings, config)
     for run in runs:
@@ -200,13 +200,7 @@ def check(settings: dict) -> tuple[list[Conversion], list[str]]:
             except ValueError as err:
                 raise cli.BadInput(f"methods={run.method} cannot take key size {run.key_size} ({err}); change "
                                    "key_sizes or methods") from err
-        stored = out / "runs" / f"{run.name}.json"
-        if stored.exists():
-            record = cli.json_file("output_dir", stored)
-            identity = (RESULT_VERSION, run.method, run.key_size, run.value_size, _distill_record(distill))
-            if not isinstance(record, dict) or (record.get("version"), record.get("method"), record.get("key_size"),
-                                                record.get("value_size"), record.get("distill")) != identity:
-                raise cli.BadInput(f"{stored} is not a result of this conversion; use another output_dir or delete it")
+        store.finished(run.name, identity(run, distill))  # a stored run of another conversion is refused
     return runs, unreachable
 
 
@@ -225,6 +219,13 @@ def distill_settings(settings: dict) -> DistillSettings | None:
     return distill
 
 
+def identity(run: Conversion, distill: DistillSettings | None) -> dict:
+    """The fields of a stored conversion that must match ``run`` (and the re-training's distillation) for it to be
+    reused."""
+    return {"version": RESULT_VERSION, "method": run.method, "key_size": run.key_size, "value_size": run.value_size,
+            "distill": _distill_record(distill)}
+
+
 def _distill_record(distill: DistillSettings | None) -> dict | None:
     return None if distill is None else {"alpha": distill.alpha, "temperature": distill.temperature}
 
@@ -241,7 +242,7 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     seed, bf16 = int(settings["seed"]), use_bf16(settings.get("bf16", "auto"))
     batch = fields["per_device_eval_batch_size"]
     val = lm_data.val_blocks(corpus, settings["block_size"], batch, settings["eval_iters"])
-    store = RunStore(settings["output_dir"])  # records carry their version, not a signature: not checked
+    store = RunStore(settings["output_dir"])  # each record carries what identifies it: ``identity``
     original = load_trained(settings["model_dir"], corpus)
     for missed in unreachable:
         print(f"{missed}: no size of the method fits, skipped", flush=True)
@@ -254,7 +255,7 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
     print(f"original model: val loss {base['original_val_loss']:.4f}", flush=True)
     records = []
     for number, run in enumerate(runs, 1):
-        stored = store.finished(run.name)
+        stored = store.finished(run.name, identity(run, distill))
         if stored is not None:
             print(f"[{number}/{len(runs)}] {run.name}: done already, skipping", flush=True)
             records.append(stored)
@@ -283,7 +284,7 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
                 "retrained_best_val_loss": min(p["val_loss"] for p in curve), "retrain_seconds": trained.seconds,
                 "retrained_sample": sample_text(model, corpus, settings["sample_chars"], seed),
             })
-        store.save(record)
+        store.save(run.name, record)
         print(f"{run.name}: val loss {record['converted_val_loss']:.4f} converted, "
               f"{record.get('retrained_val_loss', float('nan')):.4f} re-trained", flush=True)
         records.append(record)

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from collab_attn import cli
 from collab_attn.files import replacing, write_section
 from collab_attn.models.settings import NO_CONVERSION, labels
-from collab_attn.run_store import mean_std
+from collab_attn.run_store import mean_std, read_results
 
 KEYS = ("method", "key_size", "value_size", "cache_fraction", "seed", "original_val_loss", "converted_val_loss",
         "cache_bytes_per_token_bf16", "original_cache_bytes_per_token_bf16")
@@ -28,13 +28,8 @@ STAGES = {"converted_val_loss": "converted", "retrained_val_loss": "re-trained"}
 
 def read_variant(folder: Path) -> list[dict]:
     """Every run of every seed folder under ``folder`` (``seed*/runs/*.json``), checked to be a conversion result."""
-    records = []
-    for path in sorted(folder.glob("seed*/runs/*.json")):
-        record = cli.json_file("root", path)
-        if not isinstance(record, dict) or not set(KEYS) <= set(record) or record["method"] not in labels():
-            raise cli.BadInput(f"{path} is not a result of scripts/convert_lm.py; move it out of {folder}")
-        records.append(record)
-    return records
+    found = read_results("root", folder, "seed*/runs/*.json", KEYS, "convert_lm", lambda r: r["method"] in labels())
+    return [record for _, record in found]
 
 
 def variants(root: Path) -> dict[str, list[dict]]:

@@ -159,7 +159,7 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     if any(fnmatch.fnmatch(name, pattern) for pattern in settings.get("save_models") or []):
         model.save_pretrained(out / "models" / name)
         write_text_atomic(out / "models" / name / "vocab.json", json.dumps(corpus.chars) + "\n")
-    store.save(record)
+    store.save(name, record)
     log_to_tracker(settings, record)
     print(f"{name}: best val loss {record['best_val_loss']:.4f} at step {best['step']}, "
           f"{record['tokens_per_second'] or 0:,.0f} tokens/s", flush=True)

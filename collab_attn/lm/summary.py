@@ -9,7 +9,6 @@ is left as written.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from collab_attn import cli
 from collab_attn.files import replacing, write_section
 from collab_attn.lm.models import KINDS
 from collab_attn.models.settings import NO_CONVERSION, labels
-from collab_attn.run_store import mean_curve, mean_std
+from collab_attn.run_store import mean_curve, mean_std, read_results
 
 NANOGPT = {"gpu": 1.4697, "cpu": 1.88}  # nanoGPT's README: best val loss of its two shakespeare_char configs
 RESULTS_BEGIN = "<!-- results: written by scripts/summarize_lm.py -->"
@@ -33,8 +32,12 @@ RESULTS = {
                       "converted_sample"), "method", METHOD_ORDER, "convert_lm"),
 }
 
-def read_runs(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+def read_runs(recipe: Path, runs: str) -> list[dict]:
+    """The records in the sub-folder ``runs`` (a key of ``RESULTS``) of a recipe folder, each checked to be a result
+    of the script that writes them there (none when the folder is missing)."""
+    keys, variant_key, variants, script = RESULTS[runs]
+    found = read_results("root", recipe / runs, "*.json", keys, script, lambda record: record[variant_key] in variants)
+    return [record for _, record in found]
 
 
 def variant(record: dict) -> str:
@@ -198,8 +201,7 @@ def results_markdown(root: Path) -> str:
     """The generated README part: per recipe folder, the from-scratch table, the conversion table, the samples."""
     parts = [RESULTS_BEGIN, ""]
     for folder in sorted(p for p in root.iterdir() if (p / "runs").is_dir()):
-        scratch = read_runs(folder / "runs")
-        converted = read_runs(folder / "convert" / "runs") if (folder / "convert" / "runs").is_dir() else []
+        scratch, converted = read_runs(folder, "runs"), read_runs(folder, "convert/runs")
         recipe = scratch[0].get("recipe") if scratch else folder.name
         parts += [f"### `{folder.name}`: {recipe} recipe", ""]
         if scratch:
@@ -225,11 +227,8 @@ def check_results(root: str | Path) -> list[Path]:
         raise cli.Missing(f"root={root} holds no <recipe>/runs/*.json: not a results folder of scripts/train_lm.py; "
                           "pass the folder above its output_dir (e.g. experiments/shakespeare_char)")
     for folder in folders:
-        for runs, (keys, variant_key, variants, script) in RESULTS.items():
-            for path in sorted((folder / runs).glob("*.json")):
-                record = cli.json_file("root", path)
-                if not isinstance(record, dict) or not set(keys) <= set(record) or record[variant_key] not in variants:
-                    raise cli.BadInput(f"{path} is not a result of scripts/{script}.py; move it out of root={root}")
+        for runs in RESULTS:
+            read_runs(folder, runs)
     if (root / "README.md").exists():
         cli.text_file("root", root / "README.md")
     cli.output_dir("root", root, files=("README.md", *(f"curves_{folder.name}.png" for folder in folders)))
@@ -241,12 +240,12 @@ def write_summary(root: str | Path) -> Path:
     folders = check_results(root)
     root = Path(root)
     for folder in folders:
-        scratch = read_runs(folder / "runs")
+        scratch = read_runs(folder, "runs")
         if scratch:
             plot_curves(scratch, scratch[0].get("recipe") or folder.name, root / f"curves_{folder.name}.png")
         if {r["attention"] for r in scratch} - {"concat", "collab"}:  # a cache race: beside the grid of its recipe
-            grid = root / str(scratch[0].get("recipe")) / "runs"
-            reference = read_runs(grid) if grid.is_dir() and grid != folder / "runs" else []
+            grid = root / str(scratch[0].get("recipe"))
+            reference = read_runs(grid, "runs") if grid != folder else []
             plot_cache_race(scratch, root / f"cache_{folder.name}.png", reference)
     return write_section(root / "README.md", results_markdown(root), RESULTS_BEGIN, RESULTS_END,
                          "# Tiny Shakespeare, character level\n\n")
