@@ -151,6 +151,14 @@ def output_dir(name: str, path, overwrite: bool | None = None, files: Sequence[s
     return path
 
 
+def summary_outputs(name: str, root: Path, images: Sequence[str]) -> None:
+    """The outputs of a summary written into the folder ``root``: its ``README.md`` (read first where there is one,
+    since only its results part is replaced) and ``images``, none of them a folder."""
+    if (root / "README.md").exists():
+        text_file(name, root / "README.md")
+    output_dir(name, root, files=("README.md", *images))
+
+
 def output_file(name: str, path) -> Path:
     """``path`` as a file to write: not a folder, in a folder that is (or can be made) writable."""
     if path is None or not str(path).strip():

@@ -145,9 +145,7 @@ def check_root(root: str | Path) -> dict[str, list[dict]]:
     if not found:
         raise cli.Missing(f"root={root} holds no <model>/<variant>/seed*/runs/*.json: run scripts/convert_lm.py with "
                           "cache_fractions and output_dir=<root>/<model>/<variant>/seed<N> first")
-    if (root / "README.md").exists():
-        cli.text_file("root", root / "README.md")
-    cli.output_dir("root", root, files=("README.md", *(f"{name.replace('/', '_')}.png" for name in found)))
+    cli.summary_outputs("root", root, [f"{name.replace('/', '_')}.png" for name in found])
     return found
 
 

@@ -229,9 +229,7 @@ def check_results(root: str | Path) -> list[Path]:
     for folder in folders:
         for runs in RESULTS:
             read_runs(folder, runs)
-    if (root / "README.md").exists():
-        cli.text_file("root", root / "README.md")
-    cli.output_dir("root", root, files=("README.md", *(f"curves_{folder.name}.png" for folder in folders)))
+    cli.summary_outputs("root", root, [f"curves_{folder.name}.png" for folder in folders])
     return folders
 
 

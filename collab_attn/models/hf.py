@@ -290,7 +290,7 @@ def _collab_config_class(family: Family) -> type:
             "collab_value_ranks": list[int] | None,
         },
         "model_type": family.collab_model_type,
-        "collab_method": "cp",
+        "collab_method": "collaborative",  # the layer kind a CP conversion builds
         "collab_ranks": None,
         "collab_heads": None,
         "collab_tucker_core_size": None,
