@@ -170,36 +170,11 @@ def decompose_heads(
         )
         work = HeadProducts(raw.a @ s_query, raw.b @ s_key)
 
-    weighted_error, n_iter = None, None
     if solver == "implicit":
-        if method == "cp":
-            fit = cp_als(
-                work, None, rank, init=init, n_iter_max=n_iter_max, tol=tol, patience=patience, seed=seed,
-                linesearch=True if linesearch is None else linesearch, matmul_dtype=torch.float32,
-            )
-            factors = (fit.mixing, fit.query, fit.key, None)
-        else:
-            if init not in ("svd", "random"):
-                raise ValueError(f"unknown init {init!r}; choose 'svd' or 'random'")
-            fit = tucker_hooi(
-                work, None, rank, core_size, init=init, n_iter_max=n_iter_max, tol=tol, patience=patience, seed=seed
-            )
-            factors = (fit.mixing, fit.query, fit.key, fit.core)
-        n_iter = len(fit.errors)
+        factors, n_iter = _implicit(work, rank, method, seed, init, n_iter_max, tol, patience, core_size, linesearch)
     else:
-        # tensorly on the unit-norm tensor (float32: at the weights' own scale its Grams under- or overflow), then
-        # the factors scaled back as cp_als / tucker_hooi do
-        unit, query_scale, key_scale = work.normalized()
-        if method == "cp" and isinstance(init, (tuple, list)) and len(init) == 3:
-            init = (init[0], torch.as_tensor(init[1]) * query_scale, torch.as_tensor(init[2]) * key_scale)
-        mixing, query, key, core = _tensorly(
-            unit.dense().float(), rank, method, seed, init, n_iter_max, tol, core_size, linesearch
-        )
-        if core is None:
-            query, key = query.double() / query_scale, key.double() / key_scale
-        else:
-            core = core.double() / (query_scale * key_scale)
-        factors = (mixing, query, key, core)
+        factors, n_iter = _dense(work, rank, method, seed, init, n_iter_max, tol, core_size, linesearch), None
+    weighted_error = None
     mixing, query, key, core = (None if f is None else f.to(torch.float64) for f in factors)
     if covariance is not None:
         weighted_error = _error(work, mixing, query, key, core)
@@ -215,6 +190,35 @@ def decompose_heads(
     )
     result.relative_error = _error(raw, result.mixing, result.shared_query, result.shared_key, result.core)
     return result
+
+
+def _implicit(work: HeadProducts, rank, method, seed, init, n_iter_max, tol, patience, core_size, linesearch):
+    """``decompose_heads``'s fit by the implicit solver: the factors (mixing, query, key, core or None) and the
+    number of iterations run."""
+    if method == "cp":
+        fit = cp_als(
+            work, None, rank, init=init, n_iter_max=n_iter_max, tol=tol, patience=patience, seed=seed,
+            linesearch=True if linesearch is None else linesearch, matmul_dtype=torch.float32,
+        )
+        return (fit.mixing, fit.query, fit.key, None), len(fit.errors)
+    if init not in ("svd", "random"):
+        raise ValueError(f"unknown init {init!r}; choose 'svd' or 'random'")
+    fit = tucker_hooi(work, None, rank, core_size, init=init, n_iter_max=n_iter_max, tol=tol, patience=patience,
+                      seed=seed)
+    return (fit.mixing, fit.query, fit.key, fit.core), len(fit.errors)
+
+
+def _dense(work: HeadProducts, rank, method, seed, init, n_iter_max, tol, core_size, linesearch):
+    """``decompose_heads``'s fit by tensorly, on the unit-norm dense tensor (float32: at the weights' own scale its
+    Grams under- or overflow), the factors scaled back as ``cp_als`` / ``tucker_hooi`` do."""
+    unit, query_scale, key_scale = work.normalized()
+    if method == "cp" and isinstance(init, (tuple, list)) and len(init) == 3:
+        init = (init[0], torch.as_tensor(init[1]) * query_scale, torch.as_tensor(init[2]) * key_scale)
+    mixing, query, key, core = _tensorly(unit.dense().float(), rank, method, seed, init, n_iter_max, tol, core_size,
+                                         linesearch)
+    if core is None:
+        return mixing, query.double() / query_scale, key.double() / key_scale, None
+    return mixing, query, key, core.double() / (query_scale * key_scale)
 
 
 def _error(tensor: HeadProducts, mixing, query, key, core) -> float:
