@@ -112,16 +112,15 @@ def test_every_option_of_every_group_composes(primary, group, option):
     if group != "collab":
         assert_option_values_arrive(primary, group, option, settings)
         return
-    if group == "collab":
-        collab = settings["collab"]
-        method = MethodSettings.from_config(collab)
-        group = method.to_group()
-        assert group == {key: collab[key] for key in group}, "every key the method takes arrives with its value"
-        if method.converts:
-            assert method.reparametrize_kwargs() == {
-                "rank": collab.get("budget") or collab["rank"], "method": collab["method"],
-                **{key: collab[key] for key in method.conversion.option_names},
-            }
+    collab = settings["collab"]
+    method = MethodSettings.from_config(collab)
+    keys = method.to_group()
+    assert keys == {key: collab[key] for key in keys}, "every key the method takes arrives with its value"
+    if method.converts:
+        assert method.reparametrize_kwargs() == {
+            "rank": collab.get("budget") or collab["rank"], "method": collab["method"],
+            **{key: collab[key] for key in method.conversion.option_names},
+        }
 
 
 def group_file(group: str, option: str) -> tuple[str, dict]:
