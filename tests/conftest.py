@@ -63,6 +63,16 @@ def glue_dir() -> Path:
     return GLUE_DIR
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny problems (``pytestmark = pytest.mark.usefixtures("one_thread")``): a
+    second thread only adds waiting when the two cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def small_config(family: str, **overrides) -> transformers.PretrainedConfig:
     """A randomly initialized configuration of each family (4 heads of 12), small enough to build in milliseconds.
 

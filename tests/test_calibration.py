@@ -66,13 +66,7 @@ HELD_OUT = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small forward passes: a second thread only adds waiting when the two cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny problems
 
 
 @pytest.fixture(scope="module")

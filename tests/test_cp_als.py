@@ -18,14 +18,7 @@ from collab_attn.decomposition.cp_als import (
 )
 from collab_attn.decomposition.decompose import head_products
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny problems: a second thread only adds waiting when the two cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny problems
 
 
 def random_heads(heads=4, head_dim=6, d_in=20, seed=0):

@@ -118,15 +118,6 @@ def test_bad_weights_are_explained():
 # Scale invariance (issue 41)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny problems: a second thread only adds waiting when the two cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _covariance(d_in=32, seed=5):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(256, d_in, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3, d_in, dtype=torch.float64)

@@ -10,13 +10,7 @@ from collab_attn import reparametrize
 from collab_attn.decomposition.cp_als import HeadProducts
 from collab_attn.decomposition.rank_selection import RankBudget, _allocate, _lower_hull, query_key_params, select_ranks
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny problems
 
 
 def layers(seed=0, heads=4, head_dim=6, d_in=24):
