@@ -55,6 +55,7 @@ from collab_attn.training import train, training_args
 
 log = logging.getLogger(__name__)
 
+
 def refit_trainer(
     distill: DistillSettings | None, task: glue.GlueTask, teacher_path: Path, report: ReparamReport | None
 ) -> dict:

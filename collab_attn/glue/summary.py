@@ -31,10 +31,10 @@ def load_results(
     only ``tasks`` when given, so that the table's average is over those tasks, and only ``seeds`` when given (to
     compare rows on the same seeds). A job re-fine-tuned with
     distillation has its settings in its method (``cp-aware + KD a0.5 T4``): its rows are its own."""
-    found = read_results("sweep_dir", sweep_dir, f"**/{STAGES_FILE}", RESULT_KEYS, "train_glue")
-    if not found:
+    stored = read_results("sweep_dir", sweep_dir, f"**/{STAGES_FILE}", RESULT_KEYS, "train_glue")
+    if not stored:
         raise FileNotFoundError(f"no {STAGES_FILE} under {sweep_dir}; run scripts/train_glue.py first")
-    rows = [{**row, "job": str(path.parent)} for path, row in found]
+    rows = [{**row, "job": str(path.parent)} for path, row in stored]
     if tasks is not None:
         wanted = {get_task(t).name for t in tasks}
         found = {row["task"] for row in rows}

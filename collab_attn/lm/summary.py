@@ -32,6 +32,7 @@ RESULTS = {
                       "converted_sample"), "method", METHOD_ORDER, "convert_lm"),
 }
 
+
 def read_runs(recipe: Path, runs: str) -> list[dict]:
     """The records in the sub-folder ``runs`` (a key of ``RESULTS``) of a recipe folder, each checked to be a result
     of the script that writes them there (none when the folder is missing)."""
