@@ -427,6 +427,43 @@ def test_tucker_shared_values_mix_each_head_by_a_matrix():
         per_head.value_mixing_matrices()
 
 
+def test_tucker_matrices_are_built_once_without_gradients_and_again_when_the_parameters_change():
+    """Generation and evaluation reuse the per-head Tucker matrices; an optimizer step, ``load_state_dict``, a new
+    tensor in ``.data`` or a dtype change each give what recomputing gives, and training still reaches the cores."""
+    torch.manual_seed(4)
+    layer = CollaborativeAttention(32, 4, 8, value_rank=6, tucker_core_size=3, mixing_init="random").eval()
+    x = torch.randn(2, 5, 32)
+
+    def fresh():  # with gradients on, the matrices are rebuilt on every call
+        return layer(x, is_causal=True)[0].detach()
+
+    with torch.no_grad():
+        first = layer(x, is_causal=True)[0]
+        key_matrices, value_matrices = layer.mixing_matrices(), layer.value_mixing_matrices()
+    with torch.inference_mode():
+        assert layer.mixing_matrices() is key_matrices and layer.value_mixing_matrices() is value_matrices
+        torch.testing.assert_close(layer(x, is_causal=True)[0], first, rtol=0, atol=0)
+    changes = [
+        lambda: torch.optim.SGD(layer.parameters(), lr=0.5).step(),
+        lambda: layer.load_state_dict(layer.state_dict() | {"value_core": torch.randn(3, 6, 6)}),
+        lambda: setattr(layer.mixing_core, "data", torch.randn(3, 8, 8)),
+    ]
+    for change in changes:
+        layer(x, is_causal=True)[0].square().sum().backward()  # gradients reach both cores
+        assert layer.mixing_core.grad.abs().sum() > 0 and layer.value_core.grad.abs().sum() > 0
+        change()
+        layer.zero_grad()
+        with torch.no_grad():
+            after = layer(x, is_causal=True)[0]
+        assert not torch.allclose(after, first)
+        torch.testing.assert_close(after, fresh(), rtol=0, atol=0)
+        first = after
+    layer.double()  # float32 matrices kept would not multiply float64 queries
+    with torch.no_grad():
+        doubled = layer(x.double(), is_causal=True)[0]
+    torch.testing.assert_close(doubled, layer(x.double(), is_causal=True)[0].detach(), rtol=0, atol=0)
+
+
 def test_shared_values_refuse_a_bad_value_rank():
     with pytest.raises(ValueError, match="value_rank must be a positive integer"):
         CollaborativeAttention(32, 4, 8, value_rank=0)

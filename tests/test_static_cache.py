@@ -87,7 +87,9 @@ def test_static_buffers_hold_the_bytes_the_accounting_counts(method):
         assert cached.keys.shape[2] == cached.values.shape[2] == 16 and cached.values.shape[1] == value_heads
 
 
-@pytest.mark.parametrize("method", ["cp", "svd", "prune"])  # one per cache layout: shared key, narrow keys, fewer heads
+# one per cache layout (shared key, narrow keys, fewer heads), and Tucker, whose per-head matrices eager decoding
+# builds once and keeps (collab_attn.nn.attention) while a compiled graph builds them itself
+@pytest.mark.parametrize("method", ["cp", "svd", "prune", "tucker"])
 def test_compiled_static_decoding_equals_eager_and_does_not_recompile(method):
     _, model = original_and_converted("gpt2", method, HALF)
     model.set_attn_implementation("sdpa")

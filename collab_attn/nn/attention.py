@@ -315,6 +315,7 @@ class CollaborativeAttention(_Attention):
         self.key = nn.Linear(self.kv_dim, rank, bias=False)
         self.content_bias = nn.Linear(self.kv_dim, num_heads, bias=False) if bias else None
         self.mixing, self.mixing_core = _head_mixing(num_heads, rank, tucker_core_size)
+        self._built_mixing: dict[str, tuple] = {}  # Tucker: the per-head matrices outside training (``_tucker``)
         self.reset_mixing()
 
     @torch.no_grad()
@@ -345,7 +346,7 @@ class CollaborativeAttention(_Attention):
         """The per-head ``rank x rank`` mixing, (heads, rank, rank): ``diag(m_h)`` for CP, ``M_h`` for Tucker."""
         if self.mixing_core is None:
             return torch.diag_embed(self.mixing)
-        return torch.einsum("hg,grs->hrs", self.mixing, self.mixing_core)
+        return self._tucker("key", self.mixing, self.mixing_core)
 
     def value_mixing_matrices(self) -> torch.Tensor:
         """The per-head ``value_rank x value_rank`` value mixing, (heads, D_v, D_v): ``diag(n_h)`` for CP, ``N_h``
@@ -354,7 +355,27 @@ class CollaborativeAttention(_Attention):
             raise ValueError("this layer keeps a value head per head (value_rank=None): it has no value mixing")
         if self.value_core is None:
             return torch.diag_embed(self.value_mixing)
-        return torch.einsum("hg,gvw->hvw", self.value_mixing, self.value_core)
+        return self._tucker("value", self.value_mixing, self.value_core)
+
+    def _tucker(self, side: str, mixing: torch.Tensor, core: torch.Tensor) -> torch.Tensor:
+        """``sum_g mixing[h, g] core[g]`` for every head, (heads, width, width). Building them costs ``core_size``
+        times the per-step mixing itself, so without gradients (generation, evaluation, inference mode; not while
+        compiling) they are built once and kept until either parameter changes: held are the parameters' tensors as
+        they were (so their storage cannot be reused by another) and their in-place version counters (an optimizer
+        step, a ``load_state_dict`` bump them)."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return torch.einsum("hg,gvw->hvw", mixing, core)
+        versions = (mixing._version, core._version)
+        held = self._built_mixing.get(side)
+        if held is not None:
+            old_mixing, old_core, old_versions, built = held
+            if (old_versions == versions and old_mixing.data_ptr() == mixing.data_ptr()
+                    and old_core.data_ptr() == core.data_ptr() and built.dtype == torch.result_type(mixing, core)
+                    and built.device == mixing.device):
+                return built
+        built = torch.einsum("hg,gvw->hvw", mixing, core)
+        self._built_mixing[side] = (mixing.detach(), core.detach(), versions, built)
+        return built
 
     def forward(
         self,
@@ -387,7 +408,7 @@ class CollaborativeAttention(_Attention):
         for CP. Head h's logits are then (X Wq~) (scale * M_h) (Y Wk~)^T + scale * 1 (Y c_h)^T: the scale goes into
         the small factors (mixing, content bias), never into a (batch, heads, tgt, src) tensor."""
         if self.mixing_core is not None:
-            return torch.einsum("btr,hrs->bhts", shared_queries, self.mixing_matrices() * self.scale)
+            return torch.einsum("btr,hrs->bhts", shared_queries * self.scale, self.mixing_matrices())
         # Expanding before the product keeps the loop over a contiguous output: broadcasting (B, 1, T, rank) *
         # (H, 1, rank) directly is several times slower.
         expanded = shared_queries[:, None].expand(-1, self.num_heads, -1, -1)
