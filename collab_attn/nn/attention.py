@@ -320,27 +320,14 @@ class CollaborativeAttention(_Attention):
 
     @torch.no_grad()
     def reset_mixing(self) -> None:
-        """Set the mixing to ``self.mixing_init``; Tucker cores start as identities (every head alike)."""
+        """Set the mixing to ``self.mixing_init``; Tucker cores start as identities (every head alike). The values
+        (drawn first) have no block form: ``"concatenate"`` starts them as ``"ones"``."""
         if self.mixing.device.type == "meta":
             return
-        if self.value_core is not None:
-            self.value_core.copy_(torch.eye(self.value_rank).expand_as(self.value_core))
         if self.value_mixing is not None:
-            core = self.value_mixing.shape[1] if self.value_core is not None else None
-            if self.mixing_init == "random":
-                nn.init.normal_(self.value_mixing, std=1.0 if core is None else core**-0.5)
-            else:
-                self.value_mixing.fill_(1.0 if core is None else 1.0 / core)
-        heads, width = self.mixing.shape
-        if self.mixing_core is not None:
-            self.mixing_core.copy_(torch.eye(self.rank).expand_as(self.mixing_core))
-        if self.mixing_init == "concatenate" and self.mixing_core is None:
-            block = width // heads
-            self.mixing.copy_(torch.eye(heads).repeat_interleave(block, dim=1))
-        elif self.mixing_init == "random":
-            nn.init.normal_(self.mixing, std=1.0 if self.mixing_core is None else width**-0.5)
-        else:
-            self.mixing.fill_(1.0 if self.mixing_core is None else 1.0 / width)
+            init = "ones" if self.mixing_init == "concatenate" else self.mixing_init
+            _init_head_mixing(self.value_mixing, self.value_core, init)
+        _init_head_mixing(self.mixing, self.mixing_core, self.mixing_init)
 
     def mixing_matrices(self) -> torch.Tensor:
         """The per-head ``rank x rank`` mixing, (heads, rank, rank): ``diag(m_h)`` for CP, ``M_h`` for Tucker."""
@@ -504,6 +491,22 @@ def _head_mixing(heads: int, width: int, core_size: int | None) -> tuple[nn.Para
     if core_size is None:
         return nn.Parameter(torch.empty(heads, width)), None
     return nn.Parameter(torch.empty(heads, core_size)), nn.Parameter(torch.empty(core_size, width, width))
+
+
+@torch.no_grad()
+def _init_head_mixing(mixing: nn.Parameter, core: nn.Parameter | None, init: str) -> None:
+    """One side's mixing (``_head_mixing``) set to ``init``. CP vectors: ones, standard normal (``"random"``) or
+    each head's own block of the width (``"concatenate"``). Tucker: identity core slices, and weights of
+    ``1 / core_size`` (``"random"``: normal with standard deviation ``core_size^-1/2``)."""
+    heads, width = mixing.shape
+    if core is not None:
+        core.copy_(torch.eye(core.shape[1]).expand_as(core))
+    if init == "concatenate" and core is None:
+        mixing.copy_(torch.eye(heads).repeat_interleave(width // heads, dim=1))
+    elif init == "random":
+        nn.init.normal_(mixing, std=1.0 if core is None else width**-0.5)
+    else:
+        mixing.fill_(1.0 if core is None else 1.0 / width)
 
 
 def _keys_seen(mask: torch.Tensor, src_len: int) -> torch.Tensor:
