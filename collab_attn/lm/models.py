@@ -25,7 +25,7 @@ import math
 import torch
 import transformers
 
-from collab_attn.models.hf import attention_parameters, collab_config_class
+from collab_attn.models.hf import Layout, attention_parameters, collab_config_class
 from collab_attn.models.layers import ConvertedSelfAttention
 from collab_attn.nn import attention as nn_attention
 from collab_attn.nn.variants import cache_numbers_per_token
@@ -75,15 +75,19 @@ def gpt_config(
     if kind == "concat":
         if key_size % n_head:
             raise ValueError(f"concatenated heads need key_size a multiple of n_head={n_head}, got {key_size}")
-        return collab_config_class("gpt2")(**common, collab_method="concatenated", collab_ranks=[key_size] * n_layer)
+        return _layout_config(common, Layout("concatenated", [key_size] * n_layer))
     if kind in ("gqa", "mqa", "mla"):
         return _scratch_layout_config(common, kind, key_size, n_embd // n_head, n_head, n_layer)
     if mixing_init not in MIXING_INITS:
         raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
-    return collab_config_class("gpt2")(
-        **common, collab_method="collaborative", collab_ranks=[key_size] * n_layer, collab_mixing_init=mixing_init,
-        collab_value_ranks=None if value_size is None else [int(value_size)] * n_layer,
-    )
+    values = None if value_size is None else [int(value_size)] * n_layer
+    return _layout_config(common, Layout("collaborative", [key_size] * n_layer, mixing_init=mixing_init,
+                                         value_ranks=values))
+
+
+def _layout_config(common: dict, layout: Layout):
+    """A GPT-2 config whose attention layers are built from ``layout``."""
+    return collab_config_class("gpt2")(**common, **layout.config_fields())
 
 
 def _scratch_layout_config(common: dict, kind: str, key_size: int, head_dim: int, n_head: int, n_layer: int):
@@ -95,8 +99,7 @@ def _scratch_layout_config(common: dict, kind: str, key_size: int, head_dim: int
     if kind == "gqa" and (key_size % head_dim or n_head % (key_size // head_dim)):
         raise ValueError(f"attention=gqa needs key_size = kv_heads x {head_dim} with kv_heads dividing n_head={n_head}"
                          f", got {key_size}")
-    layout = "mla" if kind == "mla" else "gqa"
-    return collab_config_class("gpt2")(**common, collab_method=layout, collab_ranks=[key_size] * n_layer)
+    return _layout_config(common, Layout("mla" if kind == "mla" else "gqa", [key_size] * n_layer))
 
 
 def build_model(config: transformers.GPT2Config, seed: int) -> transformers.PreTrainedModel:
