@@ -330,7 +330,8 @@ class CollaborativeAttention(_Attention):
         _init_head_mixing(self.mixing, self.mixing_core, self.mixing_init)
 
     def mixing_matrices(self) -> torch.Tensor:
-        """The per-head ``rank x rank`` mixing, (heads, rank, rank): ``diag(m_h)`` for CP, ``M_h`` for Tucker."""
+        """The per-head ``rank x rank`` mixing, (heads, rank, rank): ``diag(m_h)`` for CP, ``M_h`` for Tucker (kept
+        for reuse without gradients: read it, do not write into it)."""
         if self.mixing_core is None:
             return torch.diag_embed(self.mixing)
         return self._tucker("key", self.mixing, self.mixing_core)
