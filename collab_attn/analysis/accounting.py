@@ -115,9 +115,10 @@ def attention_flops_per_token(
     ``2 heads x D_v^2``.
 
     Not counted: bias and mask additions, the logit scaling, the softmax itself (exponentials, sums,
-    divisions), dropout, and Tucker's ``M_h = sum_g A[h, g] G[g]``, which is built once per forward pass and
-    not per token. Note that the scores cost ``heads x D~`` per key against ``heads x head_dim`` for
-    concatenated heads: collaborative heads spend fewer FLOPs on scores only when ``D~ < head_dim``.
+    divisions), dropout, and Tucker's ``M_h = sum_g A[h, g] G[g]``, which is built once per forward pass while
+    training (once in all for inference) and not per token. Note that the scores cost ``heads x D~`` per key
+    against ``heads x head_dim`` for concatenated heads: collaborative heads spend fewer FLOPs on scores only
+    when ``D~ < head_dim``.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
