@@ -3,7 +3,12 @@
 An entry point is a ``check`` and the work. ``check`` reads every argument and the whole grid of runs, writes
 nothing and raises on anything wrong; the work starts only once it has returned. Whatever ``check`` raises reaches
 the user as one ``error: ...`` line on stderr and exit status 2 (``exit_on_bad_input``); what the work raises is a
-real error and keeps its traceback.
+real error and keeps its traceback, except ``BadInput``. Some input can only be judged once the work has it in hand:
+a conversion checks the checkpoint's weights (NaN or Inf), the ranks against the loaded layers, its options and the
+calibration statistics before it changes anything. Such a step runs under ``as_bad_input()``, which makes the
+ValueErrors it raises ``BadInput`` (message kept); ``BadInput`` raised anywhere in the work is one ``error: ...``
+line and exit status 2 too, and whatever the work has not finished writing is left unwritten (results are written
+all at once at the end, ``collab_attn.files``).
 
 - Hydra scripts decorate their task function with ``hydra_main(config_name, check)`` in place of ``hydra.main``: it
   composes every job of the command line (each job of a ``-m`` sweep, ``hydra.sweeper.params`` included) and checks
@@ -252,15 +257,31 @@ def one_line(err: BaseException) -> str:
     return text
 
 
-def exit_on_bad_input(check: Callable[[], T], report: bool = True) -> T:
+def exit_on_bad_input(check: Callable[[], T], report: bool = True,
+                      bad: type[BaseException] | tuple[type[BaseException], ...] = Exception) -> T:
     """``check()``'s result; anything it raises is bad input: one ``error: ...`` line on stderr (when ``report``: in
-    a multi-process job one process speaks) and exit status 2."""
+    a multi-process job one process speaks) and exit status 2. ``bad``: the exceptions that count as bad input (the
+    work passes ``BadInput``: anything else it raises keeps its traceback)."""
     try:
         return check()
-    except Exception as err:  # whatever a check raises, the input has to change
+    except bad as err:  # whatever a check raises, the input has to change
         if report:
             print(f"error: {one_line(err)}", file=sys.stderr)
         sys.exit(2)
+
+
+@contextmanager
+def as_bad_input() -> Iterator[None]:
+    """Around a step of the work that validates its input before it acts on it (a conversion: the checkpoint's
+    weights, the ranks, the method's options, the calibration statistics): a ValueError raised in the block is bad
+    input, raised again as ``BadInput`` with the same message (the original chained as its cause), which the entry
+    point reports in one line. Other exceptions pass unchanged."""
+    try:
+        yield
+    except BadInput:
+        raise
+    except ValueError as err:
+        raise BadInput(str(err)) from err
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -300,13 +321,20 @@ def hydra_main(config_name: str, check: Callable[[dict], object], report: Callab
     """``hydra.main(config_path="../configs", config_name=config_name)`` for a task function in ``scripts/``, with
     each job of the command line composed and its settings passed to ``check`` first, before Hydra makes its run
     folder: bad input exits with one ``error:`` line and status 2 having written nothing. ``--help``, ``--cfg``,
-    ``--info``, ``--config-dir`` and the like go straight to Hydra. ``report()``: whether this process prints the
-    error (in a multi-process job one process speaks)."""
+    ``--info``, ``--config-dir`` and the like go straight to Hydra. ``BadInput`` raised by the task itself (a step
+    run ``as_bad_input()``) ends the same way, with its one line and status 2, and no traceback. ``report()``:
+    whether this process prints the error (in a multi-process job one process speaks)."""
     import hydra
 
     def decorate(task: Callable) -> Callable[[], None]:
         configs = Path(inspect.getfile(task)).resolve().parent.parent / "configs"
-        run_hydra = hydra.main(version_base="1.3", config_path="../configs", config_name=config_name)(task)
+
+        @functools.wraps(task)  # Hydra unwraps it to find the script (its name, its configs)
+        def task_reporting_bad_input(cfg) -> None:
+            exit_on_bad_input(lambda: task(cfg), report(), bad=BadInput)
+
+        run_hydra = hydra.main(version_base="1.3", config_path="../configs", config_name=config_name)(
+            task_reporting_bad_input)
 
         @functools.wraps(task)
         def main() -> None:

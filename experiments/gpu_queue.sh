@@ -9,6 +9,11 @@
 #   GPU_QUEUE_DRY_RUN=1 OUT=/tmp/q bash experiments/gpu_queue.sh     # every job for one step on the CPU (CI runs it)
 #
 # The queue, highest priority first (each job resumable: it skips what is already done, in the tree or in $OUT):
+#   0. tests: the GPU-only tests (python -m pytest -q tests/test_cuda.py; their CPU twins run in CI:
+#      tests/test_device_twins.py), a minute or two; the report goes to experiments/gpu_tests/test_cuda.txt, whose
+#      first line names the version of the sources it tested (a hash of collab_attn/, tests/test_cuda.py and
+#      tests/conftest.py): skipped while they are unchanged, run again once they change. A run that ends in failed
+#      tests is a result too (committed, to be fixed).
 #   1. decode: benchmarks/decode.py in bfloat16, batches 1 8 32 64, contexts 1024 4096 8192, dynamic and static
 #      (compiled, CUDA graphs) caches, original and D~ = d/2, d/4, d/8 (issue 45); then benchmarks/decode_kernels.py
 #      (one layer's step: sdpa, explicit, compiled, flex_attention) at batch 1 and 32; each skipped once its .json
@@ -29,12 +34,14 @@
 # $OUT/experiments/... at the end, so the copy-back above puts them where they belong. Logs: $OUT/queue_logs.
 #
 # Settings (environment): PYTHON (python), GPU_QUEUE_DEADLINE (540), GPU_QUEUE_JOBS (which jobs, in order:
-# "decode glue lm race convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT only).
+# "tests decode glue lm race convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT
+# only; the tests job runs as it is: without a GPU every test skips).
 set -u
-JOBS=${GPU_QUEUE_JOBS:-decode glue lm race convert}
+JOBS=${GPU_QUEUE_JOBS:-tests decode glue lm race convert}
 if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
+      tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic static; benchmarks/decode_kernels.py --batch 1, 32";;
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
@@ -64,11 +71,30 @@ ROOT=experiments
 GLUE_DIR=${GLUE_DIR:-../shared/data/glue}
 LM_DATA=${LM_DATA:-../shared/data/tinyshakespeare/input.txt}
 
-run_job() {  # name command...: one job under the deadline, its output in the log; never stops the queue
-  local name=$1; shift
-  if [ "$(left)" -le 1 ]; then echo "$name: skipped, no time left"; return; fi
+LAST_EXIT=0
+run_job() {  # name command...: one job under the deadline, its output in the log; never stops the queue. LAST_EXIT:
+  local name=$1; shift  # its exit status (124: out of time, also when no time was left to start it)
+  if [ "$(left)" -le 1 ]; then echo "$name: skipped, no time left"; LAST_EXIT=124; return; fi
   timeout "$(left)" "$@" > "$LOGS/$name.log" 2>&1
-  echo "$name: exit $? after $(( $(date +%s) - START )) s"
+  LAST_EXIT=$?
+  echo "$name: exit $LAST_EXIT after $(( $(date +%s) - START )) s"
+}
+
+tests() {
+  local out="$ROOT/gpu_tests/test_cuda.txt" sources
+  sources=$({ find collab_attn -name '*.py' | LC_ALL=C sort; echo tests/conftest.py tests/test_cuda.py; } | xargs cat \
+    | sha1sum | cut -c1-12)
+  if [ -f "$out" ] && [ "$(head -n 1 "$out")" = "sources $sources" ]; then
+    echo "tests: done before ($out)"
+    return
+  fi
+  run_job tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  # exit 0 (all passed or skipped) or 1 (some failed): the tests ran, their report is the result; anything else
+  # (out of time, interrupted, not collected) leaves none, so the next queue runs them again
+  if [ "$LAST_EXIT" = 0 ] || [ "$LAST_EXIT" = 1 ]; then
+    mkdir -p "$(dirname "$out")"
+    { echo "sources $sources"; echo "exit $LAST_EXIT"; cat "$LOGS/tests.log"; } > "$out.tmp" && mv "$out.tmp" "$out"
+  fi
 }
 
 decode() {
@@ -171,7 +197,7 @@ convert() {
 torch.cuda.is_available())"; } > "$LOGS/environment.txt" 2>&1
 for job in $JOBS; do
   case $job in
-    decode|glue|lm|race|convert) $job;;
+    tests|decode|glue|lm|race|convert) $job;;
     *) echo "unknown job $job" >&2; exit 2;;
   esac
 done

@@ -19,7 +19,8 @@ RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on
 Everything is validated before anything is written. The converted model (task head kept), its tokenizer and
 ``reparam_report.json`` (the per-layer report, the comparison with the original model, the settings) are
 written to a temporary sibling of ``output_dir`` and renamed into place at the end. Bad input exits with status 2 and
-one ``error: ...`` line on stderr (collab_attn/cli.py).
+one ``error: ...`` line on stderr (collab_attn/cli.py), also when only the loaded checkpoint shows it (a query or key
+weight that is NaN or Inf, refused by the conversion): then nothing is written either.
 """
 
 from __future__ import annotations
@@ -143,10 +144,11 @@ def run(cfg: DictConfig) -> dict:
     log.info("loading %s (%s)", settings["model"], path)
     model, tokenizer = load_model_and_tokenizer(path, model_class=None)
     original = copy.deepcopy(model)
-    calibration = calibrate(model, tokenizer, method, settings["seed"])
-    report = reparametrize(
-        model, seed=settings["seed"], calibration=calibration, progress=True, **method.reparametrize_kwargs()
-    )
+    with cli.as_bad_input():  # what only the loaded weights show (NaN or Inf): one error line, nothing written
+        calibration = calibrate(model, tokenizer, method, settings["seed"])
+        report = reparametrize(
+            model, seed=settings["seed"], calibration=calibration, progress=True, **method.reparametrize_kwargs()
+        )
     print(report.table())
 
     if is_decoder(model):

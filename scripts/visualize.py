@@ -110,8 +110,9 @@ def run(cfg: DictConfig) -> dict:
     log.info("loading %s (%s)", settings["model"], path)
     original, tokenizer = load_for_viewing(path, causal=settings["causal"])
     method.check_model(original.config)
-    calibration = calibrate(original, tokenizer, method, settings["seed"])
-    converted, report = collaborative_copy(original, method, settings["seed"], calibration=calibration)
+    with cli.as_bad_input():  # what only the loaded weights show (NaN or Inf): one error line, nothing written
+        calibration = calibrate(original, tokenizer, method, settings["seed"])
+        converted, report = collaborative_copy(original, method, settings["seed"], calibration=calibration)
     print(report.table())
     sentences = settings["sentence"], settings["sentence_pair"]
     maps = {"original": sentence_attention(original, tokenizer, *sentences),

@@ -145,7 +145,14 @@ def test_pruned_model_matches_the_gated_model(minilm_path, real_batch, implement
     assert kept == budget // PER_HEAD == 19 and all(report.pruning.kept_heads)
     assert attention_parameters(model)["query_key_params"] == kept * PER_HEAD <= budget
     assert [layer.rank for layer in report.layers] == [len(h) * HEAD_DIM for h in report.pruning.kept_heads]
-    assert 0 < report.mean_relative_error < 1
+    for layer, kept, module in zip(report.layers, report.pruning.kept_heads, original.encoder.layer):
+        # the error of the stacked head products with the removed heads zeroed, recomputed from MiniLM's weights
+        w_query, w_key = (getattr(module.attention.self, part).weight.double().reshape(HEADS, HEAD_DIM, D)
+                          for part in ("query", "key"))
+        energy = torch.einsum("hai,haj->hij", w_query, w_key).square().sum((1, 2))
+        removed = [h for h in range(HEADS) if h not in kept]
+        assert layer.relative_error == pytest.approx(float((energy[removed].sum() / energy.sum()).sqrt()), rel=1e-6)
+        assert layer.products_error == pytest.approx(layer.relative_error, abs=1e-6)
 
     gates = [torch.zeros(HEADS).index_fill_(0, torch.tensor(heads), 1.0) for heads in report.pruning.kept_heads]
     with head_gates(original, gates):

@@ -87,18 +87,48 @@ def test_full_rank_conversion_on_gpu_is_exact_and_stays_on_gpu():
 
 
 @pytest.mark.parametrize("method", ["cp", "tucker"])
-def test_low_rank_conversion_on_gpu_matches_conversion_on_cpu(method):
-    """The decomposition runs on CPU either way; the converted GPU model must compute what the CPU one does."""
+def test_low_rank_conversion_on_gpu_decomposed_on_the_cpu_matches_conversion_on_cpu(method):
+    """``device="cpu"``: the GPU model's decomposition runs on the CPU, from the same weights, so its factors and
+    errors are the CPU conversion's exactly; the converted GPU model must compute what the CPU one does. (The CPU
+    side of named devices: tests/test_device_twins.py.)"""
     on_cpu, on_gpu = minilm_shaped_bert(), minilm_shaped_bert().to(GPU)
     report_cpu = reparametrize(on_cpu, rank=96, method=method, progress=False)
-    report_gpu = reparametrize(on_gpu, rank=96, method=method, progress=False)
+    report_gpu = reparametrize(on_gpu, rank=96, method=method, progress=False, device="cpu")
     assert [layer.relative_error for layer in report_gpu.layers] == [
         layer.relative_error for layer in report_cpu.layers
     ]
+    assert {p.device.type for p in on_gpu.parameters()} == {"cuda"}
     with torch.no_grad():
         logits_gpu = on_gpu(**padded_batch(GPU)).logits
         logits_cpu = on_cpu(**padded_batch("cpu")).logits
     torch.testing.assert_close(logits_gpu.cpu(), logits_cpu, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["cp", "tucker"])
+@pytest.mark.parametrize("where", ["model on the gpu", "model on the cpu, device=cuda"])
+def test_low_rank_decomposition_on_the_gpu_fits_as_well_as_on_the_cpu(method, where):
+    """The decomposition runs on the GPU (``device=None`` for a GPU model: where the model is; ``device="cuda"`` for
+    a CPU model, which stays on the CPU). Its float32 products are summed in another order than on the CPU, and the
+    ALS iterations magnify such differences (tests/test_device_twins.py: 1e-7 in the input moves the errors by up to
+    1e-2 of their value after 100 iterations), so it fits as well as the CPU, not bit for bit; the converted model
+    computes on its device what its weights compute on the CPU."""
+    on_cpu = minilm_shaped_bert()
+    report_cpu = reparametrize(on_cpu, rank=96, method=method, progress=False)
+    if where == "model on the gpu":
+        converted = minilm_shaped_bert().to(GPU)
+        report = reparametrize(converted, rank=96, method=method, progress=False)
+    else:
+        converted = minilm_shaped_bert()
+        report = reparametrize(converted, rank=96, method=method, progress=False, device="cuda")
+        assert {p.device.type for p in converted.parameters()} == {"cpu"}
+    assert [layer.rank for layer in report.layers] == [layer.rank for layer in report_cpu.layers]
+    for got, expected in zip(report.layers, report_cpu.layers):
+        assert got.relative_error == pytest.approx(expected.relative_error, rel=2e-2), got.name
+    device = next(converted.parameters()).device
+    with torch.no_grad():
+        logits = converted(**padded_batch(device.type)).logits
+        on_the_cpu = copy.deepcopy(converted).cpu()(**padded_batch("cpu")).logits
+    torch.testing.assert_close(logits.cpu(), on_the_cpu, atol=1e-5, rtol=1e-4)
 
 
 def test_converted_model_trains_in_bfloat16_autocast():

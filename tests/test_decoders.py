@@ -168,12 +168,32 @@ def test_save_and_load_round_trip(tmp_path, family, method):
 
 
 def test_text_generation_pipeline_runs_on_a_saved_decoder(tmp_path):
-    model = converted(decoder("gpt2"), 12, n_iter_max=3)
+    """The pipeline (the saved model and tokenizer, decoding with the cache) generates what greedy decoding
+    recomputed over the whole sequence at every step, without any cache, makes of the same prompt: token for token,
+    and the same text. The model's vocabulary is the tokenizer's, and its weights are drawn wider than GPT-2's
+    default so that attention, not the last token alone, picks the next one."""
+    tokenizer = character_tokenizer()
+    config = decoder_config("gpt2")
+    config.vocab_size, config.initializer_range = len(tokenizer), 0.1
+    torch.manual_seed(0)
+    model = converted(AutoModelForCausalLM.from_config(config).eval(), 12, n_iter_max=3)
     model.save_pretrained(tmp_path)
-    character_tokenizer().save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
     generate = transformers.pipeline("text-generation", model=str(tmp_path), device="cpu")
-    text = generate("abc", max_new_tokens=5, do_sample=False)[0]["generated_text"]
-    assert text.startswith("abc") and len(text) > 3
+    prompt = tokenizer("abc", return_tensors="pt")["input_ids"]
+    expected = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            following = model(expected, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, following], dim=1)
+            if following.item() == config.eos_token_id:
+                break
+    new = expected[0, prompt.shape[1]:]
+    assert len(new) == 8 and len(set(new.tolist())) > 2, new  # a continuation that a broken cache would change
+    settings = {"max_new_tokens": 8, "do_sample": False}
+    assert generate("abc", return_tensors=True, **settings)[0]["generated_token_ids"] == expected[0].tolist()
+    text = generate("abc", **settings)[0]["generated_text"]
+    assert text == "abc" + tokenizer.decode(new, skip_special_tokens=True)
 
 
 # Spelled out rather than taken from the library, so that a name dropped there fails here.

@@ -1,48 +1,68 @@
 """experiments/gpu_queue.sh: what it would run on a GPU, and its CPU dry run (every job for one step, tiny sizes,
-results under $OUT only) ending with every job's exit status 0 and its results in place."""
+results under $OUT only) ending with every job's exit status 0 and its results in place. A job whose data is not here
+is skipped by pytest, with the reason, never passed unchecked."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import GLUE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "gpu_queue.sh"
 LM_DATA = GLUE_DIR.parents[0] / "tinyshakespeare" / "input.txt"
+JOBS = ["tests", "decode", "glue", "lm", "race", "convert"]
+# The dry run in two parts: the jobs that need no data always run; the others need GLUE and Tiny Shakespeare
+GROUPS = {"no data": ["tests", "decode"], "glue and lm data": ["glue", "lm", "race", "convert"]}
+NEEDS = {"no data": [], "glue and lm data": [GLUE_DIR, LM_DATA]}
 
 
 def test_the_queue_lists_its_jobs_in_priority_order():
     listed = subprocess.run(["bash", str(SCRIPT), "--list"], capture_output=True, text=True, check=True).stdout
-    assert [line.split(":")[0] for line in listed.splitlines()] == ["decode", "glue", "lm", "race", "convert"]
+    assert [line.split(":")[0] for line in listed.splitlines()] == JOBS
     assert "--caches dynamic static" in listed and "refit=distill" in listed and "recipe=gpu" in listed
+    assert "pytest -q tests/test_cuda.py" in listed
+    assert sorted(job for group in GROUPS.values() for job in group) == sorted(JOBS)  # the dry run covers them all
 
 
-def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path):
-    env = {**os.environ, "GPU_QUEUE_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable,
-           "GLUE_DIR": str(GLUE_DIR), "LM_DATA": str(LM_DATA)}
+def dry_run(out: Path, jobs: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPU_QUEUE_DRY_RUN": "1", "OUT": str(out), "PYTHON": sys.executable,
+           "GLUE_DIR": str(GLUE_DIR), "LM_DATA": str(LM_DATA), "GPU_QUEUE_JOBS": " ".join(jobs)}
     done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
-    report = done.stdout.splitlines()
-    assert report[-1].startswith("queue finished after")
-    assert "decode: exit 0" in done.stdout and "decode-kernels: exit 0" in done.stdout
-    assert (tmp_path / "dry_run" / "benchmarks" / "decode_cuda_bfloat16_batches.md").is_file()
-    assert (tmp_path / "dry_run" / "benchmarks" / "decode_kernels_cuda_bfloat16_batch1.md").is_file()
-    if GLUE_DIR.is_dir():
-        assert "glue: exit 0" in done.stdout
-        assert list((tmp_path / "dry_run" / "minilm_glue" / "runs").glob("rte/minilm/cp-aware-r96/*/results.jsonl"))
+    assert done.stdout.splitlines()[-1].startswith("queue finished after"), done.stdout
+    return done
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
+    missing = [str(path) for path in NEEDS[group] if not path.exists()]
+    if missing:
+        pytest.skip(f"the {', '.join(GROUPS[group])} jobs need {' and '.join(missing)}, which is not here")
+    done = dry_run(tmp_path, GROUPS[group])
+    ran = dict(re.findall(r"^([\w-]+): (exit \d+|skipped.*|done before.*)", done.stdout, flags=re.M))
+    dry = tmp_path / "dry_run"
+    if group == "no data":
+        assert ran == {"tests": "exit 0", "decode": "exit 0", "decode-kernels": "exit 0"}, done.stdout
+        assert (dry / "benchmarks" / "decode_cuda_bfloat16_batches.md").is_file()
+        assert (dry / "benchmarks" / "decode_kernels_cuda_bfloat16_batch1.md").is_file()
+        report = (dry / "gpu_tests" / "test_cuda.txt").read_text().splitlines()
+        assert re.fullmatch(r"sources [0-9a-f]{12}", report[0]) and report[1] == "exit 0", report[:2]
+        # without a GPU every test skips; with one they pass: either way each was collected and none failed
+        summary = report[-1]
+        assert re.fullmatch(r"(\d+ \w+, )*\d+ \w+ in [\d.]+s", summary) and re.search(r"\d+ (passed|skipped)", summary)
+        assert not re.search("failed|error", summary), summary
+        again = dry_run(tmp_path, ["tests"])  # resumable: the same sources were tested already
+        assert f"tests: done before ({dry / 'gpu_tests' / 'test_cuda.txt'})" in again.stdout
     else:
-        assert "glue: skipped" in done.stdout
-    if LM_DATA.is_file():
-        assert "lm: exit 0" in done.stdout
-        assert (tmp_path / "dry_run" / "shakespeare_char" / "gpu" / "runs" / "collab-k8-seed0.json").is_file()
-        assert "race: exit 0" in done.stdout
-        race = tmp_path / "dry_run" / "shakespeare_char" / "kv_race_gpu" / "runs" / "collab-k6-v6-seed0.json"
-        assert race.is_file()
-        assert "convert-train-seed0: exit 0" in done.stdout and "convert-seed0: exit 0" in done.stdout
-        converted = tmp_path / "dry_run" / "kv_cache" / "shakespeare_gpu" / "convert" / "seed0" / "runs"
+        assert ran == {"glue": "exit 0", "lm": "exit 0", "race": "exit 0", "convert-train-seed0": "exit 0",
+                       "convert-seed0": "exit 0"}, done.stdout
+        assert list((dry / "minilm_glue" / "runs").glob("rte/minilm/cp-aware-r96/*/results.jsonl"))
+        assert (dry / "shakespeare_char" / "gpu" / "runs" / "collab-k8-seed0.json").is_file()
+        assert (dry / "shakespeare_char" / "kv_race_gpu" / "runs" / "collab-k6-v6-seed0.json").is_file()
+        converted = dry / "kv_cache" / "shakespeare_gpu" / "convert" / "seed0" / "runs"
         assert sorted(p.name for p in converted.glob("*.json")) == [
             "cp-k1-v1.json", "cp-k3-v3.json", "cp-k7-v7.json", "kv-svd-k16.json", "kv-svd-k4.json", "kv-svd-k8.json"]
-    else:
-        assert "lm: skipped" in done.stdout and "race: skipped" in done.stdout and "convert: skipped" in done.stdout

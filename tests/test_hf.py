@@ -71,10 +71,22 @@ def test_output_attentions_after_loading(converted_dir, real_batch):
 
 
 def test_pipeline_runs_on_a_converted_checkpoint(converted_dir):
-    path, _ = converted_dir
+    """The pipeline loads the saved checkpoint and its tokenizer and gives, for every text and label, the converted
+    model's own logits on that text (``function_to_apply="none"``) and by default their softmax."""
+    path, model = converted_dir
+    texts = ["A fine movie.", "Dull and far too long, though the second half picks up."]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        logits = [model(**tokenizer(text, return_tensors="pt")).logits[0] for text in texts]
     classify = transformers.pipeline("text-classification", model=str(path), device="cpu")
-    predictions = classify(["A fine movie.", "Dull and far too long."])
-    assert len(predictions) == 2 and all(p["label"] in ("LABEL_0", "LABEL_1") for p in predictions)
+    for apply, expected in (("none", logits), (None, [row.softmax(-1) for row in logits])):
+        options = {"top_k": None} if apply is None else {"top_k": None, "function_to_apply": apply}
+        for text, scores, want in zip(texts, classify(texts, **options), expected, strict=True):
+            assert sorted(p["label"] for p in scores) == ["LABEL_0", "LABEL_1"]
+            for p in scores:  # the logits are small (a fresh head): relative to them
+                want_score = float(want[model.config.label2id[p["label"]]])
+                assert p["score"] == pytest.approx(want_score, rel=1e-5, abs=1e-8), (text, apply)
+            assert scores[0]["label"] == model.config.id2label[int(want.argmax())]
 
 
 def test_trainer_fine_tunes_a_converted_model(converted_dir, minilm_tokenizer, tmp_path):

@@ -164,11 +164,23 @@ def test_configs_sizes_and_refusals():
             models.gpt_config(65, 64, 4, 4, 128, **bad)
 
 
-def test_samples_longer_than_the_context_use_the_cache():
+def test_samples_longer_than_the_context_use_the_cache(one_thread):
+    """Sampled in chunks of half a block, each prefilled from the last half block into the cache: the text equals
+    sampling that recomputes the whole context at every step. The model is trained for a moment (2 s) first: a
+    random one samples nearly the same text whatever its attention computes, so a wrong cache would pass."""
     corpus = data.corpus_from_text(TEXT)
     model = models.build_model(models.gpt_config(corpus.vocab_size, 8, 1, 2, 16, kind="collab", key_size=4), 0)
-    text = sample_text(model, corpus, 30, seed=3)
-    assert len(text) == 30 and set(text) <= set(corpus.chars) and text == sample_text(model, corpus, 30, seed=3)
+    ids, g = torch.tensor(corpus.encode(TEXT)), torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        batch = torch.stack([ids[s:s + 8] for s in torch.randint(0, len(ids) - 8, (16,), generator=g)])
+        optimizer.zero_grad()
+        model(batch, labels=batch).loss.backward()
+        optimizer.step()
+    text = sample_text(model, corpus, 40, seed=3)
+    assert len(text) == 40 and set(text) <= set(corpus.chars) and "to be" in text
+    assert text == sample_text(model, corpus, 40, seed=3, use_cache=False)
+    assert text != sample_text(model, corpus, 40, seed=4)
 
 
 def test_the_script_writes_each_run_once_and_a_rerun_skips_it(text_file, tmp_path, capsys):

@@ -9,6 +9,7 @@ from transformers import AutoModel
 import collab_attn
 from collab_attn import reparametrize
 from collab_attn.models.layers import CollaborativeSelfAttention
+from collab_attn.models.products import query_key_forms
 
 
 def hidden(model, batch, **kwargs):
@@ -78,7 +79,14 @@ def test_low_rank_report_and_compression(minilm, real_batch):
     )
     ranks = [layer.rank for layer in report.layers]
     assert ranks == [192, 128, 96, 96, 128, 192]
-    assert all(0 < layer.relative_error < 1 for layer in report.layers)
+    # each reported error is that of the products the converted layers hold, recomputed densely against MiniLM's
+    for layer, converted, original in zip(report.layers, model.encoder.layer, minilm.encoder.layer):
+        heads = original.attention.self
+        w_query, w_key = (getattr(heads, part).weight.double().reshape(12, 32, 384) for part in ("query", "key"))
+        reference = torch.einsum("hai,haj->hij", w_query, w_key)
+        installed = query_key_forms(converted.attention.self).dense() / heads.scaling
+        expected = float(torch.linalg.norm(installed - reference) / torch.linalg.norm(reference))
+        assert 0.05 < layer.relative_error == pytest.approx(expected, abs=1e-5)
     first = report.layers[1]
     # q/k: 2 * (384 * 384 + 384) before; 2 * 384 * 128 shared + 12 * 128 mixing + 12 * 384 content bias after
     assert first.query_key_params_before == 2 * (384 * 384 + 384)
@@ -96,8 +104,10 @@ def test_error_falls_as_rank_grows(minilm):
     for rank in (64, 192):
         model = copy.deepcopy(minilm)
         report = reparametrize(model, rank=rank, init="random", n_iter_max=3, progress=False)
-        errors.append(report.mean_relative_error)
-    assert errors[0] > errors[1] > 0
+        # measured from the converted layers, not taken from the solver
+        errors.append(sum(layer.products_error for layer in report.layers) / len(report.layers))
+        assert errors[-1] == pytest.approx(report.mean_relative_error, abs=1e-5)
+    assert errors[0] > errors[1] > 0.05
 
 
 def test_output_attentions_returns_collaborative_maps(minilm, real_batch):
@@ -128,10 +138,21 @@ def test_output_attentions_after_hooks_were_installed(minilm, real_batch):
     model = copy.deepcopy(minilm)
     with torch.no_grad():
         model(**real_batch, output_attentions=True, output_hidden_states=True)
-    reparametrize(model, rank=384, progress=False)
+    reparametrize(model, rank=384, progress=False)  # full rank: exact, the same attention maps
     with torch.no_grad():
         out = model(**real_batch, output_attentions=True, output_hidden_states=True)
-    assert len(out.attentions) == 6 and len(out.hidden_states) == 7
+    reference = copy.deepcopy(minilm)
+    reference.set_attn_implementation("eager")  # the original's maps (sdpa returns none)
+    with torch.no_grad():
+        expected = reference(**real_batch, output_attentions=True, output_hidden_states=True)
+    batch, length = real_batch["input_ids"].shape
+    assert len(out.attentions) == len(expected.attentions) == 6
+    assert len(out.hidden_states) == len(expected.hidden_states) == 7
+    for layer, (got, original) in enumerate(zip(out.attentions, expected.attentions, strict=True)):
+        assert got.shape == original.shape == (batch, 12, length, length), layer
+        torch.testing.assert_close(got, original, atol=1e-5, rtol=0, msg=lambda m, i=layer: f"layer {i}: {m}")
+    for got, original in zip(out.hidden_states, expected.hidden_states, strict=True):
+        torch.testing.assert_close(got, original, atol=1e-4, rtol=0)
 
 
 def test_causal_bert_decoder_stays_causal():
@@ -179,6 +200,15 @@ def test_nan_weights_are_reported_with_the_layer_name():
     with torch.no_grad():
         model.encoder.layer[1].attention.self.key.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match=r"encoder\.layer\.1\.attention\.self: the key weights contain NaN or Inf"):
+        reparametrize(model, rank=8, progress=False)
+    assert type(model.encoder.layer[0].attention.self).__name__ == "BertSelfAttention"
+
+
+def test_a_layer_with_zero_query_weights_is_refused_before_anything_changes():
+    model = small_model("bert")
+    with torch.no_grad():
+        model.encoder.layer[0].attention.self.query.weight.zero_()
+    with pytest.raises(ValueError, match=r"encoder\.layer\.0\.attention\.self: every head's query/key product"):
         reparametrize(model, rank=8, progress=False)
     assert type(model.encoder.layer[0].attention.self).__name__ == "BertSelfAttention"
 

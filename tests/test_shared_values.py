@@ -14,6 +14,8 @@ import collab_attn
 from collab_attn.glue.jobs import job_name
 from collab_attn.models.settings import MethodSettings
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny problems: a second thread only waits on the busy cores
+
 DECODERS = {
     "gpt2": transformers.GPT2Config(n_embd=48, n_head=4, n_layer=2, vocab_size=100, n_positions=64,
                                     bos_token_id=0, eos_token_id=0, pad_token_id=0),
@@ -63,17 +65,73 @@ def test_decoders_at_full_value_rank_are_exact(family, method):
         torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
-def _value_rank_errors(method: str, value_ranks) -> list[float]:
-    """Relative error of the last hidden state of a small BERT with its keys exact and its values shared."""
-    model, batch = small_model("bert"), random_batch()
+HEADS, HEAD_DIM, D = 4, 12, 48
+FIT = {"n_iter_max": 100, "tol": 5e-4}  # the same decomposition settings for the conversion and the reference fit
+
+
+def _bert_with_distinct_heads() -> transformers.PreTrainedModel:
+    """``small_model("bert")`` with its query and key weights scaled up so that its heads attend differently: at
+    the initializer's scale every head's attention is nearly uniform, so a head's value mixing could be given to
+    another head (or every head's values summed) without changing any output."""
+    model = small_model("bert")
+    model.set_attn_implementation("eager")  # the original layers return their attention maps
     with torch.no_grad():
-        expected = model(**batch).last_hidden_state
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.mul_(8)
+            layer.attention.self.key.weight.mul_(8)
+    return model
+
+
+def _attention_outputs(model, hidden_states) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per layer, the attention's output before the residual connection (``attention.output.dense`` of the
+    self-attention's output: where every head's values end up) and the attention maps, on the given inputs."""
+    outputs = []
+    with torch.no_grad():
+        for layer, hidden in zip(model.encoder.layer, hidden_states):
+            context, maps = layer.attention.self(hidden)
+            outputs.append((layer.attention.output.dense(context), maps))
+    return outputs
+
+
+def _fitted_outputs(original, hidden_states, method: str, value_rank: int) -> list[torch.Tensor]:
+    """What a layer with shared values must compute, built here from the original layer: its attention maps P_h,
+    ``decompose_heads`` of its value-output products ``Wv_h^T Wo_h^T`` at ``value_rank`` (the fit the conversion
+    makes, same settings and seed) and its output bias with the value bias folded in:
+    ``sum_h P_h X (A N_h B^T) + bo + sum_h Wo_h bv_h``."""
+    outputs = []
+    for layer, hidden, (_, maps) in zip(original.encoder.layer, hidden_states,
+                                        _attention_outputs(original, hidden_states)):
+        value, dense = layer.attention.self.value, layer.attention.output.dense
+        w_value = value.weight.detach().view(HEADS, HEAD_DIM, D)
+        w_output = dense.weight.detach().T.reshape(HEADS, HEAD_DIM, D)
+        fit = collab_attn.decompose_heads(w_value, w_output, value_rank, method, seed=0, **FIT)
+        bias = dense.bias.detach() + torch.einsum("hao,ha->o", w_output, value.bias.detach().view(HEADS, HEAD_DIM))
+        outputs.append(torch.einsum("bhts,bsi,hio->bto", maps, hidden, fit.head_products()) + bias)
+    return outputs
+
+
+def _value_rank_errors(method: str, value_ranks) -> list[float]:
+    """Relative error, over all layers, of the attention outputs of a small BERT with its keys exact and its values
+    shared at each of ``value_ranks``, against the original layers' outputs on the same inputs (the original's
+    hidden states: every layer sees what the original layer sees). Below full width each converted layer must
+    also give what its value fit says it gives (``_fitted_outputs``), so that a fit installed wrongly (heads'
+    mixings exchanged, scaled) fails even where the fit itself is far from the original."""
+    original, batch = _bert_with_distinct_heads(), random_batch(lengths=(11, 11, 11))
+    with torch.no_grad():
+        hidden_states = original(**batch, output_hidden_states=True).hidden_states[:-1]
+    expected = [output for output, _ in _attention_outputs(original, hidden_states)]
+    norm = torch.stack([e.norm() for e in expected]).norm()
     errors = []
     for value_rank in value_ranks:
-        converted = small_model("bert")
-        collab_attn.reparametrize(converted, 48, method=method, value_rank=value_rank, progress=False)
-        with torch.no_grad():
-            errors.append(float((converted(**batch).last_hidden_state - expected).norm() / expected.norm()))
+        converted = _bert_with_distinct_heads()
+        collab_attn.reparametrize(converted, D, method=method, value_rank=value_rank, progress=False, **FIT)
+        got = [output for output, _ in _attention_outputs(converted, hidden_states)]
+        if value_rank < D:
+            for layer, (mine, fitted) in enumerate(zip(got, _fitted_outputs(original, hidden_states, method,
+                                                                              value_rank))):
+                relative = float((mine - fitted).norm() / fitted.norm())
+                assert relative < 1e-4, f"layer {layer} at value rank {value_rank}: {relative:.3g} off its fit"
+        errors.append(float(torch.stack([(g - e).norm() for g, e in zip(got, expected)]).norm() / norm))
     return errors
 
 

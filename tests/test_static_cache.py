@@ -15,8 +15,11 @@ from transformers import CompileConfig, StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from collab_attn.analysis.accounting import cache_bytes_per_token
+from collab_attn.models import layers
 from collab_attn.models.layers import ConvertedSelfAttention
+from collab_attn.models.layers import _static_causal_mask as static_causal_mask
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits on the busy cores
 D = HEADS * HEAD_DIM
 STATIC_CASES = [(family, method, HALF) for family in DECODERS for method in METHODS]
 STATIC_CASES += [(family, "cp", FULL) for family in DECODERS]
@@ -46,21 +49,52 @@ def test_static_cache_generates_what_the_dynamic_cache_does(family, method, rank
 @pytest.mark.parametrize("family", DECODERS)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("with_mask", [True, False])
-def test_a_static_cache_passed_in_equals_recomputation(family, method, with_mask):
+def test_a_static_cache_passed_in_equals_recomputation(family, method, with_mask, monkeypatch):
     """The prompt in two pieces, then one token at a time, into a StaticCache longer than the text: the unwritten
-    positions never count (with the model's mask, or the layers' own causal mask over the filled part)."""
+    positions never count. With the model's mask (eager attention: transformers always passes one, and the layers
+    build none), or without one: in sdpa mode transformers passes no mask with the prompt, and the layers build their
+    own causal mask over the filled part (``_static_causal_mask``, spied on to be sure it ran); then every converted
+    layer alone, given no mask at any step, decodes the same way (its own mask at every step)."""
+    calls = []
+
+    def spy(layer, new_tokens, device):
+        calls.append(new_tokens)
+        return static_causal_mask(layer, new_tokens, device)
+
+    monkeypatch.setattr(layers, "_static_causal_mask", spy)
     _, model = original_and_converted(family, method, HALF)
     ids = token_ids(length=9)
     cache = StaticCache(config=model.config, max_cache_len=16)
     pieces = [(0, 4)] + [(i, i + 1) for i in range(4, 9)]
     logits = []
-    with torch.no_grad():
-        full = model(ids, use_cache=False).logits
-        for start, end in pieces:
-            mask = {"attention_mask": torch.ones(2, end, dtype=torch.long)} if with_mask else {}
-            logits.append(model(ids[:, start:end], use_cache=True, **mask, **with_cache(model, cache)).logits)
+    model.set_attn_implementation("eager" if with_mask else "sdpa")
+    try:
+        with torch.no_grad():
+            full = model(ids, use_cache=False).logits
+            for start, end in pieces:
+                mask = {"attention_mask": torch.ones(2, end, dtype=torch.long)} if with_mask else {}
+                logits.append(model(ids[:, start:end], use_cache=True, **mask, **with_cache(model, cache)).logits)
+    finally:
+        model.set_attn_implementation("eager")
     assert cache.get_seq_length() == 9
     assert (torch.cat(logits, dim=1) - full).abs().max() < 1e-4
+    converted = [m for m in model.modules() if isinstance(m, ConvertedSelfAttention)]
+    if with_mask:
+        assert calls == []
+        return
+    # the prompt, in every layer (transformers masks the single tokens after it itself, as far as 5.24 goes)
+    assert calls[: len(converted)] == [4] * len(converted) and set(calls[len(converted):]) <= {1}, calls
+
+    calls.clear()
+    hidden = torch.randn(2, 9, D, generator=torch.Generator().manual_seed(0))
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    for layer in converted:
+        assert layer.is_causal
+        with torch.no_grad():
+            whole, _ = layer(hidden)  # causal over the whole sequence, no cache
+            steps = [layer(hidden[:, start:end], cache=cache)[0] for start, end in pieces]
+        assert (torch.cat(steps, dim=1) - whole).abs().max() < 1e-5, layer.layer_idx
+    assert calls == [end - start for start, end in pieces] * len(converted)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -266,7 +266,8 @@ def reparametrize_stage(
 ) -> ReparamReport:
     """The ``reparam`` stage, in place, with what the method needs measured first: head importance on ``train_data``
     (labelled task examples) for a method that ranks heads, input statistics on ``collab.calibration`` for an
-    activation-aware fit."""
+    activation-aware fit. What the conversion refuses in the model it is given (query/key weights that are NaN or
+    Inf, statistics that do not match it) is bad input (``cli.BadInput``): the script reports it in one line."""
     measured = {}
     if method.importance is not None:
         if train_data is None:
@@ -276,9 +277,11 @@ def reparametrize_stage(
             samples=method.importance.samples, batch_size=method.importance.batch_size,
         )
     elif method.calibration is not None:
-        measured["calibration"] = calibrate(model, tokenizer, method, seed, functools.partial(
-            glue.task_texts, task, glue_dir, "train") if task is not None else None)
-    return reparametrize(model, seed=seed, **method.reparametrize_kwargs(), **measured)
+        with cli.as_bad_input():
+            measured["calibration"] = calibrate(model, tokenizer, method, seed, functools.partial(
+                glue.task_texts, task, glue_dir, "train") if task is not None else None)
+    with cli.as_bad_input():
+        return reparametrize(model, seed=seed, **method.reparametrize_kwargs(), **measured)
 
 
 def _summary_line(name: str, record: dict) -> str:
@@ -303,6 +306,16 @@ def refit_stage(settings, task, model, data, tokenizer, distill, checkpoint, rep
     return run.resumed_seconds
 
 
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) while they are empty: what a failed job made and left nothing in; a folder
+    holding anything (resumable training checkpoints, another job's results) stays, and so do those above it."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def run_job(settings: dict) -> list[dict]:
     """Run (or skip, if its results exist) one job; returns its result records. Launched in several processes
     (torchrun, accelerate launch, SLURM tasks), every process trains and evaluates, and rank 0 alone writes."""
@@ -319,6 +332,7 @@ def run_job(settings: dict) -> list[dict]:
     task, path, method, distill = validate(settings, method)
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = load_data(task, settings["data"], tokenizer)  # before any folder exists: bad data leaves nothing behind
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # by this run, deepest first
     if main:
         out.mkdir(parents=True, exist_ok=True)
     scratch = out / f".scratch-{os.getpid()}"
@@ -327,6 +341,7 @@ def run_job(settings: dict) -> list[dict]:
     records, summary = [], {}
     model_name = settings["model"] + RANDOM_SUFFIX * (weights_of(settings) == "random")
     start = time.perf_counter()
+    finished = False
 
     def finish(stage: str, metrics: dict, report: ReparamReport | None, resumed: float = 0.0) -> None:
         """Record a stage; a stage that resumed interrupted training also counts the time of the runs before it."""
@@ -360,8 +375,11 @@ def run_job(settings: dict) -> list[dict]:
             store.save(stored, records)
         compression = records[-1]["query_key_params"] / records[0]["query_key_params"]
         summary.update(rank=records[-1]["rank"], query_key_compression=compression)
+        finished = True
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         tracker.finish(summary)
+        if main and not finished:  # a job that failed before it saved anything leaves no folder behind
+            _remove_empty(made)
     distributed.barrier()  # the next job of a sweep starts when rank 0 has written this one's results
     return records

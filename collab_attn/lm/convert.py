@@ -115,21 +115,25 @@ class Conversion:
 
 
 def convert(model, run: Conversion, corpus, settings: dict, seed: int):
-    """Convert ``model`` in place; returns the report (None for ``none``)."""
+    """Convert ``model`` in place; returns the report (None for ``none``). What the conversion refuses in the trained
+    model (query/key weights that are NaN or Inf) is bad input (``cli.BadInput``): the script reports it in one
+    line, and the run writes nothing."""
     conversion, aware = parse_label(run.method)
     if conversion is None:
         return None
     measured = {}
     if aware:
         blocks = lm_data.Blocks(corpus.train, settings["block_size"], settings["calibration_blocks"], seed)
-        measured["calibration"] = collect_calibration(model, lm_data.input_batches(blocks, 64, len(blocks)))
+        with cli.as_bad_input():
+            measured["calibration"] = collect_calibration(model, lm_data.input_batches(blocks, 64, len(blocks)))
     if conversion.needs_importance:
         blocks = lm_data.Blocks(corpus.train, settings["block_size"], settings["importance_samples"], seed)
         measured["importance"] = head_importance(
             model, blocks, default_data_collator, samples=len(blocks), batch_size=64, seed=seed
         )
-    return collab_attn.reparametrize(model, run.key_size, method=conversion.name, seed=seed, progress=False,
-                                     value_rank=run.value_size, **measured)
+    with cli.as_bad_input():
+        return collab_attn.reparametrize(model, run.key_size, method=conversion.name, seed=seed, progress=False,
+                                         value_rank=run.value_size, **measured)
 
 
 def _fractions(settings: dict) -> list[float] | None:

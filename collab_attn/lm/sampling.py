@@ -12,8 +12,10 @@ import torch
 
 @torch.no_grad()
 def sample_text(model, corpus, length: int = 300, seed: int = 0, temperature: float = 0.8, top_k: int = 200,
-                prompt: str = "\n") -> str:
-    """``length`` characters sampled after ``prompt`` (seeded; the model's train/eval mode is restored)."""
+                prompt: str = "\n", use_cache: bool = True) -> str:
+    """``length`` characters sampled after ``prompt`` (seeded; the model's train/eval mode is restored).
+    ``use_cache=False`` recomputes the whole context at every step: the same text, slower (what the cache is tested
+    against)."""
     if length <= 0:
         return ""
     block = model.config.n_positions
@@ -31,7 +33,7 @@ def sample_text(model, corpus, length: int = 300, seed: int = 0, temperature: fl
             new = min(chunk, length - produced)
             out = model.generate(
                 input_ids=context, attention_mask=torch.ones_like(context), max_new_tokens=new, do_sample=True,
-                temperature=temperature, top_k=top_k, use_cache=True, pad_token_id=0,
+                temperature=temperature, top_k=top_k, use_cache=use_cache, pad_token_id=0,
             )
             ids = torch.cat([ids, out[:, context.shape[1]:]], dim=1)
             produced += new

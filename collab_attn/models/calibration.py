@@ -96,10 +96,12 @@ class Calibration:
 
 
 class _Accumulator:
-    """Forward pre-hooks that add up ``x x^T`` (raw and sequence-centered) for every attention layer."""
+    """Forward pre-hooks that add up ``x x^T`` (raw and sequence-centered) for every attention layer: each batch's
+    sum in ``dtype`` (``accumulation_dtype``), the running total in float64 on the CPU."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         _, self.found = find_attention(model)
+        self.dtype = dtype
         self.mask: torch.Tensor | None = None
         self.raw: list[torch.Tensor | None] = [None] * len(self.found)
         self.centered: list[torch.Tensor | None] = [None] * len(self.found)
@@ -112,7 +114,7 @@ class _Accumulator:
     def _hook(self, index: int):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
-            compute = torch.float64 if hidden.device.type == "cpu" else torch.float32
+            compute = self.dtype or accumulation_dtype(hidden.device)
             hidden = hidden.detach().to(compute)
             mask = torch.ones(hidden.shape[:2], device=hidden.device) if self.mask is None else self.mask
             mask = mask.to(hidden.device, compute)[..., None]  # (batch, seq, 1)
@@ -130,18 +132,26 @@ class _Accumulator:
             handle.remove()
 
 
+def accumulation_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype each batch's statistics are computed in on ``device`` by default: float64 on the CPU, float32 on an
+    accelerator (where float64 is many times slower); the batches are added up in float64 either way."""
+    return torch.float64 if torch.device(device).type == "cpu" else torch.float32
+
+
 @torch.no_grad()
 def collect_calibration(
     model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *, keys: str = "centered",
-    eps: float = DEFAULT_EPS,
+    eps: float = DEFAULT_EPS, dtype: torch.dtype | None = None,
 ) -> Calibration:
     """Run ``model`` (in eval mode, restored afterwards) on ``batches`` of tokenized inputs (dicts with
     ``input_ids``, ``attention_mask``, ...; other keys such as labels are ignored) and return the input statistics
-    of each self-attention layer. Padding tokens (``attention_mask == 0``) are left out."""
+    of each self-attention layer. Padding tokens (``attention_mask == 0``) are left out. ``dtype``: what each
+    batch's ``x x^T`` is computed in (None: ``accumulation_dtype`` of the model's device; float32 on the CPU
+    reproduces what a GPU computes)."""
     if is_collaborative(model.config):
         raise ValueError("calibrate the original (concatenated-heads) model, before reparametrize")
     device = next(model.parameters()).device
-    accumulator = _Accumulator(model)
+    accumulator = _Accumulator(model, dtype)
     was_training = model.training
     model.eval()
     tokens = sequences = 0
@@ -181,9 +191,10 @@ def calibration_from_texts(
     max_length: int = DEFAULT_MAX_LENGTH,
     keys: str = "centered",
     eps: float = DEFAULT_EPS,
+    dtype: torch.dtype | None = None,
 ) -> Calibration:
     """``collect_calibration`` on ``texts`` (strings, or (first, second) sentence pairs), tokenized with
-    truncation to ``max_length`` and padded per batch."""
+    truncation to ``max_length`` and padded per batch (``dtype``: see ``collect_calibration``)."""
     texts = list(texts)
     if not texts:
         raise ValueError("no calibration texts")
@@ -203,7 +214,7 @@ def calibration_from_texts(
                 )
             yield encoded
 
-    calibration = collect_calibration(model, batches(), keys=keys, eps=eps)
+    calibration = collect_calibration(model, batches(), keys=keys, eps=eps, dtype=dtype)
     calibration.metadata.update(texts=len(texts), max_length=max_length)
     return calibration
 

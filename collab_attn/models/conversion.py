@@ -5,9 +5,11 @@
    and the query/key weights are finite.
 2. Plan: the method (``collab_attn.models.methods``) turns every layer's query/key weights into a ``LayerPlan``;
    nothing is changed yet, so an error leaves the model as it was.
-3. Apply: ``install_layers`` replaces each attention module by an empty converted one of the kind the method builds
-   and records the layout in the config, then the layers are filled: the planned query/key side, the values and
-   output projection of the kept heads, ALBERT's LayerNorm.
+3. Apply: ``build_layers`` makes an empty converted layer of the kind the method builds for each attention module,
+   which is filled: the planned query/key side, the values and output projection of the kept heads, ALBERT's
+   LayerNorm. Each filled layer is then measured (``collab_attn.models.products``: its head products read back from
+   its own weights against the original's) and must give the error its fit reported; only then does ``put_layers``
+   put the layers into the model and record the layout in the config.
 
 The converted model saves with ``save_pretrained`` and loads back with the Auto classes after ``import
 collab_attn`` (``collab_attn.models.hf``), whatever the method.
@@ -20,21 +22,30 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from collab_attn.decomposition.cp_als import HeadProducts
 from collab_attn.decomposition.decompose import check_finite
 from collab_attn.decomposition.rank_selection import RankBudget, is_budget
 from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
     Family,
     InstalledLayer,
+    build_layers,
     check_head_class,
     family_of,
     find_attention,
-    install_layers,
     is_collaborative,
+    put_layers,
     query_key_count,
 )
 from collab_attn.models.methods import METHODS, PAPER_METHOD, ConversionMethod, get_method
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights, per_layer_ranks
+from collab_attn.models.products import (
+    original_forms,
+    original_value_forms,
+    query_key_forms,
+    relative_error,
+    value_forms,
+)
 from collab_attn.models.report import LayerReport, ReparamReport
 
 __all__ = ["METHODS", "ReparamReport", "check_request", "reparametrize"]
@@ -47,6 +58,9 @@ def _count(module: nn.Module) -> int:
 def _layer_weights(name: str, module: nn.Module, family: Family) -> LayerWeights:
     weights = LayerWeights(name, *family.head_weights(module))
     check_finite(name, query=weights.w_query, key=weights.w_key, query_bias=weights.b_query)
+    if not HeadProducts(weights.w_query, weights.w_key).norm_sq() > 0:
+        raise ValueError(f"{name}: every head's query/key product Wq_h^T Wk_h is zero (all-zero query or key weights), "
+                         "so there is nothing to decompose and no relative error; fix or retrain the checkpoint first")
     return weights
 
 
@@ -158,19 +172,65 @@ def _fill_head_values(entry: InstalledLayer, planned: LayerPlan, family: Family,
             put(target.bias, bias)
 
 
-def _apply(model: nn.Module, family: Family, found, plan: Plan, method: str) -> ReparamReport:
+def _originals(model: nn.Module, family: Family, found) -> list:
+    """Every layer's original logit forms and value maps (``collab_attn.models.products``), read before the surgery."""
+    originals = []
+    for name, module in found:
+        w_query, w_key, _, _ = family.head_weights(module)
+        w_value, w_output, _, _ = family.value_output_weights(model, name, module)
+        originals.append((original_forms(w_query, w_key, family.logit_scale(module)),
+                          original_value_forms(w_value, w_output)))
+    return originals
+
+
+def _measure(model: nn.Module, family: Family, entry: InstalledLayer, planned: LayerPlan, original) -> tuple:
+    """The relative errors of the installed layer's head products (logit forms, value maps) against the original's,
+    read from the layer's own weights: what the converted model computes, whatever the planner claimed."""
+    query_keys, values = original
+    output = None
+    if entry.new.output is None:  # beside the attention module: the new one, or the model's own where it stays
+        outer = entry.new_outer_output or family.output_projection(model, entry.name)
+        output = family.output_weights(outer)[0]
+    return (relative_error(query_key_forms(entry.new), query_keys, planned.kept_heads),
+            relative_error(value_forms(entry.new, output), values, planned.kept_heads))
+
+
+def _check_installed(name: str, side: str, claimed: float | None, measured: float, dtype: torch.dtype) -> None:
+    """Refuse a converted layer whose weights do not give the error its fit reported: a bug in the conversion, not
+    in the input (the tolerance covers rounding the fitted factors to the model's dtype)."""
+    if claimed is None:
+        return
+    tolerance = 1e-4 + 10 * torch.finfo(dtype).eps
+    if abs(measured - claimed) > tolerance:
+        raise RuntimeError(
+            f"{name}: the installed {side} give a relative error of {measured:.6g} against the original, but the fit "
+            f"reported {claimed:.6g}: the converted layer does not hold what was fitted (a bug in collab_attn; "
+            "please report it with the model and settings)"
+        )
+
+
+def _apply(model: nn.Module, family: Family, found, plan: Plan, method: ConversionMethod) -> ReparamReport:
     before = {name: (_count(module), query_key_count(module, family)) for name, module in found}
+    originals = _originals(model, family, found)
     report = ReparamReport(
-        method=method, model_params_before=_count(model), solver=plan.solver, calibration=plan.calibration,
+        method=method.name, model_params_before=_count(model), solver=plan.solver, calibration=plan.calibration,
         rank_selection=plan.rank_selection, pruning=plan.pruning,
     )
-    for entry, planned, rank in zip(install_layers(model, plan.layout), plan.layers, plan.layout.ranks):
+    built = build_layers(model, plan.layout)
+    for entry, planned, rank, original in zip(built, plan.layers, plan.layout.ranks, originals):
         _fill(entry, planned, family)
+        products_error, value_products_error = _measure(model, family, entry, planned, original)
+        dtype = next(entry.new.parameters()).dtype
+        value_error = None if planned.values is None else planned.values.relative_error
+        if method.reports_products_error:
+            _check_installed(entry.name, "query/key head products", planned.relative_error, products_error, dtype)
+        _check_installed(entry.name, "value-output products", value_error, value_products_error, dtype)
         report.layers.append(LayerReport(
             entry.name, rank, planned.relative_error, planned.seconds, *before[entry.name][:1], _count(entry.new),
-            before[entry.name][1], query_key_count(entry.new, family), planned.weighted_error,
-            None if planned.values is None else planned.values.relative_error,
+            before[entry.name][1], query_key_count(entry.new, family), planned.weighted_error, value_error,
+            products_error, value_products_error,
         ))
+    put_layers(model, built, plan.layout)  # only once every layer holds what was fitted
     report.model_params_after = _count(model)
     return report
 
@@ -234,7 +294,7 @@ def reparametrize(
             ValueWeights(*family.value_output_weights(model, name, module)) for name, module in found
         ],
     )
-    return _apply(model, family, found, conversion.plan(request), method)
+    return _apply(model, family, found, conversion.plan(request), conversion)
 
 
 def _check_value_ranks(conversion: ConversionMethod, value_rank, found, family) -> list[int] | None:

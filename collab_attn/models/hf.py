@@ -206,28 +206,42 @@ def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> Converted
 
 def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
     """Replace every self-attention module by an empty converted one shaped by ``layout`` and retag the model and
-    config as collaborative. A layer with fewer heads, or with shared values, also gets a narrower output projection
-    (BERT, RoBERTa: the one beside the attention module), and a latent layer a new one of the same width (the value
-    bias it drops is folded into that projection's bias)."""
+    config as collaborative (``build_layers``, then ``put_layers``)."""
+    installed = build_layers(model, layout)
+    put_layers(model, installed, layout)
+    return installed
+
+
+def build_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
+    """An empty converted layer shaped by ``layout`` for every self-attention module, the model left as it is. A layer
+    with fewer heads, or with shared values, also gets a narrower output projection (BERT, RoBERTa: the one beside
+    the attention module), and a latent layer a new one of the same width (the value bias it drops is folded into
+    that projection's bias)."""
     family = family_of(model.config)
     found = attention_modules(model, family)
     if len(layout.ranks) != len(found):
         raise ValueError(f"got {len(layout.ranks)} ranks for {len(found)} attention layers")
-    installed = []
+    built = []
     for (name, module), spec in zip(found, layout.specs(family.num_heads(found[0][1]))):
-        layer = build_layer(family, module, spec)
-        replace_module(model, name, layer)
-        entry = InstalledLayer(name, module, layer)
+        entry = InstalledLayer(name, module, build_layer(family, module, spec))
         if family.output is None and (spec.num_heads != family.num_heads(module) or spec.value_size is not None
                                       or spec.kind.variant == "mla"):
             old = family.output_projection(model, name)
             width = spec.value_size or spec.num_heads * family.head_dim(module)
-            new = nn.Linear(width, old.out_features, bias=old.bias is not None).to(old.weight)
-            entry.old_outer_output, entry.new_outer_output = old, new
-            replace_module(model, family.output_projection_name(name), new)
-        installed.append(entry)
+            entry.old_outer_output = old
+            entry.new_outer_output = nn.Linear(width, old.out_features, bias=old.bias is not None).to(old.weight)
+        built.append(entry)
+    return built
+
+
+def put_layers(model: nn.Module, built: list[InstalledLayer], layout: Layout) -> None:
+    """Put the layers of ``build_layers`` (and their new output projections) into the model and retag it."""
+    family = family_of(model.config)
+    for entry in built:
+        replace_module(model, entry.name, entry.new)
+        if entry.new_outer_output is not None:
+            replace_module(model, family.output_projection_name(entry.name), entry.new_outer_output)
     _retag(model, layout)
-    return installed
 
 
 def _retag(model: nn.Module, layout: Layout) -> None:

@@ -1,5 +1,6 @@
-"""What ``reparametrize`` returns: per layer the rank, the relative error of the head products, seconds and parameter
-counts, and their totals; JSON and a Markdown table."""
+"""What ``reparametrize`` returns: per layer the rank, the relative error of the fit (the head products; the key or
+key/value projection for the shared-subspace methods), the errors of the head products measured from the converted
+layer, seconds and parameter counts, and their totals; JSON and a Markdown table."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ class LayerReport:
     weighted_error: float | None = None
     # values cut to a value rank (shared or narrow): relative error of the value-output products; else None
     value_error: float | None = None
+    # measured from the converted layer's own weights against the original (collab_attn.models.products): the
+    # relative error of the query/key head products (equal to relative_error where the fit is of those products,
+    # checked) and of the value-output products (0 where every head keeps its values)
+    products_error: float | None = None
+    value_products_error: float | None = None
 
 
 @dataclass

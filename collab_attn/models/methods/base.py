@@ -41,6 +41,9 @@ class ConversionMethod:
     cuts_values: bool = False  # takes a value rank: the values cached per token cut to that width (shared or narrow)
     reads_values: bool = False  # plans the value side from the values and output projection (as shared values do)
     check_ranks: Callable[[Sequence[int], int], None] | None = None  # (ranks, heads) -> raises ValueError
+    # whether a plan's relative_error is that of the query/key head products (checked against the installed layer);
+    # False where the fit is of a projection (the shared-subspace methods report the error of the keys they cut)
+    reports_products_error: bool = True
 
     def __post_init__(self):
         if self.layer not in LAYER_KINDS:
