@@ -102,7 +102,6 @@ MUTATIONS = {
 }
 
 
-
 def copy_project(destination: Path) -> Path:
     """The package, its tests, configs, scripts and pytest settings under ``destination``."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
