@@ -193,7 +193,9 @@ def test_text_generation_pipeline_runs_on_a_saved_decoder(tmp_path):
     settings = {"max_new_tokens": 8, "do_sample": False}
     assert generate("abc", return_tensors=True, **settings)[0]["generated_token_ids"] == expected[0].tolist()
     text = generate("abc", **settings)[0]["generated_text"]
-    assert text == "abc" + tokenizer.decode(new, skip_special_tokens=True)
+    # the tokens above are the check; the text is the prompt and their decoding (transformers 5.4 puts a space
+    # between the two, newer releases none)
+    assert text.startswith("abc") and text[3:].strip() == tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
 # Spelled out rather than taken from the library, so that a name dropped there fails here.
