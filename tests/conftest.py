@@ -73,6 +73,19 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def dense_products_error(original_attention, converted_attention) -> float:
+    """The relative error of the stacked head products ``Wq_h^T Wk_h`` that a converted BERT attention module holds
+    (read back from its weights) against the original module's, computed densely."""
+    from collab_attn.models.products import query_key_forms
+
+    heads, head_dim = original_attention.num_attention_heads, original_attention.attention_head_size
+    w_query, w_key = (getattr(original_attention, part).weight.double().reshape(heads, head_dim, -1)
+                      for part in ("query", "key"))
+    reference = torch.einsum("hai,haj->hij", w_query, w_key)
+    installed = query_key_forms(converted_attention).dense() / original_attention.scaling
+    return float(torch.linalg.norm(installed - reference) / torch.linalg.norm(reference))
+
+
 def small_config(family: str, **overrides) -> transformers.PretrainedConfig:
     """A randomly initialized configuration of each family (4 heads of 12), small enough to build in milliseconds.
 

@@ -3,13 +3,12 @@ import copy
 import pytest
 import torch
 import transformers
-from conftest import random_batch, small_config, small_model
+from conftest import dense_products_error, random_batch, small_config, small_model
 from transformers import AutoModel
 
 import collab_attn
 from collab_attn import reparametrize
 from collab_attn.models.layers import CollaborativeSelfAttention
-from collab_attn.models.products import query_key_forms
 
 
 def hidden(model, batch, **kwargs):
@@ -81,11 +80,7 @@ def test_low_rank_report_and_compression(minilm, real_batch):
     assert ranks == [192, 128, 96, 96, 128, 192]
     # each reported error is that of the products the converted layers hold, recomputed densely against MiniLM's
     for layer, converted, original in zip(report.layers, model.encoder.layer, minilm.encoder.layer):
-        heads = original.attention.self
-        w_query, w_key = (getattr(heads, part).weight.double().reshape(12, 32, 384) for part in ("query", "key"))
-        reference = torch.einsum("hai,haj->hij", w_query, w_key)
-        installed = query_key_forms(converted.attention.self).dense() / heads.scaling
-        expected = float(torch.linalg.norm(installed - reference) / torch.linalg.norm(reference))
+        expected = dense_products_error(original.attention.self, converted.attention.self)
         assert 0.05 < layer.relative_error == pytest.approx(expected, abs=1e-5)
     first = report.layers[1]
     # q/k: 2 * (384 * 384 + 384) before; 2 * 384 * 128 shared + 12 * 128 mixing + 12 * 384 content bias after

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import character_tokenizer
+from conftest import character_tokenizer, dense_products_error
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -21,7 +21,6 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 import collab_attn
 from collab_attn.decomposition.cp_als import DEFAULT_TOL
 from collab_attn.models.checkpoints import load_model_and_tokenizer, resolve_model
-from collab_attn.models.products import query_key_forms
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -119,11 +118,7 @@ def check_reported_errors(result: dict, out: Path, minilm_path: str) -> None:
     original, saved = AutoModel.from_pretrained(minilm_path), AutoModel.from_pretrained(out)
     written = json.loads((out / "reparam_report.json").read_text())["layers"]
     for layer, stored, before, after in zip(result["layers"], written, original.encoder.layer, saved.encoder.layer):
-        heads = before.attention.self
-        w_query, w_key = (getattr(heads, part).weight.double().reshape(12, 32, 384) for part in ("query", "key"))
-        reference = torch.einsum("hai,haj->hij", w_query, w_key)
-        installed = query_key_forms(after.attention.self).dense() / heads.scaling
-        expected = float(torch.linalg.norm(installed - reference) / torch.linalg.norm(reference))
+        expected = dense_products_error(before.attention.self, after.attention.self)
         assert 0.05 < layer["relative_error"] == pytest.approx(expected, abs=1e-5)
         assert stored["relative_error"] == layer["relative_error"]
 

@@ -6,7 +6,6 @@ real error in the work keeps its traceback. scripts/reparametrize.py runs as a r
 tests/test_reparametrize_script.py; here each script's ``main`` runs in this process with its command line, the
 path a process takes once the interpreter has started (Hydra's ``run_and_report`` prints the tracebacks)."""
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from test_entry_points import script  # the scripts, each loaded once
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, BertModel
 from transformers.utils import logging as hf_logging
 
@@ -83,17 +83,6 @@ def quiet():
 
 def snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
-
-
-_modules = {}
-
-
-def script(name: str):
-    if name not in _modules:
-        spec = importlib.util.spec_from_file_location(f"errors_{name}", ROOT / "scripts" / f"{name}.py")
-        _modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_modules[name])
-    return _modules[name]
 
 
 def run_main(name: str, args: list[str], template: Path, tmp_path: Path, monkeypatch, capsys):

@@ -172,14 +172,16 @@ def _fill_head_values(entry: InstalledLayer, planned: LayerPlan, family: Family,
             put(target.bias, bias)
 
 
-def _originals(model: nn.Module, family: Family, found) -> list:
-    """Every layer's original logit forms and value maps (``collab_attn.models.products``), read before the surgery."""
+def _originals(model: nn.Module, family: Family, found, request: Request) -> list:
+    """Every layer's original logit forms and value maps (``collab_attn.models.products``), from the weights the
+    request read (the value side read here where the method did not need it), before the surgery."""
     originals = []
-    for name, module in found:
-        w_query, w_key, _, _ = family.head_weights(module)
-        w_value, w_output, _, _ = family.value_output_weights(model, name, module)
-        originals.append((original_forms(w_query, w_key, family.logit_scale(module)),
-                          original_value_forms(w_value, w_output)))
+    for index, (name, module) in enumerate(found):
+        weights = request.weights[index]
+        values = request.values[index] if request.values is not None else ValueWeights(
+            *family.value_output_weights(model, name, module))
+        originals.append((original_forms(weights.w_query, weights.w_key, family.logit_scale(module)),
+                          original_value_forms(values.w_value, values.w_output)))
     return originals
 
 
@@ -209,9 +211,10 @@ def _check_installed(name: str, side: str, claimed: float | None, measured: floa
         )
 
 
-def _apply(model: nn.Module, family: Family, found, plan: Plan, method: ConversionMethod) -> ReparamReport:
+def _apply(model: nn.Module, family: Family, found, request: Request, plan: Plan,
+           method: ConversionMethod) -> ReparamReport:
     before = {name: (_count(module), query_key_count(module, family)) for name, module in found}
-    originals = _originals(model, family, found)
+    originals = _originals(model, family, found, request)
     report = ReparamReport(
         method=method.name, model_params_before=_count(model), solver=plan.solver, calibration=plan.calibration,
         rank_selection=plan.rank_selection, pruning=plan.pruning,
@@ -294,7 +297,7 @@ def reparametrize(
             ValueWeights(*family.value_output_weights(model, name, module)) for name, module in found
         ],
     )
-    return _apply(model, family, found, conversion.plan(request), conversion)
+    return _apply(model, family, found, request, conversion.plan(request), conversion)
 
 
 def _check_value_ranks(conversion: ConversionMethod, value_rank, found, family) -> list[int] | None:
