@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn import reparametrize  # noqa: E402
+from collab_attn.glue.calibrate import load_texts  # noqa: E402
 from collab_attn.models.calibration import attention_inputs, calibration_from_texts, logit_errors  # noqa: E402
-from collab_attn.texts import load_texts  # noqa: E402
 
 
 def layer_weights(model):

@@ -12,9 +12,10 @@ Models: a randomly initialized GPT-2 small (12 layers, d_model 768, 12 heads of 
 positions up to the longest context) and the same architecture with collaborative attention at D~ = d/2, d/4, d/8
 (384, 192, 96), built from the library's ``CollabGPT2LMHeadModel`` config; with ``--cache-fractions`` also the
 conversions of the cache race at the size that caches at most each fraction (shared keys and values, per-head SVD
-with narrow values, the MLA latent of ``kv-svd``, pruned heads). Decoding time does not depend on the
-weights' values, so no decomposition is run and the cache is filled with random keys and values of the right shapes
-(as ``model.generate`` would leave it after a prompt of ``context`` tokens) instead of running a prefill. Each
+with narrow values, the MLA latent of ``kv-svd``, pruned heads). ``--size tiny`` (2 layers, d_model 192, 12 heads of
+16, 512 tokens) is for the tests: it checks that the script runs, it measures nothing. Decoding time does not depend
+on the weights' values, so no decomposition is run and the cache is filled with random keys and values of the right
+shapes (as ``model.generate`` would leave it after a prompt of ``context`` tokens) instead of running a prefill. Each
 measurement is one forward pass of one new token per sequence against that cache, the cache set back to ``context``
 positions after each step; the models take turns step by step, so machine noise falls on all of them alike.
 
@@ -56,15 +57,28 @@ from collab_attn.models.methods import METHODS  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
 
 D_MODEL, HEADS, LAYERS = 768, 12, 12
+# --size: the model's (layers, d_model, heads, vocabulary). gpt2-small is the benchmark; tiny (2 layers, 12 heads of
+# 16, 512 tokens) is for checking that the script runs (its timings measure nothing).
+SIZES = {"gpt2-small": (LAYERS, D_MODEL, HEADS, 50257), "tiny": (2, 192, HEADS, 512)}
+TITLES = {"gpt2-small": "GPT-2 small", "tiny": "a tiny GPT-2 (2 layers, d_model 192, 12 heads)"}
 # The conversions of the cache race (experiments/kv_cache): keys and values shared (cp; tucker: mixed by a matrix per
 # head) or cut per head (svd), a latent (kv-svd, MLA), whole heads removed (prune). key-svd never caches less than
 # half. The default set; --race-methods picks others.
 RACE_METHODS = ("cp", "svd", "kv-svd", "prune")
 
 
-def build(layout: Layout | None, positions: int, device: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
-    """GPT-2 small with concatenated heads (``layout=None``) or converted layers of ``layout``."""
-    sizes = {"n_embd": D_MODEL, "n_head": HEADS, "n_layer": LAYERS, "n_positions": positions}
+def gpt2_sizes(size: str) -> dict:
+    """The GPT-2 config fields of ``--size`` (the last token is the bos and eos token, as 50256 is GPT-2's)."""
+    layers, d_model, heads, vocab = SIZES[size]
+    return {"n_layer": layers, "n_embd": d_model, "n_head": heads, "vocab_size": vocab, "bos_token_id": vocab - 1,
+            "eos_token_id": vocab - 1}
+
+
+def build(layout: Layout | None, positions: int, device: str, dtype: torch.dtype,
+          size: str = "gpt2-small") -> transformers.PreTrainedModel:
+    """GPT-2 of ``size`` (default: small) with concatenated heads (``layout=None``) or converted layers of
+    ``layout``."""
+    sizes = {**gpt2_sizes(size), "n_positions": positions}
     if layout is None:
         config = transformers.GPT2Config(**sizes)
     else:
@@ -76,8 +90,9 @@ def build(layout: Layout | None, positions: int, device: str, dtype: torch.dtype
 def variants_of(args) -> dict[str, Layout | None]:
     """The original, keys-only collaborative heads at ``--ranks`` and, per ``--cache-fractions``, each cache-race
     method (``--race-methods``) at the size that caches at most that fraction (``collab_attn.models.sizing``)."""
-    variants = {"original": None} | {f"collab D~={rank}": Layout("cp", [rank] * LAYERS) for rank in args.ranks}
-    config = transformers.GPT2Config(n_embd=D_MODEL, n_head=HEADS, n_layer=LAYERS)
+    config = transformers.GPT2Config(**gpt2_sizes(args.size))
+    variants = {"original": None} | {
+        f"collab D~={rank}": Layout("cp", "collaborative", [rank] * config.n_layer) for rank in args.ranks}
     original = original_size(config)
     for method in args.race_methods:
         sizes = conversion_sizes(config, METHODS[method])
@@ -170,7 +185,7 @@ def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     positions = max(args.contexts) + 8
     variants = variants_of(args)
-    models = {name: build(layout, positions, args.device, dtype) for name, layout in variants.items()}
+    models = {name: build(layout, positions, args.device, dtype, args.size) for name, layout in variants.items()}
     if args.prefill:
         return [row for batch in args.batches for context in args.contexts
                 for row in prefill_rows(models, variants, args, batch, context)]
@@ -179,7 +194,7 @@ def run(args) -> list[dict]:
 
 
 def prefill_rows(models: dict, variants: dict, args, batch: int, context: int) -> list[dict]:
-    ids = torch.randint(0, 50257, (batch, context), device=args.device)
+    ids = torch.randint(0, next(iter(models.values())).config.vocab_size, (batch, context), device=args.device)
     times = median_seconds(models, args, lambda name, model: prefill(model, ids))
     rows = []
     for name in models:
@@ -192,11 +207,12 @@ def prefill_rows(models: dict, variants: dict, args, batch: int, context: int) -
     return rows
 
 
-def compiled(model):
-    """``model.forward`` compiled for a static cache: one graph for the whole decoding step (CUDA graphs on a
-    GPU); each (batch, context) pair compiles afresh (``torch._dynamo.reset`` between them)."""
-    mode = "reduce-overhead" if model.device.type == "cuda" else None
-    return torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode)
+def compiled(model, backend: str = "inductor"):
+    """``model.forward`` compiled for a static cache: one graph for the whole decoding step (inductor with CUDA
+    graphs on a GPU); each (batch, context) pair compiles afresh (``torch._dynamo.reset`` between them). Another
+    ``backend`` (the tests' ``aot_eager``) captures the same whole graph without generating kernels."""
+    mode = "reduce-overhead" if model.device.type == "cuda" and backend == "inductor" else None
+    return torch.compile(model.forward, fullgraph=True, dynamic=False, mode=mode, backend=backend)
 
 
 def weight_bytes(model) -> int:
@@ -206,8 +222,9 @@ def weight_bytes(model) -> int:
 def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, context: int) -> list[dict]:
     torch._dynamo.reset()
     caches = {name: filled_cache(model, kind, batch, context) for name, model in models.items()}
-    forwards = {name: compiled(model) if kind == "static" else None for name, model in models.items()}
-    ids = torch.randint(0, 50257, (batch, 1), device=args.device)
+    forwards = {name: compiled(model, args.compile_backend) if kind == "static" else None
+                for name, model in models.items()}
+    ids = torch.randint(0, next(iter(models.values())).config.vocab_size, (batch, 1), device=args.device)
     mask = torch.ones(batch, context + 1, dtype=torch.long, device=args.device)
     step_extra = {}  # bytes a step allocates beyond the weights and caches (GPU only: the CPU has no counter)
     for name, model in models.items():
@@ -245,12 +262,17 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
     if args.prefill:
         return prefill_markdown(rows, args, environment)
     extra = args.device == "cuda"
+    if args.compile_backend == "inductor":
+        compiler = f"`torch.compile(fullgraph=True)`{' with CUDA graphs' if extra else ''}"
+    else:
+        compiler = f"`torch.compile(fullgraph=True, backend=\"{args.compile_backend}\")`"
     lines = [
-        f"# Decoding: GPT-2 small (random weights) against collaborative attention, {args.device}, {args.dtype}",
+        f"# Decoding: {TITLES[args.size]} (random weights) against collaborative attention, {args.device}, "
+        f"{args.dtype}",
         "",
         f"One new token per sequence per step against a cache of `context` positions; median of {args.repeats} "
         f"steps after {args.warmup} warm-up steps. `dynamic`: DynamicCache, eager; `static`: StaticCache and "
-        f"`torch.compile(fullgraph=True)`{' with CUDA graphs' if extra else ''}. Time ratios compare models with the "
+        f"{compiler}. Time ratios compare models with the "
         f"same batch, context and cache. Max batch: the largest batch whose weights and cache"
         f"{' (and the step' + chr(39) + 's own memory)' if extra else ''} fit {args.memory_gib:g} GiB at that "
         f"context, from the measured bytes. {environment['device_name']}, torch {environment['torch']}, "
@@ -275,7 +297,8 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
 
 def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
     lines = [
-        f"# Prefill: GPT-2 small (random weights) against collaborative attention, {args.device}, {args.dtype}",
+        f"# Prefill: {TITLES[args.size]} (random weights) against collaborative attention, {args.device}, "
+        f"{args.dtype}",
         "",
         "A prompt of `context` tokens per sequence into an empty cache (causal mask, logits of the last "
         f"position); median of {args.repeats} passes after {args.warmup} warm-up passes. "
@@ -297,7 +320,10 @@ def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
 def main(argv=None) -> list[dict]:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])  # its errors: one error: line
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[D_MODEL // 2, D_MODEL // 4, D_MODEL // 8])
+    parser.add_argument("--size", choices=list(SIZES), default="gpt2-small",
+                        help="the model: gpt2-small (the benchmark) or tiny (2 layers of 192: a check that it runs)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=None,
+                        help="collaborative key widths D~ (default: d_model/2, /4, /8: 384 192 96 for gpt2-small)")
     parser.add_argument("--cache-fractions", type=float, nargs="+", default=[],
                         help="also each cache-race conversion (cp keys and values, svd with values, kv-svd, prune) "
                              "at the size caching at most this fraction of the original's bytes")
@@ -307,6 +333,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batches", "--batch", type=int, nargs="+", default=[1], help="sequences per step")
     parser.add_argument("--caches", nargs="+", choices=("dynamic", "static"), default=["dynamic"],
                         help="dynamic: DynamicCache, eager; static: StaticCache and torch.compile(fullgraph=True)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend for static caches (default inductor, what transformers uses; "
+                             "aot_eager: the same fullgraph capture without generating kernels, for checks)")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="memory budget for the max-batch column (default: 80 on cuda, 24 on the CPU)")
     parser.add_argument("--repeats", type=int, default=10)
@@ -317,6 +346,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prefill", action="store_true", help="time the prompt pass instead of decoding steps")
     parser.add_argument("--out", type=Path, default=None, help="output path without suffix")
     args = parser.parse_args(argv)
+    if args.ranks is None:
+        d_model = SIZES[args.size][1]
+        args.ranks = [d_model // 2, d_model // 4, d_model // 8]
     if args.memory_gib is None:
         args.memory_gib = 80.0 if args.device == "cuda" else 24.0
     if min(args.batches + args.contexts + args.ranks) <= 0 or args.repeats <= 0:

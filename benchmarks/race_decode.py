@@ -4,16 +4,21 @@ at a long context on the CPU, side by side in one process: the cpu recipe's mode
 and values (``benchmarks/decode.py``'s machinery: one new token per step against ``context`` cached positions, the
 models taking turns step by step).
 
-    python benchmarks/race_decode.py                      # context 2048, batch 1, every race variant
-    python benchmarks/race_decode.py --contexts 2048 8192 --batch 8
+    OMP_NUM_THREADS=1 python benchmarks/race_decode.py --out experiments/benchmarks/race_decode_cpu_1thread_runs5.md
+    python benchmarks/race_decode.py --contexts 2048 8192 --batch 8 --out <new file>.md
 
-Rows: median milliseconds per token, the ratio to the concatenated model, and the cache bytes measured from the
-cache's tensors (float32 here; the race tables give bf16). Results: ``experiments/benchmarks/race_decode_cpu.md``.
+Each of ``--runs`` runs takes the median over ``--repeats`` steps; rows: the median of the runs in milliseconds per
+token and their range (the run-to-run spread), the ratio of medians to the concatenated model, ``faster`` or
+``slower`` only where the two ranges do not overlap (``collab_attn.stats.timing_verdict``), and the cache bytes
+measured from the cache's tensors (float32 here; the race tables give bf16). The table goes to ``--out`` and every
+run's numbers to the JSON beside it; an existing result is never overwritten.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from decode import cache_bytes, decode_step, filled_cache, median_seconds  # noq
 
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.lm.models import build_model, gpt_config  # noqa: E402
+from collab_attn.stats import timing_verdict  # noqa: E402
 
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0}
 # (name, attention, key_size, value_size): the race's variants at 1/1, 1/2, 1/4 and 1/8 of the cache
@@ -51,12 +57,26 @@ def rows_for(context: int, batch: int, args) -> list[dict]:
             for name, seconds in medians.items()]
 
 
-def markdown(rows: list[dict], args) -> str:
-    lines = [f"Decoding on the CPU ({torch.get_num_threads()} threads), float32, median of {args.repeats} steps after "
-             f"{args.warmup}; `python benchmarks/race_decode.py {' '.join(sys.argv[1:])}`", "",
-             "| variant | context | batch | ms / token | vs concat | cache B / token (float32, measured) |",
-             "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['variant']} | {r['context']} | {r['batch']} | {r['ms_per_token']:.3f} | {r['ratio']:.2f}x "
+def over_runs(runs: list[list[dict]]) -> list[dict]:
+    """Rows of several runs (the same variants and contexts in each) as one row per variant and context: the median
+    of the runs, their range and every run's time, the ratio of medians to concat and the timing verdict."""
+    rows = [{**same[0], "ms_per_token_runs": [r["ms_per_token"] for r in same]} for same in zip(*runs)]
+    for row in rows:
+        concat = next(r for r in rows if r["variant"] == "concat" and r["context"] == row["context"])
+        verdict = timing_verdict(row["ms_per_token_runs"], concat["ms_per_token_runs"])
+        row.update(ms_per_token=verdict.candidate.median, ms_low=verdict.candidate.low,
+                   ms_high=verdict.candidate.high, ratio=verdict.ratio, verdict=verdict.verdict)
+    return rows
+
+
+def markdown(rows: list[dict], args, command: str) -> str:
+    lines = [f"Decoding on the CPU ({torch.get_num_threads()} threads), float32, {args.runs} runs, each the median "
+             f"of {args.repeats} steps after {args.warmup} (the models taking turns); faster or slower than concat "
+             f"only where the ranges of runs do not overlap; `{command}`",
+             "", "| variant | context | batch | ms / token (median of runs) | range of runs | vs concat | verdict "
+             "| cache B / token (float32, measured) |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+    lines += [f"| {r['variant']} | {r['context']} | {r['batch']} | {r['ms_per_token']:.3f} "
+              f"| {r['ms_low']:.3f}-{r['ms_high']:.3f} | {r['ratio']:.2f}x | {r['verdict']} "
               f"| {r['cache_bytes_per_token']:,} |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -67,13 +87,23 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "race_decode_cpu.md")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", type=Path, required=True, help="a new .md file; the JSON of every run goes beside it")
     args = parser.parse_args(argv)
-    rows = [row for context in args.contexts for row in rows_for(context, args.batch, args)]
-    text = markdown(rows, args)
+    outputs = [args.out.with_suffix(".md"), args.out.with_suffix(".json")]
+    if any(path.exists() for path in outputs):
+        parser.error(f"--out={args.out}: a result is already there; benchmark results are never overwritten")
+    load = [os.getloadavg()[0]]
+    runs = [[row for context in args.contexts for row in rows_for(context, args.batch, args)] for _ in range(args.runs)]
+    load.append(os.getloadavg()[0])
+    rows = over_runs(runs)
+    command = " ".join(["python benchmarks/race_decode.py", *(sys.argv[1:] if argv is None else argv)])
+    text = markdown(rows, args, command) + f"\nLoad average (1 minute) before and after: {load[0]:.1f}, {load[1]:.1f}\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out, text)
+    write_text_atomic(outputs[1], json.dumps({"command": command, "threads": torch.get_num_threads(),
+                                              "load_average": load, "rows": rows}, indent=1) + "\n")
+    write_text_atomic(outputs[0], text)
     return rows
 
 

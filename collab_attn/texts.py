@@ -1,7 +1,7 @@
-"""Texts to calibrate activation-aware fitting on: read from a file, sampled with a seed.
+"""Texts to calibrate activation-aware fitting on: a file of one text per line, sampled with a seed.
 
-A GLUE ``.tsv`` is read through ``collab_attn.glue.tasks`` (its task's text fields), imported only when such a file
-is asked for, so that this module itself depends on no GLUE code.
+Nothing here knows GLUE: ``collab_attn.glue.calibrate.load_texts`` reads a GLUE ``.tsv`` and hands any other file
+to ``read_texts``.
 """
 
 from __future__ import annotations
@@ -13,22 +13,12 @@ import numpy as np
 CALIBRATION_SAMPLES = 512  # texts sampled from a file or a task to calibrate on, unless told otherwise
 
 
-def load_texts(
-    source: str | Path, limit: int | None = CALIBRATION_SAMPLES, seed: int = 0
-) -> list[str | tuple[str, str]]:
-    """Calibration texts from a file: a ``.tsv`` of the GLUE layout (``<glue_dir>/<Task>/{train,dev}.tsv``: the
-    task's text fields, one text or sentence pair per row) or any other text file (one text per non-empty line).
-    With more than ``limit`` texts, a sample of ``limit`` drawn with ``seed`` (in file order)."""
+def read_texts(source: str | Path, limit: int | None = CALIBRATION_SAMPLES, seed: int = 0) -> list[str]:
+    """The texts of a text file, one per non-empty line. With more than ``limit`` texts, a sample of ``limit``
+    drawn with ``seed`` (in file order)."""
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"calibration text file {path} not found")
-    if path.suffix == ".tsv":
-        from collab_attn.glue.tasks import task_texts
-
-        split = {"train.tsv": "train", "dev.tsv": "validation"}.get(path.name)
-        if split is None:
-            raise ValueError(f"{path}: expected a GLUE train.tsv or dev.tsv")
-        return task_texts(path.parent.name, path.parent.parent, split, limit=limit, seed=seed)
     with path.open(encoding="utf-8") as handle:
         texts = [line.strip() for line in handle if line.strip()]
     if not texts:

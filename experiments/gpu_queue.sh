@@ -100,8 +100,10 @@ tests() {
 decode() {
   local out="$ROOT/benchmarks/decode_cuda_bfloat16_batches"
   if [ "$DRY" = 1 ]; then
-    run_job decode "$PYTHON" benchmarks/decode.py --threads 1 --ranks 96 --contexts 16 --batches 1 --caches dynamic \
-      static --repeats 1 --warmup 0 --out "$out"
+    # the tiny model, its static step captured whole without generating kernels (inductor's CPU kernels for it are
+    # tests/test_static_cache.py's)
+    run_job decode "$PYTHON" benchmarks/decode.py --size tiny --threads 1 --ranks 24 --contexts 16 --batches 1 \
+      --caches dynamic static --compile-backend aot_eager --repeats 1 --warmup 0 --out "$out"
   elif [ -f "$out.json" ]; then
     echo "decode: done before ($out.json)"
   else
@@ -111,7 +113,8 @@ decode() {
   for batch in 1 32; do  # one layer's step five ways (sdpa, explicit, compiled, flex), at 8k context
     local kernels="$ROOT/benchmarks/decode_kernels_cuda_bfloat16_batch$batch"
     if [ "$DRY" = 1 ]; then
-      [ "$batch" = 1 ] && run_job decode-kernels "$PYTHON" benchmarks/decode_kernels.py --batch 1 --context 64 \
+      # tests/test_benchmarks.py's shapes: inductor's on-disk cache has the kernels when the tests ran before
+      [ "$batch" = 1 ] && run_job decode-kernels "$PYTHON" benchmarks/decode_kernels.py --batch 2 --context 64 \
         --rank 48 --repeats 1 --warmup 0 --threads 1 --out "$kernels"
     elif [ ! -f "$kernels.json" ]; then
       run_job "decode-kernels-b$batch" "$PYTHON" benchmarks/decode_kernels.py --device cuda --dtype bfloat16 \
@@ -125,8 +128,8 @@ glue() {
   local common=(+experiment=minilm_glue "data.glue_dir=$GLUE_DIR" refit=distill logger=none "output_root=$ROOT/minilm_glue")
   if [ "$DRY" = 1 ]; then
     run_job glue "$PYTHON" scripts/train_glue.py "${common[@]}" task=rte seed=0 collab.calibration=task collab.rank=96 \
-      trainer=smoke refit.max_steps=1 data.max_train_samples=16 data.max_eval_samples=16 collab.n_iter_max=2 \
-      collab.calibration_samples=8
+      trainer=smoke trainer.max_steps=1 refit.max_steps=1 refit.per_device_train_batch_size=8 data.max_seq_length=32 \
+      data.max_train_samples=16 data.max_eval_samples=16 collab.n_iter_max=2 collab.calibration_samples=8
     return
   fi
   local tasks=cola,mrpc,stsb,rte

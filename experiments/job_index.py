@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_configs import SWEEPS, sweep_jobs  # noqa: E402
 
 from collab_attn.files import write_text_atomic  # noqa: E402
-from collab_attn.glue.jobs import INDEX_FILE, KEY_VERSION, JobKey, job_name  # noqa: E402
+from collab_attn.glue.jobs import INDEX_FILE, KEY_VERSION, GlueJob  # noqa: E402
 
 _LOGGING_ONLY = {"logging_steps", "logging_strategy", "disable_tqdm", "per_device_eval_batch_size", "report_to"}
 
@@ -52,7 +52,7 @@ def legacy_job_dir(settings: dict) -> Path:
     recipe["data"] = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
     if settings.get("weights", "pretrained") == "random":
         recipe = {**recipe, "weights": "random"}
-    return Path(settings["output_root"]) / "runs" / f"{job_name(settings)}-{_digest(recipe)}"
+    return Path(settings["output_root"]) / "runs" / f"{GlueJob.of(settings).name}-{_digest(recipe)}"
 
 
 def main() -> None:
@@ -63,7 +63,7 @@ def main() -> None:
             if not (ROOT / folder / "results.jsonl").is_file():
                 continue
             runs = ROOT / job["output_root"] / "runs"
-            indexes[runs][str(folder.relative_to(job["output_root"], "runs"))] = JobKey.of(job).to_dict()
+            indexes[runs][str(folder.relative_to(job["output_root"], "runs"))] = GlueJob.of(job).key.to_dict()
     for runs, jobs in indexes.items():
         seen: dict[str, str] = {}
         for folder, key in jobs.items():

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from collab_attn.cli import ArgumentParser, exit_on_bad_input, naming, output_file, positive_arg  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.glue import tasks as glue  # noqa: E402
+from collab_attn.glue.jobs import DataSettings  # noqa: E402
 from collab_attn.glue.pipeline import check_glue_files, evaluate, load_data  # noqa: E402
 from collab_attn.models.checkpoints import resolve_model  # noqa: E402
 
@@ -62,9 +63,9 @@ def majority_metrics(task: glue.GlueTask, train_labels: np.ndarray, dev_labels: 
 def fit_check(task: glue.GlueTask, checkpoint: Path, glue_dir: Path, max_samples: int | None, batch_size: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
-    data_cfg = {"glue_dir": str(glue_dir), "max_seq_length": 128, "max_train_samples": max_samples,
-                "max_eval_samples": max_samples}
-    data = load_data(task, data_cfg, tokenizer)
+    limits = DataSettings(glue_dir=str(glue_dir), max_seq_length=128, max_train_samples=max_samples,
+                          max_eval_samples=max_samples)
+    data = load_data(task, limits, tokenizer)
     splits = {"train": "train", "dev": task.eval_splits[0]}
     row = {"task": task.name, "checkpoint": str(checkpoint), "metric": task.main_metric}
     with tempfile.TemporaryDirectory() as scratch:

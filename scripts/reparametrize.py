@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 from collab_attn import cli, reparametrize
 from collab_attn.cli import hydra_main, settings_of
 from collab_attn.files import atomic_directory
-from collab_attn.models.calibrate import calibrate, check_calibration
+from collab_attn.glue.calibrate import calibrate, check_calibration
 from collab_attn.models.checkpoints import (
     checked_model,
     load_model_and_tokenizer,
@@ -123,11 +123,13 @@ def compare_generation(original, converted, tokenizer, prompts, max_new_tokens: 
             m.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)[0, start:]
             for m in (original, converted)
         ]
-        differ = (tokens[0] != tokens[1]).nonzero()
+        common = min(len(tokens[0]), len(tokens[1]))  # a model that ends its answer (end of sequence) stops early
+        differ = (tokens[0][:common] != tokens[1][:common]).nonzero()
+        same = int(differ[0, 0]) if len(differ) else common
         rows.append({
             "prompt": prompt,
             "logits_max_abs_diff": (logits[0] - logits[1]).abs().max().item(),
-            "same_tokens_before_first_difference": int(differ[0, 0]) if len(differ) else len(tokens[0]),
+            "same_tokens_before_first_difference": same,
             "new_tokens": len(tokens[0]),
             "original": tokenizer.decode(tokens[0]),
             "converted": tokenizer.decode(tokens[1]),

@@ -25,11 +25,12 @@ from omegaconf import DictConfig
 
 from collab_attn.cli import hydra_main, settings_of
 from collab_attn.distributed import is_main
+from collab_attn.glue.jobs import GlueJob
 from collab_attn.glue.pipeline import run_job, validate
 
 
 def run(cfg: DictConfig) -> list[dict]:
-    return run_job(settings_of(cfg))
+    return run_job(GlueJob.of(settings_of(cfg)))
 
 
 def _quiet_replica() -> None:

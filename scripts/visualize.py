@@ -37,7 +37,7 @@ from collab_attn.analysis.views import (
 )
 from collab_attn.cli import hydra_main
 from collab_attn.files import atomic_directory
-from collab_attn.models.calibrate import calibrate, check_calibration
+from collab_attn.glue.calibrate import calibrate, check_calibration
 from collab_attn.models.checkpoints import checked_model, resolve_model
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings

@@ -32,29 +32,26 @@ INSTALLED = "tests/test_installed_weights.py"
 MUTATIONS = {
     "key mixing x 1.1 below full rank": (
         "collab_attn/models/methods/decomposition.py",
-        "planned = LayerPlan(fit.shared_query.T, fit.shared_key.T, fit.mixing, fit.core,",
-        "planned = LayerPlan(fit.shared_query.T, fit.shared_key.T, fit.mixing * 1.1, fit.core,",
+        '**_mixing_state("", fit.mixing, fit.core)}',
+        '**_mixing_state("", fit.mixing * 1.1, fit.core)}',
         [f"{INSTALLED}::test_each_installed_head_is_the_fit[cp-None-bert]"],
     ),
     "key mixing rows swapped between heads below full rank": (
         "collab_attn/models/methods/decomposition.py",
-        "planned = LayerPlan(fit.shared_query.T, fit.shared_key.T, fit.mixing, fit.core,",
-        "planned = LayerPlan(fit.shared_query.T, fit.shared_key.T, fit.mixing[[1, 0, *range(2, len(fit.mixing))]], "
-        "fit.core,",
+        '**_mixing_state("", fit.mixing, fit.core)}',
+        '**_mixing_state("", fit.mixing[[1, 0, *range(2, len(fit.mixing))]], fit.core)}',
         [f"{INSTALLED}::test_each_installed_head_is_the_fit[tucker-None-gpt2]"],
     ),
     "shared-value mixing x 1.1": (
         "collab_attn/models/methods/decomposition.py",
-        "return ValuePlan(fit.shared_query.T, fit.shared_key, fit.mixing, values.output_bias(), fit.relative_error,",
-        "return ValuePlan(fit.shared_query.T, fit.shared_key, fit.mixing * 1.1, values.output_bias(), "
-        "fit.relative_error,",
+        '_mixing_state("value_", fit.mixing, fit.core)',
+        '_mixing_state("value_", fit.mixing * 1.1, fit.core)',
         [f"{INSTALLED}::test_each_installed_head_is_the_fit[cp-24-bert]"],
     ),
     "shared-value mixing rows swapped between heads": (
         "collab_attn/models/methods/decomposition.py",
-        "return ValuePlan(fit.shared_query.T, fit.shared_key, fit.mixing, values.output_bias(), fit.relative_error,",
-        "return ValuePlan(fit.shared_query.T, fit.shared_key, fit.mixing[[1, 0, *range(2, len(fit.mixing))]], "
-        "values.output_bias(), fit.relative_error,",
+        '_mixing_state("value_", fit.mixing, fit.core)',
+        '_mixing_state("value_", fit.mixing[[1, 0, *range(2, len(fit.mixing))]], fit.core)',
         [f"{INSTALLED}::test_each_installed_head_is_the_fit[tucker-24-gpt2]"],
     ),
     "thin keys: two heads' query maps swapped (a fit not of the head products: no run-time check)": (
@@ -65,8 +62,8 @@ MUTATIONS = {
     ),
     "latent attention: the value up-projection scaled": (
         "collab_attn/models/methods/kv_svd.py",
-        "value_side = ValuePlan(up_value, values.w_output.flatten(0, 1).T,",
-        "value_side = ValuePlan(up_value * 1.1, values.w_output.flatten(0, 1).T,",
+        "values.replaced_by(up_value, values.w_output.flatten(0, 1).T,",
+        "values.replaced_by(up_value * 1.1, values.w_output.flatten(0, 1).T,",
         [f"{INSTALLED}::test_each_installed_head_is_the_fit[kv-svd-None-gpt2]"],
     ),
     "the static cache's own causal mask lets a query see one unwritten slot": (

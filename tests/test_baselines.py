@@ -16,8 +16,8 @@ from transformers import AutoModel, AutoModelForSequenceClassification
 from collab_attn import reparametrize
 from collab_attn.decomposition.rank_selection import query_key_params
 from collab_attn.decomposition.truncation import truncate_head_products
-from collab_attn.glue import jobs as job_keys
 from collab_attn.glue import pipeline
+from collab_attn.glue.jobs import GlueJob
 from collab_attn.models.hf import attention_parameters
 from collab_attn.models.importance import head_gates, head_importance
 from collab_attn.models.layers import ConcatenatedSelfAttention
@@ -221,21 +221,21 @@ def settings(tmp_path, *overrides: str) -> dict:
 )
 def test_bad_baseline_input_stops_before_training(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
-        pipeline.run_job(settings(tmp_path, *overrides))
+        pipeline.run_job(GlueJob.of(settings(tmp_path, *overrides)))
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.glue
 def test_pipeline_runs_both_baselines(tmp_path, glue_dir):
-    svd_job = settings(tmp_path, "collab=svd", "collab.rank=96", f"data.glue_dir={glue_dir}")
-    assert job_keys.job_dir(svd_job).parts[-2] == "svd-r96"
+    svd_job = GlueJob.of(settings(tmp_path, "collab=svd", "collab.rank=96", f"data.glue_dir={glue_dir}"))
+    assert svd_job.folder.parts[-2] == "svd-r96"
     finetuned, svd = pipeline.run_job(svd_job)
     assert svd["method"] == "svd" and svd["rank"] == 96
     assert svd["query_key_params"] == LAYERS * (2 * D * 96 + HEADS * D)
     assert 0 < svd["mean_relative_error"] < 1 and svd["decomposition_seconds"] > 0
 
-    prune_job = settings(tmp_path, "collab=prune", "collab.rank=96", "collab.importance_samples=8",
-                         "collab.importance_batch_size=4", f"data.glue_dir={glue_dir}")
+    prune_job = GlueJob.of(settings(tmp_path, "collab=prune", "collab.rank=96", "collab.importance_samples=8",
+                                    "collab.importance_batch_size=4", f"data.glue_dir={glue_dir}"))
     same_finetuned, pruned = pipeline.run_job(prune_job)  # reuses the cached fine-tuned model
     assert same_finetuned["main"] == finetuned["main"]
     assert pruned["method"] == "prune" and pruned["rank"] == 96

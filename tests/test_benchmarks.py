@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from collab_attn.analysis.accounting import attention_flops_per_token
 
@@ -149,24 +150,31 @@ def assert_decode_reports(rows: list[dict], markdown: str, printed: str, prefill
         assert len(ratios) == 2 and shows(ratios[0], time_ratio) and shows(ratios[1], cache_ratio)
 
 
+# The decoding benchmark's tiny model (``--size tiny``): 2 layers, d_model 192, 12 heads of 16 (GPT-2 small's
+# 12 layers of 768 take minutes to build, size and compile on two cores; the script's arithmetic is the same). Its
+# cache per token and layer: 2 x 192 numbers concatenated, D~ + 12 + 192 with collaborative keys at D~ = 24 (d/8).
+TINY = ["--size", "tiny", "--threads", "1", "--ranks", "24"]
+COLLAB_CACHE = (24 + 12 + 192) / (2 * 192)
+
+
 @pytest.mark.parametrize("prefill", [False, True])
 def test_decode_times_the_original_and_a_collaborative_gpt2(tmp_path, prefill, capsys):
-    """GPT-2 small against collaborative heads at D~ = 96: one decoding step against a cache of 16 positions, or
-    the prompt pass of 16 tokens; the shared-key cache is the smaller one."""
+    """A tiny GPT-2 against collaborative heads at D~ = 24 (d/8): one decoding step against a cache of 16
+    positions, or the prompt pass of 16 tokens; the shared-key cache is the smaller one."""
     decode = load("decode")
-    argv = ["--threads", "1", "--ranks", "96", "--contexts", "16", "--repeats", "1", "--warmup", "0",
+    argv = [*TINY, "--contexts", "16", "--repeats", "1", "--warmup", "0",
             "--out", str(tmp_path / "dec")] + (["--prefill"] if prefill else [])
     rows = decode.main(argv)
-    assert [(r["batch"], r["context"], r["model"]) for r in rows] == [(1, 16, "original"), (1, 16, "collab D~=96")]
+    assert [(r["batch"], r["context"], r["model"]) for r in rows] == [(1, 16, "original"), (1, 16, "collab D~=24")]
     assert rows[0]["time_vs_original"] == 1.0
     if prefill:
         assert rows[1]["time_vs_original"] == pytest.approx(rows[1]["prefill_ms"] / rows[0]["prefill_ms"])
         assert "cache_mib" not in rows[1]
     else:
         assert rows[1]["time_vs_original"] == pytest.approx(rows[1]["ms_per_step"] / rows[0]["ms_per_step"])
-        assert rows[1]["cache_vs_original"] == pytest.approx((96 + 12 + 768) / (2 * 768), rel=0.01)
+        assert rows[1]["cache_vs_original"] == pytest.approx(COLLAB_CACHE, rel=0.01)
     table = (tmp_path / "dec.md").read_text()
-    assert table.startswith("# Prefill" if prefill else "# Decoding")
+    assert table.startswith(("# Prefill: " if prefill else "# Decoding: ") + decode.TITLES["tiny"])
     assert_decode_reports(rows, table, capsys.readouterr().out, prefill)
 
 
@@ -174,10 +182,12 @@ def test_decode_times_the_cache_race_layouts_with_the_cache_they_hold(tmp_path, 
     """``--cache-fractions 0.25``: every race conversion at a quarter of the cache, its cache measured from the
     cache's tensors at or below a quarter of the original's."""
     decode = load("decode")
-    rows = decode.main(["--threads", "1", "--ranks", "96", "--contexts", "16", "--repeats", "1", "--warmup", "0",
-                        "--cache-fractions", "0.25", "--out", str(tmp_path / "dec")])
-    assert [r["model"] for r in rows] == ["original", "collab D~=96", "cp k186 v186 (0.25)", "svd k180 v180 (0.25)",
-                                          "kv-svd k384 (0.25)", "prune k190 (0.25)"]
+    rows = decode.main([*TINY, "--contexts", "16", "--repeats", "1", "--warmup", "0", "--cache-fractions", "0.25",
+                        "--out", str(tmp_path / "dec")])
+    # a quarter of 2 x 192 is 96 numbers: cp 42 + 12 + 42, svd 36 + 12 + 36 (12 heads of 3), kv-svd's latent 96,
+    # prune 3 heads of 16 per layer (48 keys, 48 values)
+    assert [r["model"] for r in rows] == ["original", "collab D~=24", "cp k42 v42 (0.25)", "svd k36 v36 (0.25)",
+                                          "kv-svd k96 (0.25)", "prune k48 (0.25)"]
     for row in rows[2:]:
         assert 0.2 < row["cache_vs_original"] <= 0.25 + 1e-9
     assert_decode_reports(rows, (tmp_path / "dec.md").read_text(), capsys.readouterr().out, False)
@@ -196,26 +206,33 @@ def test_decode_refuses_a_bad_option_in_one_line_before_writing(bad, message, tm
 
 
 def test_decode_races_the_methods_it_is_given_in_their_own_layout():
-    """``--race-methods cp tucker``: Tucker at the size CP takes (the same cache), built with its cores."""
+    """``--race-methods cp tucker``: Tucker at the size CP takes (the same cache), built with its cores. (The
+    default model is GPT-2 small; the tests take the tiny one.)"""
     decode = load("decode")
-    args = argparse.Namespace(ranks=[96], cache_fractions=[0.25], race_methods=["tucker", "key-svd"])
+    sizes = decode.gpt2_sizes("gpt2-small")
+    assert sizes == {key: getattr(transformers.GPT2Config(), key) for key in sizes}
+    args = argparse.Namespace(size="tiny", ranks=[24], cache_fractions=[0.25], race_methods=["tucker", "key-svd"])
     variants = decode.variants_of(args)
-    assert list(variants) == ["original", "collab D~=96", "tucker k186 v186 (0.25)"]  # key-svd never fits
-    model = decode.build(variants["tucker k186 v186 (0.25)"], positions=8, device="cpu", dtype=torch.float32)
+    assert list(variants) == ["original", "collab D~=24", "tucker k42 v42 (0.25)"]  # key-svd never fits
+    model = decode.build(variants["tucker k42 v42 (0.25)"], positions=8, device="cpu", dtype=torch.float32,
+                         size="tiny")
     layer = model.transformer.h[0].attn
-    assert layer.mixing_core.shape == (12, 186, 186) and layer.value_core.shape == (12, 186, 186)
+    assert layer.mixing_core.shape == (12, 42, 42) and layer.value_core.shape == (12, 42, 42)
 
 
 def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     """Batches 1 and 2, dynamic and static (compiled) caches: one row per model and setting, per-token time the
-    step's divided by the batch, and a static cache that holds one slot more than the context."""
+    step's divided by the batch, and a static cache that holds one slot more than the context. The static steps
+    compile whole (``fullgraph=True``) with ``aot_eager``: inductor's kernels for the same converted GPT-2's static
+    decoding step are built, and checked against eager, by
+    tests/test_static_cache.py::test_compiled_static_decoding_equals_eager_and_does_not_recompile."""
     decode = load("decode")
-    argv = ["--threads", "1", "--ranks", "96", "--contexts", "16", "--batches", "1", "2", "--caches", "dynamic",
-            "static", "--repeats", "1", "--warmup", "0", "--memory-gib", "1", "--out", str(tmp_path / "dec")]
+    argv = [*TINY, "--contexts", "16", "--batches", "1", "2", "--caches", "dynamic", "static", "--compile-backend",
+            "aot_eager", "--repeats", "1", "--warmup", "0", "--memory-gib", "1", "--out", str(tmp_path / "dec")]
     rows = decode.main(argv)
     assert [(r["batch"], r["cache"], r["model"]) for r in rows] == [
         (batch, cache, model) for batch in (1, 2) for cache in ("dynamic", "static")
-        for model in ("original", "collab D~=96")]
+        for model in ("original", "collab D~=24")]
     for row in rows:
         assert row["ms_per_token"] == pytest.approx(row["ms_per_step"] / row["batch"])
         assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1e3 / row["ms_per_step"])
@@ -223,10 +240,12 @@ def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     for batch in (1, 2):
         dynamic, static = by[batch, "dynamic", "original"], by[batch, "static", "original"]
         assert static["cache_mib"] == pytest.approx(dynamic["cache_mib"] * 17 / 16)  # context + 1 slots
-        assert by[batch, "static", "collab D~=96"]["cache_vs_original"] == pytest.approx((96 + 12 + 768) / 1536)
+        assert by[batch, "static", "collab D~=24"]["cache_vs_original"] == pytest.approx(COLLAB_CACHE)
         # a smaller cache per sequence fits more sequences in the same memory
-        assert by[batch, "dynamic", "collab D~=96"]["max_batch"] > dynamic["max_batch"] > 0
-    assert_decode_reports(rows, (tmp_path / "dec.md").read_text(), capsys.readouterr().out, prefill=False)
+        assert by[batch, "dynamic", "collab D~=24"]["max_batch"] > dynamic["max_batch"] > 0
+    text = (tmp_path / "dec.md").read_text()
+    assert 'torch.compile(fullgraph=True, backend="aot_eager")' in text
+    assert_decode_reports(rows, text, capsys.readouterr().out, prefill=False)
 
 
 def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path, capsys):
@@ -264,11 +283,17 @@ def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tm
     monkeypatch.setattr(bench, "median_seconds",
                         lambda models, args, measure: {name: measure(name, model) * 0 + next(timings) / 1000
                                                        for name, model in models.items()})
-    rows = bench.main(["--contexts", "16", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path / "r.md")])
+    args = ["--contexts", "16", "--warmup", "0", "--repeats", "1", "--runs", "2", "--out", str(tmp_path / "r.md")]
+    rows = bench.main(args)
     assert [r["variant"] for r in rows] == [name for name, *_ in bench.VARIANTS]
     for row, (_, kind, key, values) in zip(rows, bench.VARIANTS):
         model = build_model(gpt_config(65, 17, **bench.MODEL, kind=kind, key_size=key, value_size=values), 0)
         assert row["cache_bytes_per_token"] == 2 * cache_bytes(model)  # float32 here, bf16 in the accounting
         assert row["ratio"] == pytest.approx(row["ms_per_token"] / rows[0]["ms_per_token"])
+    # run 1 times the variants 1..9 ms, run 2 10..18 ms: every range overlaps concat's (1..10 ms): no verdict
     text = (tmp_path / "r.md").read_text()
-    assert "| collab k30 v30 | 16 | 1 | 8.000 | 8.00x | 1,024 |" in text
+    assert "| collab k30 v30 | 16 | 1 | 12.500 | 8.000-17.000 | 2.27x | tie | 1,024 |" in text
+    stored = json.loads((tmp_path / "r.json").read_text())
+    assert stored["rows"] == json.loads(json.dumps(rows)) and stored["rows"][7]["ms_per_token_runs"] == [8.0, 17.0]
+    with pytest.raises(SystemExit):  # a result is never overwritten
+        bench.main(args)

@@ -60,12 +60,23 @@ def test_the_race_sizes_every_method_for_each_budget_and_is_summarized(text_file
     readme = race.write_summary(trained.parent)
     text = readme.read_text()
     assert "### `tiny/convert`" in text and "### `tiny/convert_distill`" in text
-    plain_table = text.split("### `tiny/convert_distill`")[0].split("Per budget and seed")[0]
+    plain_part = text.split("### `tiny/convert_distill`")[0]
+    plain_table = plain_part.split("Per budget and stage")[0]
     rows = {line.split(" | ")[1]: line for line in plain_table.splitlines() if line.startswith("| 0.25 |")}
     assert set(rows) == {"cp", "kv-svd", "svd"}
     assert f"| {plain['converted_val_loss']:.4f} ± 0.0000 | {plain['retrained_val_loss']:.4f} ± 0.0000 |" in rows["cp"]
     best = min(records[1:], key=lambda r: r["converted_val_loss"] if r["cache_fraction"] == 0.25 else 9)
     assert f"| 0.25 | converted | 0 | {best['method']} ({best['converted_val_loss']:.4f}) |" in text
+    # the paired rule with one seed: never a verdict, every method tied with the best
+    verdicts = plain_part.split("Per budget and stage")[1].split("Per method and budget")[0]
+    (verdict,) = [line for line in verdicts.splitlines() if line.startswith("| 0.25 | converted | ")]
+    assert f"| 0.25 | converted | {best['method']} ({best['converted_val_loss']:.4f}) |" in verdict
+    cp_versus_original = plain["converted_val_loss"] - plain["original_val_loss"]
+    assert f"| 0.25 | cp | {cp_versus_original:+.4f}, 1 seed: tie |" in plain_part
+    kv_quarter = records[4]
+    cp_versus_mla = plain["converted_val_loss"] - kv_quarter["converted_val_loss"]
+    assert f"| 0.25 | converted | {cp_versus_mla:+.4f}, 1 seed: tie | - | - | - |" in plain_part  # no aware runs here
+    assert ", 1 seed: tie |" in verdict and verdict.count(",") >= 2
     converted_panel, retrained_panel = saved[0].axes
     series = errorbars(converted_panel)
     assert set(series) == {"cp", "kv-svd", "svd"}

@@ -27,12 +27,12 @@ from omegaconf import OmegaConf
 
 from collab_attn import tracking
 from collab_attn.distillation import DistillationTrainer, DistillSettings
-from collab_attn.glue import jobs as job_keys
+from collab_attn.glue import calibrate as calibrate_module
 from collab_attn.glue import pipeline
+from collab_attn.glue.jobs import GlueJob
 from collab_attn.lm import runs as lm_runs
 from collab_attn.lm.data import corpus_from_text, val_blocks
 from collab_attn.lm.models import MODEL_KEYS, gpt_config
-from collab_attn.models import calibrate as calibrate_module
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings, choices, group_keys
 from collab_attn.training import training_args
@@ -236,11 +236,11 @@ CHECKPOINTS = Path("unused-checkpoint-dir")  # TrainingArguments only records it
 
 def _trainer_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
     """Fine-tuning: ``run_job`` hands ``trainer`` to ``train``, which builds the TrainingArguments with
-    ``training_args``; re-fine-tuning: ``refit_fields``, which keeps each trainer field the refit group leaves out
-    or null (here ``refit=paper``: ``max_steps``)."""
-    pipeline.validate(settings)  # every field is a TrainingArguments field
+    ``training_args``; re-fine-tuning: ``GlueJob.refit_recipe``, which keeps each trainer field the refit group
+    leaves out or null (here ``refit=paper``: ``max_steps``)."""
+    job = pipeline.validate(settings)  # every field is a TrainingArguments field
     finetune = training_args(CHECKPOINTS, settings["seed"], settings["trainer"])
-    refit = training_args(CHECKPOINTS, settings["seed"], pipeline.refit_fields(settings))
+    refit = training_args(CHECKPOINTS, settings["seed"], job.refit_recipe)
     inherited = [key for key in values if settings["refit"].get(key) is None]
     assert "max_steps" in inherited
     for key, value in values.items():
@@ -250,18 +250,18 @@ def _trainer_arrives(primary: str, option: str, values: dict, settings: dict) ->
 
 
 def _refit_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
-    """The re-fine-tuning's TrainingArguments (``refit_fields`` through ``training_args``) hold each field the
+    """The re-fine-tuning's TrainingArguments (``refit_recipe`` through ``training_args``) hold each field the
     group sets, and the trainer's where it says null; ``distill`` becomes the ``DistillSettings`` that
     ``validate`` returns (None without it); ``enabled`` is ``run_job``'s switch (followed by
     ``test_training_gets_the_composed_recipe``), no TrainingArguments field."""
-    _, _, _, distill = pipeline.validate(settings)
+    distill = pipeline.validate(settings).distill
     assert distill == (DistillSettings(**values["distill"]) if "distill" in values else None)
     fields = {key: value for key, value in values.items() if key not in ("enabled", "distill")}
     # the default trainer group has refit=paper's batch, rate and epochs: a trainer that differs in every field
     # tells the refit group's values from the trainer's
     other = {key: 11 if value is None else 2 * value + 1 for key, value in fields.items()}
     settings = resolved(primary, f"refit={option}", *(f"++trainer.{k}={v}" for k, v in other.items()))
-    args = training_args(CHECKPOINTS, settings["seed"], pipeline.refit_fields(settings))
+    args = training_args(CHECKPOINTS, settings["seed"], GlueJob.of(settings).refit_recipe)
     for key, value in fields.items():
         assert getattr(args, key) == (other[key] if value is None else value), key
     assert not {"enabled", "distill"} & set(args.to_dict())
@@ -332,9 +332,9 @@ def _recipe_arrives(primary: str, option: str, values: dict, settings: dict) -> 
 
 def _task_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
     """The task ``validate`` returns and the folder the job's results go to."""
-    task, _, _, _ = pipeline.validate(settings)
-    assert task.name == values["name"]
-    assert job_keys.job_dir(settings).relative_to(Path(settings["output_root"]) / "runs" / values["name"])
+    job = pipeline.validate(settings)
+    assert job.task.name == values["name"]
+    assert job.folder.relative_to(Path(settings["output_root"]) / "runs" / values["name"])
 
 
 def _data_arrives(primary: str, option: str, values: dict, settings: dict) -> None:
@@ -346,12 +346,12 @@ def _data_arrives(primary: str, option: str, values: dict, settings: dict) -> No
     splits = {"train": 300, "validation": 200}
     raw = datasets.DatasetDict({name: datasets.Dataset.from_dict({"idx": list(range(n))}) for name, n in
                                 splits.items()})
-    task, _, _, _ = pipeline.validate(settings)
+    job = pipeline.validate(settings)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pipeline.glue, "load_glue", lambda task, glue_dir: calls.update(glue_dir=glue_dir) or raw)
         patch.setattr(pipeline.glue, "tokenize_glue",
                       lambda data, tokenizer, task, max_seq_length: calls.update(length=max_seq_length) or data)
-        data = pipeline.load_data(task, settings["data"], tokenizer=None)
+        data = pipeline.load_data(job.task, job.data, tokenizer=None)
     assert calls == {"glue_dir": values["glue_dir"], "length": values["max_seq_length"]}
     for name, limit in (("train", values["max_train_samples"]), ("validation", values["max_eval_samples"])):
         assert len(data[name]) == min(splits[name], limit or splits[name])
@@ -447,7 +447,8 @@ GLUE_STAGE_CASES = [
 def test_glue_stage_passes_the_composed_values(option, extra, monkeypatch):
     settings = resolved("train_glue", f"collab={option}", *extra)
     collab = settings["collab"]
-    task, _, method, _ = pipeline.validate(settings)
+    job = pipeline.validate(settings)
+    method = job.method
     if option == "none":
         assert not method.converts
         return
@@ -457,7 +458,7 @@ def test_glue_stage_passes_the_composed_values(option, extra, monkeypatch):
     monkeypatch.setattr(pipeline.glue, "task_texts", lambda *a, **kw: texts.append(kw) or ["a text"])
     monkeypatch.setattr(calibrate_module, "calibration_from_texts", lambda *a, **kw: calibrations.append(kw) or "stats")
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=384))
-    pipeline.reparametrize_stage(model, None, method, settings["seed"], task=task, train_data=["examples"])
+    pipeline.reparametrize_stage(job, model, None, train_data=["examples"])
     ((args, kwargs),) = calls
     calibrated = collab.get("calibration") == "task"  # the task's texts are drawn and measured, or nothing is
     measured = {"importance": "scores"} if option == "prune" else {"calibration": "stats"} if calibrated else {}
@@ -522,14 +523,14 @@ def test_training_gets_the_composed_recipe(trainer, refit, tmp_path, monkeypatch
         if distillation:
             assert distillation["trainer_class"] is DistillationTrainer
             assert distillation["distill"] == DistillSettings(**settings["refit"]["distill"])
-            assert distillation["teacher"].name_or_path == str(pipeline.finetuned_dir(settings))
+            assert distillation["teacher"].name_or_path == str(GlueJob.of(settings).finetuned_dir)
         return SimpleNamespace(seconds=0.0, resumed_seconds=0.0, history=[])
 
     monkeypatch.setattr(pipeline, "train", train)
     monkeypatch.setattr(pipeline, "load_data", lambda *a: {"train": ["examples"]})
     monkeypatch.setattr(pipeline, "evaluate", lambda *a, **kw: {"accuracy": 0.5, "f1": 0.5, "main": 0.5})
     monkeypatch.setattr(pipeline, "reparametrize", _recorder([]))
-    records = pipeline.run_job(settings)
+    records = pipeline.run_job(GlueJob.of(settings))
     expected = [(settings["trainer"], 0, settings["checkpoint_every"])]
     if settings["refit"]["enabled"]:
         refit_set = {k: v for k, v in settings["refit"].items() if v is not None and k != "distill"}
@@ -636,19 +637,20 @@ def test_committed_sweeps_are_found_and_skipped(experiment, multirun, command, m
         raise AssertionError("a committed job started training")
 
     monkeypatch.setattr(pipeline, "train", no_training)
-    monkeypatch.setattr(pipeline, "validate", no_training)
+    monkeypatch.setattr(pipeline, "check_inputs", no_training)  # the model, the GLUE files: not needed to skip
     monkeypatch.chdir(ROOT)  # output_root is relative to where the sweep was launched: the repository root
     jobs = sweep_jobs(*command.split(), multirun=multirun)
     missing = []
-    for job in jobs:
-        assert Path(job["output_root"]) == Path("experiments") / experiment
-        stored = job_keys.job_store(job).finished(job_keys.stored_name(job))
+    for settings in jobs:
+        job = GlueJob.of(settings)
+        assert Path(job.output_root) == Path("experiments") / experiment
+        stored = job.store.finished(job.stored_name)
         if stored is None:
-            missing.append(str(job_keys.job_dir(job)))
+            missing.append(str(job.folder))
             continue
         records = pipeline.run_job(job)
         assert records == stored and records
-        assert {r["seed"] for r in records} == {job["seed"]} and records[0]["stage"] == "finetuned"
+        assert {r["seed"] for r in records} == {job.seed} and records[0]["stage"] == "finetuned"
     assert capsys.readouterr().out.count("skipping") == len(jobs) - len(missing)
     assert not missing, f"{len(missing)} of {len(jobs)} documented jobs have no results: {missing}"
 

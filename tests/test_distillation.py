@@ -20,8 +20,8 @@ from collab_attn.distillation import (
     distillation_loss,
     hidden_state_loss,
 )
-from collab_attn.glue import jobs as job_keys
 from collab_attn.glue import pipeline
+from collab_attn.glue.jobs import GlueJob
 from collab_attn.models.conversion import reparametrize
 
 
@@ -160,12 +160,12 @@ def test_trainer_trains_on_the_distillation_loss_and_logs_its_terms(tmp_path):
 
 
 def test_refit_settings_reach_the_trainer_and_stay_out_of_training_arguments(tmp_path):
-    job = tiny(tmp_path, "refit=distill", "refit.distill.alpha=0.2", "refit.distill.temperature=4")
-    assert "distill" not in pipeline.refit_fields(job)
-    plain = tiny(tmp_path)
-    assert job_keys.job_dir(job) != job_keys.job_dir(plain)
-    other = tiny(tmp_path, "refit=distill", "refit.distill.alpha=0.3", "refit.distill.temperature=4")
-    assert job_keys.job_dir(other) != job_keys.job_dir(job)  # the settings enter the recipe hash
+    job = GlueJob.of(tiny(tmp_path, "refit=distill", "refit.distill.alpha=0.2", "refit.distill.temperature=4"))
+    assert "distill" not in job.refit_recipe and job.distill == DistillSettings(alpha=0.2, temperature=4)
+    plain = GlueJob.of(tiny(tmp_path))
+    assert job.folder != plain.folder
+    other = GlueJob.of(tiny(tmp_path, "refit=distill", "refit.distill.alpha=0.3", "refit.distill.temperature=4"))
+    assert other.folder != job.folder  # the settings enter the recipe hash
     with pytest.raises(ValueError, match="refit.distill.gamma"):
         pipeline.validate(tiny(tmp_path, "refit=distill", "+refit.distill.gamma=1"))
 
@@ -182,11 +182,12 @@ def test_distilled_job_runs_end_to_end(tmp_path, glue_dir, monkeypatch, task, me
         job = settings("trainer=smoke", "trainer.max_steps=2", "refit.max_steps=2", "data.max_train_samples=16",
                        "data.max_eval_samples=24", f"output_root={tmp_path / 'out'}", "collab=prune",
                        "collab.rank=128", "collab.importance_samples=16", *common)
+    job = GlueJob.of(job)
     records = pipeline.run_job(job)
     assert [r["stage"] for r in records] == ["finetuned", "reparam", "refit"]
     assert all(r["distill"] == {"alpha": 0.5, "temperature": 4, "hidden_weight": 0.5, "attention_weight": 0.5}
                for r in records)
-    out = job_keys.job_dir(job)
+    out = job.folder
     run_file = next(out.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
     for term in ("label_loss", "teacher_loss", "hidden_loss", "attention_loss"):
         assert f"refit/distill_{term}".encode() in run_file

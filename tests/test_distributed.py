@@ -16,6 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from collab_attn import distributed
 from collab_attn.glue import pipeline
 from collab_attn.glue import tasks as glue
+from collab_attn.glue.jobs import GlueJob
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 900  # two processes of a few steps each take about two minutes on 2 busy cores
@@ -89,7 +90,7 @@ def test_two_processes_train_together_and_rank0_writes_once(tmp_path, glue_dir):
     model = AutoModelForSequenceClassification.from_pretrained(finetuned)
     tokenizer = AutoTokenizer.from_pretrained(finetuned)
     task = glue.get_task("rte")
-    data = pipeline.load_data(task, settings["data"], tokenizer)
+    data = pipeline.load_data(task, GlueJob.of(settings).data, tokenizer)
     single = pipeline.evaluate(model, data, tokenizer, task, 8, tmp_path / "scratch")
     assert single["accuracy"] == pytest.approx(records[0]["accuracy"], abs=1e-9)
 

@@ -472,3 +472,25 @@ def test_summary_plot_draws_each_task_and_the_average(tmp_path, monkeypatch):
     assert [ax.get_ylabel() for ax in fig.axes] == ["score x 100", "", ""]
     assert [text.get_text() for text in fig.legends[0].get_texts()] == [
         "m original", "m cp: reparametrized, no retraining", "m cp: reparametrized + re-fine-tuned"]
+
+
+def test_summary_reads_each_conversion_against_its_original_by_the_paired_rule(tmp_path):
+    """summary.md ends with the paired rule per row and task: converted scores against the fine-tuned model of the
+    same seed (x100), a verdict only with two seeds or more and an interval that excludes zero."""
+    def result(task, stage, seed, main, rank=128):
+        return {"task": task, "stage": stage, "model": "m", "method": "cp", "rank": rank, "seed": seed, "main": main,
+                "query_key_params": 10}
+
+    rows = [result("mrpc", "finetuned", s, m) for s, m in ((0, 0.80), (1, 0.84), (2, 0.82))]
+    rows += [result("mrpc", "reparam", s, m) for s, m in ((0, 0.70), (1, 0.75), (2, 0.72))]  # 10, 9, 10 below
+    rows += [result("mrpc", "refit", s, m) for s, m in ((0, 0.82), (1, 0.83), (2, 0.83))]  # +2, -1, +1: a tie
+    rows += [result("mrpc", "finetuned", 0, 0.80, 64), result("mrpc", "reparam", 0, 0.81, 64)]  # one seed
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = summary.summarize(tmp_path)["markdown"].read_text()
+    verdicts = text.split("Against the fine-tuned original")[1].splitlines()
+    lines = {line.split(" | ")[2] + " " + line.split(" | ")[3]: line for line in verdicts if line.startswith("| m |")}
+    # differences -10, -9, -10: mean -9.67, sd 0.577, half-width t(0.975, 2) 4.303 x 0.577 / sqrt(3) = 1.43
+    assert lines["128 reparam"].endswith("| -9.7 [-11.1, -8.2], worse |")
+    assert lines["128 refit"].endswith("| +0.7 [-3.1, +4.5], tie |")
+    assert lines["64 reparam"].endswith("| +1.0, 1 seed: tie |")

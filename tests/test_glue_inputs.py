@@ -10,8 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from collab_attn.glue import jobs as job_keys
-from collab_attn.glue import pipeline
+from collab_attn.glue.jobs import GlueJob
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def settings(*overrides: str) -> dict:
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         return OmegaConf.to_container(compose(config_name="train_glue", overrides=list(overrides)), resolve=True)
+
+
+def job(*overrides: str) -> GlueJob:
+    return GlueJob.of(settings(*overrides))
 
 
 def run_script(script: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -66,12 +69,12 @@ def test_malformed_tsv_stops_before_any_folder(tmp_path, glue_dir):
 
 
 def test_refit_inherits_the_trainer_fields_it_does_not_set(tmp_path):
-    smoke = settings("trainer.max_steps=4", f"output_root={tmp_path}")
-    recipe = pipeline.refit_fields(smoke)
+    smoke = job("trainer.max_steps=4", f"output_root={tmp_path}")
+    recipe = smoke.refit_recipe
     assert recipe["max_steps"] == 4 and recipe["num_train_epochs"] == 3 and recipe["learning_rate"] == 2e-5
-    assert pipeline.refit_fields(settings("trainer.max_steps=4", "refit.max_steps=7"))["max_steps"] == 7
-    assert pipeline.refit_fields(settings("trainer.warmup_steps=5"))["warmup_steps"] == 5
+    assert job("trainer.max_steps=4", "refit.max_steps=7").refit_recipe["max_steps"] == 7
+    assert job("trainer.warmup_steps=5").refit_recipe["warmup_steps"] == 5
     # the hash sees what runs: a smoke run's folder is not that of a full re-fine-tuning after 4 fine-tuning steps
-    full = settings("trainer.max_steps=4", "refit.max_steps=-1", f"output_root={tmp_path}")
-    assert job_keys.job_dir(smoke) != job_keys.job_dir(full)
-    assert job_keys.job_dir(settings("refit.max_steps=-1")) == job_keys.job_dir(settings())
+    full = job("trainer.max_steps=4", "refit.max_steps=-1", f"output_root={tmp_path}")
+    assert smoke.folder != full.folder
+    assert job("refit.max_steps=-1").folder == job().folder

@@ -20,6 +20,7 @@ import collab_attn
 from collab_attn.lm import data, models, runs, summary
 from collab_attn.lm.convert import validation_loss
 from collab_attn.lm.sampling import sample_text
+from collab_attn.stats import paired_comparison
 from collab_attn.training import training_args
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -442,3 +443,29 @@ def test_cache_race_plot_draws_loss_against_cache_per_variant(tmp_path, monkeypa
     assert bars["concat"] == ([1536, 2048], [1.93, 1.88], [0.0, 0.0])
     assert figure.axes[0].get_xlabel() == "key/value cache, bytes per token (bf16, all layers)"
     assert (tmp_path / "cache.png").is_file()
+
+
+def test_the_verdicts_table_ranks_each_budget_by_the_paired_rule():
+    """A race folder: per cache budget the best by the mean, the paired rule against the runner-up and against the
+    folder's own original (concatenated at its largest key size, the same hardware and precision as the rest)."""
+    def run(kind, key, seed, loss, cache, values=None):
+        return {"attention": kind, "key_size": key, "seed": seed, "best_val_loss": loss,
+                "cache_bytes_per_token_bf16": cache, **({} if values is None else {"value_size": values})}
+
+    race = [run("concat", 128, s, loss, 2048) for s, loss in enumerate((1.900, 1.905, 1.910))]
+    race += [run("mqa", 32, s, loss, 512) for s, loss in enumerate((1.904, 1.908, 1.914))]  # +0.004, +0.003, +0.004
+    race += [run("collab", 30, s, loss, 512, values=30) for s, loss in enumerate((1.944, 1.948, 1.941))]
+    race += [run("mla", 32, s, loss, 256) for s, loss in enumerate((2.03, 2.02, 2.03))]
+    race += [run("collab", 14, s, loss, 256, values=14) for s, loss in enumerate((1.98, 2.01, 2.00))]  # mixed: a tie
+    lines = summary.verdicts_table(race).splitlines()
+    assert lines[0].startswith("| cache B/token | best (mean) | runner-up (mean) |")
+    assert lines[2] == "| 2,048 | concat 128 (1.9050) | - | - | - | - |"
+    mqa = paired_comparison([1.904, 1.908, 1.914], [1.944, 1.948, 1.941])
+    original = paired_comparison([1.904, 1.908, 1.914], [1.900, 1.905, 1.910])
+    assert original.verdict == "worse"  # 0.003 to 0.004 behind on every seed, little spread
+    assert lines[3] == (f"| 512 | mqa 32 (1.9087) | collab 30/30 (1.9443) | {mqa.describe()} | none (ahead of all) "
+                        f"| {original.describe()} |")
+    assert lines[4].startswith("| 256 | collab 14/14 (1.9967) | mla 32 (2.0267) |") and "| mla 32 |" in lines[4]
+    grid = [run("concat", 16, 0, 1.95, 1184), run("collab", 16, 0, 1.94, 1184)]
+    assert summary.verdicts_table(grid).splitlines()[2] == (
+        "| 16 | collab 16 (1.9400) | concat 16 (1.9500) | -0.0100, 1 seed: tie | concat 16 | -0.0100, 1 seed: tie |")

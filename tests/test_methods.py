@@ -10,7 +10,7 @@ from conftest import random_batch, small_model
 
 import collab_attn
 from collab_attn.models import methods
-from collab_attn.models.hf import LAYER_KINDS, layer_kind
+from collab_attn.models.layers import LAYER_KINDS
 from collab_attn.models.methods import METHODS, ConversionMethod
 from collab_attn.models.methods.svd import plan_svd
 from collab_attn.models.settings import MethodSettings, group_keys, labels
@@ -27,8 +27,8 @@ class HalfOptions:
 def plan_half(request):
     plan = plan_svd(request)
     for layer in plan.layers:
-        layer.query = layer.query * request.options.fraction
-        layer.key = layer.key / request.options.fraction
+        layer.state["query.weight"] = layer.state["query.weight"] * request.options.fraction
+        layer.state["key.weight"] = layer.state["key.weight"] / request.options.fraction
     return plan
 
 
@@ -47,7 +47,7 @@ def test_a_method_is_one_object_from_settings_to_a_saved_model(half_method, tmp_
         expected = model(**batch).last_hidden_state
     settings = MethodSettings.from_config({"method": "half", "rank": 48, "fraction": 0.25})
     assert settings.options == HalfOptions(0.25) and group_keys(half_method) == {"fraction": 0.5}
-    assert "half" in labels() and layer_kind("half") is LAYER_KINDS["concatenated"]
+    assert "half" in labels() and LAYER_KINDS[half_method.layer].__name__ == "ConcatenatedSelfAttention"
     report = collab_attn.reparametrize(model, **settings.reparametrize_kwargs())
     svd = small_model("bert")
     collab_attn.reparametrize(svd, 48, method="svd")
@@ -57,6 +57,7 @@ def test_a_method_is_one_object_from_settings_to_a_saved_model(half_method, tmp_
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).last_hidden_state, expected, atol=1e-5, rtol=1e-5)
     assert report.method == "half" and model.config.collab_method == "half"
+    assert model.config.collab_layer == "concatenated"
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModel.from_pretrained(tmp_path).eval()
     with torch.no_grad():

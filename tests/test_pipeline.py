@@ -17,10 +17,10 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 from transformers import AutoModel
 
-from collab_attn.glue import jobs as job_keys
+from collab_attn.glue import calibrate as calibrate_module
 from collab_attn.glue import pipeline
+from collab_attn.glue.jobs import GlueJob
 from collab_attn.glue.summary import before_after, before_after_markdown, load_results, summarize, table, to_markdown
-from collab_attn.models import calibrate as calibrate_module
 from collab_attn.models.checkpoints import resolve_model
 from collab_attn.models.settings import MethodSettings
 from collab_attn.tracking import wandb_mode
@@ -48,6 +48,10 @@ def tiny(tmp_path, *overrides: str) -> dict:
     )
 
 
+def tiny_job(tmp_path, *overrides: str) -> GlueJob:
+    return GlueJob.of(tiny(tmp_path, *overrides))
+
+
 # Every config group and experiment composing, and its values reaching the library: tests/test_configs.py
 
 
@@ -71,21 +75,24 @@ def test_unknown_task_and_unknown_key_stop_in_hydra():
 
 
 def test_job_dirs_separate_what_matters(tmp_path):
-    base = job_keys.job_dir(tiny(tmp_path))
+    def folder(*overrides: str) -> Path:
+        return tiny_job(tmp_path, *overrides).folder
+
+    base = folder()
     assert base.parts[-4:-1] == ("mrpc", "minilm", "cp-r192") and base.name.startswith("seed0-")
-    assert job_keys.job_dir(tiny(tmp_path, "collab.rank=128")) != base
-    assert job_keys.job_dir(tiny(tmp_path, "seed=1")) != base
-    assert job_keys.job_dir(tiny(tmp_path, "refit.learning_rate=1e-4")) != base
-    assert job_keys.job_dir(tiny(tmp_path, "data.glue_dir=/elsewhere")) == base  # same data, another copy
-    assert job_keys.job_dir(tiny(tmp_path, "trainer.logging_steps=7")) == base  # logging only
-    assert pipeline.finetuned_dir(tiny(tmp_path, "collab.rank=128")) == pipeline.finetuned_dir(tiny(tmp_path))
-    aware = job_keys.job_dir(tiny(tmp_path, "collab.budget=mean:128", "collab.calibration=task"))
+    assert folder("collab.rank=128") != base
+    assert folder("seed=1") != base
+    assert folder("refit.learning_rate=1e-4") != base
+    assert folder("data.glue_dir=/elsewhere") == base  # same data, another copy
+    assert folder("trainer.logging_steps=7") == base  # logging only
+    assert tiny_job(tmp_path, "collab.rank=128").finetuned_dir == tiny_job(tmp_path).finetuned_dir
+    aware = folder("collab.budget=mean:128", "collab.calibration=task")
     assert aware.parts[-2] == "cp-aware-rmean128"
-    assert job_keys.job_dir(tiny(tmp_path, "collab.solver=tensorly")).parts[-2] == "cp-tensorly-r192"
-    assert job_keys.job_dir(tiny(tmp_path, "weights=pretrained")) == base
-    random_init = tiny(tmp_path, "weights=random")
-    assert job_keys.job_dir(random_init).parts[-3] == "minilm-random-init"
-    assert pipeline.finetuned_dir(random_init).parent.name == "minilm-random-init"
+    assert folder("collab.solver=tensorly").parts[-2] == "cp-tensorly-r192"
+    assert folder("weights=pretrained") == base
+    random_init = tiny_job(tmp_path, "weights=random")
+    assert random_init.folder.parts[-3] == "minilm-random-init"
+    assert random_init.finetuned_dir.parent.name == "minilm-random-init"
 
 
 @pytest.mark.parametrize(
@@ -105,7 +112,7 @@ def test_job_dirs_separate_what_matters(tmp_path):
 )
 def test_bad_input_stops_before_training(tmp_path, overrides, error, message):
     with pytest.raises(error, match=message):
-        pipeline.run_job(tiny(tmp_path, *overrides))
+        pipeline.run_job(tiny_job(tmp_path, *overrides))
     assert not (tmp_path / "out").exists()
 
 
@@ -123,7 +130,7 @@ def test_wandb_mode_is_offline_without_credentials(monkeypatch, tmp_path):
 @pytest.mark.glue
 def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    job = tiny(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=96")
+    job = tiny_job(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=96")
     records = pipeline.run_job(job)
     assert [r["stage"] for r in records] == ["finetuned", "reparam", "refit"]
     for record in records:
@@ -132,7 +139,7 @@ def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch
     assert records[0]["query_key_params"] == 6 * 2 * (384 * 384 + 384)
     assert records[1]["query_key_params"] == 6 * (2 * 384 * 96 + 12 * 96 + 12 * 384)
     assert 0 < records[1]["mean_relative_error"] < 1 and records[1]["decomposition_seconds"] > 0
-    out = job_keys.job_dir(job)
+    out = job.folder
     assert [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()] == records
     run_file = next(out.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
     assert b"refit/main" in run_file and b"query_key_compression" in run_file
@@ -142,10 +149,10 @@ def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch
     assert pipeline.run_job(job) == records
     assert "skipping" in capsys.readouterr().out
 
-    finetuned = pipeline.finetuned_dir(job)
+    finetuned = job.finetuned_dir
     stamp = (finetuned / "config.json").stat().st_mtime_ns
-    other = pipeline.run_job(tiny(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=384",
-                                  "logger=none", "refit.enabled=false"))
+    other = pipeline.run_job(tiny_job(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=384",
+                                      "logger=none", "refit.enabled=false"))
     assert [r["stage"] for r in other] == ["finetuned", "reparam"]
     assert other[0]["main"] == records[0]["main"]  # the same cached fine-tuned model
     assert (finetuned / "config.json").stat().st_mtime_ns == stamp
@@ -153,18 +160,19 @@ def test_job_runs_end_to_end_and_resumes(tmp_path, glue_dir, capsys, monkeypatch
     (cache,) = finetuned.glob("eval-*.json")
     assert json.loads(cache.read_text())["f1"] == records[0]["f1"]
     cache.write_text(json.dumps({**json.loads(cache.read_text()), "f1": 0.123, "main": 0.123}))
-    third = pipeline.run_job(tiny(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=192",
-                                  "logger=none", "refit.enabled=false"))
+    third = pipeline.run_job(tiny_job(tmp_path, "task=mrpc", f"data.glue_dir={glue_dir}", "collab.rank=192",
+                                      "logger=none", "refit.enabled=false"))
     assert third[0]["f1"] == 0.123 and third[0]["main"] == 0.123
     assert other[1]["main"] == pytest.approx(other[0]["main"], abs=1e-6)  # full rank is exact
 
 
 @pytest.mark.glue
 def test_random_weights_train_the_architecture_from_scratch(tmp_path, glue_dir):
-    job = tiny(tmp_path, "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "collab.method=none", "weights=random")
+    job = tiny_job(tmp_path, "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "collab.method=none",
+                   "weights=random")
     (record,) = pipeline.run_job(job)
     assert record["model"] == "minilm-random-init" and record["stage"] == "finetuned"
-    trained = AutoModel.from_pretrained(pipeline.finetuned_dir(job))
+    trained = AutoModel.from_pretrained(job.finetuned_dir)
     pretrained = AutoModel.from_pretrained(resolve_model("minilm"))
     assert trained.config.hidden_size == pretrained.config.hidden_size == 384
     for name, weight in pretrained.state_dict().items():  # two training steps move no weight this far
@@ -174,7 +182,7 @@ def test_random_weights_train_the_architecture_from_scratch(tmp_path, glue_dir):
 
 @pytest.mark.glue
 def test_budget_and_activation_aware_fit_on_task_texts(tmp_path, glue_dir):
-    job = tiny(
+    job = tiny_job(
         tmp_path, "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "refit.enabled=false",
         "collab.budget=mean:128", "collab.calibration=task", "collab.calibration_samples=8",
         "collab.calibration_max_length=32",
@@ -210,7 +218,7 @@ def test_calibration_is_measured_only_where_a_layer_is_approximated(tmp_path, mo
 
 @pytest.mark.glue
 def test_interrupted_job_leaves_no_results(tmp_path, glue_dir, monkeypatch):
-    job = tiny(tmp_path, "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "finetune=false")
+    job = tiny_job(tmp_path, "task=rte", f"data.glue_dir={glue_dir}", "logger=none", "finetune=false")
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
@@ -218,7 +226,7 @@ def test_interrupted_job_leaves_no_results(tmp_path, glue_dir, monkeypatch):
     monkeypatch.setattr(pipeline, "reparametrize", crash)
     with pytest.raises(KeyboardInterrupt):
         pipeline.run_job(job)
-    out = job_keys.job_dir(job)
+    out = job.folder
     assert not (out / "results.jsonl").exists() and not list(out.glob(".scratch-*"))
 
 
@@ -259,17 +267,17 @@ def test_interrupted_training_continues_where_it_stopped(tmp_path, glue_dir, mon
 
     monkeypatch.setattr(transformers.Trainer, "training_step", step)
     monkeypatch.setattr(pipeline, "train", train)
-    reference = pipeline.run_job(tiny(tmp_path / "reference", *overrides))
+    reference = pipeline.run_job(tiny_job(tmp_path / "reference", *overrides))
     expected_weights, expected_calls = trained[-1], len(calls)
 
-    job = tiny(tmp_path, *overrides)
+    job = tiny_job(tmp_path, *overrides)
     calls.clear()
     crash_at["call"] = expected_calls
     with pytest.raises(KeyboardInterrupt):
         pipeline.run_job(job)
     checkpoints = pipeline.checkpoints_dir(job, stage)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2", "checkpoint-4"]
-    assert not (job_keys.job_dir(job) / "results.jsonl").exists()
+    assert not (job.folder / "results.jsonl").exists()
 
     calls.clear()
     crash_at["call"] = None

@@ -215,16 +215,6 @@ def test_unsupported_architecture_names_the_supported_ones():
         reparametrize(transformers.ElectraModel(config), rank=8)
 
 
-def test_rotary_models_are_refused_with_the_reason():
-    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
-                                      num_hidden_layers=1, intermediate_size=64, vocab_size=50)
-    model = transformers.LlamaForCausalLM(config)
-    with pytest.raises(ValueError, match="rotary position embeddings.*depends on the relative position"):
-        reparametrize(model, rank=8)
-    with pytest.raises(ValueError, match="rotary position embeddings"):
-        collab_attn.models.conversion.check_request(config, "cp", 8)
-
-
 def test_unknown_method_and_double_conversion_are_refused():
     model = small_model("bert")
     with pytest.raises(ValueError, match="unknown method 'svdd'"):

@@ -331,3 +331,35 @@ def test_cli_nan_in_a_query_weight_is_one_error_line_and_writes_nothing(tmp_path
     assert "encoder.layer.2.attention.self: the query weights contain NaN or Inf" in lines[0], lines[0]
     assert "Traceback" not in done.stdout + done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hydra", "minilm-nan"]  # Hydra's log of the run, no output
+
+
+def test_generation_comparison_survives_a_model_that_ends_its_answer_first():
+    """One model ends with end-of-sequence after 2 new tokens, the other goes on: the comparison counts the tokens
+    they share, over the shorter continuation (it used to stop with a shape error on SmolLM2)."""
+
+    class Scripted(torch.nn.Module):
+        def __init__(self, continuation):
+            super().__init__()
+            self.continuation = torch.tensor(continuation)
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return transformers.modeling_outputs.CausalLMOutput(logits=torch.zeros(*input_ids.shape, 5))
+
+        def generate(self, input_ids, attention_mask=None, **settings):
+            return torch.cat([input_ids, self.continuation[None]], dim=1)
+
+    class Tokenizer:
+        pad_token_id, eos_token_id = 0, 0
+
+        def __call__(self, prompt, return_tensors):
+            return {"input_ids": torch.tensor([[3, 4]]), "attention_mask": torch.ones(1, 2, dtype=torch.long)}
+
+        def decode(self, tokens):
+            return " ".join(map(str, tokens.tolist()))
+
+    result = script.compare_generation(Scripted([1, 2, 0]), Scripted([1, 2, 3, 4, 1]), Tokenizer(), ["p"], 5)
+    row = result["prompts"][0]
+    assert row["same_tokens_before_first_difference"] == 2 and row["new_tokens"] == 3
+    assert row["original"] == "1 2 0" and row["converted"] == "1 2 3 4 1"
+    shorter = script.compare_generation(Scripted([1, 2]), Scripted([1, 2, 3]), Tokenizer(), ["p"], 5)
+    assert shorter["prompts"][0]["same_tokens_before_first_difference"] == 2

@@ -9,9 +9,10 @@ import pytest
 import torch
 import transformers
 from conftest import random_batch, small_model
+from test_pipeline import settings as glue_settings
 
 import collab_attn
-from collab_attn.glue.jobs import job_name
+from collab_attn.glue.jobs import GlueJob
 from collab_attn.models.settings import MethodSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny problems: a second thread only waits on the busy cores
@@ -218,8 +219,8 @@ def test_value_rank_is_refused_where_it_cannot_be_honoured():
 def test_the_collab_group_takes_a_value_rank():
     settings = MethodSettings.from_config({"method": "cp", "rank": 128, "value_rank": 64})
     assert settings.reparametrize_kwargs()["value_rank"] == 64 and settings.to_group()["value_rank"] == 64
-    job = {"task": {"name": "mrpc"}, "model": "minilm", "seed": 0, "collab": settings.to_group()}
-    assert settings.label == "cp-v64" and job_name(job) == "mrpc/minilm/cp-v64-r128/seed0"
+    job = GlueJob.of(glue_settings("collab.rank=128", "collab.value_rank=64"))
+    assert settings.label == "cp-v64" and job.name == "mrpc/minilm/cp-v64-r128/seed0"
 
 
 def test_accounting_counts_what_the_shared_value_layer_holds():

@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from collab_attn.glue import jobs as job_keys
 from collab_attn.glue import pipeline
+from collab_attn.glue.jobs import GlueJob
 from collab_attn.tracking import NoTracker, check_logger, make_tracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +74,9 @@ def test_training_curves_are_logged_while_training(tmp_path, glue_dir, monkeypat
         return result
 
     monkeypatch.setattr(pipeline, "train", train)
-    pipeline.run_job(settings)
-    (run_file,) = job_keys.job_dir(settings).glob("wandb/offline-run-*/run-*.wandb")
+    job = GlueJob.of(settings)
+    pipeline.run_job(job)
+    (run_file,) = job.folder.glob("wandb/offline-run-*/run-*.wandb")
     rows = offline_history(run_file)
     for stage, ended in zip(("finetuned", "refit"), trained):
         curve = [row for row in rows if f"{stage}/train_loss" in row]

@@ -75,7 +75,7 @@ def collaborative_copy(
 ) -> tuple[object, ReparamReport]:
     """A deep copy of ``model`` converted as ``method`` says (``reparametrize(copy, seed=seed, calibration=...,
     **method.reparametrize_kwargs())``), and the report. ``calibration``: input statistics of ``model`` for
-    activation-aware fitting (``collab_attn.glue.pipeline.calibrate``), or None."""
+    activation-aware fitting (``collab_attn.glue.calibrate.calibrate``), or None."""
     converted = copy.deepcopy(model)
     report = reparametrize(
         converted, seed=seed, calibration=calibration, progress=progress, **method.reparametrize_kwargs()

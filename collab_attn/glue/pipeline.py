@@ -1,17 +1,18 @@
 """The GLUE pipeline as plain functions: fine-tune -> evaluate -> reparametrize -> evaluate -> re-fine-tune ->
-evaluate. Hydra lives in ``scripts/train_glue.py``; ``run_job`` takes the resolved config as a plain dict, builds
-the typed method settings once (``MethodSettings.from_config(settings["collab"])``) and hands each stage what it
-needs.
+evaluate. Hydra lives in ``scripts/train_glue.py``: ``validate`` reads each job's resolved settings into a
+``GlueJob`` (``collab_attn.glue.jobs``: frozen, typed) and checks the files they name; ``run_job`` takes the job
+and hands it to each stage.
 
-A job is one (task, model, collab method, rank, seed, recipe), identified by its ``JobKey``
-(``collab_attn.glue.jobs``). Its results are one record per stage in the sweep's run store
-(``collab_attn.run_store``, staged): ``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<key
-digest>/results.jsonl`` (or the folder ``runs/index.json`` gives a job finished before job keys), written only when
-every stage has finished, so a job with results is done and an interrupted job leaves no results. The fine-tuned
-model is cached in ``<output_root>/finetuned/...`` and shared by every rank of a sweep. The stages are functions
-(``finetuned_checkpoint``, ``reparametrize_stage``, ``refit_stage``) that ``run_job`` calls in turn. Training saves
-a resumable checkpoint every ``checkpoint_every`` steps (beside the cached model while fine-tuning, in the job's
-``.checkpoints`` while re-fine-tuning), so running an interrupted job again continues its training where it stopped.
+A job is one (task, model, collab method, rank, seed, recipe), identified by its ``JobKey``. Its results are one
+record per stage in the sweep's run store (``collab_attn.run_store``, staged):
+``<output_root>/runs/<task>/<model>/<method>-r<rank>/seed<seed>-<key digest>/results.jsonl`` (or the folder
+``runs/index.json`` gives a job finished before job keys), written only when every stage has finished, so a job
+with results is done and an interrupted job leaves no results. The fine-tuned model is cached in
+``<output_root>/finetuned/...`` and shared by every rank of a sweep. The stages are functions
+(``finetuned_checkpoint``, ``reparametrize_stage``, ``refit_stage``) that ``run_job`` calls in turn, each given the
+job. Training saves a resumable checkpoint every ``checkpoint_every`` steps (beside the cached model while
+fine-tuning, in the job's ``.checkpoints`` while re-fine-tuning), so running an interrupted job again continues its
+training where it stopped.
 """
 
 from __future__ import annotations
@@ -31,98 +32,66 @@ import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from collab_attn import cli, distributed
-from collab_attn.distillation import DistillationTrainer, DistillSettings, load_teacher
+from collab_attn.distillation import DistillationTrainer, load_teacher
 from collab_attn.files import write_text_atomic
 from collab_attn.glue import tasks as glue
-from collab_attn.glue.jobs import (
-    RANDOM_SUFFIX,
-    digest,
-    finetuned_dir,
-    job_name,
-    job_store,
-    refit_fields,
-    stored_name,
-    weights_of,
-)
-from collab_attn.models.calibrate import calibrate, check_calibration
+from collab_attn.glue.calibrate import calibrate, check_calibration
+from collab_attn.glue.jobs import DataSettings, GlueJob, digest
 from collab_attn.models.checkpoints import checked_model
 from collab_attn.models.conversion import ReparamReport, reparametrize
 from collab_attn.models.hf import attention_parameters
 from collab_attn.models.importance import head_importance
-from collab_attn.models.settings import MethodSettings
-from collab_attn.tracking import NoTracker, check_logger, make_tracker
+from collab_attn.tracking import NoTracker, make_tracker
 from collab_attn.training import train, training_args
 
 log = logging.getLogger(__name__)
 
 
-def refit_trainer(
-    distill: DistillSettings | None, task: glue.GlueTask, teacher_path: Path, report: ReparamReport | None
-) -> dict:
+def refit_trainer(job: GlueJob, teacher_path: Path, report: ReparamReport | None) -> dict:
     """``train``'s extra arguments for the re-fine-tuning: none for plain re-fine-tuning (cross-entropy, or MSE for
     STS-B); with ``refit.distill`` the distillation trainer, its teacher (the job's fine-tuned model) and, for a
     pruned student, the teacher heads each layer kept."""
+    distill = job.distill
     if distill is None:
         return {}
     return {
         "trainer_class": DistillationTrainer,
         "teacher": load_teacher(teacher_path, attention_maps=bool(distill.attention_weight)),
         "distill": distill,
-        "regression": task.is_regression,
+        "regression": job.task.is_regression,
         "teacher_heads": report.pruning.kept_heads if report and report.pruning else None,
     }
 
 
-def checkpoints_dir(settings: dict, stage: str) -> Path:
+def checkpoints_dir(job: GlueJob, stage: str) -> Path:
     """Where training saves its resumable checkpoints: beside the cached model while fine-tuning (``finetuned``),
     in the job's folder while re-fine-tuning (``refit``)."""
     if stage == "finetuned":
-        target = finetuned_dir(settings)
+        target = job.finetuned_dir
         return target.with_name(f"{target.name}.checkpoints")
-    return job_store(settings).checkpoints(stored_name(settings))
+    return job.store.checkpoints(job.stored_name)
 
 
-def validate(
-    settings: dict, method: MethodSettings | None = None
-) -> tuple[glue.GlueTask, str, MethodSettings, DistillSettings | None]:
+def validate(settings: dict) -> GlueJob:
     """Check everything that can be checked before anything is written or trained (``scripts/train_glue.py``'s
-    check, run on every job of a sweep before the first starts); returns the task, the model path, the method
-    settings (``method``, when the caller has read them already) and the distillation settings (None without
-    ``refit.distill``)."""
-    with cli.naming("task.name", settings["task"]["name"]):
-        task = glue.get_task(settings["task"]["name"])
-    method = method or MethodSettings.from_config(settings["collab"])
-    path, config = checked_model(settings["model"])
-    weights = settings.get("weights", "pretrained")
-    if weights not in ("pretrained", "random"):
-        raise ValueError(f"weights={weights!r}: choose 'pretrained' (the checkpoint) or 'random' (its architecture, "
-                         "freshly initialized)")
-    cli.boolean("finetune", settings["finetune"])
-    every = settings["checkpoint_every"]
-    if every is not None and not (type(every) is int and every > 0):
-        raise ValueError(f"checkpoint_every must be a positive number of training steps or null, got {every!r}")
-    if weights_of(settings) == "random" and not settings["finetune"]:
-        raise ValueError("weights=random needs finetune=true: a freshly initialized model has to be trained first")
-    cli.integer("seed", settings["seed"], 0)
-    method.check_model(config)
-    check_calibration(method, task_allowed=True)
-    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    distill = DistillSettings.from_refit(settings["refit"])
-    for group, own in (("trainer", set()), ("refit", {"enabled", "distill"})):
-        unknown = sorted(set(settings[group]) - fields - own)
-        if unknown:
-            raise ValueError(f"{group}.{unknown[0]} is not a transformers.TrainingArguments field; remove or rename it")
-        cli.trainer_fields(group, {k: v for k, v in settings[group].items() if k not in own})
-    cli.boolean("refit.enabled", settings["refit"].get("enabled", True))
-    data = settings["data"]
-    cli.positive_int("data.max_seq_length", data["max_seq_length"])
-    for key in ("max_train_samples", "max_eval_samples"):
-        cli.positive_int(f"data.{key}", data[key], nullable=True)
-    if data["glue_dir"] is not None:
-        check_glue_files("data.glue_dir", task, data["glue_dir"])
-    check_logger(settings.get("logger"))
-    cli.output_dir("output_root", settings["output_root"])
-    return task, path, method, distill
+    check, run on every job of a sweep before the first starts): the settings' values, read into the job, then
+    the files they name (``check_inputs``). Returns the job."""
+    job = GlueJob.of(settings)
+    check_inputs(job)
+    return job
+
+
+def check_inputs(job: GlueJob) -> str:
+    """The files and folders a job names, checked before any work: the model (a supported family the method can
+    convert at the rank asked for), the calibration texts, the GLUE files, the output folder. Returns the folder
+    (or Hub id) to load the model from."""
+    path, config = checked_model(job.model)
+    job.method.check_model(config)
+    check_calibration(job.method, task_allowed=True)
+    if job.data.glue_dir is not None:
+        check_glue_files("data.glue_dir", job.task, job.data.glue_dir)
+    cli.output_dir("output_root", job.output_root)
+    return path
 
 
 def check_glue_files(argument: str, task: glue.GlueTask, glue_dir, splits=None, hub: bool = True) -> None:
@@ -147,14 +116,14 @@ def check_glue_files(argument: str, task: glue.GlueTask, glue_dir, splits=None, 
         glue.check_tsv(task, path)
 
 
-def load_data(task: glue.GlueTask, data_cfg: dict, tokenizer):
+def load_data(task: glue.GlueTask, data: DataSettings, tokenizer):
     """The task's splits, optionally truncated (``max_train_samples``, ``max_eval_samples``), tokenized."""
-    raw = glue.load_glue(task, data_cfg["glue_dir"])
+    raw = glue.load_glue(task, data.glue_dir)
     for split in raw:
-        limit = data_cfg["max_train_samples"] if split == "train" else data_cfg["max_eval_samples"]
+        limit = data.limit(split)
         if limit is not None and len(raw[split]) > limit:
             raw[split] = raw[split].select(range(limit))
-    return glue.tokenize_glue(raw, tokenizer, task, data_cfg["max_seq_length"])
+    return glue.tokenize_glue(raw, tokenizer, task, data.max_seq_length)
 
 
 @torch.no_grad()
@@ -184,48 +153,48 @@ def _check_once(predicted_labels, labels, split: str) -> None:
         raise RuntimeError(f"{split}: {predicted.size} predictions do not match its {expected.size} examples in order")
 
 
-def finetuned_checkpoint(settings, task, path, data, tokenizer, callbacks=()) -> tuple[Path, float]:
+def finetuned_checkpoint(job: GlueJob, path: str, data, tokenizer, callbacks=()) -> tuple[Path, float]:
     """Fine-tune ``path`` on the task once per (model, task, seed, recipe) and cache it; reuse it afterwards. Jobs
     that need the same fine-tuned model at once (a parallel sweep) take turns: the first trains, the others wait
     for it and reuse its model. Returns the model's folder and the training seconds of interrupted earlier runs
     that this call resumed (0 when none). Launched in several processes, all train and rank 0 alone holds the lock
     and saves the model."""
-    if not settings["finetune"]:
+    if not job.finetune:
         return Path(path), 0.0
-    target = finetuned_dir(settings)
+    target = job.finetuned_dir
     with distributed.main_lock(target.with_name(f"{target.name}.lock")):
         if distributed.from_main((target / "config.json").is_file()):
             log.info("reusing the fine-tuned model in %s", target)
             return target, 0.0
-        transformers.set_seed(settings["seed"])
+        transformers.set_seed(job.seed)
+        task = job.task
         labels = {"id2label": dict(enumerate(task.label_names))} if task.label_names else {}
-        if weights_of(settings) == "random":
+        if job.weights == "random":
             config = AutoConfig.from_pretrained(path, num_labels=task.num_labels, **labels)
             model = AutoModelForSequenceClassification.from_config(config)
         else:
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=task.num_labels, **labels)
         run = train(
-            model, data["train"], transformers.DataCollatorWithPadding(tokenizer), settings["trainer"],
-            settings["seed"], checkpoints_dir(settings, "finetuned"), settings["checkpoint_every"],
-            callbacks=list(callbacks),
+            model, data["train"], transformers.DataCollatorWithPadding(tokenizer), job.trainer, job.seed,
+            checkpoints_dir(job, "finetuned"), job.checkpoint_every, callbacks=list(callbacks),
         )
         if distributed.is_main():
             tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            (tmp / "finetune.json").write_text(json.dumps({"seconds": run.seconds, "settings": settings}, indent=2))
+            record = {"seconds": run.seconds, "settings": dict(job.settings)}
+            (tmp / "finetune.json").write_text(json.dumps(record, indent=2))
             tmp.rename(target)
     return target, run.resumed_seconds
 
 
-def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str, float]:
+def finetuned_metrics(job: GlueJob, checkpoint: Path, evaluate_fn) -> dict[str, float]:
     """The fine-tuned model's metrics, evaluated once per evaluation setting and cached beside the cached model,
     since every rank and method of a sweep starts from it. A model given ready fine-tuned (``finetune=false``) is
     not ours to write into: it is evaluated every time."""
-    if not settings["finetune"]:
+    if not job.finetune:
         return evaluate_fn()
-    data = {k: v for k, v in settings["data"].items() if k != "glue_dir"}
-    cache = checkpoint / f"eval-{digest(data)}.json"
+    cache = checkpoint / f"eval-{digest(job.data.limits)}.json"
     cached = distributed.from_main(json.loads(cache.read_text()) if cache.is_file() else None)
     if cached is not None:
         return cached
@@ -236,19 +205,19 @@ def finetuned_metrics(settings: dict, checkpoint: Path, evaluate_fn) -> dict[str
 
 
 def stage_record(
-    stage: str, task: glue.GlueTask, model_name: str, method: MethodSettings, seed: int, metrics: dict, model,
-    report: ReparamReport | None, seconds: float, distill: DistillSettings | None = None,
+    job: GlueJob, stage: str, metrics: dict, model, report: ReparamReport | None, seconds: float
 ) -> dict:
     """One line of ``results.jsonl``: what was run, its metrics, its parameter counts; a job re-fine-tuned with
     distillation records its settings (``distill``) on every line."""
+    task, method, distill = job.task, job.method, job.distill
     return {
         "stage": stage,
         "task": task.name,
-        "model": model_name,
+        "model": job.model_record,
         "method": method.label,
         "rank": method.record_rank(report),
         "budget": method.budget,
-        "seed": seed,
+        "seed": job.seed,
         **metrics,
         "main_metric": task.main_metric,
         "model_params": sum(p.numel() for p in model.parameters()),
@@ -260,14 +229,13 @@ def stage_record(
     }
 
 
-def reparametrize_stage(
-    model, tokenizer, method: MethodSettings, seed: int, *, task: glue.GlueTask | None = None, glue_dir=None,
-    train_data=None,
-) -> ReparamReport:
+def reparametrize_stage(job: GlueJob, model, tokenizer, train_data) -> ReparamReport:
     """The ``reparam`` stage, in place, with what the method needs measured first: head importance on ``train_data``
-    (labelled task examples) for a method that ranks heads, input statistics on ``collab.calibration`` for an
-    activation-aware fit. What the conversion refuses in the model it is given (query/key weights that are NaN or
-    Inf, statistics that do not match it) is bad input (``cli.BadInput``): the script reports it in one line."""
+    (labelled task examples) for a method that ranks heads, input statistics on ``collab.calibration`` (a file, or
+    the task's training texts) for an activation-aware fit. What the conversion refuses in the model it is given
+    (query/key weights that are NaN or Inf, statistics that do not match it) is bad input (``cli.BadInput``): the
+    script reports it in one line."""
+    method, seed = job.method, job.seed
     measured = {}
     if method.importance is not None:
         if train_data is None:
@@ -279,7 +247,7 @@ def reparametrize_stage(
     elif method.calibration is not None:
         with cli.as_bad_input():
             measured["calibration"] = calibrate(model, tokenizer, method, seed, functools.partial(
-                glue.task_texts, task, glue_dir, "train") if task is not None else None)
+                glue.task_texts, job.task, job.data.glue_dir, "train"))
     with cli.as_bad_input():
         return reparametrize(model, seed=seed, **method.reparametrize_kwargs(), **measured)
 
@@ -295,13 +263,13 @@ def _summary_line(name: str, record: dict) -> str:
     )
 
 
-def refit_stage(settings, task, model, data, tokenizer, distill, checkpoint, report, callbacks) -> float:
+def refit_stage(job: GlueJob, model, data, tokenizer, checkpoint: Path, report, callbacks) -> float:
     """The ``refit`` stage, in place: re-fine-tune the converted model (with distillation from the fine-tuned
     ``checkpoint`` under ``refit.distill``); returns the training seconds of interrupted earlier runs it resumed."""
     run = train(
-        model, data["train"], transformers.DataCollatorWithPadding(tokenizer), refit_fields(settings),
-        settings["seed"], checkpoints_dir(settings, "refit"), settings["checkpoint_every"], callbacks=callbacks,
-        **refit_trainer(distill, task, checkpoint, report),
+        model, data["train"], transformers.DataCollatorWithPadding(tokenizer), job.refit_recipe, job.seed,
+        checkpoints_dir(job, "refit"), job.checkpoint_every, callbacks=callbacks,
+        **refit_trainer(job, checkpoint, report),
     )
     return run.resumed_seconds
 
@@ -316,38 +284,37 @@ def _remove_empty(folders: list[Path]) -> None:
             return
 
 
-def run_job(settings: dict) -> list[dict]:
+def run_job(job: GlueJob) -> list[dict]:
     """Run (or skip, if its results exist) one job; returns its result records. Launched in several processes
     (torchrun, accelerate launch, SLURM tasks), every process trains and evaluates, and rank 0 alone writes."""
+    if not isinstance(job, GlueJob):
+        raise TypeError(f"run_job takes a GlueJob (GlueJob.of(settings)), not a {type(job).__name__}")
     distributed.setup()
     main = distributed.is_main()
-    method = MethodSettings.from_config(settings["collab"])  # read once: the job's name, folder and stages
-    store, name, stored = job_store(settings), job_name(settings, method), stored_name(settings, method)
+    store, name, stored = job.store, job.name, job.stored_name
     out = store.folder / stored
     records = distributed.from_main(store.finished(stored) if main else None)
     if records is not None:
         if main:
             print(f"[{name}] results exist in {out}; skipping")
         return records
-    task, path, method, distill = validate(settings, method)
+    path = check_inputs(job)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    data = load_data(task, settings["data"], tokenizer)  # before any folder exists: bad data leaves nothing behind
+    data = load_data(job.task, job.data, tokenizer)  # before any folder exists: bad data leaves nothing behind
     made = [folder for folder in (out, *out.parents) if not folder.exists()]  # by this run, deepest first
     if main:
         out.mkdir(parents=True, exist_ok=True)
     scratch = out / f".scratch-{os.getpid()}"
-    tracker = make_tracker(settings["logger"], name, settings["sweep_name"], settings, out) if main else NoTracker()
-    eval_batch = settings["trainer"].get("per_device_eval_batch_size", 64)
+    tracker = make_tracker(job.logger, name, job.sweep_name, dict(job.settings), out) if main else NoTracker()
+    eval_batch = job.trainer.get("per_device_eval_batch_size", 64)
     records, summary = [], {}
-    model_name = settings["model"] + RANDOM_SUFFIX * (weights_of(settings) == "random")
     start = time.perf_counter()
     finished = False
 
     def finish(stage: str, metrics: dict, report: ReparamReport | None, resumed: float = 0.0) -> None:
         """Record a stage; a stage that resumed interrupted training also counts the time of the runs before it."""
         nonlocal start
-        record = stage_record(stage, task, model_name, method, settings["seed"], metrics, model, report,
-                              time.perf_counter() - start + resumed, distill)
+        record = stage_record(job, stage, metrics, model, report, time.perf_counter() - start + resumed)
         start = time.perf_counter()
         records.append(record)
         tracker.log_stage(record)
@@ -357,18 +324,17 @@ def run_job(settings: dict) -> list[dict]:
 
     try:
         checkpoint, resumed = finetuned_checkpoint(
-            settings, task, path, data, tokenizer, callbacks=tracker.training_callbacks("finetuned")
+            job, path, data, tokenizer, callbacks=tracker.training_callbacks("finetuned")
         )
         model = AutoModelForSequenceClassification.from_pretrained(checkpoint)
-        evaluate_model = functools.partial(evaluate, model, data, tokenizer, task, eval_batch, scratch / "eval")
-        finish("finetuned", finetuned_metrics(settings, checkpoint, evaluate_model), None, resumed)
-        if method.converts:
-            report = reparametrize_stage(model, tokenizer, method, settings["seed"], task=task,
-                                         glue_dir=settings["data"]["glue_dir"], train_data=data["train"])
+        evaluate_model = functools.partial(evaluate, model, data, tokenizer, job.task, eval_batch, scratch / "eval")
+        finish("finetuned", finetuned_metrics(job, checkpoint, evaluate_model), None, resumed)
+        if job.method.converts:
+            report = reparametrize_stage(job, model, tokenizer, data["train"])
             distributed.sync_parameters(model)  # each process converted its copy; rank 0's is the one saved
             finish("reparam", evaluate_model(), report)
-            if settings["refit"]["enabled"]:
-                resumed = refit_stage(settings, task, model, data, tokenizer, distill, checkpoint, report,
+            if job.refits:
+                resumed = refit_stage(job, model, data, tokenizer, checkpoint, report,
                                       tracker.training_callbacks("refit"))
                 finish("refit", evaluate_model(), report, resumed)
         if main:

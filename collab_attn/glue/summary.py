@@ -15,6 +15,7 @@ import pandas as pd  # noqa: E402
 from collab_attn.files import replacing, write_text_atomic  # noqa: E402
 from collab_attn.glue.tasks import get_task  # noqa: E402
 from collab_attn.run_store import STAGES_FILE, read_results  # noqa: E402
+from collab_attn.stats import paired_comparison  # noqa: E402
 
 TASK_COLUMNS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
 STAGE_ORDER = {"finetuned": 0, "reparam": 1, "refit": 2}
@@ -153,6 +154,35 @@ def to_markdown(wide: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def against_original_markdown(frame: pd.DataFrame) -> str:
+    """Each converted row's main metric (x100) against its fine-tuned original, paired by seed
+    (``collab_attn.stats.paired_comparison``, higher is better): per task the mean difference, its 95% t-interval and
+    ``better``, ``worse`` or ``tie`` (always ``tie`` with one seed: a one-seed difference is not a verdict)."""
+    rows = ["model", "method", "rank", "stage"]
+    per_seed, _ = _over_seeds(frame, [*rows, "task"])
+    original = per_seed[per_seed.stage == "finetuned"].drop_duplicates(["model", "task", "seed"])
+    original = {(r.model, r.task, r.seed): r.score for r in original.itertuples()}
+    converted = per_seed[per_seed.stage != "finetuned"]
+    if converted.empty:
+        return ""
+    tasks = sorted(set(converted.task), key=_task_order)
+    lines = ["Against the fine-tuned original, paired by seed (difference x100, 95% t-interval, verdict; one seed: "
+             "no interval, a tie):", "",
+             "| " + " | ".join([*rows, *[f"{t} ({get_task(t).main_metric})" for t in tasks]]) + " |",
+             "|" + "---|" * (4 + len(tasks))]
+    order = table(frame)[rows].drop_duplicates()
+    for key in order[order.stage != "finetuned"].itertuples(index=False):
+        mine = converted[(converted[rows] == pd.Series(key._asdict())).all(axis=1)]
+        cells = []
+        for task in tasks:
+            scores = {r.seed: r.score for r in mine[mine.task == task].itertuples()
+                      if (r.model, task, r.seed) in original}
+            cells.append(paired_comparison(scores, {s: original[key.model, task, s] for s in scores},
+                                           higher_is_better=True).describe(1) if scores else "")
+        lines.append("| " + " | ".join([*map(str, key), *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def before_after(frame: pd.DataFrame) -> pd.DataFrame:
     """The re-fine-tuned jobs only: per (model, method, rank) and task, the score of their fine-tuned original, straight
     after the conversion and after re-fine-tuning (x100, mean over their seeds), so each "after" is read against the
@@ -266,7 +296,8 @@ def write(frame: pd.DataFrame, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out / "summary.md", "csv": out / "summary.csv"}
-    write_text_atomic(paths["markdown"], to_markdown(wide))
+    verdicts = against_original_markdown(frame)
+    write_text_atomic(paths["markdown"], to_markdown(wide) + ("\n" + verdicts if verdicts else ""))
     with replacing(paths["csv"]) as tmp:
         wide.to_csv(tmp, index=False, float_format="%.4f")
     if (wide.stage != "finetuned").any():

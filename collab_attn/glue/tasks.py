@@ -414,14 +414,15 @@ __all__ = [
 ]
 
 
-# Texts for activation-aware calibration (``collab_attn.texts.load_texts`` reads a GLUE .tsv through ``task_texts``)
+# Texts for activation-aware calibration (``collab_attn.glue.calibrate.load_texts`` reads a GLUE .tsv through
+# ``task_texts``)
 
 
 def task_texts(
     task, glue_dir: str | Path | None, split: str = "train", *, limit: int | None = CALIBRATION_SAMPLES, seed: int = 0
 ) -> list[str | tuple[str, str]]:
     """A GLUE task's texts (one text or sentence pair per example) from ``glue_dir`` (None: the Hub), sampled as
-    in ``collab_attn.texts.load_texts``."""
+    in ``collab_attn.texts.sample_texts``."""
     task = get_task(task)
     data = load_glue(task, glue_dir, splits=[split])[split]
     columns = [data[f] for f in task.text_fields]

@@ -75,14 +75,14 @@ def gpt_config(
     if kind == "concat":
         if key_size % n_head:
             raise ValueError(f"concatenated heads need key_size a multiple of n_head={n_head}, got {key_size}")
-        return _layout_config(common, Layout("concatenated", [key_size] * n_layer))
+        return _layout_config(common, Layout("concatenated", "concatenated", [key_size] * n_layer))
     if kind in ("gqa", "mqa", "mla"):
         return _scratch_layout_config(common, kind, key_size, n_embd // n_head, n_head, n_layer)
     if mixing_init not in MIXING_INITS:
         raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
     values = None if value_size is None else [int(value_size)] * n_layer
-    return _layout_config(common, Layout("collaborative", [key_size] * n_layer, mixing_init=mixing_init,
-                                         value_ranks=values))
+    layout = Layout("collaborative", "collaborative", [key_size] * n_layer, mixing_init=mixing_init, value_ranks=values)
+    return _layout_config(common, layout)
 
 
 def _layout_config(common: dict, layout: Layout):
@@ -99,7 +99,8 @@ def _scratch_layout_config(common: dict, kind: str, key_size: int, head_dim: int
     if kind == "gqa" and (key_size % head_dim or n_head % (key_size // head_dim)):
         raise ValueError(f"attention=gqa needs key_size = kv_heads x {head_dim} with kv_heads dividing n_head={n_head}"
                          f", got {key_size}")
-    return _layout_config(common, Layout("mla" if kind == "mla" else "gqa", [key_size] * n_layer))
+    layer = "mla" if kind == "mla" else "gqa"
+    return _layout_config(common, Layout(layer, layer, [key_size] * n_layer))
 
 
 def build_model(config: transformers.GPT2Config, seed: int) -> transformers.PreTrainedModel:

@@ -5,7 +5,9 @@ Layout read: ``<model folder>/<variant>/seed<N>/runs/*.json``, e.g. ``experiment
 seed0/runs/cp-k30-v30.json``; a variant is one way of re-training (``convert``: the plain loss, ``convert_distill``:
 distilled from the original). Per (method, cache budget) the validation loss converted and re-trained, mean ± std
 over seeds, beside the original models' and the re-training-only control (``none``); per budget and seed the method
-that wins; one plot per variant (loss against cache bytes, one line per method).
+that wins; per budget and stage the best method by the mean and whether the paired rule
+(``collab_attn.stats.paired_comparison``) puts it ahead of each other method or calls them tied; one plot per variant
+(loss against cache bytes, one line per method).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collab_attn import cli
 from collab_attn.files import replacing, write_section
 from collab_attn.models.settings import NO_CONVERSION, labels
 from collab_attn.run_store import mean_std, read_results
+from collab_attn.stats import compare_on_shared_seeds, rank
+
+LOSS_RESOLUTION = 1e-5  # float32 losses: differences below this are evaluation noise (an exact conversion's 1e-7)
 
 KEYS = ("method", "key_size", "value_size", "cache_fraction", "seed", "original_val_loss", "converted_val_loss",
         "cache_bytes_per_token_bf16", "original_cache_bytes_per_token_bf16")
@@ -99,6 +104,73 @@ def winners(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _by_method(records: Sequence[dict], fraction: float, key: str) -> dict[str, dict[int, float]]:
+    """Method -> (seed -> ``key``) for the runs at one budget."""
+    values: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r.get("cache_fraction") == fraction and r.get(key) is not None:
+            values.setdefault(r["method"], {})[r["seed"]] = r[key]
+    return values
+
+
+def verdicts(records: Sequence[dict]) -> str:
+    """Per budget and stage, the method with the lowest mean loss, the paired comparison (by seed) with the runner-up,
+    and every method the rule cannot tell from the best (``tie``): "ahead" only where the interval excludes zero."""
+    lines = ["| budget | stage | best (mean) | runner-up (mean) | best - runner-up [95% interval], verdict "
+             "| tied with the best |", "|---:|---|---|---|---|---|"]
+    fractions = sorted({r["cache_fraction"] for r in records if r.get("cache_fraction")}, reverse=True)
+    for fraction in fractions:
+        for key, stage in STAGES.items():
+            by_method = _by_method(records, fraction, key)
+            if len(by_method) < 2:
+                continue
+            ranking = rank(by_method, resolution=LOSS_RESOLUTION)
+            best, second = ranking.order[:2]
+            lines.append(f"| {fraction:g} | {stage} | {best} ({ranking.means[best]:.4f}) "
+                         f"| {second} ({ranking.means[second]:.4f}) | {ranking.runner_up.describe()} "
+                         f"| {', '.join(ranking.tied) or 'none (ahead of all)'} |")
+    return "\n".join(lines)
+
+
+# The race's question, collaborative keys and values against MLA, each fitted the same way (plain or activation-aware).
+HEAD_TO_HEAD = (("cp", "kv-svd"), ("cp-aware", "kv-svd-aware"), ("tucker", "kv-svd"), ("tucker-aware", "kv-svd-aware"))
+
+
+def head_to_head(records: Sequence[dict], pairs: Sequence[tuple[str, str]] = HEAD_TO_HEAD) -> str:
+    """Per budget and stage, the paired rule for each pair of methods (``a - b``: negative is a lower loss for a)."""
+    lines = ["| budget | stage | " + " | ".join(f"{a} - {b}" for a, b in pairs) + " |",
+             "|---:|---|" + "---|" * len(pairs)]
+    for fraction in sorted({r["cache_fraction"] for r in records if r.get("cache_fraction")}, reverse=True):
+        for key, stage in STAGES.items():
+            values = _by_method(records, fraction, key)
+            cells = [compare_on_shared_seeds(values[a], values[b], resolution=LOSS_RESOLUTION).describe()
+                     if a in values and b in values else "-" for a, b in pairs]
+            lines.append(f"| {fraction:g} | {stage} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def against_references(records: Sequence[dict]) -> str:
+    """Per (method, budget), the paired rule against the two references of the race: converted against the original
+    models, re-trained against the re-training-only control (``none`` re-trained the same way)."""
+    original = {r["seed"]: r["original_val_loss"] for r in records}
+    control = {r["seed"]: r["retrained_val_loss"] for r in records
+               if r["method"] == NO_CONVERSION and r.get("retrained_val_loss") is not None}
+    lines = ["| budget | method | converted - original [95% interval], verdict "
+             "| re-trained - control (none, re-trained) [95% interval], verdict |", "|---:|---|---|---|"]
+    for (method, fraction), runs in _groups(records).items():
+        if method == NO_CONVERSION:
+            continue
+        converted = {r["seed"]: r["converted_val_loss"] for r in runs}
+        retrained = {r["seed"]: r["retrained_val_loss"] for r in runs if r.get("retrained_val_loss") is not None}
+        versus_control = "-"
+        if retrained and control:
+            versus_control = compare_on_shared_seeds(retrained, control, resolution=LOSS_RESOLUTION).describe()
+        lines.append(f"| {'-' if fraction is None else f'{fraction:g}'} | {method} "
+                     f"| {compare_on_shared_seeds(converted, original, resolution=LOSS_RESOLUTION).describe()} "
+                     f"| {versus_control} |")
+    return "\n".join(lines)
+
+
 def plot(records: Sequence[dict], path: Path, title: str) -> Path:
     """Validation loss against cache bytes per token, one line per method (mean ± std over seeds), converted on the
     left and re-trained on the right; the original models and the re-training-only control as horizontal lines."""
@@ -158,6 +230,13 @@ def write_summary(root: str | Path) -> Path:
         image = f"{name.replace('/', '_')}.png"
         plot(records, root / image, name)
         parts += [f"### `{name}`", "", table(records), "", f"![loss against cache]({image})", "",
+                  "Per budget and stage, the best method by the mean over seeds and the paired rule "
+                  "(`collab_attn.stats.paired_comparison`: 95% t-interval over the per-seed differences; `tie` when "
+                  "it holds zero):", "", verdicts(records), "",
+                  "Per method and budget, the paired rule against the original models and against the "
+                  "re-training-only control (a negative difference: lower loss):", "", against_references(records), "",
+                  "Collaborative keys and values against MLA, fitted the same way, paired by seed:", "",
+                  head_to_head(records), "",
                   "Per budget and seed, the best method:", "", winners(records), ""]
     generated = "\n".join(parts + [RESULTS_END]) + "\n"
     return write_section(root / "README.md", generated, RESULTS_BEGIN, RESULTS_END, "# The cache race\n\n")

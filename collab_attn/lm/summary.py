@@ -16,8 +16,10 @@ from pathlib import Path
 from collab_attn import cli
 from collab_attn.files import replacing, write_section
 from collab_attn.lm.models import KINDS
+from collab_attn.lm.race import LOSS_RESOLUTION
 from collab_attn.models.settings import NO_CONVERSION, labels
 from collab_attn.run_store import mean_curve, mean_std, read_results
+from collab_attn.stats import compare_on_shared_seeds, rank
 
 NANOGPT = {"gpu": 1.4697, "cpu": 1.88}  # nanoGPT's README: best val loss of its two shakespeare_char configs
 RESULTS_BEGIN = "<!-- results: written by scripts/summarize_lm.py -->"
@@ -57,8 +59,8 @@ def scratch_table(records: Sequence[dict]) -> str:
     """One row per (attention, key size): best validation loss mean ± std over seeds, and the sizes."""
     lines = [
         "| attention | key size | q/k params | params | KV cache bytes/token (bf16) | best val loss | final val loss "
-        "| seeds | tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| seeds | tokens/s | best at the last evaluation |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for (kind, key), runs in _groups(records).items():
         best, best_std = mean_std([r["best_val_loss"] for r in runs])
@@ -69,8 +71,51 @@ def scratch_table(records: Sequence[dict]) -> str:
             f"| {kind} | {key} | {p['query_key_params']:,} | {p['total']:,} | {cache:,} "
             f"| {best:.4f} ± {best_std:.4f} | {final:.4f} ± {final_std:.4f} "
             f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} "
-            f"| {statistics.fmean(speed) if speed else float('nan'):,.0f} |"
+            f"| {statistics.fmean(speed) if speed else float('nan'):,.0f} "
+            f"| {sum(_still_improving(r) for r in runs)} of {len(runs)} |"
         )
+    return "\n".join(lines)
+
+
+def _still_improving(record: dict) -> bool:
+    """Whether the run's best validation loss is at its last evaluation (it might have gone on improving)."""
+    return record["best_step"] == record["curve"][-1]["step"]
+
+
+def _short_label(record: dict) -> str:
+    """``mqa 32``, ``collab 30/30`` (key and value sizes), ``collab (ones) 16``."""
+    name = "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
+    return f"{name} {record['key_size']}" + ("" if record.get("value_size") is None else f"/{record['value_size']}")
+
+
+def is_race(records: Sequence[dict]) -> bool:
+    return bool({r["attention"] for r in records} - {"concat", "collab"})
+
+
+def verdicts_table(records: Sequence[dict]) -> str:
+    """Per budget (a race: cache bytes per token; a grid: key size), the best variant by the mean best validation loss,
+    the paired rule (``collab_attn.stats``) against the runner-up and against the original (the concatenated runs at
+    the folder's largest key size, on the seeds both have), and the variants it cannot tell from the best."""
+    budget = "cache_bytes_per_token_bf16" if is_race(records) else "key_size"
+    concat = [r for r in records if r["attention"] == "concat"]
+    full = max((r["key_size"] for r in concat), default=None)
+    original = {r["seed"]: r["best_val_loss"] for r in concat if r["key_size"] == full}
+    lines = [f"| {'cache B/token' if budget != 'key_size' else 'key size'} | best (mean) | runner-up (mean) "
+             "| best - runner-up [95% interval], verdict | tied with the best | best - original, verdict |",
+             "|---:|---|---|---|---|---|"]
+    for value in sorted({r[budget] for r in records}, reverse=True):
+        values: dict[str, dict[int, float]] = {}
+        for runs in _groups([r for r in records if r[budget] == value]).values():
+            values[_short_label(runs[0])] = {r["seed"]: r["best_val_loss"] for r in runs}
+        ranking = rank(values, resolution=LOSS_RESOLUTION)
+        best = ranking.order[0]
+        second = "-" if ranking.runner_up is None else f"{ranking.order[1]} ({ranking.means[ranking.order[1]]:.4f})"
+        versus = "-" if ranking.runner_up is None else ranking.runner_up.describe()
+        tied = "-" if ranking.runner_up is None else ", ".join(ranking.tied) or "none (ahead of all)"
+        against = "-"
+        if original and values[best] != original:
+            against = compare_on_shared_seeds(values[best], original, resolution=LOSS_RESOLUTION).describe()
+        lines.append(f"| {value:,} | {best} ({ranking.means[best]:.4f}) | {second} | {versus} | {tied} | {against} |")
     return "\n".join(lines)
 
 
@@ -172,10 +217,13 @@ def plot_curves(records: Sequence[dict], recipe: str, path: Path) -> Path:
 
 def plot_cache_race(records: Sequence[dict], path: Path, reference: Sequence[dict] = ()) -> Path:
     """Best validation loss (mean ± std over seeds) against key/value-cache bytes per token, one line per attention
-    variant; ``reference``: runs of another folder drawn beside them (the concatenated and collaborative grid)."""
+    variant; ``reference``: runs of another folder drawn beside them (the concatenated and collaborative grid), but
+    the variants and sizes the race ran itself."""
     from matplotlib.figure import Figure
 
     lines: dict[str, list[tuple[int, float, float]]] = {}
+    own = _groups(records)
+    reference = [r for r in reference if (variant(r), r["key_size"]) not in own]  # the race's own runs come first
     for (kind, _), runs in _groups([*records, *reference]).items():
         best, spread = mean_std([r["best_val_loss"] for r in runs])
         family = "collab (values)" if kind.startswith("collab (values") else kind
@@ -209,6 +257,11 @@ def results_markdown(root: Path) -> str:
             reference = NANOGPT.get(recipe)
             parts += [f"From scratch ({len(scratch)} runs; nanoGPT's reference for this recipe: {reference}; "
                       f"device {scratch[0].get('device')}).", "", scratch_table(scratch), ""]
+            if len(_groups(scratch)) > 1:
+                parts += [f"Per {'cache budget' if is_race(scratch) else 'key size'}, the best by the mean and the "
+                          "paired rule (`collab_attn.stats.paired_comparison`: 95% t-interval over the per-seed "
+                          "differences of the best validation loss; `tie` when it holds zero or with one seed):", "",
+                          verdicts_table(scratch), ""]
             if (root / f"curves_{folder.name}.png").exists():
                 parts += [f"![learning curves](curves_{folder.name}.png)", ""]
             if (root / f"cache_{folder.name}.png").exists():
@@ -244,7 +297,9 @@ def write_summary(root: str | Path) -> Path:
             plot_curves(scratch, scratch[0].get("recipe") or folder.name, root / f"curves_{folder.name}.png")
         if {r["attention"] for r in scratch} - {"concat", "collab"}:  # a cache race: beside the grid of its recipe
             grid = root / str(scratch[0].get("recipe"))
-            reference = read_runs(grid, "runs") if grid != folder else []
+            # only runs trained with the same settings (not, e.g., for another number of steps)
+            reference = [r for r in read_runs(grid, "runs") if r.get("signature") == scratch[0].get("signature")
+                         and grid != folder]
             plot_cache_race(scratch, root / f"cache_{folder.name}.png", reference)
     return write_section(root / "README.md", results_markdown(root), RESULTS_BEGIN, RESULTS_END,
                          "# Tiny Shakespeare, character level\n\n")

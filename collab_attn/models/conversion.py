@@ -27,19 +27,20 @@ from collab_attn.decomposition.decompose import check_finite
 from collab_attn.decomposition.rank_selection import RankBudget, is_budget
 from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
-    Family,
+    AttentionSite,
     InstalledLayer,
+    attention_sites,
     build_layers,
     check_head_class,
     family_of,
-    find_attention,
     is_collaborative,
     put_layers,
-    query_key_count,
 )
 from collab_attn.models.methods import METHODS, PAPER_METHOD, ConversionMethod, get_method
+from collab_attn.models.methods.rotary import rotary_forms
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights, per_layer_ranks
 from collab_attn.models.products import (
+    band_forms_of,
     original_forms,
     original_value_forms,
     query_key_forms,
@@ -55,12 +56,14 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _layer_weights(name: str, module: nn.Module, family: Family) -> LayerWeights:
-    weights = LayerWeights(name, *family.head_weights(module))
-    check_finite(name, query=weights.w_query, key=weights.w_key, query_bias=weights.b_query)
-    if not HeadProducts(weights.w_query, weights.w_key).norm_sq() > 0:
-        raise ValueError(f"{name}: every head's query/key product Wq_h^T Wk_h is zero (all-zero query or key weights), "
-                         "so there is nothing to decompose and no relative error; fix or retrain the checkpoint first")
+def _layer_weights(site: AttentionSite) -> LayerWeights:
+    weights = LayerWeights(site.name, *site.head_weights())
+    check_finite(site.name, query=weights.w_query, key=weights.w_key, query_bias=weights.b_query)
+    groups = weights.w_query.shape[0] // weights.w_key.shape[0]  # grouped keys: each read by this many heads
+    if not HeadProducts(weights.w_query, weights.w_key.repeat_interleave(groups, dim=0)).norm_sq() > 0:
+        raise ValueError(f"{site.name}: every head's query/key product Wq_h^T Wk_h is zero (all-zero query or key "
+                         "weights), so there is nothing to decompose and no relative error; fix or retrain the "
+                         "checkpoint first")
     return weights
 
 
@@ -75,16 +78,27 @@ def _check_ranks(method: ConversionMethod, rank, num_layers: int, full_rank: int
 def _validate(model: nn.Module, method: ConversionMethod, rank):
     """Every check a conversion passes before planning, for every method: a model that is not converted yet and has
     attention modules of a supported family, ranks (or a budget) in range and the method's own rank rule. Returns
-    the family, the attention modules and the ranks or budget."""
+    the attention sites and the ranks or budget."""
     if is_collaborative(model.config):
         raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
-    family, found = find_attention(model)
+    family, sites = attention_sites(model)
     check_head_class(model, family)
-    heads, head_dim = family.num_heads(found[0][1]), family.head_dim(found[0][1])
-    ranks, budget = _check_ranks(method, rank, len(found), heads * head_dim)
+    method.layer_for(family.rotary)  # a method that does not convert rotary models says so here
+    ranks, budget = _check_ranks(method, rank, len(sites), sites[0].width)
+    if family.rotary:
+        _check_rotary_ranks(ranks, budget)
     if ranks is not None and method.check_ranks is not None:
-        method.check_ranks(ranks, heads)
-    return family, found, ranks, budget
+        method.check_ranks(ranks, sites[0].heads)
+    return sites, ranks, budget
+
+
+def _check_rotary_ranks(ranks, budget) -> None:
+    if budget is not None:
+        raise ValueError(f"a budget ({budget}) does not apply to rotary models yet: give one rank or one per layer")
+    odd = [rank for rank in ranks if rank % 2]
+    if odd:
+        raise ValueError(f"rank {odd[0]} is odd: a rotary model's query/key width counts each shared pair twice (its "
+                         "real and imaginary parts), so ranks must be even")
 
 
 def check_request(config, method: str, rank, value_rank=None, **options) -> None:
@@ -98,101 +112,84 @@ def check_request(config, method: str, rank, value_rank=None, **options) -> None
     family_of(config)  # unsupported and rotary families are refused with the reason before anything is built
     with torch.device("meta"):
         skeleton = AutoModel.from_config(config)
-    family, found, _, _ = _validate(skeleton, conversion, rank)
-    _check_value_ranks(conversion, value_rank, found, family)
+    sites, _, _ = _validate(skeleton, conversion, rank)
+    _check_value_ranks(conversion, value_rank, sites)
 
 
 @torch.no_grad()
-def _fill(entry: InstalledLayer, planned: LayerPlan, family: Family) -> None:
-    """Copy the planned query/key side and the kept heads' values and output projection into the new layer."""
-    layer, old = entry.new, entry.old
-
-    def put(param: torch.Tensor, value: torch.Tensor) -> None:
-        if param.shape != value.shape:
-            raise RuntimeError(f"shape mismatch while copying weights: {tuple(param.shape)} vs {tuple(value.shape)}")
-        param.copy_(value.to(param.dtype))
-
-    for name in ("query", "key"):
-        put(getattr(layer, name).weight, getattr(planned, name))
-        if getattr(planned, f"{name}_bias") is not None:
-            put(getattr(layer, name).bias, getattr(planned, f"{name}_bias"))
-    for name in ("mixing", "core"):
-        if getattr(planned, name) is not None:
-            put(layer.mixing if name == "mixing" else layer.mixing_core, getattr(planned, name))
-    if planned.content_bias is not None:
-        put(layer.content_bias.weight, planned.content_bias)
-    if planned.latent is not None:
-        put(layer.latent.weight, planned.latent)
-        if layer.latent.bias is not None:
-            layer.latent.bias.zero_()
-    if planned.values is not None:
-        _fill_shared_values(entry, planned.values, family, put)
-    else:
-        _fill_head_values(entry, planned, family, put)
-    if layer.LayerNorm is not None:
-        layer.LayerNorm.load_state_dict(old.LayerNorm.state_dict())
-
-
-def _fill_shared_values(entry: InstalledLayer, values, family: Family, put) -> None:
-    """The planned value projection (its bias zero: folded into the output bias), the heads' value mixing (shared
-    values) and the output projection (inside the layer, or the new one beside it)."""
+def _fill(entry: InstalledLayer, planned: LayerPlan) -> None:
+    """Load the new layer (and its new output projection beside it) strictly: the plan's state, and what it leaves
+    out kept from the original (``_kept``). ``output.*`` names the output projection wherever it lives."""
     layer = entry.new
-    put(layer.value.weight, values.value)
-    if layer.value.bias is not None:
-        layer.value.bias.zero_()
-    if values.value_mixing is not None:
-        put(layer.value_mixing, values.value_mixing)
-    if values.value_core is not None:
-        put(layer.value_core, values.value_core)
-    target = layer.output if family.output is not None else entry.new_outer_output
-    put(target.weight, values.output)
-    if values.output_bias is not None:
-        put(target.bias, values.output_bias)
+    state = _kept(entry, planned) | planned.state
+    if layer.output is None:  # the output projection lives beside the layer
+        outer = {name.removeprefix("output."): value for name, value in state.items() if name.startswith("output.")}
+        state = {name: value for name, value in state.items() if not name.startswith("output.")}
+        if entry.new_outer_output is not None:
+            _load(entry.site.output_name, entry.new_outer_output, outer)
+        elif outer:
+            raise RuntimeError(f"{entry.name}: the plan gives an output projection, but the layer keeps the model's")
+    _load(entry.name, layer, state)
 
 
-def _fill_head_values(entry: InstalledLayer, planned: LayerPlan, family: Family, put) -> None:
-    """The kept heads' values and output columns, copied."""
-    layer, old = entry.new, entry.old
-    head_dim = family.head_dim(old)
+def _load(name: str, module: nn.Module, state: dict) -> None:
+    expected = module.state_dict()
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        raise RuntimeError(f"{name}: the converted layer ({type(module).__name__}) needs {missing or 'nothing more'} "
+                           f"and has no place for {extra or 'nothing else'} (a bug in the method's plan)")
+    for key, value in state.items():
+        if expected[key].shape != value.shape:
+            raise RuntimeError(f"{name}: {key} is {tuple(expected[key].shape)} in the layer but "
+                               f"{tuple(value.shape)} in the plan (a bug in the method's plan)")
+    module.load_state_dict(state, strict=True)
+
+
+def _kept(entry: InstalledLayer, planned: LayerPlan) -> dict:
+    """What the converted layer keeps of the original where the plan gives nothing: the values and output columns
+    of the kept heads (the output projection only where the layer holds one or a new one replaces the model's), and
+    ALBERT's LayerNorm."""
+    site, layer = entry.site, entry.new
+    kept = {} if layer.LayerNorm is None else {
+        f"LayerNorm.{name}": value for name, value in site.module.LayerNorm.state_dict().items()}
+    if "value.weight" in planned.state:
+        return kept
     index = None if planned.kept_heads is None else torch.tensor(
-        [h * head_dim + i for h in planned.kept_heads for i in range(head_dim)]
+        [h * site.head_dim + i for h in planned.kept_heads for i in range(site.head_dim)]
     )
-    weight, bias = family.projection(old, "value")
-    put(layer.value.weight, weight if index is None else weight[index])
+    weight, bias = site.projection("value")
+    kept["value.weight"] = weight if index is None else weight[index]
     if bias is not None:
-        put(layer.value.bias, bias if index is None else bias[index])
-    if family.output is not None:
-        source, target = getattr(old, family.output), layer.output
-    else:  # beside the attention module; replaced only where heads were removed
-        source, target = entry.old_outer_output, entry.new_outer_output
-    if target is not None:
-        weight, bias = family.output_weights(source)
-        put(target.weight, weight if index is None else weight[:, index])
+        kept["value.bias"] = bias if index is None else bias[index]
+    if layer.output is not None or entry.new_outer_output is not None:
+        weight, bias = site.output_weights()
+        kept["output.weight"] = weight if index is None else weight[:, index]
         if bias is not None:
-            put(target.bias, bias)
+            kept["output.bias"] = bias
+    return kept
 
 
-def _originals(model: nn.Module, family: Family, found, request: Request) -> list:
+def _originals(sites: list[AttentionSite], request: Request) -> list:
     """Every layer's original logit forms and value maps (``collab_attn.models.products``), from the weights the
     request read (the value side read here where the method did not need it), before the surgery."""
     originals = []
-    for index, (name, module) in enumerate(found):
+    for index, site in enumerate(sites):
         weights = request.weights[index]
-        values = request.values[index] if request.values is not None else ValueWeights(
-            *family.value_output_weights(model, name, module))
-        originals.append((original_forms(weights.w_query, weights.w_key, family.logit_scale(module)),
-                          original_value_forms(values.w_value, values.w_output)))
+        values = request.values[index] if request.values is not None else ValueWeights(*site.value_output_weights())
+        query_keys = (band_forms_of(*rotary_forms(weights), site.logit_scale) if site.rotary
+                      else original_forms(weights.w_query, weights.w_key, site.logit_scale))
+        originals.append((query_keys, original_value_forms(values.w_value, values.w_output)))
     return originals
 
 
-def _measure(model: nn.Module, family: Family, entry: InstalledLayer, planned: LayerPlan, original) -> tuple:
+def _measure(entry: InstalledLayer, planned: LayerPlan, original) -> tuple:
     """The relative errors of the installed layer's head products (logit forms, value maps) against the original's,
     read from the layer's own weights: what the converted model computes, whatever the planner claimed."""
     query_keys, values = original
     output = None
     if entry.new.output is None:  # beside the attention module: the new one, or the model's own where it stays
-        outer = entry.new_outer_output or family.output_projection(model, entry.name)
-        output = family.output_weights(outer)[0]
+        output = (entry.new_outer_output.weight if entry.new_outer_output is not None
+                  else entry.site.output_weights()[0])
     return (relative_error(query_key_forms(entry.new), query_keys, planned.kept_heads),
             relative_error(value_forms(entry.new, output), values, planned.kept_heads))
 
@@ -211,29 +208,29 @@ def _check_installed(name: str, side: str, claimed: float | None, measured: floa
         )
 
 
-def _apply(model: nn.Module, family: Family, found, request: Request, plan: Plan,
+def _apply(model: nn.Module, sites: list[AttentionSite], request: Request, plan: Plan,
            method: ConversionMethod) -> ReparamReport:
-    before = {name: (_count(module), query_key_count(module, family)) for name, module in found}
-    originals = _originals(model, family, found, request)
+    before = {site.name: (_count(site.module), site.query_key_params) for site in sites}
+    originals = _originals(sites, request)
     report = ReparamReport(
         method=method.name, model_params_before=_count(model), solver=plan.solver, calibration=plan.calibration,
         rank_selection=plan.rank_selection, pruning=plan.pruning,
     )
-    built = build_layers(model, plan.layout)
-    for entry, planned, rank, original in zip(built, plan.layers, plan.layout.ranks, originals):
-        _fill(entry, planned, family)
-        products_error, value_products_error = _measure(model, family, entry, planned, original)
+    layout = method.layout(plan, sites[0].rotary)
+    built = build_layers(sites, layout)
+    for entry, planned, rank, original in zip(built, plan.layers, layout.ranks, originals):
+        _fill(entry, planned)
+        products_error, value_products_error = _measure(entry, planned, original)
         dtype = next(entry.new.parameters()).dtype
-        value_error = None if planned.values is None else planned.values.relative_error
         if method.reports_products_error:
             _check_installed(entry.name, "query/key head products", planned.relative_error, products_error, dtype)
-        _check_installed(entry.name, "value-output products", value_error, value_products_error, dtype)
+        _check_installed(entry.name, "value-output products", planned.value_error, value_products_error, dtype)
         report.layers.append(LayerReport(
             entry.name, rank, planned.relative_error, planned.seconds, *before[entry.name][:1], _count(entry.new),
-            before[entry.name][1], query_key_count(entry.new, family), planned.weighted_error, value_error,
+            before[entry.name][1], entry.new.query_key_params(), planned.weighted_error, planned.value_error,
             products_error, value_products_error,
         ))
-    put_layers(model, built, plan.layout)  # only once every layer holds what was fitted
+    put_layers(model, built, layout)  # only once every layer holds what was fitted
     report.model_params_after = _count(model)
     return report
 
@@ -283,24 +280,26 @@ def reparametrize(
                          f"importance does not apply to method={method!r}: it needs no head scores")
     if device is not None and not conversion.decomposes:
         raise ValueError(f"device={device!r} does not apply to method={method!r}: it runs no decomposition")
-    family, found, ranks, budget = _validate(model, conversion, rank)
-    value_ranks = _check_value_ranks(conversion, value_rank, found, family)
+    sites, ranks, budget = _validate(model, conversion, rank)
+    value_ranks = _check_value_ranks(conversion, value_rank, sites)
+    if calibration is not None and sites[0].rotary:
+        raise ValueError("calibration does not apply to rotary models yet: their conversion fits the weights")
     if calibration is not None:
         if not isinstance(calibration, Calibration):
             raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")
-        calibration.check_matches([name for name, _ in found], family.d_in(found[0][1]))
+        calibration.check_matches([site.name for site in sites], sites[0].d_in)
     request = Request(
-        [_layer_weights(name, module, family) for name, module in found], ranks, budget, seed, options,
-        [query_key_count(module, family) for _, module in found], calibration=calibration, importance=importance,
-        value_ranks=value_ranks, device=device, progress=progress,
+        [_layer_weights(site) for site in sites], ranks, budget, seed, options,
+        [site.query_key_params for site in sites], calibration=calibration,
+        importance=importance, value_ranks=value_ranks, device=device, progress=progress, rotary=sites[0].rotary,
         values=None if value_ranks is None and not conversion.reads_values else [
-            ValueWeights(*family.value_output_weights(model, name, module)) for name, module in found
+            ValueWeights(*site.value_output_weights()) for site in sites
         ],
     )
-    return _apply(model, family, found, request, conversion.plan(request), conversion)
+    return _apply(model, sites, request, conversion.plan(request), conversion)
 
 
-def _check_value_ranks(conversion: ConversionMethod, value_rank, found, family) -> list[int] | None:
+def _check_value_ranks(conversion: ConversionMethod, value_rank, sites: list[AttentionSite]) -> list[int] | None:
     """Per-layer value widths D_v cached per token (None: each head keeps its values), each in [1, heads x head_dim]
     and within the method's rank rule."""
     if value_rank is None:
@@ -309,12 +308,10 @@ def _check_value_ranks(conversion: ConversionMethod, value_rank, found, family) 
         cutting = [name for name, m in METHODS.items() if m.cuts_values]
         raise ValueError(f"value_rank does not apply to method={conversion.name!r}: its heads keep their values "
                          f"(methods that cut the values: {cutting})")
-    module = found[0][1]
-    heads = family.num_heads(module)
     try:
-        ranks = per_layer_ranks(value_rank, len(found), heads * family.head_dim(module))
+        ranks = per_layer_ranks(value_rank, len(sites), sites[0].width)
         if conversion.check_ranks is not None:
-            conversion.check_ranks(ranks, heads)
+            conversion.check_ranks(ranks, sites[0].heads)
     except ValueError as err:
         raise ValueError(f"value_rank: {err}") from err
     return ranks

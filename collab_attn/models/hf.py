@@ -1,18 +1,17 @@
 """Hugging Face integration: converted models that save, load, train and generate like any other.
 
 For each supported family (``collab_attn.models.families``: BERT, RoBERTa, DistilBERT, ALBERT, GPT-2, OPT) this module
-defines a config class with its own
-``model_type`` (``collab_attn_bert``, ...) and one model class per head class of that family (``CollabBertModel``,
-``CollabBertForSequenceClassification``, ...), each a subclass of the transformers class it mirrors whose
-self-attention modules are converted layers (``collab_attn.models.layers``). The config records the conversion
-method (``collab_method``) and the per-layer sizes (``collab_ranks``: query/key size per layer, or the shared key's
-or the latent's width; ``collab_heads``: heads per layer where pruning removed some; ``collab_value_ranks``: the
-values' width per layer where they were cut: one shared value, or narrow value heads in all;
-``collab_tucker_core_size``; ``collab_mixing_init`` for a model built
-from a config to train from scratch: ``"ones"`` or ``"random"``), from which the model class rebuilds the layers.
-Importing ``collab_attn`` registers them with the Auto classes, so ``AutoModel*.from_pretrained`` loads a converted
-checkpoint of any method. Without ``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*``
-model type instead of building a different model.
+defines a config class with its own ``model_type`` (``collab_attn_bert``, ...) and one model class per head class of
+that family (``CollabBertModel``, ``CollabBertForSequenceClassification``, ...), each a subclass of the transformers
+class it mirrors whose self-attention modules are converted layers (``collab_attn.models.layers``). The config
+records the ``Layout``: the conversion method (``collab_method``), the kind of layer it built (``collab_layer``, a
+key of ``LAYER_KINDS``) and the per-layer sizes (``collab_ranks``: the query/key width per layer; ``collab_heads``:
+heads per layer where pruning removed some; ``collab_value_ranks``: the values' width per layer where they were cut;
+``collab_tucker_core_size``; ``collab_mixing_init`` for a model built from a config to train from scratch:
+``"ones"`` or ``"random"``), from which the model class rebuilds the layers. Importing ``collab_attn`` registers them
+with the Auto classes, so ``AutoModel*.from_pretrained`` loads a converted checkpoint of any method. Without
+``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*`` model type instead of building a different
+model.
 """
 
 from __future__ import annotations
@@ -28,20 +27,15 @@ from torch import nn
 from collab_attn.models.families import (  # noqa: F401  (re-exported: the HF layer's vocabulary)
     COLLAB_PREFIX,
     FAMILIES,
+    AttentionSite,
     Family,
     attention_modules,
+    attention_sites,
     family_of,
     find_attention,
     is_collaborative,
 )
-from collab_attn.models.layers import (
-    CollaborativeSelfAttention,
-    ConcatenatedSelfAttention,
-    ConvertedSelfAttention,
-    GroupedSelfAttention,
-    LatentSelfAttention,
-    SharedKeySelfAttention,
-)
+from collab_attn.models.layers import LAYER_KINDS, ConvertedSelfAttention, LayerSpec  # noqa: F401
 from collab_attn.nn.attention import CollaborativeAttention
 
 
@@ -56,58 +50,20 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-@dataclass(frozen=True)
-class LayerKind:
-    """What the layers of a layout are: collaborative heads (shared query/key projections and mixing), concatenated
-    heads whose query bias became the content bias (``content_bias``) or that keep their query/key biases, or one of
-    the variants of ``collab_attn.nn.variants`` (``variant``: grouped-query, latent or shared-key attention)."""
-
-    collaborative: bool = False
-    content_bias: bool = True
-    variant: str | None = None
-
-
-# The layer kinds, by the name a config's ``collab_method`` may give them. A conversion method's config records the
-# method's name instead (``cp``, ``svd``, ...), which ``layer_kind`` maps to the kind that method builds.
-LAYER_KINDS = {
-    "collaborative": LayerKind(collaborative=True),
-    "concatenated": LayerKind(),  # narrow concatenated heads, the query bias folded into the content bias
-    "kept-heads": LayerKind(content_bias=False),  # some of the original heads, with their query/key biases
-    "gqa": LayerKind(variant="gqa"),  # grouped-query heads: ``size`` is the key width kv_heads x head_dim
-    "mla": LayerKind(variant="mla"),  # latent attention: ``size`` is the latent cached per token
-    "shared-key": LayerKind(variant="shared-key"),  # one key of width ``size`` shared by the heads, per-head values
-}
-
-
-def layer_kind(layout: str) -> LayerKind:
-    """The kind of layer a layout name builds: one of ``LAYER_KINDS`` or a registered conversion method."""
-    from collab_attn.models.methods import METHODS  # the methods import this module
-
-    if layout in LAYER_KINDS:
-        return LAYER_KINDS[layout]
-    if layout in METHODS:
-        return LAYER_KINDS[METHODS[layout].layer]
-    raise ValueError(f"unknown layout {layout!r}; choose one of {(*LAYER_KINDS, *METHODS)}")
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """The shape of one converted layer: ``size`` is the query/key width (the rank D~ of collaborative heads, or
-    heads x query/key head size of concatenated ones; the cache width of grouped-query and latent layers)."""
-
-    kind: LayerKind
-    num_heads: int
-    size: int
-    core_size: int | None = None
-    mixing_init: str | None = None  # collaborative layers built from a config: None means block mixing where it fits
-    value_size: int | None = None  # values cached per token: the shared value's width, or heads x narrow value heads
+# The layer kind of a checkpoint saved before configs recorded it (``collab_layer``), by its ``collab_method``: a
+# conversion method's name, or a layer kind already (models built from a config).
+OLD_METHOD_KINDS = {"cp": "collaborative", "tucker": "collaborative", "svd": "concatenated", "prune": "kept-heads",
+                    "key-svd": "shared-key", "kv-svd": "mla"}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What a converted model's config records, and from which its layers are rebuilt."""
+    """What a converted model's config records, and from which its layers are rebuilt: the conversion ``method``
+    (or, for a model built from a config, its layer kind), the ``kind`` of layer it built (a key of
+    ``LAYER_KINDS``) and the per-layer sizes."""
 
-    method: str  # a conversion method (cp, svd, ...) or a layer kind (models built from a config)
+    method: str
+    kind: str
     ranks: list[int]
     heads: list[int] | None = None  # per layer, where pruning changed the head count
     tucker_core_size: int | None = None
@@ -115,27 +71,29 @@ class Layout:
     value_ranks: list[int] | None = None  # per layer, where the values were cut (shared, or narrower heads)
 
     def __post_init__(self):
-        kind = layer_kind(self.method)
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"unknown layer kind {self.kind!r}; choose one of {tuple(LAYER_KINDS)}")
         if self.value_ranks is not None:
-            if not (kind.collaborative or kind == LAYER_KINDS["concatenated"]):
-                raise ValueError(f"value ranks need collaborative or narrow concatenated layers, not layout "
-                                 f"{self.method!r}")
+            if not LAYER_KINDS[self.kind].cuts_values:
+                cutting = [name for name, cls in LAYER_KINDS.items() if cls.cuts_values]
+                raise ValueError(f"value ranks need a layer kind that cuts the values ({cutting}), not "
+                                 f"{self.kind!r}")
             if len(self.value_ranks) != len(self.ranks):
                 raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.value_ranks)} value ranks")
 
     def specs(self, default_heads: int) -> list[LayerSpec]:
+        """One ``LayerSpec`` per layer (``heads``: where pruning left them unchanged)."""
         heads = self.heads or [default_heads] * len(self.ranks)
         if len(heads) != len(self.ranks):
             raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(heads)} head counts")
-        kind = layer_kind(self.method)
         values = self.value_ranks or [None] * len(self.ranks)
-        return [LayerSpec(kind, h, r, self.tucker_core_size, self.mixing_init, v)
+        return [LayerSpec(self.kind, h, r, self.tucker_core_size, self.mixing_init, v)
                 for r, h, v in zip(self.ranks, heads, values)]
 
     def config_fields(self) -> dict:
         """The ``collab_*`` config fields that record this layout (``Layout.of`` reads it back from them)."""
         return {
-            "collab_method": self.method, "collab_ranks": list(self.ranks),
+            "collab_method": self.method, "collab_layer": self.kind, "collab_ranks": list(self.ranks),
             "collab_heads": None if self.heads is None else list(self.heads),
             "collab_tucker_core_size": self.tucker_core_size, "collab_mixing_init": self.mixing_init,
             "collab_value_ranks": None if self.value_ranks is None else list(self.value_ranks),
@@ -143,104 +101,73 @@ class Layout:
 
     @classmethod
     def of(cls, config) -> Layout:
+        """The layout a config records; a config saved before it recorded the layer kind gets the kind its method
+        builds (``OLD_METHOD_KINDS``)."""
         if not config.collab_ranks:
             raise ValueError(
                 f"{type(config).__name__} needs config.collab_ranks; convert a model with collab_attn.reparametrize"
             )
-        return cls(config.collab_method, list(config.collab_ranks), config.collab_heads,
+        kind = config.collab_layer
+        if kind is None:
+            kind = config.collab_method if config.collab_method in LAYER_KINDS else OLD_METHOD_KINDS.get(
+                config.collab_method)
+            if kind is None:
+                raise ValueError(f"the config records neither collab_layer nor a known collab_method "
+                                 f"({config.collab_method!r}): it was not saved by collab_attn")
+        return cls(config.collab_method, kind, list(config.collab_ranks), config.collab_heads,
                    config.collab_tucker_core_size, config.collab_mixing_init, config.collab_value_ranks)
 
 
 @dataclass
 class InstalledLayer:
-    """One replaced attention module: its name, the original and the new layer, and the original output projection
-    where the new one (fewer heads) replaced it outside the attention module."""
+    """One converted layer and the site it replaces, with the new output projection where the model keeps it beside
+    the attention module and the layer needs another (``replaces_outer_output``)."""
 
-    name: str
-    old: nn.Module
+    site: AttentionSite
     new: ConvertedSelfAttention
-    old_outer_output: nn.Linear | None = None
     new_outer_output: nn.Linear | None = None
 
+    @property
+    def name(self) -> str:
+        return self.site.name
 
-def build_layer(family: Family, module: nn.Module, spec: LayerSpec) -> ConvertedSelfAttention:
-    """An empty converted layer shaped by ``spec`` to replace ``module`` (same device, dtype and call contract)."""
-    weight, bias = family.projection(module, "query")
-    common = dict(
-        head_dim=family.head_dim(module),
-        dropout=family.dropout_p(module, family.dropout),
-        bias=bias is not None,
-        output_projection=family.output is not None,
-        logit_scale=family.logit_scale(module),
-        is_causal=bool(getattr(module, "is_causal", False)),
-        layer_idx=getattr(module, "layer_idx", None),
-        output_dropout=family.dropout_p(module, family.output_dropout) if family.output_dropout else None,
-        residual_norm_eps=module.LayerNorm.eps if family.has_residual_norm else None,
-    )
-    kind = spec.kind
-    if kind.variant == "gqa":
-        head_dim = common["head_dim"]
-        if spec.size % head_dim or spec.num_heads % (spec.size // head_dim):
-            raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
-                             f"dividing {spec.num_heads} heads, got {spec.size}")
-        layer = GroupedSelfAttention(weight.shape[1], spec.num_heads, spec.size // head_dim,
-                                     logit_scale=common.pop("logit_scale"), **common)
-    elif kind.variant in ("mla", "shared-key"):
-        variant = LatentSelfAttention if kind.variant == "mla" else SharedKeySelfAttention
-        layer = variant(weight.shape[1], spec.num_heads, spec.size, logit_scale=common.pop("logit_scale"), **common)
-    elif kind.collaborative:
-        layer = CollaborativeSelfAttention(
-            weight.shape[1], spec.num_heads, spec.size, tucker_core_size=spec.core_size, mixing_init=spec.mixing_init,
-            value_rank=spec.value_size, **common,
-        )
-    else:
-        if spec.value_size is not None:  # narrow value heads
-            common["head_dim"] = spec.value_size // spec.num_heads
-        layer = ConcatenatedSelfAttention(
-            weight.shape[1], spec.num_heads, spec.size // spec.num_heads,
-            query_key_bias=common["bias"] and not kind.content_bias,
-            content_bias=common["bias"] and kind.content_bias, **common,
-        )
-    return layer.to(device=weight.device, dtype=weight.dtype)
+
+def build_layer(site: AttentionSite, spec: LayerSpec) -> ConvertedSelfAttention:
+    """An empty converted layer of ``spec.kind`` shaped by ``spec`` to replace the module at ``site``."""
+    return LAYER_KINDS[spec.kind].build(site, spec)
 
 
 def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
     """Replace every self-attention module by an empty converted one shaped by ``layout`` and retag the model and
     config as collaborative (``build_layers``, then ``put_layers``)."""
-    installed = build_layers(model, layout)
+    installed = build_layers(attention_sites(model)[1], layout)
     put_layers(model, installed, layout)
     return installed
 
 
-def build_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
-    """An empty converted layer shaped by ``layout`` for every self-attention module, the model left as it is. A layer
-    with fewer heads, or with shared values, also gets a narrower output projection (BERT, RoBERTa: the one beside
-    the attention module), and a latent layer a new one of the same width (the value bias it drops is folded into
-    that projection's bias)."""
-    family = family_of(model.config)
-    found = attention_modules(model, family)
-    if len(layout.ranks) != len(found):
-        raise ValueError(f"got {len(layout.ranks)} ranks for {len(found)} attention layers")
+def build_layers(sites: list[AttentionSite], layout: Layout) -> list[InstalledLayer]:
+    """An empty converted layer shaped by ``layout`` for every attention site, the model left as it is, with a new
+    output projection beside the layer where its kind asks for one (``replaces_outer_output``: fewer heads, cut
+    values, a latent layer's folded bias), of the width the new layer's values have."""
+    if len(layout.ranks) != len(sites):
+        raise ValueError(f"got {len(layout.ranks)} ranks for {len(sites)} attention layers")
     built = []
-    for (name, module), spec in zip(found, layout.specs(family.num_heads(found[0][1]))):
-        entry = InstalledLayer(name, module, build_layer(family, module, spec))
-        if family.output is None and (spec.num_heads != family.num_heads(module) or spec.value_size is not None
-                                      or spec.kind.variant == "mla"):
-            old = family.output_projection(model, name)
-            width = spec.value_size or spec.num_heads * family.head_dim(module)
-            entry.old_outer_output = old
-            entry.new_outer_output = nn.Linear(width, old.out_features, bias=old.bias is not None).to(old.weight)
+    for site, spec in zip(sites, layout.specs(sites[0].heads)):
+        entry = InstalledLayer(site, build_layer(site, spec))
+        if not site.output_inside and LAYER_KINDS[spec.kind].replaces_outer_output(site, spec):
+            old = site.output
+            entry.new_outer_output = nn.Linear(entry.new.value.out_features, old.out_features,
+                                               bias=old.bias is not None).to(old.weight)
         built.append(entry)
     return built
 
 
 def put_layers(model: nn.Module, built: list[InstalledLayer], layout: Layout) -> None:
     """Put the layers of ``build_layers`` (and their new output projections) into the model and retag it."""
-    family = family_of(model.config)
     for entry in built:
         replace_module(model, entry.name, entry.new)
         if entry.new_outer_output is not None:
-            replace_module(model, family.output_projection_name(entry.name), entry.new_outer_output)
+            replace_module(model, entry.site.output_name, entry.new_outer_output)
     _retag(model, layout)
 
 
@@ -266,17 +193,12 @@ def _retag(model: nn.Module, layout: Layout) -> None:
                     _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
-QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")
-
-
 def query_key_count(module: nn.Module, family: Family) -> int:
-    """Parameters that form one layer's attention scores: query and key projections with their biases (plain), or
-    those plus mixing, Tucker core and content bias (converted)."""
+    """Parameters that form one layer's attention scores, plain (``AttentionSite.query_key_params``) or converted
+    (``query_key_params`` of the layer)."""
     if isinstance(module, ConvertedSelfAttention):
-        counts = module.parameter_counts()
-        return sum(counts.get(part, 0) for part in QUERY_KEY_PARTS)
-    tensors = [t for part in ("query", "key") for t in family.projection(module, part) if t is not None]
-    return sum(t.numel() for t in tensors)
+        return module.query_key_params()
+    return sum(t.numel() for part in ("query", "key") for t in family.projection(module, part) if t is not None)
 
 
 def attention_parameters(model: nn.Module) -> dict[str, int]:
@@ -299,12 +221,14 @@ def _collab_config_class(family: Family) -> type:
         )
     namespace = {
         "__annotations__": {
-            "collab_method": str, "collab_ranks": list[int] | None, "collab_heads": list[int] | None,
+            "collab_method": str, "collab_layer": str | None, "collab_ranks": list[int] | None,
+            "collab_heads": list[int] | None,
             "collab_tucker_core_size": int | None, "collab_mixing_init": str | None,
             "collab_value_ranks": list[int] | None,
         },
         "model_type": family.collab_model_type,
         "collab_method": "collaborative",  # the layer kind a CP conversion builds
+        "collab_layer": None,  # None in checkpoints saved before configs recorded it (``Layout.of``)
         "collab_ranks": None,
         "collab_heads": None,
         "collab_tucker_core_size": None,
@@ -320,7 +244,10 @@ def _collab_config_class(family: Family) -> type:
 def _collab_model_class(base: type, config_class: type) -> type:
     def __init__(self, config, *args, **kwargs):
         base.__init__(self, config, *args, **kwargs)
-        install_layers(self, Layout.of(config))
+        # a head class that builds its inner model through the Auto classes (Llama's sequence classifier) got a
+        # converted one: its layers are in place
+        if not any(isinstance(module, ConvertedSelfAttention) for module in self.modules()):
+            install_layers(self, Layout.of(config))
         self.init_weights()  # only the new layers: the others are marked initialized
 
     @torch.no_grad()

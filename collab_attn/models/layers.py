@@ -1,8 +1,12 @@
-"""The attention modules behind the call contract of a transformers 5.x self-attention module.
+"""The converted layers: attention modules behind the call contract of a transformers 5.x self-attention module.
 
-A converted layer is collaborative (``CollaborativeSelfAttention``: ``cp``, ``tucker``), concatenated heads
-(``ConcatenatedSelfAttention``: ``svd``, ``prune``) or one of the variants (``SharedKeySelfAttention``: ``key-svd``;
-``LatentSelfAttention``: ``kv-svd`` and, with ``GroupedSelfAttention``, models trained from scratch). All take
+A layer kind is one class, registered by name in ``LAYER_KINDS``: collaborative (``CollaborativeSelfAttention``:
+``cp``, ``tucker``), concatenated heads (``ConcatenatedSelfAttention``: ``svd``; ``KeptHeadsSelfAttention``:
+``prune``) or one of the variants (``SharedKeySelfAttention``: ``key-svd``; ``LatentSelfAttention``: ``kv-svd``
+and, with ``GroupedSelfAttention``, models trained from scratch). Each builds itself for one attention site from a
+``LayerSpec`` (``build``) and says whether it needs a new output projection where the model keeps it beside the
+attention module (``replaces_outer_output``). What a conversion must give it is its own ``state_dict``: a planner
+hands over the tensors by those names (``collab_attn.models.plan``), loaded strictly. All take
 ``(hidden_states, attention_mask, **kwargs)`` and return ``(output, attention_weights)``, with weights when
 ``output_attentions=True`` is passed down or when the model
 records attention maps with its output hooks (transformers 5.x: ``output_attentions`` as a call argument or in the
@@ -22,12 +26,17 @@ silently ignored.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticLayer
 from transformers.utils.output_capturing import _active_collector  # what the output hooks collect into
 
+from collab_attn.models.families import AttentionSite
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
+from collab_attn.nn.rotary import RotaryCollaborativeAttention
 from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention
 
 # Every name under which transformers 5.x hands a self-attention module its key/value cache: models pass it as
@@ -35,9 +44,9 @@ from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, Shar
 # spellings that callers may still use. The same object under two names is one cache (``_pop_caches``).
 CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # Keywords that would change what attention computes and that these layers do not implement: packed sequences
-# (flash-attention varlen), head masks, sliding windows, attention sinks, rotary position embeddings. Given, they
-# raise. Others pass through untouched because attention has nothing to do with them (the model already acted on
-# use_cache, position_ids, cache_position; num_items_in_batch is for the loss).
+# (flash-attention varlen), head masks, sliding windows, attention sinks, rotary position embeddings (but in rotary
+# layers, which take them). Given, they raise. Others pass through untouched because attention has nothing to do with
+# them (the model already acted on use_cache, position_ids, cache_position; num_items_in_batch is for the loss).
 REFUSED_KEYWORDS = (
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "encoder_attention_mask",
     "sliding_window", "s_aux", "sinks", "position_embeddings",
@@ -63,8 +72,62 @@ def _pop_caches(kwargs: dict) -> dict:
     return caches
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """The shape of one converted layer, in the sizes' one names (docs/extending.md): its ``kind`` (a key of
+    ``LAYER_KINDS``), ``heads``, ``rank`` (the query/key width D~: shared by collaborative heads, heads x query/key
+    head size of concatenated ones, the shared key's or the latent's width, kv_heads x head_dim of grouped heads),
+    the ``tucker_core_size``, the ``mixing_init`` of a collaborative layer built from a config (None: block mixing
+    where it fits) and ``value_rank``: the values' width D_v where they are cut (one shared value, or heads x narrow
+    value heads; None: every head keeps its values)."""
+
+    kind: str
+    heads: int
+    rank: int
+    tucker_core_size: int | None = None
+    mixing_init: str | None = None
+    value_rank: int | None = None
+
+
+LAYER_KINDS: dict[str, type[ConvertedSelfAttention]] = {}
+
+
+def _contract(site: AttentionSite) -> dict:
+    """The keywords every converted layer takes from the site it replaces."""
+    return dict(
+        head_dim=site.head_dim, dropout=site.dropout, bias=site.bias, output_projection=site.output_inside,
+        logit_scale=site.logit_scale, is_causal=site.is_causal, layer_idx=site.layer_idx,
+        output_dropout=site.output_dropout, residual_norm_eps=site.residual_norm_eps,
+    )
+
+
 class ConvertedSelfAttention(nn.Module):
-    """What both converted layers add to their attention module: the transformers call contract."""
+    """What every converted layer adds to its attention module: the transformers call contract, and its place in
+    ``LAYER_KINDS`` (a subclass names its kind: ``class X(ConvertedSelfAttention, ..., kind="name")``)."""
+
+    kind: ClassVar[str]
+    collaborative: ClassVar[bool] = False  # shared query/key projections with per-head mixing
+    cuts_values: ClassVar[bool] = False  # takes a ``value_rank``
+    rotary: ClassVar[bool] = False  # takes the model's rotary ``position_embeddings`` (refused by the others)
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            if kind in LAYER_KINDS:
+                raise ValueError(f"a layer kind named {kind!r} is registered already ({LAYER_KINDS[kind].__name__})")
+            cls.kind = kind
+            LAYER_KINDS[kind] = cls
+
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> ConvertedSelfAttention:
+        """An empty layer of this kind shaped by ``spec`` to replace the module at ``site`` (its device and dtype)."""
+        raise NotImplementedError
+
+    @classmethod
+    def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
+        """Whether, where the model keeps the output projection beside the attention module, the layer needs a new
+        one: it reads another width (fewer heads, cut values) or another bias."""
+        return spec.heads != site.heads or spec.value_rank is not None
 
     def _init_contract(
         self,
@@ -86,6 +149,7 @@ class ConvertedSelfAttention(nn.Module):
                 "not supported"
             )
         caches = _pop_caches(kwargs)
+        rotary_positions = kwargs.pop("position_embeddings", None) if self.rotary else None
         need_weights = bool(kwargs.pop("output_attentions", False)) or attention_maps_recorded()
         refused = sorted(k for k in REFUSED_KEYWORDS if kwargs.get(k) is not None)
         if refused or len(caches) > 1:
@@ -107,6 +171,7 @@ class ConvertedSelfAttention(nn.Module):
             is_causal=self.is_causal and attention_mask is None,
             need_weights=need_weights,
             kv_cache=kv_cache,
+            **({"position_embeddings": rotary_positions} if self.rotary else {}),
         )
         if self.output_dropout is not None:
             output = self.output_dropout(output)
@@ -169,9 +234,12 @@ def _static_causal_mask(layer: StaticLayer, new_tokens: int, device: torch.devic
     return (positions[None, :] <= last_seen[:, None])[None, None]
 
 
-class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention):
+class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention, kind="collaborative"):
     """Collaborative heads (shared query/key projections of width ``rank``, per-head mixing; with ``value_rank``, one
     shared value per token too) in a transformers model."""
+
+    collaborative = True
+    cuts_values = True
 
     def __init__(
         self,
@@ -199,10 +267,19 @@ class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention)
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> CollaborativeSelfAttention:
+        return cls(site.d_in, spec.heads, spec.rank, tucker_core_size=spec.tucker_core_size,
+                   mixing_init=spec.mixing_init, value_rank=spec.value_rank, **_contract(site)).to(site.weight)
 
-class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention):
-    """Concatenated heads of any query/key head size (SVD-truncated heads) and any head count (pruned heads) in a
-    transformers model. The logit scale stays the original model's ``logit_scale``."""
+
+class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention, kind="concatenated"):
+    """Concatenated heads of any query/key head size (SVD-truncated heads; ``rank`` = heads x query/key head size)
+    and, with a ``value_rank``, narrower value heads, in a transformers model. The query bias is folded into the
+    content bias. The logit scale stays the original model's ``logit_scale``."""
+
+    cuts_values = True
+    content_bias_kind: ClassVar[bool] = True  # the query bias became the content bias (else: query/key biases kept)
 
     def __init__(
         self,
@@ -229,34 +306,97 @@ class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention):
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> ConcatenatedSelfAttention:
+        common = _contract(site)
+        if spec.value_rank is not None:  # narrow value heads
+            common["head_dim"] = spec.value_rank // spec.heads
+        return cls(site.d_in, spec.heads, spec.rank // spec.heads,
+                   query_key_bias=site.bias and not cls.content_bias_kind,
+                   content_bias=site.bias and cls.content_bias_kind, **common).to(site.weight)
+
+
+class KeptHeadsSelfAttention(ConcatenatedSelfAttention, kind="kept-heads"):
+    """Some of the original heads (pruning), with their query/key biases, values and output columns."""
+
+    cuts_values = False
+    content_bias_kind = False
+
 
 class _VariantSelfAttention(ConvertedSelfAttention):
     """A variant of ``collab_attn.nn.variants`` (grouped-query, latent or shared-key heads) in a transformers model:
-    the variant's module built with ``size`` (its kv heads, latent width or key width), the original model's logit
-    scale, the call contract."""
+    the variant's module built for ``rank`` (the shared key's or the latent's width; grouped heads: kv heads), the
+    original model's logit scale, the call contract."""
 
-    def __init__(self, d_model: int, num_heads: int, size: int, *, head_dim: int, dropout: float, bias: bool,
+    def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, dropout: float, bias: bool,
                  output_projection: bool, is_causal: bool = False, layer_idx: int | None = None,
                  output_dropout: float | None = None, residual_norm_eps: float | None = None,
                  logit_scale: float | None = None):
         variant = next(base for base in type(self).__mro__
                        if base in (GroupedQueryAttention, LatentAttention, SharedKeyAttention))
-        variant.__init__(self, d_model, num_heads, size, head_dim=head_dim, dropout=dropout, bias=bias,
+        variant.__init__(self, d_model, num_heads, rank, head_dim=head_dim, dropout=dropout, bias=bias,
                          output_projection=output_projection)
         self.scale = self.scale if logit_scale is None else logit_scale
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
-
-class GroupedSelfAttention(_VariantSelfAttention, GroupedQueryAttention):
-    """Grouped-query heads (``size`` = kv_heads key/value heads; one is multi-query attention). Caches ``(batch,
-    kv_heads, tokens, head_dim)`` keys and values."""
-
-
-class LatentSelfAttention(_VariantSelfAttention, LatentAttention):
-    """Multi-head latent attention without rotary positions (``size`` = the latent width). Caches one latent per
-    token (``(batch, 1, tokens, latent_size)``, and an empty values tensor that keeps the position count)."""
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> _VariantSelfAttention:
+        return cls(site.d_in, spec.heads, spec.rank, **_contract(site)).to(site.weight)
 
 
-class SharedKeySelfAttention(_VariantSelfAttention, SharedKeyAttention):
-    """Thin keys (``size`` = the shared key's width): caches ``(batch, 1, tokens, size)`` keys and ``(batch, heads,
+class GroupedSelfAttention(_VariantSelfAttention, GroupedQueryAttention, kind="gqa"):
+    """Grouped-query heads (``rank`` = the key width kv_heads x head_dim; one key/value head is multi-query
+    attention). Caches ``(batch, kv_heads, tokens, head_dim)`` keys and values."""
+
+    def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, **common):
+        if rank % head_dim or num_heads % (rank // head_dim):
+            raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
+                             f"dividing {num_heads} heads, got {rank}")
+        super().__init__(d_model, num_heads, rank // head_dim, head_dim=head_dim, **common)
+
+
+class LatentSelfAttention(_VariantSelfAttention, LatentAttention, kind="mla"):
+    """Multi-head latent attention without rotary positions (``rank`` = the latent width). Caches one latent per
+    token (``(batch, 1, tokens, latent_size)``, and an empty values tensor that keeps the position count). Always
+    has an output projection of its own: the value bias it drops is folded into that projection's bias."""
+
+    @classmethod
+    def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
+        return True
+
+
+class SharedKeySelfAttention(_VariantSelfAttention, SharedKeyAttention, kind="shared-key"):
+    """Thin keys (``rank`` = the shared key's width): caches ``(batch, 1, tokens, size)`` keys and ``(batch, heads,
     tokens, head_dim)`` values."""
+
+
+class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborativeAttention,
+                                       kind="rotary-collaborative"):
+    """Collaborative heads that keep rotary positions exactly (``collab_attn.nn.rotary``): ``rank`` = 2 x the shared
+    query/key pairs, each rotating with its band; grouped values as the source's key/value heads, or shared
+    (``value_rank``). Takes the model's ``position_embeddings`` and caches the rotated shared keys."""
+
+    collaborative = True
+    cuts_values = True
+    rotary = True
+
+    def __init__(self, d_model: int, num_heads: int, pairs: int, *, head_dim: int, dropout: float, bias: bool,
+                 output_bias: bool, kv_heads: int, logit_scale: float, value_rank: int | None = None,
+                 is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
+                 residual_norm_eps: float | None = None, output_projection: bool = True):
+        RotaryCollaborativeAttention.__init__(
+            self, d_model, num_heads, pairs, kv_heads=kv_heads, head_dim=head_dim, dropout=dropout, bias=bias,
+            output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
+            mixing_init="concatenate" if pairs % num_heads == 0 else "ones", value_rank=value_rank,
+        )
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> RotaryCollaborativeSelfAttention:
+        if spec.rank % 2:
+            raise ValueError(f"a rotary layer's rank counts query/key pairs twice (real and imaginary parts): it must "
+                             f"be even, got {spec.rank}")
+        # shared values fold the value bias into the output bias: Qwen2's output projection gains one
+        output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
+        return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
+                   value_rank=spec.value_rank, **_contract(site)).to(site.weight)

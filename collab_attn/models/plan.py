@@ -1,9 +1,9 @@
 """What a conversion plans before it touches the model: per layer, one ``LayerPlan``; the request a method plans from.
 
 A method (``collab_attn.models.methods``) reads every layer's query/key weights (``LayerWeights``) from a validated
-``Request`` and returns a ``Plan``: the layout the converted model's config records and, per layer, the weights of
-the new query/key side. ``collab_attn.models.conversion`` validates the request, asks the method for the plan and
-applies it.
+``Request`` and returns a ``Plan``: the sizes the converted model's config records and, per layer, the new layer's
+tensors by its own state-dict names. ``collab_attn.models.conversion`` validates the request, asks the method for
+the plan and applies it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ class LayerWeights:
         """``c_h = Wk_h^T bq_h`` (heads, d_in): the query bias's term ``bq_h . Wk_h y``, exactly."""
         return None if self.b_query is None else torch.einsum("hai,ha->hi", self.w_key, self.b_query)
 
+    def content_bias_state(self) -> dict:
+        """The content bias by a converted layer's name (none without a query bias)."""
+        bias = self.content_bias()
+        return {} if bias is None else {"content_bias.weight": bias}
+
 
 @dataclass
 class ValueWeights:
@@ -63,43 +68,37 @@ class ValueWeights:
         folded = torch.einsum("hao,ha->o", self.w_output, self.b_value.reshape(self.w_output.shape[:2]))
         return folded if self.b_output is None else self.b_output + folded
 
-
-@dataclass
-class ValuePlan:
-    """A new value side of one layer: the ``value`` and ``output`` (d_out, width) ``nn.Linear`` weights and the output
-    bias (the value bias folded in; the value projection gets none). Shared values: ``value`` (D_v, d_in) and the
-    heads' ``value_mixing`` (heads, D_v; Tucker: (heads, core) with ``value_core`` (core, D_v, D_v)); latent values:
-    ``value`` the up-projection (heads x head_dim, latent) and no mixing."""
-
-    value: torch.Tensor
-    output: torch.Tensor
-    value_mixing: torch.Tensor | None
-    output_bias: torch.Tensor | None
-    relative_error: float | None = 0.0  # of the value-output products; None where keys and values were fitted jointly
-    value_core: torch.Tensor | None = None
+    def replaced_by(self, value: torch.Tensor, output: torch.Tensor, value_bias: bool = True) -> dict:
+        """The state of a new value side: the (width, d_in) value projection ``value``, its bias zero where the
+        layer has one (``value_bias`` and a biased original: folded into the output bias), and the (d_out, width)
+        output projection ``output`` with the folded bias."""
+        state = {"value.weight": value, "output.weight": output}
+        if value_bias and self.b_value is not None:
+            state["value.bias"] = value.new_zeros(value.shape[0])
+        if self.output_bias() is not None:
+            state["output.bias"] = self.output_bias()
+        return state
 
 
 @dataclass
 class LayerPlan:
-    """The new query/key side of one layer. ``query`` and ``key`` are ``nn.Linear`` weights: (size, d_in) shared
-    projections of width D~ (collaborative, with ``mixing`` and for Tucker ``core``), the stacked heads
-    (concatenated, ``mixing`` None), per-head queries into one shared key (shared-key layers) or, for a latent
-    layer, the queries and the keys' up-projection from the ``latent`` (size, d_in). ``kept_heads``: the original
-    heads whose values and output columns stay (None: all)."""
+    """What a method hands over for one converted layer: ``state``, the new layer's tensors by the names of its own
+    ``state_dict`` (``collab_attn.models.layers``; ``output.*`` names the output projection wherever the model keeps
+    it). What the plan leaves out of the state is kept from the original: the values and output columns of the
+    ``kept_heads`` (None: all), ALBERT's LayerNorm. The layer is then loaded strictly: a tensor missing or extra is
+    an error, not a default.
 
-    query: torch.Tensor
-    key: torch.Tensor
-    mixing: torch.Tensor | None = None
-    core: torch.Tensor | None = None
-    content_bias: torch.Tensor | None = None
-    query_bias: torch.Tensor | None = None
-    key_bias: torch.Tensor | None = None
-    kept_heads: list[int] | None = None
-    latent: torch.Tensor | None = None
+    ``relative_error``: the fit's error (of the query/key head products, or of the projection a shared-subspace
+    method cuts); ``weighted_error``: the whitened error of an activation-aware fit; ``value_error``: the error of
+    the value-output products where the method fitted the values alone (None where it kept them or fitted them
+    jointly with the keys)."""
+
+    state: dict[str, torch.Tensor]
     relative_error: float = 0.0
-    weighted_error: float | None = None  # activation-aware fits: the error of the whitened products
+    weighted_error: float | None = None
+    value_error: float | None = None
+    kept_heads: list[int] | None = None
     seconds: float = 0.0
-    values: ValuePlan | None = None  # a new value side (shared or latent values); None: the heads keep theirs
 
 
 @dataclass
@@ -114,12 +113,22 @@ class Pruning:
 
 @dataclass
 class Plan:
-    layout: Layout
+    """A method's plan: per layer, what to install, and the sizes the converted model's config records (the method
+    adds its name and the layer kind it builds: ``layout``)."""
+
     layers: list[LayerPlan]
+    ranks: list[int]
     solver: str
+    heads: list[int] | None = None  # per layer, where pruning changed the head count
+    tucker_core_size: int | None = None
+    value_ranks: list[int] | None = None
     calibration: dict | None = None  # Calibration.summary() of an activation-aware fit
     rank_selection: RankSelection | None = None  # when a budget chose the ranks
     pruning: Pruning | None = None
+
+    def layout(self, method: str, kind: str) -> Layout:
+        return Layout(method, kind, list(self.ranks), self.heads, self.tucker_core_size,
+                      value_ranks=self.value_ranks)
 
 
 @dataclass
@@ -139,6 +148,7 @@ class Request:
     # reads the values
     device: torch.device | str | None = None  # where decompositions run (None: where the weights are)
     progress: bool = True
+    rotary: bool = False  # rotary positions: the keys may be grouped ((kv_heads, head_dim, d_in) weights)
 
 
 def per_layer_ranks(rank: int | Sequence[int], num_layers: int, full_rank: int) -> list[int]:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
+from collab_attn.nn.rotary import RotaryCollaborativeAttention
 from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention
 
 
@@ -94,6 +95,67 @@ class HeadForms:
         return self.left.rows().transpose(1, 2) @ self.right.rows()
 
 
+@dataclass
+class BandForms:
+    """The logit forms of a rotary layer: per frequency band, every head's complex form ``M_hi`` (d_in x d_in; a bias
+    is one more input column), each held as the real ``HeadForms`` of ``[Re M_hi | Im M_hi]`` (``complex_forms``):
+    the same Frobenius norms, so errors sum over the bands."""
+
+    bands: list[HeadForms]
+
+    @property
+    def heads(self) -> int:
+        return self.bands[0].heads
+
+    def select(self, heads: list[int]) -> BandForms:
+        return BandForms([band.select(heads) for band in self.bands])
+
+    def head_inner(self, other: BandForms) -> torch.Tensor:
+        return sum(mine.head_inner(theirs) for mine, theirs in zip(self.bands, other.bands, strict=True))
+
+    def head_norms_sq(self) -> torch.Tensor:
+        return self.head_inner(self)
+
+    def head_distances_sq(self, other: BandForms) -> torch.Tensor:
+        return (self.head_norms_sq() + other.head_norms_sq() - 2 * self.head_inner(other)).clamp_min(0)
+
+
+def complex_forms(left: torch.Tensor, right: torch.Tensor) -> HeadForms:
+    """``M_h = sum_p left_hp conj(right_hp)^T`` from complex rows (heads or 1, p, d), as the real forms of
+    ``[Re M_h | Im M_h] = sum_p Re(l) [Re(r), -Im(r)] + Im(l) [Im(r), Re(r)]``."""
+    left, right = left.detach().to(torch.complex128), right.detach().to(torch.complex128)
+    rows = torch.cat([left.real, left.imag], dim=1)
+    columns = torch.cat([torch.cat([right.real, -right.imag], -1), torch.cat([right.imag, right.real], -1)], dim=1)
+    return HeadForms(Factor(rows), Factor(columns))
+
+
+def band_forms_of(a: torch.Tensor, b: torch.Tensor, scale: float) -> BandForms:
+    """An original rotary layer's forms from its per-band complex query and key vectors (bands, heads, d)."""
+    return BandForms([complex_forms(a_band[:, None] * scale, b_band[:, None]) for a_band, b_band in zip(a, b)])
+
+
+def _rotary_forms(layer: RotaryCollaborativeAttention) -> BandForms:
+    """A rotary collaborative layer's forms: per band, its pairs' shared query and key (biases as an input column)
+    mixed by each head's complex numbers."""
+
+    def pairs(projection: nn.Linear) -> torch.Tensor:
+        weight = projection.weight.double()
+        if projection.bias is not None:
+            weight = torch.cat([weight, projection.bias.double()[:, None]], dim=1)
+        real, imag = weight.chunk(2)
+        return torch.complex(real, imag)  # (R, d)
+
+    queries, keys = pairs(layer.query), pairs(layer.key)
+    real, imag = layer.mixing.double().chunk(2, dim=1)
+    mixing = torch.complex(real, imag)  # (heads, R)
+    forms = []
+    for band in range(layer.head_dim // 2):
+        index = (layer.pair_bands == band).nonzero().flatten()
+        left = mixing[:, index, None] * queries[index][None] * layer.scale
+        forms.append(complex_forms(left, keys[index][None]))
+    return BandForms(forms)
+
+
 def relative_error(approximation: HeadForms, reference: HeadForms, kept: list[int] | None = None) -> float:
     """``||T~ - T||_F / ||T||_F`` over the stacked heads, the measure the decompositions report. ``kept``: the heads of
     ``reference`` that ``approximation`` holds, in order (pruning); the others count as removed (zero)."""
@@ -131,6 +193,8 @@ def query_key_forms(layer: nn.Module) -> HeadForms:
     """Head h's logit form ``scale Wq_h^T Wk_h`` of a converted layer (any kind in ``collab_attn.nn``), read from its
     own weights."""
     heads, scale = layer.num_heads, layer.scale
+    if isinstance(layer, RotaryCollaborativeAttention):
+        return _rotary_forms(layer)
     if isinstance(layer, CollaborativeAttention):
         mixing = layer.mixing if layer.mixing_core is None else layer.mixing_matrices()
         return HeadForms(Factor(layer.query.weight[None] * scale, mixing), Factor(layer.key.weight[None]))
@@ -155,12 +219,12 @@ def value_forms(layer: nn.Module, output_weight: torch.Tensor | None = None) -> 
         raise ValueError(f"{type(layer).__name__} has no output projection inside: pass output_weight")
     heads = layer.num_heads
     if getattr(layer, "value_mixing", None) is not None:  # shared values: (V N_h B^T), one value for all heads
-        mixing = layer.value_mixing if layer.value_core is None else layer.value_mixing_matrices()
+        mixing = layer.value_mixing if getattr(layer, "value_core", None) is None else layer.value_mixing_matrices()
         return HeadForms(Factor(layer.value.weight[None], mixing), Factor(output.T[None]))
     outputs = Factor(_per_head(output.T, heads))
     if isinstance(layer, LatentAttention):
         return HeadForms(Factor(_latent_rows(layer, layer.value)), outputs)
-    if isinstance(layer, GroupedQueryAttention):
+    if isinstance(layer, (GroupedQueryAttention, RotaryCollaborativeAttention)):
         return HeadForms(Factor(_grouped(layer.value.weight, layer.kv_heads, heads)), outputs)
     return HeadForms(Factor(_per_head(layer.value.weight, heads)), outputs)
 

@@ -25,7 +25,6 @@ from torch import nn
 from transformers import initialization as init
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from collab_attn.models.hf import QUERY_KEY_PARTS
 from collab_attn.nn.attention import MIXING_INITS, CollaborativeAttention, MultiHeadAttention
 
 ATTENTION_KINDS = ("concat", "collab")
@@ -161,7 +160,7 @@ class ScratchForSequenceClassification(transformers.PreTrainedModel):
         return {
             "total": sum(p.numel() for p in self.parameters()),
             "attention_per_layer": layer_counts["total"],
-            "query_key_per_layer": sum(layer_counts.get(part, 0) for part in QUERY_KEY_PARTS),
+            "query_key_per_layer": self.layers[0].attention.query_key_params(),
         }
 
     def forward(

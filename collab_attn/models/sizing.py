@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from collab_attn.models.hf import Layout, build_layer, find_attention
+from collab_attn.models.hf import LAYER_KINDS, AttentionSite, Layout, attention_sites, build_layer
 from collab_attn.models.methods.prune import kept_head_count
 from collab_attn.nn.variants import cache_numbers_per_token
 
@@ -38,35 +38,24 @@ class ConversionSize:
 
 @dataclass(frozen=True)
 class _Skeleton:
-    """A model of ``config`` on the meta device: its family, first attention module and sizes."""
+    """A model of ``config`` on the meta device: its first attention site and its number of layers."""
 
-    model: torch.nn.Module
-    family: object
-    name: str
-    module: torch.nn.Module
+    site: AttentionSite
     layers: int
 
     @classmethod
     def of(cls, config) -> _Skeleton:
         with torch.device("meta"):
             model = transformers.AutoModel.from_config(config)
-        family, found = find_attention(model)
-        return cls(model, family, found[0][0], found[0][1], len(found))
-
-    @property
-    def heads(self) -> int:
-        return self.family.num_heads(self.module)
-
-    @property
-    def head_dim(self) -> int:
-        return self.family.head_dim(self.module)
+        _, sites = attention_sites(model)
+        return cls(sites[0], len(sites))
 
     def outer_output(self, width: int | None = None) -> int:
         """Parameters of the output projection beside the attention module (BERT, RoBERTa; 0 elsewhere), reading
         ``width`` inputs (None: the original's)."""
-        if self.family.output is not None:
+        if self.site.output_inside:
             return 0
-        projection = self.family.output_projection(self.model, self.name)
+        projection = self.site.output
         bias = 0 if projection.bias is None else projection.out_features
         return projection.out_features * (width or projection.in_features) + bias
 
@@ -76,24 +65,23 @@ def converted_layout(config, method, key_size: int, value_size: int | None, skel
     default size, the heads); pruning keeps as many whole heads as fit in the query/key budget of rank
     ``key_size``, spread evenly over the layers (the costs depend on their number only)."""
     skeleton = skeleton or _Skeleton.of(config)
-    layers, heads, head_dim = skeleton.layers, skeleton.heads, skeleton.head_dim
+    site, layers = skeleton.site, skeleton.layers
     values = None if value_size is None else [value_size] * layers
     if not method.needs_importance:
-        core_size = heads if method.mixing == "matrices" else None
-        return Layout(method.name, [key_size] * layers, tucker_core_size=core_size, value_ranks=values)
-    bias = skeleton.family.projection(skeleton.module, "query")[1] is not None
-    d_in = skeleton.family.d_in(skeleton.module)
-    _, count = kept_head_count([key_size] * layers, [heads] * layers, head_dim, d_in, bias=bias)
-    count = min(max(count, layers), heads * layers)
+        tucker_core_size = site.heads if method.mixing == "matrices" else None
+        return Layout(method.name, method.layer, [key_size] * layers, tucker_core_size=tucker_core_size,
+                      value_ranks=values)
+    _, count = kept_head_count([key_size] * layers, [site.heads] * layers, site.head_dim, site.d_in, bias=site.bias)
+    count = min(max(count, layers), site.heads * layers)
     kept = [count // layers + (layer < count % layers) for layer in range(layers)]
-    return Layout(method.name, [h * head_dim for h in kept], kept, value_ranks=values)
+    return Layout(method.name, method.layer, [h * site.head_dim for h in kept], kept, value_ranks=values)
 
 
 def original_size(config) -> ConversionSize:
     """The original model's costs (``key_size``: heads x head_dim)."""
     skeleton = _Skeleton.of(config)
-    width = skeleton.heads * skeleton.head_dim
-    params = sum(p.numel() for p in skeleton.module.parameters()) + skeleton.outer_output()
+    width = skeleton.site.width
+    params = sum(p.numel() for p in skeleton.site.module.parameters()) + skeleton.outer_output()
     return ConversionSize(width, None, skeleton.layers * 2 * width * DTYPE_BYTES, skeleton.layers * params)
 
 
@@ -101,20 +89,21 @@ def conversion_sizes(config, method) -> list[ConversionSize]:
     """Every size a conversion method (``collab_attn.models.methods``) takes for a model of ``config``: each rank its
     rank rule allows, with an equal value rank where the method cuts the values too."""
     skeleton = _Skeleton.of(config)
+    site = skeleton.site
     per_spec = {}  # one converted layer per distinct shape: (cache numbers per token, attention parameters)
     sizes = []
-    for key_size in range(1, skeleton.heads * skeleton.head_dim + 1):
+    for key_size in range(1, site.width + 1):
         if method.check_ranks is not None:
             try:
-                method.check_ranks([key_size], skeleton.heads)
+                method.check_ranks([key_size], site.heads)
             except ValueError:
                 continue
         value_size = key_size if method.cuts_values else None
-        specs = converted_layout(config, method, key_size, value_size, skeleton).specs(skeleton.heads)
+        specs = converted_layout(config, method, key_size, value_size, skeleton).specs(site.heads)
         for spec in set(specs) - set(per_spec):
-            layer = build_layer(skeleton.family, skeleton.module, spec)
-            replaced = spec.num_heads != skeleton.heads or spec.value_size is not None or spec.kind.variant == "mla"
-            outer = skeleton.outer_output(spec.value_size or spec.num_heads * skeleton.head_dim if replaced else None)
+            layer = build_layer(site, spec)
+            replaced = LAYER_KINDS[spec.kind].replaces_outer_output(site, spec)
+            outer = skeleton.outer_output(layer.value.out_features if replaced else None)
             per_spec[spec] = (cache_numbers_per_token(layer), sum(p.numel() for p in layer.parameters()) + outer)
         sizes.append(ConversionSize(key_size, value_size, DTYPE_BYTES * sum(per_spec[s][0] for s in specs),
                                     sum(per_spec[s][1] for s in specs)))

@@ -12,3 +12,7 @@ from collab_attn.nn.variants import (  # noqa: E402
 )
 
 __all__ += ["GroupedQueryAttention", "LatentAttention", "MultiQueryAttention", "cache_numbers_per_token"]
+
+from collab_attn.nn.rotary import RotaryCollaborativeAttention  # noqa: E402
+
+__all__ += ["RotaryCollaborativeAttention"]

@@ -115,6 +115,9 @@ def attend(
     return context.transpose(1, 2).reshape(batch, tgt_len, -1), weights
 
 
+QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")  # what forms the attention scores
+
+
 class _Attention(nn.Module):
     """What both attention modules share: sizes, masks, the output projection, parameter counts."""
 
@@ -152,6 +155,12 @@ class _Attention(nn.Module):
             counts[component] = counts.get(component, 0) + param.numel()
         counts["total"] = sum(counts.values())
         return counts
+
+    def query_key_params(self) -> int:
+        """Parameters that form the attention scores: query and key projections with their biases, and (collaborative)
+        mixing, Tucker core and content bias."""
+        counts = self.parameter_counts()
+        return sum(counts.get(part, 0) for part in QUERY_KEY_PARTS)
 
     def _keys_values_mask(self, query_states, key_value_states, attention_mask, is_causal, kv_cache):
         """Keys, values, the additive mask over every key the queries attend to, and the content logits (B, H, 1, S)

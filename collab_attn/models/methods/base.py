@@ -2,7 +2,7 @@
 
 It says everything the rest of the library asks of a method: its options (a frozen dataclass whose fields and
 defaults are the method's keys of the ``collab`` config group), the kind of layer it builds
-(``collab_attn.models.hf.LAYER_KINDS``), what it needs besides the weights (calibration texts, head-importance
+(``collab_attn.models.layers.LAYER_KINDS``), what it needs besides the weights (calibration texts, head-importance
 scores from labelled data), whether it takes a global rank budget, its own rule for the ranks, and ``plan``, which
 turns a validated ``Request`` into a ``Plan``. ``collab_attn.models.conversion`` validates, plans and applies;
 ``collab_attn.models.settings`` reads the config group; the GLUE pipeline, the language-model conversions, the
@@ -15,7 +15,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from collab_attn.models.hf import LAYER_KINDS
+from collab_attn.models.hf import Layout
+from collab_attn.models.layers import LAYER_KINDS
 from collab_attn.models.plan import Plan, Request
 
 MIXINGS = ("vectors", "matrices")
@@ -31,7 +32,7 @@ class ConversionMethod:
     name: str
     description: str  # one line: what the method does
     planner: Callable[[Request], Plan]
-    layer: str  # the kind of layer it builds: a key of collab_attn.models.hf.LAYER_KINDS
+    layer: str  # the kind of layer it builds: a key of collab_attn.models.layers.LAYER_KINDS
     options: type = NoOptions  # frozen dataclass: the method's options and their defaults
     budgets: bool = False  # takes a global rank budget ("mean:128", ...) in place of ranks
     calibrated: bool = False  # can be fitted to activations (calibration texts)
@@ -44,10 +45,14 @@ class ConversionMethod:
     # whether a plan's relative_error is that of the query/key head products (checked against the installed layer);
     # False where the fit is of a projection (the shared-subspace methods report the error of the keys they cut)
     reports_products_error: bool = True
+    # the kind of layer it builds on rotary models (Llama, Qwen2, Mistral), from the same planner (the request says
+    # ``rotary``); None: it does not convert them
+    rotary_layer: str | None = None
 
     def __post_init__(self):
-        if self.layer not in LAYER_KINDS:
-            raise ValueError(f"method {self.name!r}: unknown layer kind {self.layer!r}; one of {tuple(LAYER_KINDS)}")
+        for layer in (self.layer, self.rotary_layer or self.layer):
+            if layer not in LAYER_KINDS:
+                raise ValueError(f"method {self.name!r}: unknown layer kind {layer!r}; one of {tuple(LAYER_KINDS)}")
         if self.mixing not in ((None,) if not LAYER_KINDS[self.layer].collaborative else MIXINGS):
             raise ValueError(f"method {self.name!r}: collaborative methods mix with one of {MIXINGS}, others with None")
         if not (dataclasses.is_dataclass(self.options) and self.options.__dataclass_params__.frozen):
@@ -71,12 +76,24 @@ class ConversionMethod:
         return self.options(**{k: v for k, v in given.items() if v is not None})
 
     def plan(self, request: Request) -> Plan:
-        """The planner's plan, its layout recorded under this method's name (a planner may serve several methods)."""
+        """The planner's plan (a planner may serve several methods)."""
         if not isinstance(request.options, self.options):
             raise TypeError(f"method {self.name!r} plans with {self.options.__name__}, got {type(request.options)}")
-        plan = self.planner(request)
-        plan.layout = dataclasses.replace(plan.layout, method=self.name)
-        return plan
+        return self.planner(request)
+
+    def layer_for(self, rotary: bool) -> str:
+        """The kind of layer it builds on a model with or without rotary positions (refused where it has none)."""
+        if not rotary:
+            return self.layer
+        if self.rotary_layer is None:
+            takes = [m.name for m in METHODS.values() if m.rotary_layer is not None]
+            raise ValueError(f"method={self.name!r} does not convert rotary-position models (Llama, Qwen2, Mistral) "
+                             f"yet; the methods that do: {takes}")
+        return self.rotary_layer
+
+    def layout(self, plan: Plan, rotary: bool = False) -> Layout:
+        """What the converted model's config records: this method, the layer kind it builds, the plan's sizes."""
+        return plan.layout(self.name, self.layer_for(rotary))
 
 
 METHODS: dict[str, ConversionMethod] = {}

@@ -15,7 +15,6 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
-from collab_attn.models.hf import Layout
 from collab_attn.models.methods.base import ConversionMethod, register
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
@@ -31,10 +30,11 @@ def plan_key_svd(request: Request) -> Plan:
         fit = shared_subspace(layer.w_key.flatten(0, 1), rank, input_whitening(request, index, layer))
         per_head = fit.up.reshape(layer.heads, layer.head_dim, rank)  # U_h S^{1/2}
         query = torch.einsum("hdr,hdi->hri", per_head, layer.w_query).flatten(0, 1)
-        query_bias = None if layer.b_query is None else torch.einsum("hdr,hd->hr", per_head, layer.b_query).flatten()
-        layers.append(LayerPlan(query, fit.down, query_bias=query_bias, relative_error=fit.relative_error,
-                                weighted_error=fit.weighted_error, seconds=time.perf_counter() - start))
-    return Plan(Layout(NAME, list(request.ranks)), layers, SOLVER, calibration_summary(request))
+        state = {"query.weight": query, "key.weight": fit.down}
+        if layer.b_query is not None:
+            state["query.bias"] = torch.einsum("hdr,hd->hr", per_head, layer.b_query).flatten()
+        layers.append(LayerPlan(state, fit.relative_error, fit.weighted_error, seconds=time.perf_counter() - start))
+    return Plan(layers, list(request.ranks), SOLVER, calibration=calibration_summary(request))
 
 
 KEY_SVD = register(ConversionMethod(

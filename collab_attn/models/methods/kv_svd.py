@@ -16,10 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
-from collab_attn.models.hf import Layout
 from collab_attn.models.methods.base import ConversionMethod, register
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
-from collab_attn.models.plan import LayerPlan, Plan, Request, ValuePlan
+from collab_attn.models.plan import LayerPlan, Plan, Request
 
 NAME = "kv-svd"
 
@@ -33,14 +32,13 @@ def plan_kv_svd(request: Request) -> Plan:
         joint = torch.cat([keys, values.w_value.flatten(0, 1)])
         fit = shared_subspace(joint, rank, input_whitening(request, index, layer, values=True))
         up_key, up_value = fit.up.split([keys.shape[0], joint.shape[0] - keys.shape[0]])
-        value_side = ValuePlan(up_value, values.w_output.flatten(0, 1).T, None, values.output_bias(),
-                               relative_error=None)  # fitted jointly with the keys
-        layers.append(LayerPlan(
-            layer.w_query.flatten(0, 1), up_key, latent=fit.down, values=value_side,
-            query_bias=None if layer.b_query is None else layer.b_query.flatten(),
-            relative_error=fit.relative_error, weighted_error=fit.weighted_error, seconds=time.perf_counter() - start,
-        ))
-    return Plan(Layout(NAME, list(request.ranks)), layers, SOLVER, calibration_summary(request))
+        state = {"query.weight": layer.w_query.flatten(0, 1), "key.weight": up_key, "latent.weight": fit.down,
+                 **values.replaced_by(up_value, values.w_output.flatten(0, 1).T, value_bias=False)}
+        if layer.b_query is not None:  # the latent's bias stays zero: the key bias is dropped, the value bias folded
+            state |= {"query.bias": layer.b_query.flatten(), "latent.bias": fit.down.new_zeros(rank)}
+        # the values were fitted jointly with the keys: no value error of their own
+        layers.append(LayerPlan(state, fit.relative_error, fit.weighted_error, seconds=time.perf_counter() - start))
+    return Plan(layers, list(request.ranks), SOLVER, calibration=calibration_summary(request))
 
 
 KV_SVD = register(ConversionMethod(

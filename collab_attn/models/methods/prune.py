@@ -11,7 +11,6 @@ from collections.abc import Sequence
 import torch
 
 from collab_attn.decomposition.rank_selection import query_key_params
-from collab_attn.models.hf import Layout
 from collab_attn.models.importance import HeadImportance
 from collab_attn.models.methods.base import ConversionMethod, register
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request
@@ -75,17 +74,17 @@ def plan_prune(request: Request) -> Plan:
         energy = _head_energy(layer)
         removed = energy.sum() - energy[kept].sum()
         select = torch.tensor(kept)
+        state = {"query.weight": layer.w_query[select].flatten(0, 1), "key.weight": layer.w_key[select].flatten(0, 1)}
+        for name, bias in (("query.bias", layer.b_query), ("key.bias", layer.b_key)):
+            if bias is not None:
+                state[name] = bias[select].flatten()
         layers.append(LayerPlan(
-            layer.w_query[select].flatten(0, 1), layer.w_key[select].flatten(0, 1),
-            query_bias=None if layer.b_query is None else layer.b_query[select].flatten(),
-            key_bias=None if layer.b_key is None else layer.b_key[select].flatten(),
-            kept_heads=kept,
-            relative_error=float((removed.clamp_min(0) / energy.sum().clamp_min(1e-300)).sqrt()),
-            seconds=shared + time.perf_counter() - start,
+            state, relative_error=float((removed.clamp_min(0) / energy.sum().clamp_min(1e-300)).sqrt()),
+            kept_heads=kept, seconds=shared + time.perf_counter() - start,
         ))
-    layout = Layout(NAME, [len(k) * first.head_dim for k in keep], [len(k) for k in keep])
     pruning = Pruning(keep, [s.tolist() for s in scores], budget)
-    return Plan(layout, layers, "importance", pruning=pruning)
+    return Plan(layers, [len(k) * first.head_dim for k in keep], "importance", heads=[len(k) for k in keep],
+                pruning=pruning)
 
 
 PRUNE = register(ConversionMethod(

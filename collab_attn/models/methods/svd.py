@@ -12,9 +12,8 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import truncate_head_products
-from collab_attn.models.hf import Layout
 from collab_attn.models.methods.base import ConversionMethod, register
-from collab_attn.models.plan import LayerPlan, Plan, Request, ValuePlan, ValueWeights
+from collab_attn.models.plan import LayerPlan, Plan, Request, ValueWeights
 
 NAME = "svd"
 
@@ -29,13 +28,14 @@ def check_svd_ranks(ranks: Sequence[int], heads: int) -> None:
             )
 
 
-def narrow_values(values: ValueWeights, value_rank: int) -> ValuePlan:
+def narrow_values(values: ValueWeights, value_rank: int) -> tuple[dict, float]:
     """Each head's value-output product ``Wv_h^T Wo_h^T`` cut to rank ``value_rank / heads``: value heads of that
-    width and the output columns that read them (the value bias folded into the output bias)."""
+    width and the output columns that read them (the value bias folded into the output bias). Returns the layer's
+    value-side state and the relative error of the cut products."""
     heads = values.w_value.shape[0]
     truncated = truncate_head_products(values.w_value, values.w_output, value_rank // heads)
-    return ValuePlan(truncated.w_query.flatten(0, 1), truncated.w_key.flatten(0, 1).T, None, values.output_bias(),
-                     truncated.relative_error)
+    state = values.replaced_by(truncated.w_query.flatten(0, 1), truncated.w_key.flatten(0, 1).T)
+    return state, truncated.relative_error
 
 
 def plan_svd(request: Request) -> Plan:
@@ -45,13 +45,15 @@ def plan_svd(request: Request) -> Plan:
     for index, (layer, rank, value_rank) in enumerate(zip(progress, request.ranks, value_ranks)):
         start = time.perf_counter()
         truncated = truncate_head_products(layer.w_query, layer.w_key, rank // layer.heads)
-        layers.append(LayerPlan(
-            truncated.w_query.flatten(0, 1), truncated.w_key.flatten(0, 1), content_bias=layer.content_bias(),
-            relative_error=truncated.relative_error,
-            values=None if value_rank is None else narrow_values(request.values[index], value_rank),
-        ))
-        layers[-1].seconds = time.perf_counter() - start
-    return Plan(Layout(NAME, list(request.ranks), value_ranks=request.value_ranks), layers, NAME)
+        state = {"query.weight": truncated.w_query.flatten(0, 1), "key.weight": truncated.w_key.flatten(0, 1),
+                 **layer.content_bias_state()}
+        planned = LayerPlan(state, truncated.relative_error)
+        if value_rank is not None:
+            value_state, planned.value_error = narrow_values(request.values[index], value_rank)
+            planned.state |= value_state
+        planned.seconds = time.perf_counter() - start
+        layers.append(planned)
+    return Plan(layers, list(request.ranks), NAME, value_ranks=request.value_ranks)
 
 
 SVD = register(ConversionMethod(

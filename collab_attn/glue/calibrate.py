@@ -1,7 +1,8 @@
 """Activation-aware fitting from the ``collab`` group's calibration texts: a text file (one text per line), a GLUE
-train.tsv/dev.tsv, or ``task`` (the task's training texts, which the GLUE pipeline passes in). ``check_calibration``
-checks the source before any work; ``calibrate`` samples the texts and collects the attention layers' input
-statistics. GLUE's task names are read only for a ``.tsv`` source, so nothing here depends on the GLUE pipeline."""
+train.tsv/dev.tsv (its task's text fields), or ``task`` (the task's training texts, which the GLUE pipeline passes
+in). ``load_texts`` reads a file, ``check_calibration`` checks the source before any work, ``calibrate`` samples
+the texts and collects the attention layers' input statistics. The GLUE pipeline and the scripts that convert a
+model (``scripts/reparametrize.py``, ``scripts/visualize.py``) use it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,28 @@ import logging
 from pathlib import Path
 
 from collab_attn import cli
+from collab_attn.glue.tasks import get_task, task_texts
 from collab_attn.models.calibration import calibration_from_texts
 from collab_attn.models.settings import MethodSettings
-from collab_attn.texts import load_texts
+from collab_attn.texts import CALIBRATION_SAMPLES, read_texts
 
 log = logging.getLogger(__name__)
+GLUE_SPLITS = {"train.tsv": "train", "dev.tsv": "validation"}  # the GLUE files a calibration source may be
+
+
+def load_texts(
+    source: str | Path, limit: int | None = CALIBRATION_SAMPLES, seed: int = 0
+) -> list[str | tuple[str, str]]:
+    """Calibration texts from a file: a ``.tsv`` of the GLUE layout (``<glue_dir>/<Task>/{train,dev}.tsv``: the
+    task's text fields, one text or sentence pair per row) or any other text file (one text per non-empty line).
+    With more than ``limit`` texts, a sample of ``limit`` drawn with ``seed`` (in file order)."""
+    path = Path(source)
+    if path.suffix != ".tsv" or not path.is_file():
+        return read_texts(path, limit, seed)
+    split = GLUE_SPLITS.get(path.name)
+    if split is None:
+        raise ValueError(f"{path}: expected a GLUE train.tsv or dev.tsv")
+    return task_texts(path.parent.name, path.parent.parent, split, limit=limit, seed=seed)
 
 
 def check_calibration(method: MethodSettings, task_allowed: bool) -> None:
@@ -31,10 +49,8 @@ def check_calibration(method: MethodSettings, task_allowed: bool) -> None:
         if not cli.text_file("collab.calibration", path).strip():
             raise cli.BadInput(f"collab.calibration={path} holds no texts; pass a file with one text per line")
         return
-    if path.name not in ("train.tsv", "dev.tsv"):
+    if path.name not in GLUE_SPLITS:
         raise cli.BadInput(f"collab.calibration={path}: a .tsv must be a GLUE train.tsv or dev.tsv")
-    from collab_attn.glue.tasks import get_task
-
     with cli.naming("collab.calibration", path):
         get_task(path.parent.name)
     cli.text_file("collab.calibration", path, limit=1 << 20)

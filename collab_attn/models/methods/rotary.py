@@ -1,0 +1,65 @@
+"""Collaborative heads on rotary-position models (Llama, Qwen2, Mistral): the planner ``cp`` uses there.
+
+Per frequency band, each head's logit form is one complex rank-1 matrix ``a_hi conj(b_gi)^T`` (its query and key
+pair as complex vectors; a bias is one more input column). A complex CP of each band's stacked head forms
+(``collab_attn.decomposition.rotary``) gives shared query/key pairs that rotate with the band's angle and a complex
+mixing number per head and pair: the rotation is kept exactly, whatever the number of pairs. ``rank`` is the shared
+width in numbers, 2 x the pairs; at heads x head_dim every head keeps its own pairs (exact). Below it, the pairs are
+spread over the bands by their energy (``allocate_pairs``). The values stay grouped as the source's, or are shared
+(``value_rank``) as on any model: values carry no rotation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from collab_attn.decomposition.rotary import allocate_pairs, band_forms, rotary_decomposition
+from collab_attn.models.methods.decomposition import DecompositionOptions, shared_values
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
+
+
+def with_bias_column(weights: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(heads, head_dim, d_in) weights with the bias as one more input column (inputs get a constant 1)."""
+    return weights if bias is None else torch.cat([weights, bias[..., None]], dim=-1)
+
+
+def rotary_forms(layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per band and head the complex query and key vectors of the layer's logit forms (``band_forms``), biases
+    appended as an input column: (bands, heads, d_in [+ 1]) each."""
+    return band_forms(with_bias_column(layer.w_query, layer.b_query), with_bias_column(layer.w_key, layer.b_key))
+
+
+def plan_rotary(request: Request, method: str) -> Plan:
+    options: DecompositionOptions = request.options
+    if (options.solver, options.init) != ("implicit", "svd"):
+        raise ValueError(f"solver={options.solver!r}, init={options.init!r} do not apply to rotary models: their "
+                         "bands are fitted by a complex ALS started from SVDs (solver='implicit', init='svd')")
+    layers = []
+    progress = tqdm(request.weights, desc=f"reparametrize ({method}, rotary, rank {request.ranks[0]})",
+                    disable=not request.progress)
+    for index, (layer, rank) in enumerate(zip(progress, request.ranks)):
+        start = time.perf_counter()
+        query = with_bias_column(layer.w_query, layer.b_query)
+        key = with_bias_column(layer.w_key, layer.b_key)
+        bands = layer.head_dim // 2
+        if rank == layer.heads * layer.head_dim:
+            pairs = [layer.heads] * bands  # every head keeps its own pair in every band: exact
+        else:
+            pairs = allocate_pairs(*band_forms(query, key), rank // 2)
+        fit = rotary_decomposition(query, key, pairs, n_iter_max=options.n_iter_max, tol=options.tol,
+                                   seed=request.seed)
+        state = {"query.weight": fit.query_weight[:, :layer.d_in], "key.weight": fit.key_weight[:, :layer.d_in],
+                 "mixing": fit.mixing, "pair_bands": fit.pair_bands}
+        if layer.b_query is not None:
+            state |= {"query.bias": fit.query_weight[:, layer.d_in], "key.bias": fit.key_weight[:, layer.d_in]}
+        planned = LayerPlan(state, fit.relative_error)
+        if request.value_ranks is not None:
+            value_state, planned.value_error = shared_values(
+                request.values[index], request.value_ranks[index], request, None, "cp", None)
+            planned.state |= value_state
+        planned.seconds = time.perf_counter() - start
+        layers.append(planned)
+    return Plan(layers, list(request.ranks), "complex-als", value_ranks=request.value_ranks)

@@ -1,0 +1,251 @@
+"""Collaborative attention that keeps rotary positions (RoPE) exactly, as a plain torch module.
+
+Rotary models (Llama, Qwen2, Mistral, SmolLM) rotate each pair ``(i, i + d_h/2)`` of a head's query and key by
+``p theta_i`` at position ``p`` (transformers' ``rotate_half`` layout). Written as one complex number per pair, the
+rotation is a multiplication by ``e^(j p theta_i)``, and it commutes with any complex multiplication. So the heads
+can share query/key *pairs* that each rotate with one frequency band (``pair_bands``), and each head keeps one
+complex mixing number per shared pair (see "Rotary positions" in DESIGN.md):
+
+    logit_h(t, s) = scale * Re( sum_r  q_r(x_t) m_hr e^(j p_t theta_(b_r))  conj( k_r(y_s) e^(j p_s theta_(b_r)) ) )
+
+with ``q_r``, ``k_r`` the shared complex query and key of pair ``r`` and ``b_r`` its band.
+
+Layout (what a conversion writes): R pairs per layer.
+
+- ``query``, ``key``: ``nn.Linear(d, 2R)``; their 2R outputs are ``[real parts of the R pairs ; imaginary parts]``,
+  so transformers' ``rotate_half`` on the 2R vector rotates pair ``r``, i.e. ``(z_r, z_(r+R))``, by its angle.
+- ``pair_bands`` (persistent buffer, (R,) int64): the RoPE band ``0 .. head_dim/2 - 1`` each pair rotates with.
+- ``mixing`` (heads, 2R): ``[real parts ; imaginary parts]`` of each head's complex mixing number per pair.
+- values: grouped like the source (``value``: d -> kv_heads * head_dim, head ``h`` reads group
+  ``h // (heads / kv_heads)``, ``output``: heads * head_dim -> d), or shared (``value_rank`` D_v: ``value``: d -> D_v,
+  ``value_mixing`` (heads, D_v), ``output``: D_v -> d), as ``CollaborativeAttention`` shares them.
+
+Positions come from the caller as transformers computes them: ``position_embeddings = (cos, sin)``, each
+(batch, seq, head_dim), with ``cos[..., i] == cos[..., i + head_dim/2]`` the cosine of band ``i`` (rope scaling
+already folded in). The cache (``kv_cache`` hook, as in ``collab_attn.nn.attention``) receives the keys already
+rotated, (batch, 1, seq, 2R), and the values, (batch, kv_heads, seq, head_dim) or shared (batch, 1, seq, D_v):
+``2R + kv_heads head_dim`` (or ``2R + D_v``) numbers per token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from collab_attn.nn.variants import _SharedKeyValueAttention, grouped_attend
+
+ROTARY_MIXING_INITS = ("concatenate", "ones", "random")
+
+
+def rotate_pairs(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs of ``z`` (..., 2R) laid out ``[real parts ; imaginary parts]`` by the angles whose cosines and
+    sines are ``cos``, ``sin`` (..., R): ``(re cos - im sin, re sin + im cos)``, i.e. transformers'
+    ``z * cat(cos, cos) + rotate_half(z) * cat(sin, sin)``."""
+    re, im = z.chunk(2, dim=-1)
+    return torch.cat([re * cos - im * sin, re * sin + im * cos], dim=-1)
+
+
+class RotaryCollaborativeAttention(_SharedKeyValueAttention):
+    """Collaborative heads with rotary-exact shared keys: ``pairs`` shared query/key pairs, each rotating with its
+    RoPE band (``pair_bands``), and a complex mixing number per head and pair (the module docstring has the layout).
+
+    ``kv_heads`` (default ``num_heads``): value groups, as the source model's key/value heads; ignored with
+    ``value_rank``, which shares one value of width D_v across heads (per-head ``value_mixing``).
+    ``pair_bands`` (default ``arange(pairs) % (head_dim / 2)``: with ``pairs = heads * head_dim / 2`` and
+    ``mixing_init="concatenate"`` this is the source's own layout, head ``h`` owning pairs
+    ``h d_h/2 .. (h+1) d_h/2 - 1``, pair ``h d_h/2 + i`` rotating with band ``i``).
+    ``bias``: biases of the query, key and value projections; ``output_bias`` (default: ``bias``) that of the output
+    projection (Qwen2 has q/k/v biases and no o_proj bias). ``logit_scale``: default ``1 / sqrt(head_dim)``.
+    ``mixing_init``: ``"concatenate"`` (head ``h`` gets mixing 1 on its own block of ``pairs / heads`` pairs, 0
+    elsewhere), ``"ones"`` (1 everywhere) or ``"random"`` (standard normal real and imaginary parts); shared values
+    start as ones (normal for ``"random"``).
+
+    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
+    kv_cache=None, position_embeddings=None, key_position_embeddings=None) -> (output, weights or None)``;
+    ``position_embeddings`` is required. ``key_position_embeddings`` gives the keys' positions when they differ
+    from the queries' (cross-attention); by default the keys sit at the queries' positions.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        pairs: int,
+        *,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        pair_bands: torch.Tensor | list[int] | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        output_bias: bool | None = None,
+        output_projection: bool = True,
+        logit_scale: float | None = None,
+        mixing_init: str = "concatenate",
+        value_rank: int | None = None,
+    ):
+        output_bias = bias if output_bias is None else output_bias
+        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, output_bias)
+        if self.head_dim % 2:
+            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
+                             "must be even")
+        if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs <= 0:
+            raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
+        kv_heads = num_heads if kv_heads is None else kv_heads
+        if not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
+            raise ValueError(f"kv_heads must be a positive divisor of num_heads ({num_heads}), got {kv_heads!r}")
+        if mixing_init not in ROTARY_MIXING_INITS:
+            raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {ROTARY_MIXING_INITS}")
+        if mixing_init == "concatenate" and pairs % num_heads:
+            raise ValueError(
+                f"mixing_init='concatenate' splits the pairs ({pairs}) into num_heads ({num_heads}) equal blocks; "
+                "choose a number of pairs that is a multiple of num_heads or mixing_init='ones'/'random'"
+            )
+        self.pairs = pairs
+        self.rank = 2 * pairs  # the shared query/key width in numbers, as ``CollaborativeAttention.rank``
+        self.kv_heads = kv_heads
+        self.mixing_init = mixing_init
+        self.scale = 1.0 / math.sqrt(self.head_dim) if logit_scale is None else logit_scale
+        self.query = nn.Linear(d_model, 2 * pairs, bias=bias)
+        self.key = nn.Linear(self.kv_dim, 2 * pairs, bias=bias)
+        self.mixing = nn.Parameter(torch.empty(num_heads, 2 * pairs))
+        if pair_bands is None:
+            pair_bands = torch.arange(pairs) % (self.head_dim // 2)
+        pair_bands = torch.as_tensor(pair_bands)
+        if pair_bands.shape != (pairs,):
+            raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
+        self._check_bands(pair_bands)
+        self.register_buffer("pair_bands", pair_bands.to(torch.int64).clone(), persistent=True)
+        self._bands_checked: tuple | None = None
+        self.value_rank = value_rank
+        if value_rank is not None:
+            if not isinstance(value_rank, int) or isinstance(value_rank, bool) or value_rank <= 0:
+                raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
+            self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
+            self.value_mixing = nn.Parameter(torch.empty(num_heads, value_rank))
+            if output_projection:
+                self.output = nn.Linear(value_rank, d_model, bias=output_bias)
+        else:
+            self.value = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)
+            self.value_mixing = None
+        self.reset_mixing()
+
+    @torch.no_grad()
+    def reset_mixing(self) -> None:
+        """Set the mixing (and the shared values' mixing) to ``self.mixing_init``."""
+        if self.mixing.device.type == "meta":
+            return
+        heads, pairs = self.num_heads, self.pairs
+        if self.mixing_init == "random":
+            nn.init.normal_(self.mixing)
+        elif self.mixing_init == "ones":
+            self.mixing.zero_()[:, :pairs] = 1.0
+        else:  # head h: 1 + 0j on its own block of pairs
+            self.mixing.zero_()[:, :pairs] = torch.eye(heads).repeat_interleave(pairs // heads, dim=1)
+        if self.value_mixing is not None:
+            if self.mixing_init == "random":
+                nn.init.normal_(self.value_mixing)
+            else:
+                self.value_mixing.fill_(1.0)
+
+    def _check_bands(self, bands: torch.Tensor) -> None:
+        """A clear error for bands that are not integers in ``0 .. head_dim/2 - 1``."""
+        if bands.device.type == "meta":
+            return
+        if bands.dtype.is_floating_point or bands.dtype.is_complex or bands.dtype == torch.bool:
+            raise ValueError(f"pair_bands must hold integers (RoPE band indices), got dtype {bands.dtype}")
+        bands_count = self.head_dim // 2
+        if bands.numel() and (int(bands.min()) < 0 or int(bands.max()) >= bands_count):
+            raise ValueError(
+                f"pair_bands must lie in 0 .. {bands_count - 1} (head_dim {self.head_dim} has {bands_count} RoPE "
+                f"bands), got values from {int(bands.min())} to {int(bands.max())}"
+            )
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        bands = state_dict.get(prefix + "pair_bands")
+        if bands is not None and bands.shape == self.pair_bands.shape:
+            self._check_bands(bands)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _checked_bands(self) -> torch.Tensor:
+        """``pair_bands``, checked once after each change (construction, ``load_state_dict``, a replaced or written
+        buffer: a new tensor or a bumped in-place version); never under ``torch.compile``."""
+        bands = self.pair_bands
+        if not torch.compiler.is_compiling():
+            key = (bands.data_ptr(), bands.device, None if bands.is_inference() else bands._version)
+            if key != self._bands_checked:
+                self._check_bands(bands)
+                self._bands_checked = key
+        return bands
+
+    def pair_angles(self, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cosines and sines of each pair's angle, (batch, seq, R) each, from transformers' ``(cos, sin)``
+        (batch, seq, head_dim): band ``i`` sits at column ``i`` (and again at ``i + head_dim/2``)."""
+        if position_embeddings is None:
+            raise ValueError(
+                "RotaryCollaborativeAttention needs position_embeddings=(cos, sin), each (batch, seq, head_dim) as "
+                "a transformers rotary embedding computes them; none were given"
+            )
+        cos, sin = position_embeddings
+        if cos.shape[-1] != self.head_dim or sin.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"position_embeddings must be (cos, sin) of last size head_dim ({self.head_dim}), got "
+                f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+            )
+        bands = self._checked_bands()
+        return cos.index_select(-1, bands), sin.index_select(-1, bands)
+
+    def _rotated(self, z: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """``z`` (B, S, 2R) rotated at the positions of ``position_embeddings`` (their length must be S)."""
+        cos, sin = self.pair_angles(position_embeddings)
+        if cos.shape[-2] != z.shape[-2]:
+            raise ValueError(
+                f"position_embeddings cover {cos.shape[-2]} positions but the input has {z.shape[-2]} tokens"
+            )
+        return rotate_pairs(z, cos.to(z.dtype), sin.to(z.dtype))
+
+    def head_queries(self, rotated_queries: torch.Tensor) -> torch.Tensor:
+        """Each head's queries (B, H, T, 2R) from the rotated shared ones (B, T, 2R): pair ``r`` times the head's
+        complex mixing number ``m_hr`` (a rotation commutes with it, so rotating first is the same)."""
+        re, im = rotated_queries[:, None].chunk(2, dim=-1)  # (B, 1, T, R)
+        m_re, m_im = self.mixing[:, None].to(re.dtype).chunk(2, dim=-1)  # (H, 1, R); autocast: the queries' dtype
+        return torch.cat([re * m_re - im * m_im, re * m_im + im * m_re], dim=-1)
+
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if position_embeddings is None:
+            self.pair_angles(None)  # raises the clear error
+        keys_from = query_states if key_value_states is None else key_value_states
+        key_positions = position_embeddings if key_position_embeddings is None else key_position_embeddings
+        keys = self._rotated(self.key(keys_from), key_positions)[:, None]  # (B, 1, S, 2R), rotated as cached
+        values = self.value(keys_from)
+        shared_values = self.value_mixing is not None
+        values = values[:, None] if shared_values else self._heads(values, self.kv_heads)
+        if kv_cache is not None:
+            keys, values = kv_cache(keys, values)
+        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        queries = self.head_queries(self._rotated(self.query(query_states), position_embeddings))
+        groups = values.shape[1]  # shared values: one group of all heads, the keys never expanded
+        keys = keys.expand(-1, groups, -1, -1)
+        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        if shared_values:  # (B, T, H, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
+            context = torch.einsum("bthv,hv->btv", context, self.value_mixing)
+        else:
+            context = context.flatten(2)
+        return self._finish(context), weights
+
+    def cache_width(self) -> int:
+        """Numbers the ``kv_cache`` hook is handed per token: the rotated shared key (2R) and the values
+        (``kv_heads head_dim``, or D_v when shared)."""
+        return self.rank + (self.kv_heads * self.head_dim if self.value_rank is None else self.value_rank)
