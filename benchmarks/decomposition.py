@@ -23,7 +23,8 @@ tensorly's dense parafac at that size runs ``--bert-tensorly-iters`` iterations 
 solver doing the same iterations from the same random init; its full cost (100 iterations x 12 layers) is
 extrapolated from its time per iteration.
 
-Writes ``experiments/benchmarks/decomposition.{md,json}`` (``--out``).
+Writes ``experiments/benchmarks/decomposition_<UTC time>.{md,json}`` (``--out``: a new path; results are never
+overwritten).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn import decompose_heads, reparametrize  # noqa: E402
+from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
 
 PAPER = {"solver": "tensorly", "init": "random", "n_iter_max": 100, "tol": 1e-6}
 VARIANTS = {
@@ -203,8 +205,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-minilm", action="store_true")
     parser.add_argument("--skip-bert", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=ROOT / "experiments" / "benchmarks" / "decomposition")
+    parser.add_argument("--out", type=Path, default=None, help="a new output path without suffix (default: "
+                        "experiments/benchmarks/decomposition_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
+    try:
+        args.out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / "decomposition")
+    except FileExistsError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -232,8 +239,8 @@ def main(argv=None) -> dict:
         result["bert_base"] = record
         sections.append("## BERT-base size, random init (12 layers, hidden 768, 12 heads)\n\n" + table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text("\n\n".join(sections) + "\n")
+    write_text_atomic(args.out.with_suffix(".json"), json.dumps(result, indent=2) + "\n")
+    write_text_atomic(args.out.with_suffix(".md"), "\n\n".join(sections) + "\n")
     return result
 
 

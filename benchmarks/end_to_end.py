@@ -24,7 +24,8 @@ output is compared with the same model computing all logits in one piece, on a p
 optimization of the layer cannot change the outputs unnoticed. ``--one-piece`` also
 times each converted model with its logits in one piece instead of the CPU blocks of ``CPU_LOGITS_BLOCK``
 (``collab_attn/nn/attention.py``), side by side in the same rounds.
-Results: ``experiments/benchmarks/end_to_end_<device>.{md,json}`` (``--out``).
+Results: ``experiments/benchmarks/end_to_end_<device>_<UTC time>.{md,json}`` (``--out``: a new path; results are
+never overwritten).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402
 from collab_attn.analysis.accounting import attention_flops_per_token  # noqa: E402
-from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
 from collab_attn.nn import attention  # noqa: E402
 
 ONE_PIECE = " (one piece)"
@@ -165,15 +166,21 @@ def main(argv=None) -> dict:
                         help="also time each converted model with its logits in one piece (no CPU blocks)")
     parser.add_argument("--padded", action="store_true",
                         help="pad every other sequence to three quarters of its length (attention_mask)")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="a new output path without suffix (default: experiments/benchmarks/end_to_end_<device>_"
+                             "<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
+    try:
+        device_type = torch.device(args.device).type
+        out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / f"end_to_end_{device_type}")
+    except FileExistsError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    out = args.out or ROOT / "experiments" / "benchmarks" / f"end_to_end_{device.type}"
     command = "python benchmarks/end_to_end.py " + " ".join(argv if argv is not None else sys.argv[1:])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {name}, load {os.getloadavg()[0]:.2f}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from decode import cache_bytes, decode_step, filled_cache, median_seconds  # noqa: E402
+from decode import cache_bytes, decode_step, filled_cache, repeated_seconds  # noqa: E402
 
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.lm.models import build_model, gpt_config  # noqa: E402
@@ -49,8 +50,9 @@ def rows_for(context: int, batch: int, args) -> list[dict]:
     caches = {name: filled_cache(model, "dynamic", batch, context) for name, model in models.items()}
     ids = torch.randint(0, 65, (batch, 1))
     mask = torch.ones(batch, context + 1, dtype=torch.long)
-    medians = median_seconds(models, args, lambda name, model: decode_step(model, None, caches[name], ids, mask,
+    times = repeated_seconds(models, args, lambda name, model: decode_step(model, None, caches[name], ids, mask,
                                                                            context))
+    medians = {name: statistics.median(seconds) for name, seconds in times.items()}
     base = medians["concat"]
     return [{"variant": name, "context": context, "batch": batch, "ms_per_token": 1e3 * seconds / batch,
              "ratio": seconds / base, "cache_bytes_per_token": cache_bytes(caches[name]) // (batch * context)}

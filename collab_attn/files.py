@@ -8,6 +8,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 
@@ -119,3 +120,18 @@ def exclusive_lock(path: str | Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def new_result_stem(out: str | Path | None, default: str | Path, suffixes: tuple[str, ...] = (".md", ".json")) -> Path:
+    """Where a benchmark writes its result files (``stem.with_suffix(suffix)`` for each of ``suffixes``): ``out`` as
+    given, or ``default`` stamped with the UTC time (``decode_cpu_float32_20261128-163000``). Results are never
+    overwritten: a ``FileExistsError`` that names the file when one of them is already there."""
+    if out is None:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        out = Path(default).with_name(f"{Path(default).name}_{stamp}")
+    out = Path(out)
+    existing = [path for path in (out.with_suffix(suffix) for suffix in suffixes) if path.exists()]
+    if existing:
+        raise FileExistsError(f"--out={out}: {existing[0]} is already there and benchmark results are never "
+                              "overwritten; pass a new --out (or leave --out out for a time-stamped name)")
+    return out

@@ -183,15 +183,15 @@ convert() {
   if [ "$DRY" = 1 ]; then
     recipe=() width=16 methods="methods=[cp,kv-svd]"
     sizes=(model.n_layer=1 model.n_head=2 model.n_embd=16 block_size=16 eval_iters=2 trainer.warmup_steps=0 threads=1)
-    train=(trainer.max_steps=2 trainer.eval_steps=1 trainer.logging_steps=1)
+    train=(trainer.max_steps=2 trainer.eval_steps=1 trainer.logging_steps=1)  # re-training: ceil(0.1 x 2) = 1 step
   fi
   for seed in 0 1 2; do
     run_job "convert-train-seed$seed" "$PYTHON" scripts/train_lm.py "${recipe[@]}" "${sizes[@]}" "${train[@]}" \
       "data.path=$LM_DATA" progress=false output_dir="$out" attention=concat seed=$seed 'save_models=["concat-*"]' \
       sample_chars=10
-    run_job "convert-seed$seed" "$PYTHON" scripts/convert_lm.py "${recipe[@]}" "${sizes[@]}" "data.path=$LM_DATA" \
-      progress=false train_dir="$out" model_dir="$out/models/concat-k$width-seed$seed" seed=$seed \
-      output_dir="$out/convert/seed$seed" "$methods" 'cache_fractions=[0.5,0.25,0.125]' sample_chars=10
+    run_job "convert-seed$seed" "$PYTHON" scripts/convert_lm.py "${recipe[@]}" "${sizes[@]}" "${train[@]}" \
+      "data.path=$LM_DATA" progress=false train_dir="$out" model_dir="$out/models/concat-k$width-seed$seed" \
+      seed=$seed output_dir="$out/convert/seed$seed" "$methods" 'cache_fractions=[0.5,0.25,0.125]' sample_chars=10
     [ "$DRY" = 1 ] && return
   done
 }

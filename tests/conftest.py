@@ -3,12 +3,19 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# Under pytest-xdist (README's command: ``-n auto``, one worker per core) each worker and the processes its tests
+# start use one torch thread: more would wait on the other workers' threads at every operation.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from collab_attn.analysis.accounting import attention_flops_per_token
+from collab_attn.stats import timing_verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,14 +113,15 @@ def test_attention_latency_compares_every_variant(tmp_path, capsys):
         assert name == "concat" or shows(ratio, median[name] / median["concat"])
 
 
-DECODE_COLUMNS = ["batch", "context", "cache", "model", "ms / step", "ms / token", "tokens / s", "vs original",
-                  "cache MiB", "vs original", "max batch"]
-PREFILL_COLUMNS = ["batch", "context", "model", "prefill ms", "vs original"]
+DECODE_COLUMNS = ["batch", "context", "cache", "model", "ms / step", "range", "ms / token", "tokens / s", "vs original",
+                  "verdict", "cache MiB", "vs original", "max batch"]
+PREFILL_COLUMNS = ["batch", "context", "model", "prefill ms", "range", "vs original", "verdict"]
 
 
 def assert_decode_reports(rows: list[dict], markdown: str, printed: str, prefill: bool) -> None:
     """``decode.py``'s rows, its table and its printed lines show the same numbers, and each ratio is the row's
-    time (and cache) over the original model's with the same batch, context and cache."""
+    time (and cache) over the original model's with the same batch, context and cache; the time is the median of the
+    runs the JSON keeps, the range their extremes, the verdict ``timing_verdict``'s."""
     time_key = "prefill_ms" if prefill else "ms_per_step"
     header, table = markdown_table(markdown)
     assert header == (PREFILL_COLUMNS if prefill else DECODE_COLUMNS)
@@ -128,26 +130,37 @@ def assert_decode_reports(rows: list[dict], markdown: str, printed: str, prefill
     for row, cells, line in zip(rows, table, lines):
         (base,) = [r for r in rows if r["model"] == "original"
                    and all(r.get(k) == row.get(k) for k in ("batch", "context", "cache"))]
+        runs = row[f"{time_key}_runs"]
+        assert row[time_key] == statistics.median(runs)
+        assert (row[f"{time_key}_low"], row[f"{time_key}_high"]) == (min(runs), max(runs))
         time_ratio = row[time_key] / base[time_key]
         assert row["time_vs_original"] == pytest.approx(time_ratio)
+        verdict = "-" if row is base else timing_verdict(runs, base[f"{time_key}_runs"]).verdict
+        assert row["verdict"] == verdict
+        low, high = cells[4 if prefill else 5].split("-")
+        assert shows(low, row[f"{time_key}_low"]) and shows(high, row[f"{time_key}_high"])
         assert re.match(rf"batch +{row['batch']} context +{row['context']} .*{re.escape(row['model'])} ", line)
-        ratios = re.findall(r"\(([\d.]+x)\)", line)
+        (timed,) = re.findall(r"\(([\d.]+x), ([\w-]+)\)", line)  # the time ratio and its verdict
+        assert shows(timed[0], time_ratio) and timed[1] == verdict
+        ratios = re.findall(r"\(([\d.]+x)\)", line)  # the cache's ratio
         if prefill:
             assert cells[:3] == [str(row["batch"]), str(row["context"]), row["model"]]
-            assert shows(cells[3], row["prefill_ms"]) and shows(cells[4], time_ratio)
+            assert shows(cells[3], row["prefill_ms"]) and shows(cells[5], time_ratio) and cells[6] == verdict
             assert shows(re.search(r"([\d.]+) ms prefill", line)[1], row["prefill_ms"])
-            assert len(ratios) == 1 and shows(ratios[0], time_ratio)
+            assert not ratios
             continue
         cache_ratio = row["cache_mib"] / base["cache_mib"]
         assert row["cache_vs_original"] == pytest.approx(cache_ratio)
         assert cells[:4] == [str(row["batch"]), str(row["context"]), row["cache"], row["model"]]
         shown = [row["ms_per_step"], row["ms_per_token"], row["tokens_per_s"], time_ratio, row["cache_mib"],
                  cache_ratio]
-        assert all(shows(cell, value) for cell, value in zip(cells[4:10], shown, strict=True))
-        assert cells[10] == str(row["max_batch"]) and line.endswith(f"max batch {row['max_batch']}")
+        assert all(shows(cell, value) for cell, value in zip(cells[4:5] + cells[6:9] + cells[10:12], shown,
+                                                             strict=True))
+        assert cells[9] == verdict
+        assert cells[12] == str(row["max_batch"]) and line.endswith(f"max batch {row['max_batch']}")
         ms_per_token, cache = re.search(r"([\d.]+) ms/token .* cache +([\d.]+) MiB", line).groups()
         assert shows(ms_per_token, row["ms_per_token"]) and shows(cache, row["cache_mib"])
-        assert len(ratios) == 2 and shows(ratios[0], time_ratio) and shows(ratios[1], cache_ratio)
+        assert len(ratios) == 1 and shows(ratios[0], cache_ratio)
 
 
 # The decoding benchmark's tiny model (``--size tiny``): 2 layers, d_model 192, 12 heads of 16 (GPT-2 small's
@@ -162,7 +175,7 @@ def test_decode_times_the_original_and_a_collaborative_gpt2(tmp_path, prefill, c
     """A tiny GPT-2 against collaborative heads at D~ = 24 (d/8): one decoding step against a cache of 16
     positions, or the prompt pass of 16 tokens; the shared-key cache is the smaller one."""
     decode = load("decode")
-    argv = [*TINY, "--contexts", "16", "--repeats", "1", "--warmup", "0",
+    argv = [*TINY, "--contexts", "16", "--repeats", "3", "--warmup", "0",
             "--out", str(tmp_path / "dec")] + (["--prefill"] if prefill else [])
     rows = decode.main(argv)
     assert [(r["batch"], r["context"], r["model"]) for r in rows] == [(1, 16, "original"), (1, 16, "collab D~=24")]
@@ -203,6 +216,23 @@ def test_decode_refuses_a_bad_option_in_one_line_before_writing(bad, message, tm
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err
     assert not list(tmp_path.iterdir())
+
+
+def test_decode_never_overwrites_a_result(tmp_path, capsys, monkeypatch):
+    """An ``--out`` whose table or JSON is already there is refused before anything runs (the file untouched); with
+    no ``--out`` the result gets a time-stamped name of its own."""
+    decode = load("decode")
+    (tmp_path / "dec.json").write_text("an earlier result")
+    with pytest.raises(SystemExit) as exited:
+        decode.main([*TINY, "--contexts", "16", "--repeats", "1", "--out", str(tmp_path / "dec")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "never overwritten" in err and "dec.json" in err
+    assert (tmp_path / "dec.json").read_text() == "an earlier result" and not (tmp_path / "dec.md").exists()
+    monkeypatch.setattr(decode, "ROOT", tmp_path)
+    decode.main([*TINY, "--contexts", "16", "--repeats", "1", "--warmup", "0"])
+    (written,) = (tmp_path / "experiments" / "benchmarks").glob("decode_cpu_float32_*.md")
+    assert re.fullmatch(r"decode_cpu_float32_\d{8}-\d{6}\.md", written.name)
+    assert written.with_suffix(".json").is_file()
 
 
 def test_decode_races_the_methods_it_is_given_in_their_own_layout():
@@ -280,8 +310,8 @@ def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tm
 
     bench = load("race_decode")
     timings = iter(range(1, 1000))
-    monkeypatch.setattr(bench, "median_seconds",
-                        lambda models, args, measure: {name: measure(name, model) * 0 + next(timings) / 1000
+    monkeypatch.setattr(bench, "repeated_seconds",
+                        lambda models, args, measure: {name: [measure(name, model) * 0 + next(timings) / 1000]
                                                        for name, model in models.items()})
     args = ["--contexts", "16", "--warmup", "0", "--repeats", "1", "--runs", "2", "--out", str(tmp_path / "r.md")]
     rows = bench.main(args)

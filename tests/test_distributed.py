@@ -20,6 +20,9 @@ from collab_attn.glue.jobs import GlueJob
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 900  # two processes of a few steps each take about two minutes on 2 busy cores
+# Every launch: 32-token sequences and a re-fine-tuning batch of 8 (4 per process; the recipe's 32 would be 16), so
+# that the steps cost little beside the processes' start; what is checked is how the two processes share the work.
+SMALL = ["data.max_seq_length=32", "refit.per_device_train_batch_size=8"]
 
 
 def test_batch_of_a_step_splits_over_processes(monkeypatch):
@@ -65,7 +68,7 @@ def test_two_processes_train_together_and_rank0_writes_once(tmp_path, glue_dir):
     finished job."""
     overrides = [
         "task=rte", f"data.glue_dir={glue_dir}", "trainer=smoke", "trainer.max_steps=2", "data.max_train_samples=16",
-        "data.max_eval_samples=25", "collab.rank=96", "collab.n_iter_max=2", f"output_root={tmp_path / 'out'}",
+        "data.max_eval_samples=25", "collab.rank=96", "collab.n_iter_max=2", f"output_root={tmp_path / 'out'}", *SMALL,
     ]
     first = _launch(overrides, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -112,7 +115,7 @@ def test_two_processes_distill_a_pruned_model(tmp_path, glue_dir):
         "task=mrpc", f"data.glue_dir={glue_dir}", "trainer=smoke", "trainer.max_steps=2", "data.max_train_samples=16",
         "data.max_eval_samples=25", "collab=prune", "collab.rank=128", "collab.importance_samples=16",
         "refit=distill", "refit.distill.hidden_weight=0.1", "refit.distill.attention_weight=0.1",
-        "trainer.logging_steps=1", f"output_root={tmp_path / 'out'}",
+        "trainer.logging_steps=1", f"output_root={tmp_path / 'out'}", *SMALL,
     ]
     run = _launch(overrides, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Every entry point in scripts/ checks before it writes (collab_attn/cli.py): each class of mistake gives exit
-status 2, exactly one ``error:`` line on stderr naming the argument, and leaves the folder it ran in as it was. A few
-cases per script run as real processes (all at once, two at a time); the rest call the script's ``main`` in this
-process, the same path after the interpreter starts."""
+status 2, exactly one ``error:`` line on stderr naming the argument, and leaves the folder it ran in as it was. One
+case per script runs as a real process (all at once, two at a time: each start imports torch, transformers and the
+library, about 10 s of CPU); the rest call the script's ``main`` in this process, the same path after the interpreter
+starts."""
 
 import argparse
 import importlib.util
@@ -70,14 +71,12 @@ def assert_refused(code, err: str, name: str, before: dict, after: dict) -> None
 
 
 # ---------------------------------------------------------------------------------------------------
-# As real processes: the issue's examples and one grid per sweep script
+# As real processes: one case per script (the issue's examples among them, the rest of them in this process below)
+# and one grid per sweep script
 
 PROCESSES = {
     "key size zero": ("train_lm", ["key_size=0", "data.path=text.txt"], "key_size"),
-    "output_dir is a file (train_lm)": ("train_lm", ["output_dir=afile", "data.path=text.txt"], "output_dir"),
-    "binary data.path": ("train_lm", ["data.path=binary.txt"], "data.path"),
     "output_dir is a file (scratch)": ("train_scratch", ["output_dir=afile", "glue_dir=null"], "output_dir"),
-    "missing glue_dir (scratch)": ("train_scratch", ["glue_dir=no/glue", "output_dir=out"], "glue_dir"),
     "grid: a key size one method cannot take": ("convert_lm", [*CONVERT, "methods=[none,cp,svd]", "key_sizes=[5]"],
                                                 "key_sizes"),
     "grid: a rank one job cannot take": ("train_glue", ["-m", "task=mrpc,rte", "collab.rank=384,999",
@@ -123,6 +122,9 @@ def script(name: str):
 
 
 CASES = [
+    ("train_lm", ["output_dir=afile", "data.path=text.txt"], "output_dir"),  # a file where a folder goes
+    ("train_lm", ["data.path=binary.txt"], "data.path"),  # binary data
+    ("train_scratch", ["glue_dir=no/glue", "output_dir=out"], "glue_dir"),  # a missing GLUE folder
     ("train_lm", ["key_sise=3"], "key_sise"),  # a typo
     ("train_lm", ["recipe=tpu"], "recipe/tpu"),  # an unknown choice of a group
     ("train_lm", ["attention=sparse", "data.path=text.txt"], "attention"),

@@ -1,10 +1,11 @@
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from collab_attn.files import atomic_directory, exclusive_lock, replacing, write_text_atomic
+from collab_attn.files import atomic_directory, exclusive_lock, new_result_stem, replacing, write_text_atomic
 
 
 def test_write_text_atomic_replaces_the_file_and_leaves_nothing_beside_it(tmp_path):
@@ -105,3 +106,15 @@ def test_a_second_process_waits_for_the_lock_and_gets_it_when_released(tmp_path)
             other.wait(timeout=2)
         assert not entered.exists()
     assert other.wait(timeout=60) == 0 and entered.exists()
+
+
+def test_a_benchmark_result_is_never_overwritten(tmp_path):
+    """A given stem is taken only when none of its result files exists; the default gets the UTC time appended."""
+    assert new_result_stem(tmp_path / "decode", tmp_path / "unused") == tmp_path / "decode"
+    (tmp_path / "decode.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=r"decode\.json is already there .* never overwritten"):
+        new_result_stem(tmp_path / "decode", tmp_path / "unused")
+    with pytest.raises(FileExistsError, match=r"decode\.json"):  # a stem given with a suffix means the same files
+        new_result_stem(tmp_path / "decode.md", tmp_path / "unused")
+    stamped = new_result_stem(None, tmp_path / "decode")
+    assert stamped.parent == tmp_path and re.fullmatch(r"decode_\d{8}-\d{6}", stamped.name)

@@ -40,11 +40,11 @@ def settings(*overrides: str, hydra_config: bool = False) -> dict:
 
 
 def tiny(tmp_path, *overrides: str) -> dict:
-    """A job that trains for two steps on a few examples."""
+    """A job that trains for two steps on a few examples of at most 32 tokens."""
     return settings(
         "trainer=smoke", "trainer.max_steps=2", "refit.max_steps=2", "data.max_train_samples=16",
-        "data.max_eval_samples=24", "collab.n_iter_max=2", "collab.init=random", f"output_root={tmp_path / 'out'}",
-        *overrides,
+        "data.max_seq_length=32", "data.max_eval_samples=24", "collab.n_iter_max=2", "collab.init=random",
+        f"output_root={tmp_path / 'out'}", *overrides,
     )
 
 
@@ -305,7 +305,8 @@ def test_sweep_resumes_and_summarizes(tmp_path, glue_dir):
     command = [
         sys.executable, str(ROOT / "scripts" / "train_glue.py"), "-m", "+experiment=smoke", "logger=none",
         f"data.glue_dir={glue_dir}", f"output_root={tmp_path}", "data.max_train_samples=16",
-        "data.max_eval_samples=16", "trainer.max_steps=1", "refit.max_steps=1", "collab.n_iter_max=2",
+        "data.max_eval_samples=16", "data.max_seq_length=32", "trainer.max_steps=1", "refit.max_steps=1",
+        "collab.n_iter_max=2",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     first = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
