@@ -1,0 +1,175 @@
+"""The key/value-cache race on a pretrained rotary decoder (SmolLM2-135M): each conversion at a fraction of the
+original's cache, measured against the original on held-out text (``collab_attn.llm.heldout``) and on a fixed set of
+prompts, one result file per run (resumable: a finished run is skipped), and a summary table and plot.
+
+An entry is a conversion (``method``, ``rank``, ``value_rank``, method options) named for its sizes. Its cache is
+read from a real cache after a forward pass (numbers per token and layer, keys and values together), not from a
+formula, and checked against the budget it was sized for.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from collab_attn.files import replacing, write_text_atomic
+from collab_attn.llm.heldout import DOMAINS, agreement
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "What is 12 plus 7?",
+    "Name three colours.",
+    "Who wrote Romeo and Juliet?",
+)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One conversion of the race (``method="none"``: the original itself)."""
+
+    method: str
+    rank: int | None = None
+    value_rank: int | None = None
+    options: dict = field(default_factory=dict)
+    budget: float = 1.0  # the fraction of the original's cache it was sized for
+
+    @property
+    def name(self) -> str:
+        if self.method == "none":
+            return "original"
+        sizes = f"-k{self.rank}" + ("" if self.value_rank is None else f"-v{self.value_rank}")
+        extra = "".join(f"-{key}{value}" for key, value in sorted(self.options.items()))
+        return f"{self.method}{sizes}{extra}"
+
+
+def cache_numbers_per_token(model) -> float:
+    """Numbers a model's cache holds per token and layer (keys and values together, averaged over layers), read from
+    the model's default cache after a forward pass of 3 tokens."""
+    with torch.no_grad():
+        cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+    numbers = sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values))
+    return numbers / (3 * len(cache.layers))
+
+
+def answers(model, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int = 24) -> list[str]:
+    """Greedy answers through the chat template."""
+    replies = []
+    for prompt in prompts:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**chat, max_new_tokens=new_tokens, do_sample=False)
+        replies.append(tokenizer.decode(out[0, chat["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return replies
+
+
+def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
+              original_cache: float, batch: int = 4) -> dict:
+    """Convert a copy of ``original`` as ``entry`` says, measure it, write ``runs/<name>.json``; a finished run is
+    read back instead."""
+    import collab_attn
+
+    path = out_dir / "runs" / f"{entry.name}.json"
+    if path.is_file():
+        print(f"{entry.name}: done before ({path})", flush=True)
+        return json.loads(path.read_text())
+    start = time.perf_counter()
+    model, report = original, None
+    if entry.method != "none":
+        model = copy.deepcopy(original)
+        sizes = {} if entry.value_rank is None else {"value_rank": entry.value_rank}
+        report = collab_attn.reparametrize(model, entry.rank, method=entry.method, **sizes, **entry.options)
+    convert_seconds = time.perf_counter() - start
+    cache = cache_numbers_per_token(model)
+    if cache > entry.budget * original_cache + 1e-9:
+        raise ValueError(f"{entry.name} caches {cache:g} numbers per token and layer, more than its budget "
+                         f"{entry.budget:g} x {original_cache:g}")
+    result = {"name": entry.name, "entry": asdict(entry), "cache_numbers": cache,
+              "cache_fraction": cache / original_cache, "convert_seconds": convert_seconds,
+              "mean_layer_error": None if report is None else report.mean_relative_error, "domains": {}}
+    total = sum(len(r) for r in rows.values())
+    with tqdm(total=total, desc=entry.name, unit="window") as progress:
+        for domain, windows in rows.items():
+            result["domains"][domain] = agreement(model, original, windows, batch, progress).as_dict()
+    result["answers"] = answers(model, tokenizer)
+    result["seconds"] = time.perf_counter() - start
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(result, indent=2) + "\n")
+    print(f"{entry.name}: " + ", ".join(f"{d} ppl {m['perplexity']:.2f} KL {m['kl']:.3f} top-1 {m['top1']:.3f}"
+                                        for d, m in result["domains"].items()), flush=True)
+    return result
+
+
+def load_runs(out_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out_dir / "runs").glob("*.json"))]
+
+
+def _order(result: dict) -> tuple:
+    return (-result["entry"]["budget"], result["entry"]["method"] != "none", result["entry"]["method"],
+            -(result["entry"]["rank"] or 0))
+
+
+def summary_markdown(results: list[dict], command: str, setup: str) -> str:
+    """Per domain: cache (numbers per token and layer, fraction), perplexity and its ratio to the original's, KL,
+    top-1 agreement; then the prompts' answers side by side."""
+    results = sorted(results, key=_order)
+    lines = ["# SmolLM2-135M-Instruct: the key/value-cache race without retraining", "", setup, "", "```bash",
+             command, "```", ""]
+    for domain in DOMAINS:
+        measured = [r for r in results if domain in r["domains"]]
+        if not measured:
+            continue
+        lines += [f"## {domain}", "", "| budget | conversion | cache / token / layer | fraction | perplexity | "
+                  "vs original | KL (nats / token) | top-1 agreement | mean layer error |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in measured:
+            m = r["domains"][domain]
+            error = "" if r["mean_layer_error"] is None else f"{r['mean_layer_error']:.3f}"
+            lines.append(f"| {r['entry']['budget']:g} | {r['name']} | {r['cache_numbers']:g} | "
+                         f"{r['cache_fraction']:.3f} | {m['perplexity']:.2f} | "
+                         f"{m['perplexity'] / m['original_perplexity']:.3f}x | {m['kl']:.4f} | {m['top1']:.3f} | "
+                         f"{error} |")
+        lines.append("")
+    lines += ["## Answers (greedy, 24 new tokens, through the chat template)", ""]
+    for index, prompt in enumerate(PROMPTS):
+        lines += [f"**{prompt}**", "", "| conversion | answer |", "|---|---|"]
+        lines += [f"| {r['name']} | {r['answers'][index].replace('|', '/').replace(chr(10), ' ')} |"
+                  for r in results]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> Path:
+    """Perplexity relative to the original's against the cache fraction, one panel per domain, one line per
+    method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(DOMAINS), figsize=(5 * len(DOMAINS), 4), squeeze=False)
+    for ax, domain in zip(axes[0], DOMAINS):
+        methods = sorted({r["entry"]["method"] for r in results if r["entry"]["method"] != "none"})
+        for method in methods:
+            points = sorted((r["cache_fraction"], r["domains"][domain]["perplexity"]
+                             / r["domains"][domain]["original_perplexity"])
+                            for r in results if r["entry"]["method"] == method and domain in r["domains"])
+            if points:
+                ax.plot(*zip(*points), marker="o", label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8, label="original")
+        ax.set(xscale="log", yscale="log", xlabel="cache per token (fraction of the original's)",
+               ylabel="held-out perplexity / original's", title=domain)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    return path

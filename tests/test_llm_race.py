@@ -1,0 +1,150 @@
+"""The SmolLM2 cache race's parts on tiny random Llama models (the real model: scripts/race_smollm2.py): held-out text
+that no fit reads, token windows, the comparison with the original (perplexity, KL, top-1) recomputed by hand, the
+cache read from a real cache, resumable runs, the summary and the sizes each method gets at a budget."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import GLUE_DIR
+
+from collab_attn.llm import heldout, race
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_llama(seed=0, kv_heads=2):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=12,
+                                      num_hidden_layers=2, intermediate_size=64, vocab_size=100,
+                                      max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def rows(count=3, length=9, seed=0):
+    ids = torch.randint(3, 100, (count, length), generator=torch.Generator().manual_seed(seed))
+    ids[:, 0] = 1
+    return ids
+
+
+@pytest.mark.skipif(not (GLUE_DIR / "QNLI").is_dir(), reason="needs ../shared/data/glue")
+def test_fit_and_evaluation_text_share_nothing(tmp_path):
+    shakespeare = tmp_path / "input.txt"
+    shakespeare.write_text("".join(f"line {i}\n" for i in range(1000)))
+    fit, held = (heldout.texts("shakespeare", split, GLUE_DIR, shakespeare) for split in ("fit", "eval"))
+    assert fit + held == shakespeare.read_text() and len(held) == pytest.approx(0.1 * len(fit + held), rel=0.01)
+    wiki_fit = heldout.texts("wikipedia", "fit", GLUE_DIR, shakespeare)
+    wiki_eval = heldout.texts("wikipedia", "eval", GLUE_DIR, shakespeare)
+    qnli = heldout._tsv_column(GLUE_DIR / "QNLI" / "dev.tsv", ["sentence"])
+    assert wiki_eval.startswith(qnli[0]) and len(qnli) > 5000
+    fitted = set(heldout._tsv_column(GLUE_DIR / "RTE" / "train.tsv", ["sentence1", "sentence2"]))
+    assert len(fitted) > 2000 and qnli[0] not in wiki_fit and not fitted & set(qnli[:200])
+    with pytest.raises(ValueError, match="domain='news'"):
+        heldout.texts("news", "eval", GLUE_DIR, shakespeare)
+    with pytest.raises(ValueError, match="split='test'"):
+        heldout.texts("wikipedia", "test", GLUE_DIR, shakespeare)
+
+
+class CharTokenizer:
+    """A tokenizer of characters (ids 3 and up), with a beginning-of-text token 1."""
+
+    bos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Encoded", (), {"input_ids": [3 + ord(c) % 90 for c in text]})()
+
+
+def test_windows_are_consecutive_and_start_with_the_beginning_of_text():
+    text = "abcdefghijklmnopqrstuvwxyz"
+    ids = heldout.windows(CharTokenizer(), text, length=5, count=3)
+    assert ids.tolist() == [[1, *[3 + ord(c) % 90 for c in text[i * 4:(i + 1) * 4]]] for i in range(3)]
+    with pytest.raises(ValueError, match="fewer than 7 windows of 5"):
+        heldout.windows(CharTokenizer(), text, length=5, count=7)
+
+
+def test_agreement_recomputes_by_hand():
+    model, original, ids = tiny_llama(0), tiny_llama(1), rows()
+    same = heldout.agreement(original, original, ids, batch=2)
+    assert same.kl == pytest.approx(0, abs=1e-12) and same.top1 == 1 and same.perplexity == same.original_perplexity
+    got = heldout.agreement(model, original, ids, batch=2)
+    with torch.no_grad():
+        logp = F.log_softmax(model(ids).logits[:, :-1].double(), -1)
+        ref = F.log_softmax(original(ids).logits[:, :-1].double(), -1)
+    nll = -logp.gather(-1, ids[:, 1:, None]).mean()
+    kl = F.kl_div(logp, ref, log_target=True, reduction="sum") / ids[:, 1:].numel()
+    assert got.tokens == 3 * 8 and got.perplexity == pytest.approx(math.exp(nll), rel=1e-9)
+    assert got.kl == pytest.approx(float(kl), rel=1e-9) and got.kl > 0.01
+    assert got.top1 == pytest.approx(float((logp.argmax(-1) == ref.argmax(-1)).double().mean()))
+    assert got.original_perplexity == pytest.approx(same.perplexity, rel=1e-12)
+
+
+def test_the_cache_is_read_from_a_real_cache():
+    import collab_attn
+
+    model = tiny_llama(kv_heads=2)
+    assert race.cache_numbers_per_token(model) == 2 * 2 * 12
+    collab_attn.reparametrize(model, 16, value_rank=8, progress=False)
+    assert race.cache_numbers_per_token(model) == 16 + 8  # the rotated shared keys and the shared values
+
+
+def test_a_run_is_written_once_and_read_back(tmp_path, monkeypatch):
+    import collab_attn
+
+    original = tiny_llama()
+    windows = {domain: rows(seed=i) for i, domain in enumerate(heldout.DOMAINS)}
+    monkeypatch.setattr(race, "answers", lambda model, tokenizer: [f"answer {i}" for i in range(len(race.PROMPTS))])
+    entry = race.Entry("cp", 16, 8, budget=0.5)
+    assert entry.name == "cp-k16-v8" and race.Entry("none").name == "original"
+    first = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48)
+    assert first["cache_numbers"] == 24 and first["cache_fraction"] == 0.5 and first["mean_layer_error"] > 0
+    assert set(first["domains"]) == set(heldout.DOMAINS) and first["domains"]["wikipedia"]["kl"] > 0
+    with pytest.raises(ValueError, match="more than its budget 0.25 x 48"):
+        race.run_entry(race.Entry("cp", 16, 8, budget=0.25), tiny_llama(), None, windows, tmp_path / "b", 48)
+    assert not (tmp_path / "b").exists()
+    monkeypatch.setattr(collab_attn, "reparametrize", lambda *a, **k: pytest.fail("converted again"))
+    assert race.run_entry(entry, original, None, windows, tmp_path, original_cache=48) == first
+    assert json.loads((tmp_path / "runs" / "cp-k16-v8.json").read_text()) == first
+
+    baseline = race.run_entry(race.Entry("none"), original, None, windows, tmp_path, original_cache=48)
+    text = race.summary_markdown(race.load_runs(tmp_path), "python scripts/race_smollm2.py", "setup")
+    m = first["domains"]["shakespeare"]
+    assert (f"| 0.5 | cp-k16-v8 | 24 | 0.500 | {m['perplexity']:.2f} | "
+            f"{m['perplexity'] / m['original_perplexity']:.3f}x | {m['kl']:.4f} | {m['top1']:.3f} |") in text
+    assert text.index("| original |") < text.index("| cp-k16-v8 |") and baseline["domains"]["wikipedia"]["kl"] == 0
+    assert race.plot(race.load_runs(tmp_path), tmp_path / "p.png").stat().st_size > 10_000
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("race_smollm2", ROOT / "scripts" / "race_smollm2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_method_is_sized_within_the_budget():
+    race_script = script()
+    assert race_script.entries_at("cp", 0.5, 4) == [race.Entry("cp", 96, 96, budget=0.5)]
+    assert race_script.entries_at("cp", 0.125, 4) == [race.Entry("cp", 24, 24, budget=0.125)]
+    assert race_script.entries_at("kv-svd", 0.25, 4) == [race.Entry("kv-svd", 72, options={"rope_pairs": 4},
+                                                                    budget=0.25)]
+    assert race_script.entries_at("merge-kv", 0.5, 4) == [race.Entry("merge-kv", 64, budget=0.5)]
+    assert race_script.entries_at("drop-kv", 0.25, 4) == []  # one group of 64 caches a third
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budgets", "0"], "--budgets must lie in (0, 1]"),
+    (["--windows", "1"], "--windows, --length and --batch must be at least 2"),
+    (["--glue-dir", "no/glue"], "no/glue/QNLI/dev.tsv is missing"),
+])
+def test_the_script_refuses_bad_input_in_one_line(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        script().main(["--out", str(tmp_path / "out"), *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and message in err
+    assert not (tmp_path / "out").exists()
