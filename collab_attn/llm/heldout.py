@@ -96,6 +96,7 @@ def agreement(model, original, rows: torch.Tensor, batch: int = 4, progress=None
     nll = original_nll = kl = agree = 0.0
     tokens = 0
     for ids in _batches(rows, batch):
+        ids = ids.to(model.device)
         logp = F.log_softmax(model(ids).logits[:, :-1].double(), dim=-1)
         ref = F.log_softmax(original(ids).logits[:, :-1].double(), dim=-1)
         target = ids[:, 1:, None]

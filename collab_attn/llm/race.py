@@ -1,6 +1,7 @@
 """The key/value-cache race on a pretrained rotary decoder (SmolLM2-135M): each conversion at a fraction of the
-original's cache, measured against the original on held-out text (``collab_attn.llm.heldout``) and on a fixed set of
-prompts, one result file per run (resumable: a finished run is skipped), and a summary table and plot.
+original's cache, without retraining or after a short distillation from the original (``collab_attn.llm.distill``),
+measured against the original on held-out text (``collab_attn.llm.heldout``) and on a fixed set of prompts, one
+result file per run (resumable: a finished run is skipped), and a summary table and plot.
 
 An entry is a conversion (``method``, ``rank``, ``value_rank``, method options) named for its sizes. Its cache is
 read from a real cache after a forward pass (numbers per token and layer, keys and values together), not from a
@@ -40,6 +41,7 @@ class Entry:
     value_rank: int | None = None
     options: dict = field(default_factory=dict)
     budget: float = 1.0  # the fraction of the original's cache it was sized for
+    distill_tokens: int = 0  # fitting tokens of the distillation after the conversion (0: none)
 
     @property
     def name(self) -> str:
@@ -47,14 +49,15 @@ class Entry:
             return "original"
         sizes = f"-k{self.rank}" + ("" if self.value_rank is None else f"-v{self.value_rank}")
         extra = "".join(f"-{key}{value}" for key, value in sorted(self.options.items()))
-        return f"{self.method}{sizes}{extra}"
+        distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
+        return f"{self.method}{sizes}{extra}{distilled}"
 
 
 def cache_numbers_per_token(model) -> float:
     """Numbers a model's cache holds per token and layer (keys and values together, averaged over layers), read from
     the model's default cache after a forward pass of 3 tokens."""
     with torch.no_grad():
-        cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
+        cache = model(torch.tensor([[1, 2, 3]], device=model.device), use_cache=True).past_key_values
     numbers = sum(t.numel() for layer in cache.layers for t in (layer.keys, layer.values))
     return numbers / (3 * len(cache.layers))
 
@@ -64,7 +67,7 @@ def answers(model, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int 
     replies = []
     for prompt in prompts:
         chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)
+                                             return_tensors="pt", return_dict=True).to(model.device)
         with torch.no_grad():
             out = model.generate(**chat, max_new_tokens=new_tokens, do_sample=False)
         replies.append(tokenizer.decode(out[0, chat["input_ids"].shape[1]:], skip_special_tokens=True).strip())
@@ -72,9 +75,10 @@ def answers(model, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int 
 
 
 def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
-              original_cache: float, batch: int = 4) -> dict:
-    """Convert a copy of ``original`` as ``entry`` says, measure it, write ``runs/<name>.json``; a finished run is
-    read back instead."""
+              original_cache: float, batch: int = 4, fit_rows=None) -> dict:
+    """Convert a copy of ``original`` as ``entry`` says, distil it on ``fit_rows()`` (a callable giving the fitting
+    windows) when the entry asks for it, measure it, write ``runs/<name>.json``; a finished run is read back
+    instead."""
     import collab_attn
 
     path = out_dir / "runs" / f"{entry.name}.json"
@@ -88,13 +92,22 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         sizes = {} if entry.value_rank is None else {"value_rank": entry.value_rank}
         report = collab_attn.reparametrize(model, entry.rank, method=entry.method, **sizes, **entry.options)
     convert_seconds = time.perf_counter() - start
+    training = None
+    if entry.distill_tokens:
+        from collab_attn.llm.distill import distill
+
+        fitting = fit_rows()
+        run = distill(model, original, fitting, out_dir / "checkpoints" / entry.name, batch)
+        training = {"tokens": int(fitting.numel()), "windows": len(fitting), "seconds": run.seconds,
+                    "history": run.history}
     cache = cache_numbers_per_token(model)
     if cache > entry.budget * original_cache + 1e-9:
         raise ValueError(f"{entry.name} caches {cache:g} numbers per token and layer, more than its budget "
                          f"{entry.budget:g} x {original_cache:g}")
     result = {"name": entry.name, "entry": asdict(entry), "cache_numbers": cache,
               "cache_fraction": cache / original_cache, "convert_seconds": convert_seconds,
-              "mean_layer_error": None if report is None else report.mean_relative_error, "domains": {}}
+              "mean_layer_error": None if report is None else report.mean_relative_error, "training": training,
+              "domains": {}}
     total = sum(len(r) for r in rows.values())
     with tqdm(total=total, desc=entry.name, unit="window") as progress:
         for domain, windows in rows.items():
@@ -113,15 +126,16 @@ def load_runs(out_dir: Path) -> list[dict]:
 
 
 def _order(result: dict) -> tuple:
-    return (-result["entry"]["budget"], result["entry"]["method"] != "none", result["entry"]["method"],
-            -(result["entry"]["rank"] or 0))
+    entry = result["entry"]
+    return (-entry["budget"], entry.get("distill_tokens", 0), entry["method"] != "none", entry["method"],
+            -(entry["rank"] or 0))
 
 
 def summary_markdown(results: list[dict], command: str, setup: str) -> str:
     """Per domain: cache (numbers per token and layer, fraction), perplexity and its ratio to the original's, KL,
     top-1 agreement; then the prompts' answers side by side."""
     results = sorted(results, key=_order)
-    lines = ["# SmolLM2-135M-Instruct: the key/value-cache race without retraining", "", setup, "", "```bash",
+    lines = ["# The key/value-cache race on a pretrained rotary decoder", "", setup, "", "```bash",
              command, "```", ""]
     for domain in DOMAINS:
         measured = [r for r in results if domain in r["domains"]]
@@ -149,7 +163,7 @@ def summary_markdown(results: list[dict], command: str, setup: str) -> str:
 
 def plot(results: list[dict], path: Path) -> Path:
     """Perplexity relative to the original's against the cache fraction, one panel per domain, one line per
-    method."""
+    method (and per distillation length)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,13 +171,16 @@ def plot(results: list[dict], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, len(DOMAINS), figsize=(5 * len(DOMAINS), 4), squeeze=False)
     for ax, domain in zip(axes[0], DOMAINS):
-        methods = sorted({r["entry"]["method"] for r in results if r["entry"]["method"] != "none"})
-        for method in methods:
+        def line_of(r):
+            tokens = r["entry"].get("distill_tokens", 0)
+            return r["entry"]["method"] + (f" distilled {tokens}" if tokens else "")
+
+        for line in sorted({line_of(r) for r in results if r["entry"]["method"] != "none"}):
             points = sorted((r["cache_fraction"], r["domains"][domain]["perplexity"]
                              / r["domains"][domain]["original_perplexity"])
-                            for r in results if r["entry"]["method"] == method and domain in r["domains"])
+                            for r in results if line_of(r) == line and domain in r["domains"])
             if points:
-                ax.plot(*zip(*points), marker="o", label=method)
+                ax.plot(*zip(*points), marker="o", label=line)
         ax.axhline(1.0, color="black", linewidth=0.8, label="original")
         ax.set(xscale="log", yscale="log", xlabel="cache per token (fraction of the original's)",
                ylabel="held-out perplexity / original's", title=domain)

@@ -1,0 +1,58 @@
+"""A short distillation of a converted language model from its original: the student (the converted model, every
+weight trainable) learns the original's next-token distributions on the fitting text of both domains
+(``collab_attn.llm.heldout.texts(..., "fit")``), never on the evaluation text. Loss: the KL divergence from the
+original's distribution at temperature 1 (``distillation.DistillationTrainer`` with ``alpha=0``: the teacher alone,
+no labels), through the library's one training path (``training.train``: AdamW, linear decay after warm-up,
+resumable checkpoints).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from collab_attn.distillation import DistillationTrainer, DistillSettings
+from collab_attn.llm.heldout import DOMAINS, texts, windows
+from collab_attn.training import TrainingRun, train
+
+TEACHER_ONLY = DistillSettings(alpha=0.0, temperature=1.0)
+
+
+def fit_windows(tokenizer, glue_dir, shakespeare, length: int, tokens: int) -> torch.Tensor:
+    """Windows of ``length`` tokens from the fitting text, half from each domain, ``tokens`` in all (rounded up to
+    whole windows), interleaved so that every batch sees both."""
+    per_domain = -(-tokens // (len(DOMAINS) * length))
+    parts = [windows(tokenizer, texts(domain, "fit", glue_dir, shakespeare), length, per_domain) for domain in DOMAINS]
+    return torch.stack(parts, dim=1).flatten(0, 1)
+
+
+class _Windows(torch.utils.data.Dataset):
+    """Each window with its next-token targets (the last position has none: -100)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        ids = self.rows[index]
+        return {"input_ids": ids, "labels": torch.cat([ids[1:], ids.new_full((1,), -100)])}
+
+
+def distill(student, teacher, rows: torch.Tensor, checkpoints: Path, batch: int = 4, learning_rate: float = 1e-4,
+            seed: int = 0, checkpoint_every: int | None = 25) -> TrainingRun:
+    """One pass over ``rows`` (one optimizer step per ``batch`` windows): the student learns the teacher's next-token
+    distributions. Resumes from ``checkpoints`` when an earlier call was interrupted."""
+    steps = -(-len(rows) // batch)
+    if steps < 1:
+        raise ValueError("distillation needs at least one window of fitting text")
+    recipe = {"max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": learning_rate,
+              "warmup_steps": max(1, steps // 20), "lr_scheduler_type": "linear", "weight_decay": 0.0,
+              "logging_steps": max(1, steps // 20), "disable_tqdm": False}
+    student.train()
+    run = train(student, _Windows(rows), None, recipe, seed, checkpoints, checkpoint_every,
+                trainer_class=DistillationTrainer, teacher=teacher, distill=TEACHER_ONLY, regression=False)
+    student.eval()
+    return run
