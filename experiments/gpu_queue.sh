@@ -14,19 +14,23 @@
 #      first line names the version of the sources it tested (a hash of collab_attn/, tests/test_cuda.py and
 #      tests/conftest.py): skipped while they are unchanged, run again once they change. A run that ends in failed
 #      tests is a result too (committed, to be fixed).
-#   1. decode: benchmarks/decode.py in bfloat16, batches 1 8 32 64, contexts 1024 4096 8192, dynamic and static
+#   1. smollm2: the key/value-cache race on SmolLM2-135M (scripts/race_smollm2.py, float32 on the GPU): every
+#      conversion at 1/2, 1/4, 1/8 of the cache without retraining and after a distillation from the original on
+#      2,048,000 fitting tokens, 128 held-out windows of 512 tokens per domain; resumable run by run (and within a
+#      distillation, every 25 steps).
+#   2. decode: benchmarks/decode.py in bfloat16, batches 1 8 32 64, contexts 1024 4096 8192, dynamic and static
 #      (compiled, CUDA graphs) caches, original and D~ = d/2, d/4, d/8 (issue 45); then benchmarks/decode_kernels.py
 #      (one layer's step: sdpa, explicit, compiled, flex_attention) at batch 1 and 32; each skipped once its .json
 #      exists.
-#   2. glue: the distilled race's GPU grid on MiniLM (refit=distill; CoLA, MRPC, STS-B, RTE; seeds 0, 1, 2):
+#   3. glue: the distilled race's GPU grid on MiniLM (refit=distill; CoLA, MRPC, STS-B, RTE; seeds 0, 1, 2):
 #      activation-aware CP and pruning at 96 and 192, SVD-truncated heads at 192, 120, 96. The GLUE pipeline skips
 #      finished jobs (their results.jsonl is committed) and fine-tunes each task's baseline once.
-#   3. lm: the Tiny Shakespeare gpu recipe (nanoGPT's 6x6x384) with collaborative heads at d/2, d/4, d/8, seed 0
+#   4. lm: the Tiny Shakespeare gpu recipe (nanoGPT's 6x6x384) with collaborative heads at d/2, d/4, d/8, seed 0
 #      (the concatenated baseline is committed); train_lm.py skips finished runs.
-#   4. race: the cache race on the gpu recipe (issue 44), seed by seed (0, 1, 2): at a quarter of the cache
+#   5. race: the cache race on the gpu recipe (issue 44), seed by seed (0, 1, 2): at a quarter of the cache
 #      collaborative keys and values (key_size = value_size = 93) and MLA (latent 192), with MQA (1/6) and GQA with
 #      two key/value heads (1/3) beside them (sizes: python scripts/kv_budgets.py --recipe gpu).
-#   5. convert: the conversion race on the gpu recipe (issue 43), seed by seed (0, 1, 2): the concatenated model
+#   6. convert: the conversion race on the gpu recipe (issue 43), seed by seed (0, 1, 2): the concatenated model
 #      trained and saved (experiments/kv_cache/shakespeare_gpu), then every method at 1/2, 1/4, 1/8 of its cache
 #      (scripts/convert_lm.py recipe=gpu cache_fractions=...), re-trained plainly; convert_lm.py skips finished runs.
 # Every job runs under `timeout` against the one deadline, so the script always ends in time and keeps what finished.
@@ -34,14 +38,15 @@
 # $OUT/experiments/... at the end, so the copy-back above puts them where they belong. Logs: $OUT/queue_logs.
 #
 # Settings (environment): PYTHON (python), GPU_QUEUE_DEADLINE (540), GPU_QUEUE_JOBS (which jobs, in order:
-# "tests decode glue lm race convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT
+# "tests smollm2 decode glue lm race convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT
 # only; the tests job runs as it is: without a GPU every test skips).
 set -u
-JOBS=${GPU_QUEUE_JOBS:-tests decode glue lm race convert}
+JOBS=${GPU_QUEUE_JOBS:-tests smollm2 decode glue lm race convert}
 if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
       tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
+      smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --distill-tokens 2048000: every rotary conversion at 1/2 1/4 1/8, without retraining and distilled";;
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic static; benchmarks/decode_kernels.py --batch 1, 32";;
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
@@ -95,6 +100,35 @@ tests() {
     mkdir -p "$(dirname "$out")"
     { echo "sources $sources"; echo "exit $LAST_EXIT"; cat "$LOGS/tests.log"; } > "$out.tmp" && mv "$out.tmp" "$out"
   fi
+}
+
+smollm2() {
+  local out="$ROOT/smollm2/gpu"
+  if [ ! -f "$GLUE_DIR/QNLI/dev.tsv" ] || [ ! -f "$LM_DATA" ]; then echo "smollm2: skipped, no GLUE or Tiny Shakespeare"; return; fi
+  if [ "$DRY" = 1 ]; then
+    # a 2-layer random Llama with SmolLM2's tokenizer: the same script, conversions and distillation in seconds
+    local tiny="$OUT/tiny-llama"
+    "$PYTHON" - "$tiny" <<'EOF'
+import sys
+
+import transformers
+
+from collab_attn.models.checkpoints import resolve_model
+
+tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model("smollm2"))
+config = transformers.LlamaConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                  num_hidden_layers=2, intermediate_size=64, vocab_size=len(tokenizer),
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+tokenizer.save_pretrained(sys.argv[1])
+EOF
+    run_job smollm2 "$PYTHON" scripts/race_smollm2.py --model "$tiny" --out "$out" --budgets 0.5 --methods cp \
+      merge-kv --windows 2 --length 16 --batch 2 --distill-tokens 64 --threads 1 "--glue-dir=$GLUE_DIR" \
+      "--shakespeare=$LM_DATA"
+    return
+  fi
+  run_job smollm2 "$PYTHON" scripts/race_smollm2.py --out "$out" --device cuda --windows 128 --length 512 --batch 8 \
+    --distill-tokens 2048000 "--glue-dir=$GLUE_DIR" "--shakespeare=$LM_DATA"
 }
 
 decode() {
@@ -200,7 +234,7 @@ convert() {
 torch.cuda.is_available())"; } > "$LOGS/environment.txt" 2>&1
 for job in $JOBS; do
   case $job in
-    tests|decode|glue|lm|race|convert) $job;;
+    tests|smollm2|decode|glue|lm|race|convert) $job;;
     *) echo "unknown job $job" >&2; exit 2;;
   esac
 done

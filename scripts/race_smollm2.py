@@ -11,6 +11,8 @@ script resumes, and so does an interrupted distillation), then ``<out>/summary.m
 
 Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
 - ``cp``: rotary-exact collaborative keys of width ``rank`` and shared values of width ``value_rank``, both B/2.
+- ``key-svd``: one shared rotary key per frequency band (thin keys, each head's query mapped into it; exact for
+  grouped keys at G pairs per band) of width ``rank``, and shared values of width ``value_rank``, both B/2.
 - ``kv-svd``: MHA2MLA's partial RoPE, ``rope_pairs`` rotary pairs per key/value group (``--rope-pairs``, default 4),
   the rest of the keys and the values in one latent of width ``B - 2 x rope_pairs x G``.
 - ``merge-kv`` / ``drop-kv``: key/value groups merged by mean pooling, or dropped with their query heads: g groups
@@ -34,7 +36,7 @@ from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.llm.heldout import DOMAINS, texts, windows  # noqa: E402
 from collab_attn.llm.race import Entry, load_runs, plot, run_entry, summary_markdown  # noqa: E402
 
-METHODS = ("cp", "kv-svd", "merge-kv", "drop-kv")
+METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 
 
 def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
@@ -43,9 +45,9 @@ def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3,
     (default: SmolLM2's), or none when the method cannot get that small."""
     budget = int(fraction * 2 * kv_heads * head_dim)
     common = {"budget": fraction, "distill_tokens": distill_tokens}
-    if method == "cp":
+    if method in ("cp", "key-svd"):
         half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
-        return [Entry("cp", half, half, **common)] if half > 0 else []
+        return [Entry(method, half, half, **common)] if half > 0 else []
     if method == "kv-svd":
         latent = budget - 2 * rope_pairs * kv_heads
         return [Entry("kv-svd", latent, options={"rope_pairs": rope_pairs}, **common)] if latent > 0 else []

@@ -14,9 +14,9 @@ from conftest import GLUE_DIR
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "gpu_queue.sh"
 LM_DATA = GLUE_DIR.parents[0] / "tinyshakespeare" / "input.txt"
-JOBS = ["tests", "decode", "glue", "lm", "race", "convert"]
+JOBS = ["tests", "smollm2", "decode", "glue", "lm", "race", "convert"]
 # The dry run in two parts: the jobs that need no data always run; the others need GLUE and Tiny Shakespeare
-GROUPS = {"no data": ["tests", "decode"], "glue and lm data": ["glue", "lm", "race", "convert"]}
+GROUPS = {"no data": ["tests", "decode"], "glue and lm data": ["smollm2", "glue", "lm", "race", "convert"]}
 NEEDS = {"no data": [], "glue and lm data": [GLUE_DIR, LM_DATA]}
 
 
@@ -58,8 +58,13 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
         again = dry_run(tmp_path, ["tests"])  # resumable: the same sources were tested already
         assert f"tests: done before ({dry / 'gpu_tests' / 'test_cuda.txt'})" in again.stdout
     else:
-        assert ran == {"glue": "exit 0", "lm": "exit 0", "race": "exit 0", "convert-train-seed0": "exit 0",
-                       "convert-seed0": "exit 0"}, done.stdout
+        assert ran == {"smollm2": "exit 0", "glue": "exit 0", "lm": "exit 0", "race": "exit 0",
+                       "convert-train-seed0": "exit 0", "convert-seed0": "exit 0"}, done.stdout
+        race = dry / "smollm2" / "gpu"
+        assert sorted(p.name for p in (race / "runs").glob("*.json")) == [
+            "cp-k12-v12-distilled64.json", "cp-k12-v12.json", "merge-kv-k12-distilled64.json", "merge-kv-k12.json",
+            "original.json"]
+        assert (race / "summary.md").is_file() and (race / "perplexity.png").is_file()
         assert list((dry / "minilm_glue" / "runs").glob("rte/minilm/cp-aware-r96/*/results.jsonl"))
         assert (dry / "shakespeare_char" / "gpu" / "runs" / "collab-k8-seed0.json").is_file()
         assert (dry / "shakespeare_char" / "kv_race_gpu" / "runs" / "collab-k6-v6-seed0.json").is_file()

@@ -45,7 +45,7 @@ def test_a_layout_names_a_registered_kind_and_only_kinds_that_cut_values_take_va
     with pytest.raises(ValueError, match="unknown layer kind 'wide'"):
         Layout("cp", "wide", [8])
     with pytest.raises(ValueError, match=r"value ranks need a layer kind that cuts the values \(\['collaborative', "
-                                         r"'concatenated', 'rotary-collaborative'\]\), not 'mla'"):
+                                         r"'concatenated', 'rotary-collaborative', 'rotary-shared-key'\]\), not 'mla'"):
         Layout("kv-svd", "mla", [8], value_ranks=[8])
 
 

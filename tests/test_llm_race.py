@@ -132,6 +132,7 @@ def test_each_method_is_sized_within_the_budget():
     race_script = script()
     assert race_script.entries_at("cp", 0.5, 4) == [race.Entry("cp", 96, 96, budget=0.5)]
     assert race_script.entries_at("cp", 0.125, 4) == [race.Entry("cp", 24, 24, budget=0.125)]
+    assert race_script.entries_at("key-svd", 0.25, 4) == [race.Entry("key-svd", 48, 48, budget=0.25)]
     assert race_script.entries_at("kv-svd", 0.25, 4) == [race.Entry("kv-svd", 72, options={"rope_pairs": 4},
                                                                     budget=0.25)]
     assert race_script.entries_at("merge-kv", 0.5, 4) == [race.Entry("merge-kv", 64, budget=0.5)]

@@ -84,4 +84,4 @@ def test_methods_are_declared_consistently():
     with pytest.raises(ValueError, match="registered already"):
         methods.register(METHODS["cp"])
     # the order tables and choices list them in
-    assert list(METHODS) == ["cp", "tucker", "svd", "prune", "key-svd", "kv-svd"]
+    assert list(METHODS) == ["cp", "tucker", "svd", "prune", "key-svd", "kv-svd", "merge-kv", "drop-kv"]

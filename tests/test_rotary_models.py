@@ -5,6 +5,7 @@ loads through the Auto classes; generation with and without a cache, with a stat
 what is not supported yet is refused with the reason."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from collab_attn.models.conversion import check_request
 from collab_attn.models.families import FAMILIES
 from collab_attn.models.hf import AUTO_CLASSES, collab_model_class, head_classes
 from collab_attn.models.layers import RotaryCollaborativeSelfAttention
+from collab_attn.models.methods import METHODS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -155,7 +157,10 @@ def test_every_head_class_converts_saves_and_loads_back(family, tmp_path):
 
 def test_what_rotary_models_do_not_take_yet_is_refused_with_the_reason():
     model = original("llama")
-    with pytest.raises(ValueError, match=r"method='svd' does not convert rotary-position models .* do: \['cp'\]"):
+    takes = [method.name for method in METHODS.values() if method.rotary_layer is not None]
+    assert {"cp", "kv-svd", "merge-kv", "drop-kv"} <= set(takes) and "svd" not in takes
+    with pytest.raises(ValueError, match=r"method='svd' does not convert rotary-position models .* do: "
+                                         + re.escape(str(takes))):
         collab_attn.reparametrize(copy.deepcopy(model), HALF, method="svd", progress=False)
     with pytest.raises(ValueError, match="rank 23 is odd"):
         collab_attn.reparametrize(copy.deepcopy(model), 23, progress=False)

@@ -1,7 +1,7 @@
 """Checkpoints saved by earlier versions of collab_attn load through the Auto classes and compute what they computed
 when saved: one tiny checkpoint of each layer kind and method (tests/data/make_saved_checkpoints.py; the committed
-ones were written before layer kinds became classes and before configs recorded the layer kind; the rotary one,
-``llama-cp``, after)."""
+ones were written before layer kinds became classes and before configs recorded the layer kind; the rotary ones,
+``llama-*``, after: ``llama-cp`` with the rotary kind, the other three with theirs)."""
 
 from pathlib import Path
 
@@ -18,7 +18,8 @@ FOLDERS = sorted(p.name for p in SAVED.iterdir() if p.is_dir())
 # the layer kind each old checkpoint's layers must be rebuilt as
 KINDS = {"cp": "collaborative", "tucker": "collaborative", "svd": "concatenated", "prune": "kept-heads",
          "key-svd": "shared-key", "kv-svd": "mla", "collab": "collaborative", "concat": "concatenated",
-         "gqa": "gqa", "mla": "mla", "llama-cp": "rotary-collaborative"}
+         "gqa": "gqa", "mla": "mla", "llama-cp": "rotary-collaborative", "llama-kv-svd": "rotary-mla",
+         "llama-merge-kv": "rotary-gqa", "llama-key-svd-values": "rotary-shared-key"}
 
 
 def kind_of(name: str) -> str:
@@ -26,7 +27,7 @@ def kind_of(name: str) -> str:
 
 
 def test_every_layer_kind_has_a_saved_checkpoint():
-    assert len(FOLDERS) == 18
+    assert len(FOLDERS) == 21
     kinds = {kind_of(name) for name in FOLDERS}
     assert kinds == set(LAYER_KINDS)
 

@@ -57,9 +57,15 @@ def texts(domain: str, split: str, glue_dir: str | Path, shakespeare: str | Path
 def windows(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
     """``count`` consecutive windows of ``length`` tokens (the first one the beginning-of-text token) from the start
     of ``text``: a (count, length) tensor. Refused when the text is too short."""
-    ids = tokenizer(text, add_special_tokens=False).input_ids
     body = length - 1
-    if len(ids) < body * count:
+    needed = body * count
+    characters = 8 * needed  # tokenize a prefix that is long enough (a whole corpus takes seconds)
+    while True:
+        ids = tokenizer(text[:characters], add_special_tokens=False).input_ids
+        if len(ids) > needed + 16 or characters >= len(text):  # the tokens near a cut may differ: keep a margin
+            break
+        characters *= 2
+    if len(ids) < needed:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than {count} windows of {length}")
     bos = tokenizer.bos_token_id
     if bos is None:

@@ -27,6 +27,7 @@ from collab_attn.decomposition.decompose import check_finite
 from collab_attn.decomposition.rank_selection import RankBudget, is_budget
 from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
+    LAYER_KINDS,
     AttentionSite,
     InstalledLayer,
     attention_sites,
@@ -85,17 +86,17 @@ def _validate(model: nn.Module, method: ConversionMethod, rank):
     check_head_class(model, family)
     method.layer_for(family.rotary)  # a method that does not convert rotary models says so here
     ranks, budget = _check_ranks(method, rank, len(sites), sites[0].width)
-    if family.rotary:
-        _check_rotary_ranks(ranks, budget)
+    if family.rotary:  # collaborative rotary layers count each shared pair twice; other kinds' widths are their own
+        _check_rotary_ranks(ranks, budget, counts_pairs=LAYER_KINDS[method.layer_for(True)].collaborative)
     if ranks is not None and method.check_ranks is not None:
         method.check_ranks(ranks, sites[0].heads)
     return sites, ranks, budget
 
 
-def _check_rotary_ranks(ranks, budget) -> None:
+def _check_rotary_ranks(ranks, budget, counts_pairs: bool = True) -> None:
     if budget is not None:
         raise ValueError(f"a budget ({budget}) does not apply to rotary models yet: give one rank or one per layer")
-    odd = [rank for rank in ranks if rank % 2]
+    odd = [rank for rank in ranks if rank % 2] if counts_pairs else []
     if odd:
         raise ValueError(f"rank {odd[0]} is odd: a rotary model's query/key width counts each shared pair twice (its "
                          "real and imaginary parts), so ranks must be even")
@@ -152,15 +153,16 @@ def _kept(entry: InstalledLayer, planned: LayerPlan) -> dict:
     site, layer = entry.site, entry.new
     kept = {} if layer.LayerNorm is None else {
         f"LayerNorm.{name}": value for name, value in site.module.LayerNorm.state_dict().items()}
-    if "value.weight" in planned.state:
+    if "value.weight" in planned.state and "output.weight" in planned.state:
         return kept
     index = None if planned.kept_heads is None else torch.tensor(
         [h * site.head_dim + i for h in planned.kept_heads for i in range(site.head_dim)]
     )
-    weight, bias = site.projection("value")
-    kept["value.weight"] = weight if index is None else weight[index]
-    if bias is not None:
-        kept["value.bias"] = bias if index is None else bias[index]
+    if "value.weight" not in planned.state:  # a plan may give the values alone (merged or kept key/value groups)
+        weight, bias = site.projection("value")
+        kept["value.weight"] = weight if index is None else weight[index]
+        if bias is not None:
+            kept["value.bias"] = bias if index is None else bias[index]
     if layer.output is not None or entry.new_outer_output is not None:
         weight, bias = site.output_weights()
         kept["output.weight"] = weight if index is None else weight[:, index]
@@ -222,7 +224,7 @@ def _apply(model: nn.Module, sites: list[AttentionSite], request: Request, plan:
         _fill(entry, planned)
         products_error, value_products_error = _measure(entry, planned, original)
         dtype = next(entry.new.parameters()).dtype
-        if method.reports_products_error:
+        if method.reports_products_error or entry.new.plans_products_error:
             _check_installed(entry.name, "query/key head products", planned.relative_error, products_error, dtype)
         _check_installed(entry.name, "value-output products", planned.value_error, value_products_error, dtype)
         report.layers.append(LayerReport(
@@ -304,7 +306,9 @@ def _check_value_ranks(conversion: ConversionMethod, value_rank, sites: list[Att
     and within the method's rank rule."""
     if value_rank is None:
         return None
-    if not conversion.cuts_values:
+    # a method whose rotary layer cuts the values takes a value rank on rotary models (key-svd's shared values)
+    rotary_cuts = sites[0].rotary and LAYER_KINDS[conversion.rotary_layer or conversion.layer].cuts_values
+    if not conversion.cuts_values and not rotary_cuts:
         cutting = [name for name, m in METHODS.items() if m.cuts_values]
         raise ValueError(f"value_rank does not apply to method={conversion.name!r}: its heads keep their values "
                          f"(methods that cut the values: {cutting})")

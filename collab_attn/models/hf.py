@@ -8,7 +8,8 @@ records the ``Layout``: the conversion method (``collab_method``), the kind of l
 key of ``LAYER_KINDS``) and the per-layer sizes (``collab_ranks``: the query/key width per layer; ``collab_heads``:
 heads per layer where pruning removed some; ``collab_value_ranks``: the values' width per layer where they were cut;
 ``collab_tucker_core_size``; ``collab_mixing_init`` for a model built from a config to train from scratch:
-``"ones"`` or ``"random"``), from which the model class rebuilds the layers. Importing ``collab_attn`` registers them
+``"ones"`` or ``"random"``; ``collab_rope_pairs``: the rotary pairs each key/value group keeps, per layer, in a
+partial-RoPE latent layer), from which the model class rebuilds the layers. Importing ``collab_attn`` registers them
 with the Auto classes, so ``AutoModel*.from_pretrained`` loads a converted checkpoint of any method. Without
 ``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*`` model type instead of building a different
 model.
@@ -69,8 +70,11 @@ class Layout:
     tucker_core_size: int | None = None
     mixing_init: str | None = None  # models built from a config to train from scratch: "ones" or "random"
     value_ranks: list[int] | None = None  # per layer, where the values were cut (shared, or narrower heads)
+    rope_pairs: list[int] | None = None  # per layer, the rotary pairs each key/value group keeps (rotary-mla)
 
     def __post_init__(self):
+        if self.rope_pairs is not None and len(self.rope_pairs) != len(self.ranks):
+            raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.rope_pairs)} rope pair counts")
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"unknown layer kind {self.kind!r}; choose one of {tuple(LAYER_KINDS)}")
         if self.value_ranks is not None:
@@ -87,8 +91,9 @@ class Layout:
         if len(heads) != len(self.ranks):
             raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(heads)} head counts")
         values = self.value_ranks or [None] * len(self.ranks)
-        return [LayerSpec(self.kind, h, r, self.tucker_core_size, self.mixing_init, v)
-                for r, h, v in zip(self.ranks, heads, values)]
+        rope_pairs = self.rope_pairs or [None] * len(self.ranks)
+        return [LayerSpec(self.kind, h, r, self.tucker_core_size, self.mixing_init, v, p)
+                for r, h, v, p in zip(self.ranks, heads, values, rope_pairs)]
 
     def config_fields(self) -> dict:
         """The ``collab_*`` config fields that record this layout (``Layout.of`` reads it back from them)."""
@@ -97,6 +102,7 @@ class Layout:
             "collab_heads": None if self.heads is None else list(self.heads),
             "collab_tucker_core_size": self.tucker_core_size, "collab_mixing_init": self.mixing_init,
             "collab_value_ranks": None if self.value_ranks is None else list(self.value_ranks),
+            "collab_rope_pairs": None if self.rope_pairs is None else list(self.rope_pairs),
         }
 
     @classmethod
@@ -115,7 +121,8 @@ class Layout:
                 raise ValueError(f"the config records neither collab_layer nor a known collab_method "
                                  f"({config.collab_method!r}): it was not saved by collab_attn")
         return cls(config.collab_method, kind, list(config.collab_ranks), config.collab_heads,
-                   config.collab_tucker_core_size, config.collab_mixing_init, config.collab_value_ranks)
+                   config.collab_tucker_core_size, config.collab_mixing_init, config.collab_value_ranks,
+                   getattr(config, "collab_rope_pairs", None))  # absent from configs saved before rotary-mla
 
 
 @dataclass
@@ -225,6 +232,7 @@ def _collab_config_class(family: Family) -> type:
             "collab_heads": list[int] | None,
             "collab_tucker_core_size": int | None, "collab_mixing_init": str | None,
             "collab_value_ranks": list[int] | None,
+            "collab_rope_pairs": list[int] | None,
         },
         "model_type": family.collab_model_type,
         "collab_method": "collaborative",  # the layer kind a CP conversion builds
@@ -234,6 +242,7 @@ def _collab_config_class(family: Family) -> type:
         "collab_tucker_core_size": None,
         "collab_mixing_init": None,
         "collab_value_ranks": None,
+        "collab_rope_pairs": None,  # rotary-mla: the rotary pairs each key/value group keeps, per layer
     }
     name = "Collab" + family.config_class.__name__
     cls = strict(type(name, (family.config_class,), namespace))

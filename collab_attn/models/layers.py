@@ -36,7 +36,10 @@ from transformers.utils.output_capturing import _active_collector  # what the ou
 
 from collab_attn.models.families import AttentionSite
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
+from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
+from collab_attn.nn.partial_rope import PartialRotaryLatentAttention, default_rope_pairs
 from collab_attn.nn.rotary import RotaryCollaborativeAttention
+from collab_attn.nn.rotary_shared_key import RotarySharedKeyAttention
 from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention
 
 # Every name under which transformers 5.x hands a self-attention module its key/value cache: models pass it as
@@ -79,7 +82,8 @@ class LayerSpec:
     head size of concatenated ones, the shared key's or the latent's width, kv_heads x head_dim of grouped heads),
     the ``tucker_core_size``, the ``mixing_init`` of a collaborative layer built from a config (None: block mixing
     where it fits) and ``value_rank``: the values' width D_v where they are cut (one shared value, or heads x narrow
-    value heads; None: every head keeps its values)."""
+    value heads; None: every head keeps its values); ``rope_pairs``: the rotary pairs each key/value group keeps in a
+    partial-RoPE latent layer (``rotary-mla``; None elsewhere)."""
 
     kind: str
     heads: int
@@ -87,6 +91,7 @@ class LayerSpec:
     tucker_core_size: int | None = None
     mixing_init: str | None = None
     value_rank: int | None = None
+    rope_pairs: int | None = None
 
 
 LAYER_KINDS: dict[str, type[ConvertedSelfAttention]] = {}
@@ -109,6 +114,9 @@ class ConvertedSelfAttention(nn.Module):
     collaborative: ClassVar[bool] = False  # shared query/key projections with per-head mixing
     cuts_values: ClassVar[bool] = False  # takes a ``value_rank``
     rotary: ClassVar[bool] = False  # takes the model's rotary ``position_embeddings`` (refused by the others)
+    # its plans' relative_error is always the query/key products error, checked against the installed layer even
+    # where the method's other plans report another error (kv-svd on rotary models: the per-band forms)
+    plans_products_error: ClassVar[bool] = False
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -400,3 +408,94 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
         return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
                    value_rank=spec.value_rank, **_contract(site)).to(site.weight)
+
+
+class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttention, kind="rotary-shared-key"):
+    """Thin keys that keep rotary positions exactly (``collab_attn.nn.rotary_shared_key``; ``key-svd`` of a rotary
+    model): ``rank`` = 2 x the shared key's pairs, each rotating with its band, every head with a query of its own;
+    grouped values as the source's key/value heads, or one shared value of width ``value_rank``. Takes the model's
+    ``position_embeddings``; caches the rotated shared key ``(batch, 1, tokens, rank)`` and the values."""
+
+    cuts_values = True
+    rotary = True
+    plans_products_error = True  # key-svd's other plans report the error of the keys; this one the logit forms'
+
+    def __init__(self, d_model: int, num_heads: int, pairs: int, *, head_dim: int, dropout: float, bias: bool,
+                 output_bias: bool, kv_heads: int, logit_scale: float, value_rank: int | None = None,
+                 is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
+                 residual_norm_eps: float | None = None, output_projection: bool = True):
+        RotarySharedKeyAttention.__init__(
+            self, d_model, num_heads, pairs, kv_heads=kv_heads, head_dim=head_dim, dropout=dropout, bias=bias,
+            output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
+            value_rank=value_rank,
+        )
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> RotarySharedKeySelfAttention:
+        if spec.rank % 2:
+            raise ValueError(f"a rotary shared key's width counts its pairs twice (real and imaginary parts): the "
+                             f"rank must be even, got {spec.rank}")
+        # shared values fold the value bias into the output bias: Qwen2's output projection gains one
+        output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
+        return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
+                   value_rank=spec.value_rank, **_contract(site)).to(site.weight)
+
+
+class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAttention, kind="rotary-gqa"):
+    """Grouped-query heads with rotary positions (``collab_attn.nn.grouped_rotary``): the source's attention with
+    ``rank / head_dim`` key/value groups (merged or kept ones) and ``spec.heads`` query heads (fewer where whole
+    groups were dropped). Takes the model's ``position_embeddings``; caches ``(batch, kv_heads, tokens, head_dim)``
+    rotated keys and values."""
+
+    rotary = True
+
+    def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, dropout: float, bias: bool,
+                 output_bias: bool, logit_scale: float, output_projection: bool = True, is_causal: bool = True,
+                 layer_idx: int | None = None, output_dropout: float | None = None,
+                 residual_norm_eps: float | None = None):
+        if rank < head_dim or rank % head_dim or num_heads % (rank // head_dim):
+            raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
+                             f"dividing {num_heads} heads, got {rank}")
+        RotaryGroupedQueryAttention.__init__(
+            self, d_model, num_heads, rank // head_dim, head_dim=head_dim, dropout=dropout, bias=bias,
+            output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
+        )
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> RotaryGroupedSelfAttention:
+        return cls(site.d_in, spec.heads, spec.rank, output_bias=site.output_bias, **_contract(site)).to(site.weight)
+
+
+class PartialRotaryLatentSelfAttention(ConvertedSelfAttention, PartialRotaryLatentAttention, kind="rotary-mla"):
+    """MHA2MLA's latent attention on a rotary model (``collab_attn.nn.partial_rope``): ``rank`` = the latent width
+    D_c, ``spec.rope_pairs`` = the rotary pairs each key/value group keeps (None: ``default_rope_pairs``; their
+    bands are the layer's ``rope_bands`` buffer, saved with the weights). Takes the model's
+    ``position_embeddings``; caches the rotated kept keys ``(batch, kv_heads, tokens, 2 rope_pairs)`` and the latent
+    ``(batch, 1, tokens, rank)``. Its output projection always has a bias where the source has a value bias (folded
+    into it)."""
+
+    rotary = True
+    plans_products_error = True
+
+    def __init__(self, d_model: int, num_heads: int, latent_size: int, *, rope_pairs: int, kv_heads: int,
+                 head_dim: int, dropout: float, bias: bool, output_bias: bool, logit_scale: float,
+                 is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
+                 residual_norm_eps: float | None = None, output_projection: bool = True):
+        PartialRotaryLatentAttention.__init__(
+            self, d_model, num_heads, latent_size, rope_pairs, kv_heads=kv_heads, head_dim=head_dim,
+            dropout=dropout, bias=bias, output_bias=output_bias, output_projection=output_projection,
+            logit_scale=logit_scale,
+        )
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> PartialRotaryLatentSelfAttention:
+        rope_pairs = default_rope_pairs(site.head_dim) if spec.rope_pairs is None else spec.rope_pairs
+        return cls(site.d_in, spec.heads, spec.rank, rope_pairs=rope_pairs, kv_heads=site.kv_heads,
+                   output_bias=site.output_bias or site.bias, **_contract(site)).to(site.weight)
+
+    @classmethod
+    def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
+        return True  # the value bias is folded into the output bias

@@ -125,10 +125,11 @@ class Plan:
     calibration: dict | None = None  # Calibration.summary() of an activation-aware fit
     rank_selection: RankSelection | None = None  # when a budget chose the ranks
     pruning: Pruning | None = None
+    rope_pairs: list[int] | None = None  # per layer, the rotary pairs each key/value group keeps (rotary-mla)
 
     def layout(self, method: str, kind: str) -> Layout:
         return Layout(method, kind, list(self.ranks), self.heads, self.tucker_core_size,
-                      value_ranks=self.value_ranks)
+                      value_ranks=self.value_ranks, rope_pairs=self.rope_pairs)
 
 
 @dataclass

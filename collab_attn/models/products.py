@@ -16,8 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from collab_attn.decomposition.rotary import band_forms
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
+from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
+from collab_attn.nn.partial_rope import PartialRotaryLatentAttention
 from collab_attn.nn.rotary import RotaryCollaborativeAttention
+from collab_attn.nn.rotary_shared_key import RotarySharedKeyAttention
 from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention
 
 
@@ -156,6 +160,74 @@ def _rotary_forms(layer: RotaryCollaborativeAttention) -> BandForms:
     return BandForms(forms)
 
 
+def _rotary_shared_key_forms(layer: RotarySharedKeyAttention) -> BandForms:
+    """A rotary shared-key layer's forms: per band, each head's own complex query rows of the band's pairs against
+    the shared key's (biases as an input column): ``M_hi = sum_{r in band i} q_hr conj(k_r)^T``."""
+
+    def pairs(projection: nn.Linear) -> torch.Tensor:
+        weight = projection.weight.double()
+        if projection.bias is not None:
+            weight = torch.cat([weight, projection.bias.double()[:, None]], dim=1)
+        real, imag = weight.unflatten(0, (-1, 2, layer.pairs)).unbind(1)
+        return torch.complex(real, imag)  # (heads or 1, R, d)
+
+    queries, keys = pairs(layer.query), pairs(layer.key)
+    forms = []
+    for band in range(layer.head_dim // 2):
+        index = (layer.pair_bands == band).nonzero().flatten().to(queries.device)
+        forms.append(complex_forms(queries[:, index] * layer.scale, keys[:, index]))
+    return BandForms(forms)
+
+
+def _rotary_grouped_forms(layer: RotaryGroupedQueryAttention) -> BandForms:
+    """A rotary grouped-query layer's forms: per band, each query head's complex query vector against its group's
+    complex key vector (biases as an input column), as an original rotary layer's."""
+
+    def per_head(projection: nn.Linear, heads: int) -> torch.Tensor:
+        weight = projection.weight.double()
+        if projection.bias is not None:
+            weight = torch.cat([weight, projection.bias.double()[:, None]], dim=1)
+        return _per_head(weight, heads)
+
+    query, key = per_head(layer.query, layer.num_heads), per_head(layer.key, layer.kv_heads)
+    return band_forms_of(*band_forms(query, key), layer.scale)
+
+
+def _partial_rope_forms(layer: PartialRotaryLatentAttention) -> BandForms:
+    """A partial-RoPE latent layer's forms (the measure: ``collab_attn.models.methods.partial_rope``): per band, a
+    kept band is each head's query pair against its group's key pair as complex vectors (it rotates); a dropped band
+    is the static real form of the head's two query rows against the two key rows the latent gives back, compared
+    as ``N + 0j``. Biases are an input column, as in the original's forms."""
+
+    def rows(projection: nn.Linear, weight: torch.Tensor) -> torch.Tensor:
+        if projection.bias is None:
+            return weight
+        return torch.cat([weight, projection.bias.double()[:, None]], dim=1)
+
+    heads, groups, head_dim = layer.num_heads, layer.kv_heads, layer.head_dim
+    half, group = head_dim // 2, heads // groups
+    query = _per_head(rows(layer.query, layer.query.weight.double()), heads)  # (H, d_h, d')
+    rope = rows(layer.rope_key, layer.rope_key.weight.double())
+    nope = rows(layer.nope_key, layer.nope_key.weight.double() @ layer.latent.weight.double())
+    width, d_in = 2 * layer.rope_pairs, query.shape[-1]
+    held = torch.cat([rope.view(groups, width, d_in), nope.view(groups, head_dim - width, d_in)], dim=1)
+    order = layer.dimension_order()[..., None].expand_as(held)
+    key = torch.empty_like(held).scatter_(1, order, held).repeat_interleave(group, 0)  # (H, d_h, d'), source order
+    kept = torch.zeros(groups, half, dtype=torch.bool, device=query.device)
+    kept.scatter_(1, layer.rope_bands.to(query.device), True)
+    kept = kept.repeat_interleave(group, 0)[:, :, None, None]  # (H, bands, 1, 1)
+    forms = []
+    for band in range(half):
+        pairs = []
+        for side in (query, key):
+            first, second = side[:, band], side[:, band + half]
+            rotating = torch.stack([torch.complex(first, second), torch.zeros_like(first, dtype=torch.complex128)], 1)
+            static = torch.stack([first, second], 1).to(torch.complex128)
+            pairs.append(torch.where(kept[:, band], rotating, static))  # (H, 2, d')
+        forms.append(complex_forms(pairs[0] * layer.scale, pairs[1]))
+    return BandForms(forms)
+
+
 def relative_error(approximation: HeadForms, reference: HeadForms, kept: list[int] | None = None) -> float:
     """``||T~ - T||_F / ||T||_F`` over the stacked heads, the measure the decompositions report. ``kept``: the heads of
     ``reference`` that ``approximation`` holds, in order (pruning); the others count as removed (zero)."""
@@ -195,6 +267,12 @@ def query_key_forms(layer: nn.Module) -> HeadForms:
     heads, scale = layer.num_heads, layer.scale
     if isinstance(layer, RotaryCollaborativeAttention):
         return _rotary_forms(layer)
+    if isinstance(layer, RotarySharedKeyAttention):
+        return _rotary_shared_key_forms(layer)
+    if isinstance(layer, PartialRotaryLatentAttention):
+        return _partial_rope_forms(layer)
+    if isinstance(layer, RotaryGroupedQueryAttention):  # before GroupedQueryAttention: it is one
+        return _rotary_grouped_forms(layer)
     if isinstance(layer, CollaborativeAttention):
         mixing = layer.mixing if layer.mixing_core is None else layer.mixing_matrices()
         return HeadForms(Factor(layer.query.weight[None] * scale, mixing), Factor(layer.key.weight[None]))
@@ -224,6 +302,14 @@ def value_forms(layer: nn.Module, output_weight: torch.Tensor | None = None) -> 
     outputs = Factor(_per_head(output.T, heads))
     if isinstance(layer, LatentAttention):
         return HeadForms(Factor(_latent_rows(layer, layer.value)), outputs)
+    if isinstance(layer, PartialRotaryLatentAttention):  # the groups' values from the latent
+        values = layer.value.weight.double() @ layer.latent.weight.double()
+        return HeadForms(Factor(_grouped(values, layer.kv_heads, heads)), outputs)
+    if isinstance(layer, RotarySharedKeyAttention) and layer.value_up is not None:  # group values from the shared one
+        values = layer.value_up.weight.double() @ layer.value.weight.double()
+        return HeadForms(Factor(_grouped(values, layer.kv_heads, heads)), outputs)
+    if isinstance(layer, RotarySharedKeyAttention):
+        return HeadForms(Factor(_grouped(layer.value.weight, layer.kv_heads, heads)), outputs)
     if isinstance(layer, (GroupedQueryAttention, RotaryCollaborativeAttention)):
         return HeadForms(Factor(_grouped(layer.value.weight, layer.kv_heads, heads)), outputs)
     return HeadForms(Factor(_per_head(layer.value.weight, heads)), outputs)

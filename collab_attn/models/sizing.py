@@ -18,7 +18,10 @@ import torch
 import transformers
 
 from collab_attn.models.hf import LAYER_KINDS, AttentionSite, Layout, attention_sites, build_layer
+from collab_attn.models.methods.kv_groups import GROUP_METHODS, group_layout
+from collab_attn.models.methods.partial_rope import partial_rope_layout
 from collab_attn.models.methods.prune import kept_head_count
+from collab_attn.models.methods.rotary_key_svd import rotary_key_layout
 from collab_attn.nn.variants import cache_numbers_per_token
 
 COSTS = ("cache_bytes", "attention_params")
@@ -60,13 +63,22 @@ class _Skeleton:
         return projection.out_features * (width or projection.in_features) + bias
 
 
-def converted_layout(config, method, key_size: int, value_size: int | None, skeleton: _Skeleton | None = None):
+def converted_layout(config, method, key_size: int, value_size: int | None, skeleton: _Skeleton | None = None,
+                     rope_pairs: int | None = None):
     """The layout of ``config``'s model converted by ``method`` at these sizes (mixing matrices: a core of the
     default size, the heads); pruning keeps as many whole heads as fit in the query/key budget of rank
-    ``key_size``, spread evenly over the layers (the costs depend on their number only)."""
+    ``key_size``, spread evenly over the layers (the costs depend on their number only). ``rope_pairs``: the
+    rotary pairs a partial-RoPE conversion (``kv-svd`` of a rotary model) keeps per key/value group (None: its
+    default)."""
     skeleton = skeleton or _Skeleton.of(config)
     site, layers = skeleton.site, skeleton.layers
     values = None if value_size is None else [value_size] * layers
+    if method.name in GROUP_METHODS:  # G whole key/value groups: None where key_size is not G x head_dim
+        return group_layout(method, site, layers, key_size)
+    if site.rotary and "rope_pairs" in method.option_names:  # partial RoPE: None where the latent is too wide
+        return partial_rope_layout(method, site, layers, key_size, rope_pairs)
+    if site.rotary and method.rotary_layer == "rotary-shared-key":  # thin rotary keys: None where odd or too wide
+        return rotary_key_layout(method, site, layers, key_size)
     if not method.needs_importance:
         tucker_core_size = site.heads if method.mixing == "matrices" else None
         return Layout(method.name, method.layer, [key_size] * layers, tucker_core_size=tucker_core_size,
@@ -78,16 +90,19 @@ def converted_layout(config, method, key_size: int, value_size: int | None, skel
 
 
 def original_size(config) -> ConversionSize:
-    """The original model's costs (``key_size``: heads x head_dim)."""
+    """The original model's costs (``key_size``: heads x head_dim; the cache holds kv_heads x head_dim keys and
+    values, fewer than heads x head_dim where they are grouped)."""
     skeleton = _Skeleton.of(config)
     width = skeleton.site.width
+    cached = 2 * skeleton.site.kv_heads * skeleton.site.head_dim
     params = sum(p.numel() for p in skeleton.site.module.parameters()) + skeleton.outer_output()
-    return ConversionSize(width, None, skeleton.layers * 2 * width * DTYPE_BYTES, skeleton.layers * params)
+    return ConversionSize(width, None, skeleton.layers * cached * DTYPE_BYTES, skeleton.layers * params)
 
 
-def conversion_sizes(config, method) -> list[ConversionSize]:
+def conversion_sizes(config, method, rope_pairs: int | None = None) -> list[ConversionSize]:
     """Every size a conversion method (``collab_attn.models.methods``) takes for a model of ``config``: each rank its
-    rank rule allows, with an equal value rank where the method cuts the values too."""
+    rank rule allows, with an equal value rank where the method cuts the values too (``rope_pairs``: as
+    ``converted_layout``; the cache of a partial-RoPE conversion holds ``2 rope_pairs kv_heads + rank`` per token)."""
     skeleton = _Skeleton.of(config)
     site = skeleton.site
     per_spec = {}  # one converted layer per distinct shape: (cache numbers per token, attention parameters)
@@ -98,8 +113,13 @@ def conversion_sizes(config, method) -> list[ConversionSize]:
                 method.check_ranks([key_size], site.heads)
             except ValueError:
                 continue
+        if method.name in GROUP_METHODS and group_layout(method, site, skeleton.layers, key_size) is None:
+            continue
         value_size = key_size if method.cuts_values else None
-        specs = converted_layout(config, method, key_size, value_size, skeleton).specs(site.heads)
+        layout = converted_layout(config, method, key_size, value_size, skeleton, rope_pairs)
+        if layout is None:  # a latent wider than a partial-RoPE conversion can fill
+            continue
+        specs = layout.specs(site.heads)
         for spec in set(specs) - set(per_spec):
             layer = build_layer(site, spec)
             replaced = LAYER_KINDS[spec.kind].replaces_outer_output(site, spec)

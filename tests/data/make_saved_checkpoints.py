@@ -3,8 +3,10 @@ when it was saved (``outputs.safetensors``: ``input_ids`` and ``logits``), so th
 can check that checkpoints saved by earlier versions of collab_attn load and compute the same.
 
 The committed folder was written by collab_attn at commit 504d074 (before layer kinds became classes), except
-``llama-cp`` (the rotary kind, added after). Run again, this script writes what the current code saves (into the
-folder given, default the committed one; only the checkpoints named, if any):
+the rotary ones: ``llama-cp`` (at 4b0a067) and ``llama-kv-svd``, ``llama-merge-kv``, ``llama-key-svd-values`` (the
+kinds ``rotary-mla``, ``rotary-gqa`` and ``rotary-shared-key``, when they were added). Run again, this script
+writes what the current code saves (into the folder given, default the committed one; only the checkpoints named, if
+any):
 
     python tests/data/make_saved_checkpoints.py [FOLDER [NAME ...]]
 """
@@ -41,6 +43,9 @@ CONVERSIONS = {
     "gpt2-key-svd": ("gpt2", dict(rank=6, method="key-svd")),
     "gpt2-kv-svd": ("gpt2", dict(rank=6, method="kv-svd")),
     "llama-cp": ("llama", dict(rank=12, method="cp")),
+    "llama-kv-svd": ("llama", dict(rank=9, method="kv-svd", rope_pairs=1)),
+    "llama-merge-kv": ("llama", dict(rank=4, method="merge-kv")),
+    "llama-key-svd-values": ("llama", dict(rank=4, method="key-svd", value_rank=6)),
 }
 # name: gpt_config keywords of a model built from a config (no conversion)
 SCRATCH = {

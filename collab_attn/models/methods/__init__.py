@@ -7,6 +7,7 @@ what it needs, its planner) and calls ``register``, its import below, a ``config
 
 # registration order is the order tables and choices list the methods in
 from collab_attn.models.methods import cp, tucker, svd, prune, key_svd, kv_svd  # noqa: F401, I001  (register the methods)
+from collab_attn.models.methods import kv_groups  # noqa: F401, I001  (registers merge-kv and drop-kv)
 from collab_attn.models.methods.base import METHODS, MIXINGS, ConversionMethod, NoOptions, get_method, register
 from collab_attn.models.methods.decomposition import DecompositionOptions
 from collab_attn.models.methods.prune import heads_to_keep

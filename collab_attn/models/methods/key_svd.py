@@ -5,7 +5,11 @@ logits are ``(X Wq_h^T + bq_h) U_h S V^T Y^T``. The values stay per head. The ca
 head_dim`` numbers per token and layer: never below half of the original's. Exact once ``rank`` reaches the key
 projection's rank (heads x head_dim here). The key bias is dropped (one constant per softmax row); the query bias
 is mapped with the query. With a calibration the SVD is of the key projection whitened by its inputs' statistics
-(the keys, not the logits, are fitted to the data)."""
+(the keys, not the logits, are fitted to the data).
+
+On rotary-position models (Llama, Qwen2, Mistral) the thin keys are cut per rotary frequency band, so that the shared
+key keeps rotating (``collab_attn.models.methods.rotary_key_svd``; the ``rotary-shared-key`` layer): exact at
+``kv_heads x head_dim``, and ``value_rank`` shares the values there too."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.methods.rotary_key_svd import plan_rotary_key_svd
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
 
@@ -23,6 +28,8 @@ NAME = "key-svd"
 
 
 def plan_key_svd(request: Request) -> Plan:
+    if request.rotary:
+        return plan_rotary_key_svd(request, NAME)
     layers = []
     progress = tqdm(request.weights, desc=NAME, disable=not request.progress)
     for index, (layer, rank) in enumerate(zip(progress, request.ranks)):
@@ -39,5 +46,5 @@ def plan_key_svd(request: Request) -> Plan:
 
 KEY_SVD = register(ConversionMethod(
     NAME, "one key of width rank shared by every head, from an SVD of the stacked key projection (thin keys)",
-    plan_key_svd, layer="shared-key", calibrated=True, reports_products_error=False,
+    plan_key_svd, layer="shared-key", calibrated=True, reports_products_error=False, rotary_layer="rotary-shared-key",
 ))

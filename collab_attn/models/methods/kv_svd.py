@@ -6,24 +6,50 @@ queries and the output projection stay; in decoding ``W_uk`` is absorbed into th
 attention (``LatentAttention``). Exact once ``rank`` reaches the rank of ``[Wk; Wv]`` (at most d_in: half of the
 original cache where heads x head_dim = d_in). The key bias is dropped (one constant per softmax row), the value
 bias folded into the output bias (attention rows sum to one). With a calibration the SVD is whitened by the inputs'
-raw second moments (the values' means reach the output)."""
+raw second moments (the values' means reach the output).
+
+On rotary-position models (Llama, Qwen2, Mistral) it is MHA2MLA whole: ``rope_pairs`` rotary frequency pairs per
+key/value group stay rotary and are cached as they are, the rest of the keys and the values share the latent
+(``collab_attn.models.methods.partial_rope``; the ``rotary-mla`` layer): ``2 rope_pairs kv_heads + rank`` numbers per
+token and layer."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.methods.partial_rope import plan_partial_rope
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
 
 NAME = "kv-svd"
 
 
+@dataclass(frozen=True)
+class KvSvdOptions:
+    """``rope_pairs`` (rotary-position models only; MHA2MLA's r): the rotary frequency pairs each key/value group
+    keeps, 0 .. head_dim/2; None: an eighth of each head's dimensions, ``head_dim // 16`` pairs (at least one), the
+    paper's share. A model without rotary positions has no pairs to keep: giving it one is refused."""
+
+    rope_pairs: int | None = None
+
+    def __post_init__(self):
+        if self.rope_pairs is not None and (type(self.rope_pairs) is not int or self.rope_pairs < 0):
+            raise ValueError(f"rope_pairs must be a non-negative integer (rotary pairs kept per key/value group) or "
+                             f"None, got {self.rope_pairs!r}")
+
+
 def plan_kv_svd(request: Request) -> Plan:
+    if request.rotary:
+        return plan_partial_rope(request, NAME)
+    if request.options.rope_pairs is not None:
+        raise ValueError(f"rope_pairs={request.options.rope_pairs} applies to rotary-position models (Llama, Qwen2, "
+                         "Mistral) only: this model has no rotary pairs to keep; leave rope_pairs unset")
     layers = []
     progress = tqdm(request.weights, desc=NAME, disable=not request.progress)
     for index, (layer, values, rank) in enumerate(zip(progress, request.values, request.ranks)):
@@ -43,5 +69,6 @@ def plan_kv_svd(request: Request) -> Plan:
 
 KV_SVD = register(ConversionMethod(
     NAME, "latent attention (MLA): one latent of width rank per token from a joint SVD of keys and values",
-    plan_kv_svd, layer="mla", calibrated=True, reads_values=True, reports_products_error=False,
+    plan_kv_svd, layer="mla", options=KvSvdOptions, calibrated=True, reads_values=True, reports_products_error=False,
+    rotary_layer="rotary-mla",
 ))

@@ -1,0 +1,98 @@
+"""Grouped-query attention with rotary positions (Llama's, Qwen2's and Mistral's attention), as a plain torch module.
+
+``num_heads`` query heads share ``kv_heads`` key/value heads (query head ``h`` reads group ``h // (num_heads /
+kv_heads)``), and every query and key head is rotated as transformers rotates it: the pair of dimensions ``(i, i +
+head_dim/2)`` by ``p theta_i`` at position ``p`` (``rotate_half`` layout), from the ``position_embeddings = (cos,
+sin)`` the caller computes, each (batch, seq, head_dim). Head ``h`` thus scores
+
+    logit_h(t, s) = scale * sum_i Re( (a_hi^T x_t) conj(b_gi^T y_s) e^(j (p_t - p_s) theta_i) ),  g = h // (H / G),
+
+with ``a_hi``, ``b_gi`` the complex query and key vectors of band ``i`` (its two rows). The module is the source
+model's attention with fewer (or merged) key/value heads: ``collab_attn.models.methods.kv_groups`` fills it.
+
+The ``kv_cache`` hook receives the keys already rotated and the values, (batch, kv_heads, seq, head_dim) each:
+``2 kv_heads head_dim`` numbers per token and layer, as transformers' own cache of a grouped model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from collab_attn.nn.rotary import rotate_pairs
+from collab_attn.nn.variants import GroupedQueryAttention, grouped_attend
+
+
+class RotaryGroupedQueryAttention(GroupedQueryAttention):
+    """``GroupedQueryAttention`` whose queries and keys rotate with their positions (RoPE).
+
+    ``bias``: biases of the query, key and value projections; ``output_bias`` (default: ``bias``) that of the output
+    projection (Qwen2 has q/k/v biases and no o_proj bias). ``logit_scale``: default ``1 / sqrt(head_dim)``.
+
+    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
+    kv_cache=None, position_embeddings=None) -> (output, weights or None)``; ``position_embeddings`` is required
+    (the keys sit at the queries' positions, or at those of ``key_value_states`` when its length is the same)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        kv_heads: int,
+        *,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        output_bias: bool | None = None,
+        output_projection: bool = True,
+        logit_scale: float | None = None,
+    ):
+        super().__init__(d_model, num_heads, kv_heads, head_dim=head_dim, kv_dim=kv_dim, dropout=dropout, bias=bias,
+                         output_projection=output_projection)
+        if self.head_dim % 2:
+            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
+                             "must be even")
+        output_bias = bias if output_bias is None else output_bias
+        if output_projection and output_bias != bias:
+            self.output = nn.Linear(num_heads * self.head_dim, d_model, bias=output_bias)
+        self.scale = 1.0 / math.sqrt(self.head_dim) if logit_scale is None else logit_scale
+
+    def _rotated(self, heads: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """Heads (B, heads, S, head_dim) rotated at the positions of ``position_embeddings`` = (cos, sin), each
+        (B, S, head_dim) with band ``i`` at columns ``i`` and ``i + head_dim/2``."""
+        if position_embeddings is None:
+            raise ValueError(
+                f"{type(self).__name__} needs position_embeddings=(cos, sin), each (batch, seq, head_dim) as a "
+                "transformers rotary embedding computes them; none were given"
+            )
+        cos, sin = position_embeddings
+        if cos.shape[-1] != self.head_dim or sin.shape[-1] != self.head_dim or cos.shape[-2] != heads.shape[-2]:
+            raise ValueError(
+                f"position_embeddings must be (cos, sin) of shape (batch, {heads.shape[-2]} positions, head_dim "
+                f"{self.head_dim}), got {tuple(cos.shape)} and {tuple(sin.shape)}"
+            )
+        half = self.head_dim // 2
+        cos, sin = cos[..., None, :, :half].to(heads.dtype), sin[..., None, :, :half].to(heads.dtype)
+        return rotate_pairs(heads, cos, sin)
+
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keys_from = query_states if key_value_states is None else key_value_states
+        keys = self._rotated(self._heads(self.key(keys_from), self.kv_heads), position_embeddings)  # as cached
+        values = self._heads(self.value(keys_from), self.kv_heads)
+        if kv_cache is not None:
+            keys, values = kv_cache(keys, values)
+        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        queries = self._rotated(self._heads(self.query(query_states), self.num_heads), position_embeddings)
+        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        return self._finish(context.flatten(2)), weights

@@ -1,0 +1,171 @@
+"""Thin keys that keep rotary positions (RoPE) exactly: one shared key per token of ``R`` complex pairs, each rotating
+with its frequency band, and a query of its own per head, as a plain torch module.
+
+Rotary models rotate each pair ``(i, i + d_h/2)`` of a head's query and key by ``p theta_i`` at position ``p``
+(transformers' ``rotate_half`` layout); as one complex number per pair, the rotation is a multiplication by
+``e^(j p theta_i)``. Here every head scores against the same key pairs ``k_r(y)`` (pair ``r`` rotating with band
+``b_r``, ``pair_bands``), each with its own query pairs ``q_hr(x)``:
+
+    logit_h(t, s) = scale * Re( sum_r  q_hr(x_t) e^(j p_t theta_(b_r))  conj( k_r(y_s) e^(j p_s theta_(b_r)) ) ).
+
+(``collab_attn.models.methods.rotary_key_svd`` fills it from an SVD of each band's key forms: the thin keys of
+``SharedKeyAttention`` made rotary.)
+
+Layout (what a conversion writes): R pairs per layer, rank = 2R numbers.
+
+- ``query``: ``nn.Linear(d, heads * 2R)``; head ``h``'s 2R outputs are ``[real parts of its R pairs ; imaginary
+  parts]``. ``key``: ``nn.Linear(d, 2R)``, the same layout; both with biases where the source has them (a key bias
+  rotates with the key: it does not cancel in the softmax).
+- ``pair_bands`` (persistent buffer, (R,) int64): the band ``0 .. head_dim/2 - 1`` each pair rotates with.
+- values: grouped like the source (``value``: d -> kv_heads * head_dim, head ``h`` reads group ``h // (heads /
+  kv_heads)``), or shared (``value_rank`` D_v: ``value``: d -> D_v without bias, one value per token for every head,
+  and ``value_up``: D_v -> kv_heads * head_dim without bias, which gives group ``g``'s value ``W_up,g v`` of the
+  context each head took from the shared value, after attention); ``output``: heads * head_dim -> d.
+
+Positions come from the caller as transformers computes them: ``position_embeddings = (cos, sin)``, each (batch,
+seq, head_dim), band ``i`` at column ``i`` (and again at ``i + head_dim/2``), rope scaling already folded in. The
+cache (``kv_cache`` hook, as in ``collab_attn.nn.attention``) receives the shared keys already rotated, (batch, 1,
+seq, 2R), and the values, (batch, kv_heads, seq, head_dim) or shared (batch, 1, seq, D_v): ``2R + kv_heads
+head_dim`` (or ``2R + D_v``) numbers per token and layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from collab_attn.nn.rotary import RotaryCollaborativeAttention, rotate_pairs
+from collab_attn.nn.variants import _SharedKeyValueAttention, grouped_attend
+
+
+class RotarySharedKeyAttention(_SharedKeyValueAttention):
+    """Every head scores against one shared key of ``pairs`` rotary pairs with a query of its own (the module
+    docstring has the computation and the layout).
+
+    ``kv_heads`` (default ``num_heads``): value groups, as the source's key/value heads; ``value_rank``: one shared
+    value of that width for every head (None: grouped values). ``pair_bands`` (default ``arange(pairs) % (head_dim /
+    2)``). ``bias``: biases of the query, key and (grouped) value projections; ``output_bias`` (default ``bias``)
+    that of the output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
+
+    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
+    kv_cache=None, position_embeddings=None, key_position_embeddings=None) -> (output, weights or None)``;
+    ``position_embeddings`` is required; ``key_position_embeddings`` gives the keys' positions where they differ from
+    the queries'.
+    """
+
+    # the pair bookkeeping is the rotary collaborative layer's: the same buffer, checked the same way
+    _check_bands = RotaryCollaborativeAttention._check_bands
+    _checked_bands = RotaryCollaborativeAttention._checked_bands
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        pairs: int,
+        *,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        pair_bands: torch.Tensor | list[int] | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        output_bias: bool | None = None,
+        output_projection: bool = True,
+        logit_scale: float | None = None,
+        value_rank: int | None = None,
+    ):
+        output_bias = bias if output_bias is None else output_bias
+        super().__init__(d_model, num_heads, head_dim, None, dropout, output_projection, output_bias)
+        if self.head_dim % 2:
+            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
+                             "must be even")
+        if type(pairs) is not int or pairs <= 0:
+            raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
+        kv_heads = num_heads if kv_heads is None else kv_heads
+        if type(kv_heads) is not int or kv_heads <= 0 or num_heads % kv_heads:
+            raise ValueError(f"kv_heads must be a positive divisor of num_heads ({num_heads}), got {kv_heads!r}")
+        if value_rank is not None and (type(value_rank) is not int or value_rank <= 0):
+            raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
+        self.pairs = pairs
+        self.rank = 2 * pairs  # the shared key's width in numbers
+        self.kv_heads = kv_heads
+        self.value_rank = value_rank
+        self.scale = 1.0 / math.sqrt(self.head_dim) if logit_scale is None else logit_scale
+        self.query = nn.Linear(d_model, num_heads * 2 * pairs, bias=bias)
+        self.key = nn.Linear(d_model, 2 * pairs, bias=bias)
+        grouped = kv_heads * self.head_dim
+        if value_rank is None:
+            self.value = nn.Linear(d_model, grouped, bias=bias)  # replaces _Attention's heads x head_dim one
+            self.value_up = None
+        else:
+            self.value = nn.Linear(d_model, value_rank, bias=False)
+            self.value_up = nn.Linear(value_rank, grouped, bias=False)
+        if pair_bands is None:
+            pair_bands = torch.arange(pairs) % (self.head_dim // 2)
+        pair_bands = torch.as_tensor(pair_bands)
+        if pair_bands.shape != (pairs,):
+            raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
+        self._check_bands(pair_bands)
+        self.register_buffer("pair_bands", pair_bands.to(torch.int64).clone(), persistent=True)
+        self._bands_checked: tuple | None = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        bands = state_dict.get(prefix + "pair_bands")
+        if bands is not None and bands.shape == self.pair_bands.shape:
+            self._check_bands(bands)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _rotated(self, z: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """``z`` (B, [H,] S, 2R) rotated pair by pair at the positions of ``position_embeddings`` = (cos, sin), each
+        (B, S, head_dim): pair ``r`` by the angle of its band, column ``pair_bands[r]``."""
+        if position_embeddings is None:
+            raise ValueError(f"{type(self).__name__} needs position_embeddings=(cos, sin), each (batch, seq, head_dim) "
+                             "as a transformers rotary embedding computes them; none were given")
+        cos, sin = position_embeddings
+        if cos.shape[-1] != self.head_dim or sin.shape[-1] != self.head_dim:
+            raise ValueError(f"position_embeddings must be (cos, sin) of last size head_dim ({self.head_dim}), got "
+                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        if cos.shape[-2] != z.shape[-2]:
+            raise ValueError(f"position_embeddings cover {cos.shape[-2]} positions but the input has {z.shape[-2]} "
+                             "tokens")
+        bands = self._checked_bands()
+        cos, sin = cos.index_select(-1, bands).to(z.dtype), sin.index_select(-1, bands).to(z.dtype)
+        if z.dim() == 4:  # (B, H, S, 2R): one angle per token and pair for every head
+            cos, sin = cos[:, None], sin[:, None]
+        return rotate_pairs(z, cos, sin)
+
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keys_from = query_states if key_value_states is None else key_value_states
+        key_positions = position_embeddings if key_position_embeddings is None else key_position_embeddings
+        keys = self._rotated(self.key(keys_from), key_positions)[:, None]  # (B, 1, S, 2R), rotated as cached
+        values = self.value(keys_from)
+        shared_values = self.value_up is not None
+        values = values[:, None] if shared_values else self._heads(values, self.kv_heads)
+        if kv_cache is not None:
+            keys, values = kv_cache(keys, values)
+        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        queries = self._rotated(self._heads(self.query(query_states), self.num_heads), position_embeddings)
+        groups = values.shape[1]  # shared values: one group of all heads; the keys are never copied per head
+        keys = keys.expand(-1, groups, -1, -1)
+        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        if shared_values:  # (B, T, H, D_v) -> each head's group value (B, T, H, head_dim)
+            up = self.value_up.weight.view(self.kv_heads, self.head_dim, -1)
+            up = up.repeat_interleave(self.num_heads // self.kv_heads, dim=0)  # (H, head_dim, D_v)
+            context = torch.einsum("bthv,hdv->bthd", context, up.to(context.dtype))
+        return self._finish(context.flatten(2)), weights
+
+    def cache_width(self) -> int:
+        """Numbers the ``kv_cache`` hook is handed per token: the rotated shared key (2R) and the values
+        (``kv_heads head_dim``, or D_v when shared)."""
+        return self.rank + (self.kv_heads * self.head_dim if self.value_rank is None else self.value_rank)
