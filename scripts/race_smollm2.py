@@ -16,7 +16,7 @@ Sizes at a budget of B numbers per token and layer (the largest that fit; G key/
 - ``kv-svd``: MHA2MLA's partial RoPE, ``rope_pairs`` rotary pairs per key/value group (``--rope-pairs``, default 4),
   the rest of the keys and the values in one latent of width ``B - 2 x rope_pairs x G``.
 - ``merge-kv`` / ``drop-kv``: key/value groups merged by mean pooling, or dropped with their query heads: g groups
-  with ``2 g d_h <= B`` (SmolLM2: none below a third of the cache).
+  with ``2 g d_h <= B`` (merging: g divides G; SmolLM2: none below a third of the cache).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3,
     if method == "kv-svd":
         latent = budget - 2 * rope_pairs * kv_heads
         return [Entry("kv-svd", latent, options={"rope_pairs": rope_pairs}, **common)] if latent > 0 else []
-    groups = budget // (2 * head_dim)
-    return [Entry(method, groups * head_dim, **common)] if groups >= 1 else []
+    groups = [g for g in range(1, budget // (2 * head_dim) + 1) if method != "merge-kv" or kv_heads % g == 0]
+    return [Entry(method, groups[-1] * head_dim, **common)] if groups else []
 
 
 def main(argv=None) -> None:

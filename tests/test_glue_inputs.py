@@ -1,6 +1,7 @@
-"""Bad input that used to slip through: one ``error:`` line and nothing left behind; refit inheriting trainer."""
+"""Bad input that used to slip through: one ``error:`` line and nothing left behind; refit inheriting trainer. The
+scripts run in this process (their ``main`` with the command line; each script as a real process refusing bad input:
+tests/test_entry_points.py)."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from test_entry_points import script  # the scripts, each loaded once
 
 from collab_attn.glue.jobs import GlueJob
 
@@ -24,10 +26,20 @@ def job(*overrides: str) -> GlueJob:
     return GlueJob.of(settings(*overrides))
 
 
-def run_script(script: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *overrides], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=600)
+@pytest.fixture
+def run_script(monkeypatch, capsys):
+    """``python scripts/<name> <overrides>`` run in ``cwd``: the script's ``main`` in this process, which must stop
+    with ``SystemExit``; its exit status and output as a finished process's."""
+
+    def run(name: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", [name, *overrides])
+        with pytest.raises(SystemExit) as stop:
+            script(name.removesuffix(".py")).main()
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess([name, *overrides], stop.value.code, captured.out, captured.err)
+
+    return run
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -36,7 +48,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     return line
 
 
-def test_truncated_checkpoint_is_one_error_line(tmp_path, minilm_path):
+def test_truncated_checkpoint_is_one_error_line(tmp_path, minilm_path, run_script):
     checkpoint = tmp_path / "truncated"
     shutil.copytree(minilm_path, checkpoint)
     weights = checkpoint / "model.safetensors"
@@ -54,7 +66,7 @@ def test_truncated_checkpoint_is_one_error_line(tmp_path, minilm_path):
 
 
 @pytest.mark.glue
-def test_malformed_tsv_stops_before_any_folder(tmp_path, glue_dir):
+def test_malformed_tsv_stops_before_any_folder(tmp_path, glue_dir, run_script):
     """A short line in MRPC/train.tsv: the message names the file and line, and nothing is made, Hydra's log
     folder included (the rows are parsed before Hydra starts)."""
     broken = tmp_path / "glue" / "MRPC"

@@ -137,6 +137,9 @@ def test_each_method_is_sized_within_the_budget():
                                                                     budget=0.25)]
     assert race_script.entries_at("merge-kv", 0.5, 4) == [race.Entry("merge-kv", 64, budget=0.5)]
     assert race_script.entries_at("drop-kv", 0.25, 4) == []  # one group of 64 caches a third
+    assert race_script.entries_at("drop-kv", 0.75, 4) == [race.Entry("drop-kv", 128, budget=0.75)]
+    # merging: 2 groups of 64 would fit, but 2 does not divide 3
+    assert race_script.entries_at("merge-kv", 0.75, 4) == [race.Entry("merge-kv", 64, budget=0.75)]
     # a model with 2 key/value heads of 12 (a cache of 48 numbers), distilled
     assert race_script.entries_at("kv-svd", 0.5, 2, kv_heads=2, head_dim=12, distill_tokens=100) == [
         race.Entry("kv-svd", 16, options={"rope_pairs": 2}, budget=0.5, distill_tokens=100)]

@@ -293,7 +293,21 @@ def _cli(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+def _main(*args: str, cwd: Path, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """The command line through the script's ``main`` in this process, for input it refuses before Hydra runs the
+    job (the script as a real process: ``_cli``)."""
+    from test_entry_points import script
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["reparametrize", *args, f"hydra.run.dir={cwd / 'hydra'}"])
+    with pytest.raises(SystemExit) as stop:
+        script("reparametrize").main()
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, stop.value.code, captured.out, captured.err)
+
+
 def test_cli_end_to_end(tmp_path):
+    """The script as a real process, from the command line to the saved model."""
     out = tmp_path / "model"
     done = _cli("model=minilm", "collab.rank=384", f"output_dir={out}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -301,9 +315,9 @@ def test_cli_end_to_end(tmp_path):
     assert json.loads((out / "reparam_report.json").read_text())["comparison"]["max_abs_diff"] <= 1e-4
 
 
-def test_cli_bad_rank_exits_2(tmp_path):
+def test_cli_bad_rank_exits_2(tmp_path, monkeypatch, capsys):
     out = tmp_path / "model"
-    done = _cli("collab.rank=999", f"output_dir={out}", cwd=tmp_path)
+    done = _main("collab.rank=999", f"output_dir={out}", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
     assert done.returncode == 2
     assert "error: collab.rank=999: rank 999" in done.stderr and "Traceback" not in done.stderr + done.stdout
     assert not out.exists()
@@ -316,7 +330,7 @@ QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 def test_cli_nan_in_a_query_weight_is_one_error_line_and_writes_nothing(tmp_path, minilm_path):
     """A checkpoint whose weights only the conversion can judge (a NaN in layer 2's query projection): the
     conversion's refusal is bad input like the checks before it: exit status 2, its message as the one line on stderr,
-    no traceback, no output folder (nor a temporary one beside it)."""
+    no traceback, no output folder (nor a temporary one beside it). The script as a real process."""
     checkpoint = tmp_path / "minilm-nan"
     model = AutoModel.from_pretrained(minilm_path)
     with torch.no_grad():

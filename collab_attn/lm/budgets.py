@@ -11,6 +11,7 @@ keys keep per-head values, half the original cache) is marked unreachable and re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,14 @@ def candidate_sizes(kind: str, n_embd: int, n_head: int) -> list[int]:
 
 
 def sized(kind: str, key_size: int, model: dict) -> Sized:
-    """Build the variant on the meta device and read its costs."""
+    """Build the variant on the meta device and read its costs (each variant once per process: the costs depend on
+    its sizes alone)."""
+    return _sized(kind, key_size, tuple(sorted(model.items())))
+
+
+@functools.cache
+def _sized(kind: str, key_size: int, model_items: tuple) -> Sized:
+    model = dict(model_items)
     if kind == SHARED_VALUES:
         config = gpt_config(2, 8, **model, kind="collab", key_size=key_size, value_size=key_size)
     else:
