@@ -75,6 +75,9 @@ def main(argv=None) -> None:
                              "tokens (half from each domain; default 0: none)")
     parser.add_argument("--distill-budgets", type=float, nargs="+", default=None,
                         help="the budgets distilled (default: every one of --budgets)")
+    parser.add_argument("--extra", nargs="+", default=[], metavar="METHOD:RANK[:VALUE_RANK]",
+                        help="also these conversions, as given (e.g. key-svd:192:144: exact keys, values cut), "
+                             "without retraining; their budget is the whole cache")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
@@ -87,9 +90,6 @@ def main(argv=None) -> None:
     args.distill_budgets = args.budgets if args.distill_budgets is None else args.distill_budgets
     if set(args.distill_budgets) - set(args.budgets):
         parser.error(f"--distill-budgets {args.distill_budgets} must be among --budgets {args.budgets}")
-    for path in (args.glue_dir / "QNLI" / "dev.tsv", args.glue_dir / "RTE" / "train.tsv", args.shakespeare):
-        if not path.is_file():
-            parser.error(f"{path} is missing: --glue-dir must hold GLUE's QNLI and RTE, --shakespeare the text")
     from collab_attn.models.methods import METHODS as REGISTERED
 
     rotary = [m for m in METHODS if m in REGISTERED and REGISTERED[m].rotary_layer is not None]
@@ -98,6 +98,15 @@ def main(argv=None) -> None:
     elif set(args.methods) - set(rotary):
         parser.error(f"--methods: {sorted(set(args.methods) - set(rotary))} do not convert rotary models here "
                      f"(these do: {', '.join(rotary)})")
+    extra = []
+    for text in args.extra:
+        method, *sizes = text.split(":")
+        if method not in rotary or len(sizes) not in (1, 2) or not all(size.isdigit() for size in sizes):
+            parser.error(f"--extra {text}: give METHOD:RANK[:VALUE_RANK] with METHOD one of {', '.join(rotary)}")
+        extra.append(Entry(method, int(sizes[0]), int(sizes[1]) if len(sizes) == 2 else None))
+    for path in (args.glue_dir / "QNLI" / "dev.tsv", args.glue_dir / "RTE" / "train.tsv", args.shakespeare):
+        if not path.is_file():
+            parser.error(f"{path} is missing: --glue-dir must hold GLUE's QNLI and RTE, --shakespeare the text")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -117,6 +126,7 @@ def main(argv=None) -> None:
                             args.windows) for domain in DOMAINS}
     entries = [Entry("none")] + [entry for fraction in args.budgets for method in args.methods
                                  for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim)]
+    entries += extra
     if args.distill_tokens:
         entries += [entry for fraction in args.distill_budgets for method in args.methods
                     for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,

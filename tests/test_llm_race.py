@@ -176,6 +176,8 @@ def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path
     (["--glue-dir", "no/glue"], "no/glue/QNLI/dev.tsv is missing"),
     (["--distill-tokens", "-5"], "--distill-tokens must be 0 (no distillation) or positive"),
     (["--budgets", "0.5", "--distill-budgets", "0.25"], "--distill-budgets [0.25] must be among --budgets [0.5]"),
+    (["--extra", "cp:96:v"], "--extra cp:96:v: give METHOD:RANK[:VALUE_RANK]"),
+    (["--extra", "svd:96"], "--extra svd:96: give METHOD:RANK[:VALUE_RANK] with METHOD one of cp"),
 ])
 def test_the_script_refuses_bad_input_in_one_line(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:

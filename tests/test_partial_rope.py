@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import transformers
+from conftest import with_cache
 
 import collab_attn
 from collab_attn.models.conversion import check_request
@@ -211,7 +212,7 @@ def test_the_cache_holds_the_kept_keys_and_the_latent_and_equals_recomputation(f
         steps = [out.logits]
         cache = out.past_key_values
         for t in range(5, 9):
-            out = small(tokens[:, t:t + 1], cache=cache, use_cache=True)
+            out = small(tokens[:, t:t + 1], **with_cache(small, cache), use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     layer = small.model.layers[0].self_attn

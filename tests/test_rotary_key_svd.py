@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import transformers
+from conftest import with_cache
 
 import collab_attn
 from collab_attn.models.conversion import check_request
@@ -198,7 +199,7 @@ def test_the_cache_holds_the_rotated_shared_key_and_equals_recomputation(family,
     with torch.no_grad():
         full = small(tokens).logits
         cache = transformers.DynamicCache(config=small.config)
-        steps = [small(tokens[:, t:t + 1], cache=cache, use_cache=True).logits for t in range(9)]
+        steps = [small(tokens[:, t:t + 1], **with_cache(small, cache), use_cache=True).logits for t in range(9)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     values = (KV_HEADS, HEAD_DIM) if value_rank is None else (1, value_rank)
     assert cache.layers[0].keys.shape == (2, 1, 9, 10)  # one rotated shared key of rank numbers for every head
