@@ -173,17 +173,22 @@ def plot(results: list[dict], path: Path) -> Path:
     for ax, domain in zip(axes[0], DOMAINS):
         def line_of(r):
             tokens = r["entry"].get("distill_tokens", 0)
-            return r["entry"]["method"] + (f" distilled {tokens}" if tokens else "")
+            given = " (sizes as given)" if r["entry"]["budget"] == 1.0 else ""  # diagnostics: not one curve
+            return r["entry"]["method"] + (f" distilled {tokens}" if tokens else "") + given
 
         for line in sorted({line_of(r) for r in results if r["entry"]["method"] != "none"}):
             points = sorted((r["cache_fraction"], r["domains"][domain]["perplexity"]
                              / r["domains"][domain]["original_perplexity"])
                             for r in results if line_of(r) == line and domain in r["domains"])
             if points:
-                ax.plot(*zip(*points), marker="o", label=line)
+                ax.plot(*zip(*points), marker="x" if "as given" in line else "o",
+                        linestyle="none" if "as given" in line else "-", label=line)
         ax.axhline(1.0, color="black", linewidth=0.8, label="original")
         ax.set(xscale="log", yscale="log", xlabel="cache per token (fraction of the original's)",
                ylabel="held-out perplexity / original's", title=domain)
+        ticks = [1 / 8, 1 / 4, 1 / 3, 1 / 2, 3 / 4, 1]
+        ax.set_xticks(ticks, ["1/8", "1/4", "1/3", "1/2", "3/4", "1"])
+        ax.minorticks_off()
         ax.legend(fontsize=8)
     fig.tight_layout()
     with replacing(path) as tmp:
