@@ -11,6 +11,16 @@ import pytest
 import torch
 import transformers
 from conftest import with_cache
+from test_rotary_models import (  # the tiny rotary models of every rotary test
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    ROTARY,
+    D,
+    config_of,
+    ids,
+    original,
+)
 
 import collab_attn
 from collab_attn.models.conversion import check_request
@@ -23,42 +33,14 @@ from collab_attn.nn.partial_rope import PartialRotaryLatentAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROTARY = ["llama", "qwen2", "mistral"]
-HEADS, KV_HEADS, HEAD_DIM, D, VOCAB = 4, 2, 12, 48, 100
 BANDS = HEAD_DIM // 2
 VALUES = KV_HEADS * HEAD_DIM  # the latent that holds the values whole when every pair is kept
-
-
-def config_of(family: str, **overrides):
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig}[family]
-    extra = {"sliding_window": None} if family == "mistral" else {}
-    settings = dict(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                    num_hidden_layers=2, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=512,
-                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return config_class(**(settings | extra | overrides))
-
-
-def original(family: str, **overrides):
-    """A small random model with random biases (Qwen2: query, key and value), eager attention."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config_of(family, **overrides)).eval()
-    model.set_attn_implementation("eager")
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_(0, 0.5)
-    return model
 
 
 def converted(model, rank, rope_pairs):
     model = copy.deepcopy(model)
     report = collab_attn.reparametrize(model, rank, method="kv-svd", rope_pairs=rope_pairs, progress=False)
     return model, report
-
-
-def ids(batch=2, length=7, seed=0):
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def logits_at(model, tokens, shift=0, position_ids=None):
