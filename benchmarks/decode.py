@@ -57,6 +57,7 @@ import collab_attn  # noqa: E402,F401  (registers the collaborative model classe
 from collab_attn.cli import ArgumentParser  # noqa: E402
 from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
 from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
+from collab_attn.models.layers import cache_keyword  # noqa: E402
 from collab_attn.models.methods import METHODS  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
 from collab_attn.stats import timing_verdict  # noqa: E402
@@ -116,7 +117,8 @@ def filled_cache(model, kind: str, batch: int, context: int):
     ids = torch.randint(0, model.config.vocab_size, (batch, 1), device=model.device)
     cache = DynamicCache() if kind == "dynamic" else StaticCache(config=model.config, max_cache_len=context + 1)
     with torch.inference_mode():  # the buffers are inference tensors: fill them in that mode too
-        model(ids, cache=cache, use_cache=True)  # one real step gives each layer its key and value shapes
+        # one real step gives each layer its key and value shapes
+        model(ids, use_cache=True, **{cache_keyword(model): cache})
         _fill(cache, kind, context)
     return cache
 
@@ -163,15 +165,16 @@ def timed(model, forward=None, **inputs) -> float:
 
 def decode_step(model, forward, cache, ids: torch.Tensor, mask: torch.Tensor, context: int) -> float:
     """Seconds for one new token per sequence against ``cache``, which is set back to ``context`` afterwards."""
-    seconds = timed(model, forward, input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    seconds = timed(model, forward, input_ids=ids, attention_mask=mask, use_cache=True,
+                    **{cache_keyword(model): cache})
     rewind(cache, context)
     return seconds
 
 
 def prefill(model, ids: torch.Tensor) -> float:
     """Seconds for the prompt pass of ``ids`` into an empty cache, logits of the last position only."""
-    return timed(model, input_ids=ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(), use_cache=True,
-                 logits_to_keep=1)
+    return timed(model, input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1,
+                 **{cache_keyword(model): DynamicCache()})
 
 
 def repeated_seconds(models: dict, args, measure) -> dict[str, list[float]]:

@@ -4,7 +4,7 @@
 # repository root:
 #
 #   OUT=/some/empty/folder bash experiments/gpu_queue.sh            # on the GPU machine; then, here:
-#   cp -r "$OUT"/experiments/. experiments/                          # and commit what came back
+#   tar xzf "$OUT"/gpu_results.tar.gz                                # and commit what came back
 #   bash experiments/gpu_queue.sh --list                             # what it would run, in order
 #   GPU_QUEUE_DRY_RUN=1 OUT=/tmp/q bash experiments/gpu_queue.sh     # every job for one step on the CPU (CI runs it)
 #
@@ -18,8 +18,9 @@
 #      conversion at 1/2, 1/4, 1/8 of the cache without retraining and after a distillation from the original on
 #      2,048,000 fitting tokens, 128 held-out windows of 512 tokens per domain; resumable run by run (and within a
 #      distillation, every 25 steps).
-#   2. decode: benchmarks/decode.py in bfloat16, batches 1 8 32 64, contexts 1024 4096 8192, dynamic and static
-#      (compiled, CUDA graphs) caches, original and D~ = d/2, d/4, d/8 (issue 45); then benchmarks/decode_kernels.py
+#   2. decode: benchmarks/decode.py in bfloat16, original and D~ = d/2, d/4, d/8 (issue 45): batches 1 8 32 64 at
+#      contexts 1024 4096 8192 with dynamic caches, then dynamic against static (compiled, CUDA graphs) caches at
+#      batches 1 and 32, context 4096 (every shape compiles once per model); then benchmarks/decode_kernels.py
 #      (one layer's step: sdpa, explicit, compiled, flex_attention) at batch 1 and 32; each skipped once its .json
 #      exists.
 #   3. glue: the distilled race's GPU grid on MiniLM (refit=distill; CoLA, MRPC, STS-B, RTE; seeds 0, 1, 2):
@@ -47,7 +48,7 @@ if [ "${1:-}" = "--list" ]; then
     case $job in
       tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
       smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --distill-tokens 2048000: every rotary conversion at 1/2 1/4 1/8, without retraining and distilled";;
-      decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic static; benchmarks/decode_kernels.py --batch 1, 32";;
+      decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; benchmarks/decode_kernels.py --batch 1, 32";;
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
       race) echo "race: scripts/train_lm.py recipe=gpu output_dir=experiments/shakespeare_char/kv_race_gpu seed=0,1,2: collab key_size=value_size=93, mla latent_size=192, mqa, gqa kv_heads=2";;
@@ -131,18 +132,23 @@ EOF
     --distill-tokens 2048000 "--glue-dir=$GLUE_DIR" "--shakespeare=$LM_DATA"
 }
 
-decode() {
-  local out="$ROOT/benchmarks/decode_cuda_bfloat16_batches"
+decode() {  # the dynamic-cache grid first (no compiling: a minute or two), then the compiled static caches at two
+  local grid="$ROOT/benchmarks/decode_cuda_bfloat16_batches" static="$ROOT/benchmarks/decode_cuda_bfloat16_static"
   if [ "$DRY" = 1 ]; then
     # the tiny model, its static step captured whole without generating kernels (inductor's CPU kernels for it are
     # tests/test_static_cache.py's)
     run_job decode "$PYTHON" benchmarks/decode.py --size tiny --threads 1 --ranks 24 --contexts 16 --batches 1 \
-      --caches dynamic static --compile-backend aot_eager --repeats 1 --warmup 0 --out "$out"
-  elif [ -f "$out.json" ]; then
-    echo "decode: done before ($out.json)"
+      --caches dynamic static --compile-backend aot_eager --repeats 1 --warmup 0 --out "$grid"
   else
-    run_job decode "$PYTHON" benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 \
-      --contexts 1024 4096 8192 --caches dynamic static --repeats 20 --warmup 3 --out "$out"
+    if [ -f "$grid.json" ]; then echo "decode: done before ($grid.json)"; else
+      run_job decode "$PYTHON" benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 \
+        --contexts 1024 4096 8192 --caches dynamic --repeats 20 --warmup 3 --out "$grid"
+    fi
+    # shapes (each batch x context compiles once per model, about half a minute each)
+    if [ -f "$static.json" ]; then echo "decode-static: done before ($static.json)"; else
+      run_job decode-static "$PYTHON" benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 32 \
+        --contexts 4096 --caches dynamic static --repeats 20 --warmup 3 --out "$static"
+    fi
   fi
   for batch in 1 32; do  # one layer's step five ways (sdpa, explicit, compiled, flex), at 8k context
     local kernels="$ROOT/benchmarks/decode_kernels_cuda_bfloat16_batch$batch"
@@ -239,11 +245,11 @@ for job in $JOBS; do
   esac
 done
 
-# Everything a job made or changed in the tree, under $OUT/experiments/ (checkpoints and models stay behind).
+# Everything a job made or changed in the tree (checkpoints and models stay behind), with the logs, in one archive:
+# $OUT/gpu_results.tar.gz (a device machine returns a few files near the top of $OUT, not a tree).
 if [ "$DRY" != 1 ]; then
   find experiments -type f -newer "$STAMP" ! -path '*/finetuned/*' ! -path '*/.checkpoints/*' ! -path '*/models/*' \
-    ! -path '*/hydra/*' ! -path '*/wandb/*' ! -name '*.log' | while read -r file; do
-    mkdir -p "$OUT/$(dirname "$file")" && cp "$file" "$OUT/$file"
-  done
+    ! -path '*/hydra/*' ! -path '*/wandb/*' ! -name '*.log' > "$LOGS/results.txt"
+  tar czf "$OUT/gpu_results.tar.gz" -T "$LOGS/results.txt" -C "$OUT" queue_logs
 fi
 echo "queue finished after $(( $(date +%s) - START )) s"

@@ -1,4 +1,3 @@
-import inspect
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,6 +142,7 @@ def character_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def with_cache(model, cache) -> dict:
-    """``{name: cache}`` under the name the model's forward takes: ``cache`` from transformers 5.24,
-    ``past_key_values`` before."""
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    """``{name: cache}`` under the name the model's forward takes (``collab_attn.models.layers.cache_keyword``)."""
+    from collab_attn.models.layers import cache_keyword
+
+    return {cache_keyword(model): cache}

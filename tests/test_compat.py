@@ -76,3 +76,27 @@ def test_two_different_caches_are_refused_with_both_names():
 
     with pytest.raises(TypeError, match="two caches at once.*cache and past_key_values are different objects"):
         small_layer()(torch.randn(1, 3, 16), cache=DynamicCache(), past_key_values=DynamicCache())
+
+
+def test_the_cache_goes_in_under_the_name_this_transformers_takes():
+    """``cache_keyword``: ``cache`` from transformers 5.24, ``past_key_values`` before (benchmarks/decode.py feeds
+    caches by it); a converted GPT-2 given its cache under that name fills it and decodes as it recomputes."""
+    import transformers
+    from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+    from collab_attn import reparametrize
+    from collab_attn.models.layers import cache_keyword
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=50, n_positions=16)).eval()
+    reparametrize(model, 8, "cp", progress=False, n_iter_max=3)
+    expected = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
+    assert cache_keyword(model) == expected
+    ids = torch.randint(0, 50, (1, 6))
+    cache = DynamicCache()
+    with torch.no_grad():
+        full = model(ids).logits
+        steps = [model(ids[:, :4], use_cache=True, **{expected: cache}).logits]
+        steps += [model(ids[:, i:i + 1], use_cache=True, **{expected: cache}).logits for i in (4, 5)]
+    assert cache.get_seq_length() == 6
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)

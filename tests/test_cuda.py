@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
+from conftest import with_cache
 from collab_attn import CollaborativeAttention, MultiHeadAttention, reparametrize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -192,9 +193,9 @@ def test_a_converted_gpt2_decodes_on_the_gpu_as_on_the_cpu(method, rank):
     ids = torch.randint(5, 1000, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = gpu(ids.to(GPU), use_cache=False).logits
-        cache = DynamicCache()
-        pieces = [gpu(ids[:, :8].to(GPU), cache=cache, use_cache=True).logits]
-        pieces += [gpu(ids[:, i:i + 1].to(GPU), cache=cache, use_cache=True).logits for i in range(8, 12)]
+        cache = with_cache(gpu, DynamicCache())  # under the name this transformers' forward takes it by
+        pieces = [gpu(ids[:, :8].to(GPU), use_cache=True, **cache).logits]
+        pieces += [gpu(ids[:, i:i + 1].to(GPU), use_cache=True, **cache).logits for i in range(8, 12)]
         torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(full.cpu(), cpu(ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
     settings = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}

@@ -5,12 +5,11 @@ dropping equals the original with the dropped heads' output columns zeroed, keep
 reports the error recomputed here; caches, generation, saving, attention maps, sizes; refusals."""
 
 import copy
-import inspect
 
 import pytest
 import torch
 import transformers
-from conftest import small_model
+from conftest import small_model, with_cache
 
 import collab_attn
 from collab_attn.models.hf import Layout, attention_sites, build_layers
@@ -83,12 +82,6 @@ def outputs(model, tokens, **kwargs):
 def attention_layers(model):
     return [module for module in model.modules() if isinstance(module, (GroupedSelfAttention, KeptHeadsSelfAttention,
                                                                         RotaryGroupedSelfAttention))]
-
-
-def cache_keyword(model) -> str:
-    """The name a model's forward takes its cache by: ``cache`` from transformers 5.24 on, ``past_key_values``
-    before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def max_difference(a, b) -> float:
@@ -252,7 +245,7 @@ def test_the_cache_equals_recomputation_and_generation_agrees_with_and_without_i
         full = small(tokens).logits
         cache = small(tokens[:, :5], use_cache=True).past_key_values
         assert cache.layers[0].keys.shape == cache.layers[0].values.shape == (2, 1, 5, HEAD_DIM)
-        stepped = small(tokens[:, 5:], **{cache_keyword(small): cache}).logits
+        stepped = small(tokens[:, 5:], **with_cache(small, cache)).logits
     assert max_difference(stepped, full[:, 5:]) < 1e-5
     settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     greedy = small.generate(tokens[:, :5], **settings)

@@ -26,6 +26,7 @@ silently ignored.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -54,6 +55,12 @@ REFUSED_KEYWORDS = (
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "head_mask", "encoder_attention_mask",
     "sliding_window", "s_aux", "sinks", "position_embeddings",
 )
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its key/value cache by: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (one of ``CACHE_KEYWORDS``)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def attention_maps_recorded() -> bool:

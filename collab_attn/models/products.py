@@ -43,6 +43,9 @@ class Factor:
     def heads(self) -> int:
         return self.base.shape[0] if self.mix is None else self.mix.shape[0]
 
+    def to(self, device: torch.device) -> Factor:
+        return Factor(self.base.to(device), None if self.mix is None else self.mix.to(device))
+
     def select(self, heads: list[int]) -> Factor:
         base = self.base if self.base.shape[0] == 1 else self.base[heads]
         return Factor(base, None if self.mix is None else self.mix[heads])
@@ -80,6 +83,13 @@ class HeadForms:
     def heads(self) -> int:
         return max(self.left.heads, self.right.heads)
 
+    @property
+    def device(self) -> torch.device:
+        return self.left.base.device
+
+    def to(self, device: torch.device) -> HeadForms:
+        return HeadForms(self.left.to(device), self.right.to(device))
+
     def select(self, heads: list[int]) -> HeadForms:
         return HeadForms(self.left.select(heads), self.right.select(heads))
 
@@ -110,6 +120,13 @@ class BandForms:
     @property
     def heads(self) -> int:
         return self.bands[0].heads
+
+    @property
+    def device(self) -> torch.device:
+        return self.bands[0].device
+
+    def to(self, device: torch.device) -> BandForms:
+        return BandForms([band.to(device) for band in self.bands])
 
     def select(self, heads: list[int]) -> BandForms:
         return BandForms([band.select(heads) for band in self.bands])
@@ -230,7 +247,9 @@ def _partial_rope_forms(layer: PartialRotaryLatentAttention) -> BandForms:
 
 def relative_error(approximation: HeadForms, reference: HeadForms, kept: list[int] | None = None) -> float:
     """``||T~ - T||_F / ||T||_F`` over the stacked heads, the measure the decompositions report. ``kept``: the heads of
-    ``reference`` that ``approximation`` holds, in order (pruning); the others count as removed (zero)."""
+    ``reference`` that ``approximation`` holds, in order (pruning); the others count as removed (zero). Measured
+    on ``reference``'s device (a model converted on the GPU against forms read before it moved)."""
+    approximation = approximation.to(reference.device)
     total = reference.head_norms_sq().sum()
     if kept is not None:
         removed = total - reference.select(kept).head_norms_sq().sum()
@@ -243,6 +262,7 @@ def relative_error(approximation: HeadForms, reference: HeadForms, kept: list[in
 
 def head_relative_errors(approximation: HeadForms, reference: HeadForms) -> torch.Tensor:
     """``||T~_h - T_h||_F / ||T_h||_F`` for every head, (heads,)."""
+    approximation = approximation.to(reference.device)
     return (approximation.head_distances_sq(reference) / reference.head_norms_sq().clamp_min(1e-300)).sqrt()
 
 
