@@ -1,5 +1,6 @@
-"""One decoding step of one collaborative attention layer, written four ways, against the original's fused kernel:
-what the compiler, and ``torch.nn.attention.flex_attention``, give for collaborative heads.
+"""One decoding step of one collaborative attention layer, written several ways, against the original's fused
+kernel: what the compiler, ``torch.nn.attention.flex_attention`` and multi-query attention through the fused kernel
+give for collaborative heads, and how fast each reads its cache.
 
     python benchmarks/decode_kernels.py                             # CPU, float32, batch 8, context 8192, D~ = 192
     python benchmarks/decode_kernels.py --device cuda --dtype bfloat16 --batch 32
@@ -15,7 +16,15 @@ The step: one new query per sequence, 12 heads of 64 (GPT-2 small's layer), a ca
   content logits as its additive mask (query/key width D~, value width 64: the unfused kernel where they differ).
 - ``collab flex``: ``flex_attention`` (compiled, as it must be) with the shared key expanded to every head and the
   content logit added by a ``score_mod``; it takes query/key and value widths that differ.
-All five read the same cache; the script checks that the collaborative variants agree (max |difference|) and times
+With shared values (``--value-rank`` D_v, default 186: keys and values at a quarter of the original's cache):
+- ``collab kv explicit``: the explicit path as it was before issue 55: logits against the shared key, softmax, the
+  product with the one value per token broadcast over the heads, then each head's value mixing summed.
+- ``collab kv fused``: the library's path (``collab_attn.nn.attention.grouped_attend``): the heads stacked as the
+  query rows of one key/value head, the content logits as the mask, one ``scaled_dot_product_attention`` call
+  (multi-query attention), then the value mixing; ``collab kv fused compiled``: the same under ``torch.compile``.
+The keys-only variants read the same cache, the kv variants theirs; the script checks that each agrees with its
+explicit form (max |difference|), counts the bytes each reads (keys, content logits and values; ``GB/s``: those bytes
+over the median step) and times
 ``--repeats`` steps of each after ``--warmup``, taking turns step by step. The table (and each printed line) gives
 the median step, the range of the steps (the step-to-step spread), the ratio to ``original sdpa`` and its verdict:
 ``faster`` or ``slower`` only where the two variants' ranges do not overlap (``collab_attn.stats.timing_verdict``),
@@ -41,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn.nn.attention import grouped_attend  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
 HEADS, HEAD_DIM = 12, 64
@@ -71,6 +81,19 @@ def make_flex():
         return compiled(queries, expanded, values, score_mod=add_content, scale=1.0)
 
     return collab_flex
+
+
+def collab_kv_explicit(queries, keys, values, content, value_mixing):
+    """queries (B, H, 1, D~), keys (B, S, D~), values (B, 1, S, D_v), content (B, H, 1, S), value_mixing (H, D_v)."""
+    batch, heads, tgt, rank = queries.shape
+    logits = torch.bmm(queries.reshape(batch, heads * tgt, rank), keys.transpose(1, 2)).view(batch, heads, tgt, -1)
+    context = torch.matmul((logits + content).softmax(dim=-1), values)  # (B, H, 1, D_v)
+    return torch.einsum("bhtv,hv->btv", context, value_mixing)
+
+
+def collab_kv_fused(queries, keys, values, content, value_mixing):
+    context, _ = grouped_attend(queries, keys[:, None], values, content, 1.0, 0.0, False)  # (B, 1, H, D_v)
+    return torch.einsum("bthv,hv->btv", context, value_mixing)
 
 
 def original_sdpa(queries, keys, values):
@@ -105,7 +128,9 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--rank", type=int, default=192, help="the shared key width D~")
+    parser.add_argument("--rank", type=int, default=192, help="the shared key width D~ (keys-only variants)")
+    parser.add_argument("--value-rank", type=int, default=186,
+                        help="the shared key and value width of the kv variants (186: a quarter of the cache)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
@@ -115,8 +140,8 @@ def main(argv=None) -> dict:
                         help="a new output path without suffix (default: experiments/benchmarks/decode_kernels_"
                              "<device>_<dtype>_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
-    if min(args.batch, args.context, args.rank, args.repeats) <= 0:
-        parser.error("--batch, --context, --rank and --repeats must be positive")
+    if min(args.batch, args.context, args.rank, args.value_rank, args.repeats) <= 0:
+        parser.error("--batch, --context, --rank, --value-rank and --repeats must be positive")
     try:
         out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" /
                               f"decode_kernels_{args.device}_{args.dtype}")
@@ -130,39 +155,55 @@ def main(argv=None) -> dict:
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    b, s, r = args.batch, args.context, args.rank
+    b, s, r, v = args.batch, args.context, args.rank, args.value_rank
     collab_inputs = (randn(b, HEADS, 1, r) / r**0.5, randn(b, s, r), randn(b, HEADS, s, HEAD_DIM),
                      randn(b, HEADS, 1, s))
+    kv_inputs = (randn(b, HEADS, 1, v) / v**0.5, randn(b, s, v), randn(b, 1, s, v), randn(b, HEADS, 1, s),
+                 randn(HEADS, v))
     original_inputs = (randn(b, HEADS, 1, HEAD_DIM), randn(b, HEADS, s, HEAD_DIM), randn(b, HEADS, s, HEAD_DIM))
-    variants = {
-        "original sdpa": (original_sdpa, original_inputs),
-        "collab explicit": (collab_explicit, collab_inputs),
-        "collab compiled": (torch.compile(collab_explicit, fullgraph=True, dynamic=False), collab_inputs),
-        "collab sdpa": (collab_sdpa, collab_inputs),
-        "collab flex": (make_flex(), collab_inputs),
+    element = collab_inputs[0].element_size()
+    cache_bytes = {"original": 2 * b * s * HEADS * HEAD_DIM * element,  # what each step reads: keys, content, values
+                   "collab": b * s * (r + HEADS + HEADS * HEAD_DIM) * element,
+                   "collab kv": b * s * (2 * v + HEADS) * element}
+    variants = {  # name: (function, its inputs, the explicit form it must agree with, the cache it reads)
+        "original sdpa": (original_sdpa, original_inputs, None, "original"),
+        "collab explicit": (collab_explicit, collab_inputs, "collab explicit", "collab"),
+        "collab compiled": (torch.compile(collab_explicit, fullgraph=True, dynamic=False), collab_inputs,
+                            "collab explicit", "collab"),
+        "collab sdpa": (collab_sdpa, collab_inputs, "collab explicit", "collab"),
+        "collab flex": (make_flex(), collab_inputs, "collab explicit", "collab"),
+        "collab kv explicit": (collab_kv_explicit, kv_inputs, "collab kv explicit", "collab kv"),
+        "collab kv fused": (collab_kv_fused, kv_inputs, "collab kv explicit", "collab kv"),
+        "collab kv fused compiled": (torch.compile(collab_kv_fused, fullgraph=True, dynamic=False), kv_inputs,
+                                     "collab kv explicit", "collab kv"),
     }
     with torch.inference_mode():
-        reference = collab_explicit(*collab_inputs).float()
-        differences = {name: float((fn(*inputs).float() - reference).abs().max())
-                       for name, (fn, inputs) in variants.items() if name.startswith("collab")}
+        references = {name: fn(*inputs).float() for name, (fn, inputs, _, _) in variants.items()
+                      if name in ("collab explicit", "collab kv explicit")}
+        differences = {name: float((fn(*inputs).float() - references[explicit]).abs().max())
+                       for name, (fn, inputs, explicit, _) in variants.items() if explicit is not None}
     times = {name: [] for name in variants}
     for step in range(args.warmup + args.repeats):
-        for name, (fn, inputs) in variants.items():
+        for name, (fn, inputs, _, _) in variants.items():
             seconds = timed(fn, *inputs)
             if step >= args.warmup:
                 times[name].append(seconds)
     rows = [timed_row(name, seconds, times[REFERENCE], differences.get(name)) for name, seconds in times.items()]
     for row in rows:
-        print(f"{row['variant']:16s} {row['ms']:9.3f} ms  [{row['ms_low']:.3f}-{row['ms_high']:.3f}]  "
-              f"({row['vs_original']:.2f}x, {row['verdict']})", flush=True)
+        read = cache_bytes[variants[row["variant"]][3]]
+        row.update(cache_mb=read / 1e6, gb_per_s=read / 1e6 / row["ms"])
+        print(f"{row['variant']:24s} {row['ms']:9.3f} ms  [{row['ms_low']:.3f}-{row['ms_high']:.3f}]  "
+              f"({row['vs_original']:.2f}x, {row['verdict']})  {row['cache_mb']:.0f} MB at {row['gb_per_s']:.1f} GB/s",
+              flush=True)
     environment = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU",
                    "torch": torch.__version__, "threads": torch.get_num_threads()}
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "environment": environment, "rows": rows}
     lines = [
-        f"# One collaborative decoding step, five ways ({device}, {args.dtype})",
+        f"# One collaborative decoding step, several ways ({device}, {args.dtype})",
         "",
-        f"Batch {b}, context {s}, 12 heads of 64, D~ = {r}; median of {args.repeats} steps after {args.warmup}, "
+        f"Batch {b}, context {s}, 12 heads of 64; keys-only D~ = {r}, shared keys and values (kv) D~ = D_v = {v}; "
+        f"median of {args.repeats} steps after {args.warmup}, "
         "taking turns, and their range (the step-to-step spread); the verdict says faster or slower than `original "
         "sdpa` only where the two ranges do not overlap (`collab_attn.stats.timing_verdict`), tie otherwise. "
         f"{environment['device']}, torch {environment['torch']}, {environment['threads']} threads.",
@@ -171,10 +212,11 @@ def main(argv=None) -> dict:
         f"python benchmarks/decode_kernels.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
         "```",
         "",
-        "| variant | ms / step | range | vs original sdpa | verdict | max abs difference to explicit |",
-        "|---|---:|---:|---:|---|---:|",
+        "| variant | ms / step | range | vs original sdpa | verdict | cache MB read | GB/s | max abs difference to "
+        "explicit |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ] + [f"| {row['variant']} | {row['ms']:.3f} | {row['ms_low']:.3f}-{row['ms_high']:.3f} | "
-         f"{row['vs_original']:.2f}x | {row['verdict']} | "
+         f"{row['vs_original']:.2f}x | {row['verdict']} | {row['cache_mb']:.0f} | {row['gb_per_s']:.1f} | "
          f"{'' if row['max_abs_difference'] is None else format(row['max_abs_difference'], '.1e')} |" for row in rows]
     write_text_atomic(out.with_suffix(".json"), json.dumps(result, indent=2))
     write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")

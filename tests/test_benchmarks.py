@@ -371,7 +371,8 @@ def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     assert_decode_reports(rows, text, capsys.readouterr().out, prefill=False)
 
 
-KERNELS = ["original sdpa", "collab explicit", "collab compiled", "collab sdpa", "collab flex"]
+KERNELS = ["original sdpa", "collab explicit", "collab compiled", "collab sdpa", "collab flex", "collab kv explicit",
+           "collab kv fused", "collab kv fused compiled"]
 
 
 def assert_decode_kernels_reports(result: dict, text: str, printed: str) -> None:
@@ -386,27 +387,37 @@ def assert_decode_kernels_reports(result: dict, text: str, printed: str) -> None
         assert row["vs_original"] == pytest.approx(row["ms"] / base["ms"])
         assert row["verdict"] == reference_verdict(name, "original sdpa", runs, base["ms_runs"])
     header, table = markdown_table(text)
-    assert header == ["variant", "ms / step", "range", "vs original sdpa", "verdict", "max abs difference to explicit"]
+    assert header == ["variant", "ms / step", "range", "vs original sdpa", "verdict", "cache MB read", "GB/s",
+                      "max abs difference to explicit"]
     assert "timing_verdict" in text  # the table says by which rule
-    lines = [line for line in printed.splitlines() if line.endswith(")")]
+    lines = [line for line in printed.splitlines() if line.endswith("GB/s")]
     assert len(table) == len(lines) == len(rows)
     for (name, row), cells, line in zip(rows.items(), table, lines):
         assert cells[0] == name and shows(cells[1], row["ms"]) and shows_range(*cells[2].split("-"), row["ms_runs"])
         assert shows(cells[3], row["ms"] / base["ms"]) and cells[4] == row["verdict"]
+        assert row["gb_per_s"] == pytest.approx(row["cache_mb"] / row["ms"])  # MB per ms: GB per second
+        assert shows(cells[5], row["cache_mb"]) and shows(cells[6], row["gb_per_s"])
         difference = row["max_abs_difference"]
-        assert cells[5] == ("" if difference is None else f"{difference:.1e}")
-        shown_name, ms, low, high, ratio, verdict = re.fullmatch(
-            r"(\S.*?) +([\d.]+) ms +\[([\d.]+)-([\d.]+)\] +\(([\d.]+x), ([\w-]+)\)", line).groups()
+        assert cells[7] == ("" if difference is None else f"{difference:.1e}")
+        shown_name, ms, low, high, ratio, verdict, megabytes, rate = re.fullmatch(
+            r"(\S.*?) +([\d.]+) ms +\[([\d.]+)-([\d.]+)\] +\(([\d.]+x), ([\w-]+)\) +([\d.]+) MB at ([\d.]+) GB/s",
+            line).groups()
         assert shown_name == name and shows(ms, row["ms"]) and shows_range(low, high, row["ms_runs"])
         assert shows(ratio, row["ms"] / base["ms"]) and verdict == row["verdict"]
+        assert shows(megabytes, row["cache_mb"]) and shows(rate, row["gb_per_s"])
 
 
 def test_decode_kernels_agree_and_report_ratios_of_their_timings(tmp_path, capsys):
     """One collaborative decoding step five ways, three steps each: the collaborative variants compute the same
     attention, and each row's ratio is its median over the original's, with the verdict of their ranges."""
     kernels = load("decode_kernels")
-    result = kernels.main(["--batch", "2", "--context", "64", "--rank", "48", "--repeats", "3", "--warmup", "0",
-                           "--threads", "1", "--out", str(tmp_path / "k")])
+    result = kernels.main(["--batch", "2", "--context", "64", "--rank", "48", "--value-rank", "40", "--repeats", "3",
+                           "--warmup", "0", "--threads", "1", "--out", str(tmp_path / "k")])
+    rows = {row["variant"]: row for row in result["rows"]}
+    element = 4  # float32: keys, content logits (12 heads) and values per position, 2 x 64 positions
+    assert rows["original sdpa"]["cache_mb"] * 1e6 == 2 * 64 * 2 * 12 * 64 * element
+    assert rows["collab explicit"]["cache_mb"] * 1e6 == 2 * 64 * (48 + 12 + 12 * 64) * element
+    assert rows["collab kv fused"]["cache_mb"] * 1e6 == 2 * 64 * (40 + 12 + 40) * element
     for row in result["rows"]:
         assert len(row["ms_runs"]) == 3 and all(t > 0 for t in row["ms_runs"])
         if row["variant"].startswith("collab"):
@@ -422,19 +433,22 @@ def test_decode_kernels_call_faster_or_slower_only_outside_the_spread(tmp_path, 
     kernel only where its range and the original's do not overlap. Nothing is timed, so nothing is compiled either:
     the compiled variants run eagerly here (the test above compiles them)."""
     kernels = load("decode_kernels")
-    steps = iter(seconds for step in zip(*SCRIPTED.values()) for seconds in step)
+    scripted = {**SCRIPTED, "kv faster": SCRIPTED["faster"], "kv slower": SCRIPTED["slower"],
+                "kv across": SCRIPTED["across"]}  # one series per variant, in the script's order
+    steps = iter(seconds for step in zip(*scripted.values()) for seconds in step)
     monkeypatch.setattr(kernels, "timed", lambda fn, *inputs: next(steps))
     monkeypatch.setattr(kernels.torch, "compile", lambda fn, **options: fn)
     monkeypatch.setattr(kernels, "make_flex", lambda: kernels.collab_sdpa)
     result = kernels.main(["--batch", "1", "--context", "8", "--rank", "8", "--repeats", "3", "--warmup", "0",
                            "--threads", "1", "--out", str(tmp_path / "k")])
-    assert [row["verdict"] for row in result["rows"]] == list(SCRIPTED_VERDICTS.values())
+    assert [row["verdict"] for row in result["rows"]] == list(SCRIPTED_VERDICTS.values()) + ["faster", "slower", "tie"]
     text = (tmp_path / "k.md").read_text()
     assert_decode_kernels_reports(result, text, capsys.readouterr().out)
     assert [cells[1:5] for cells in markdown_table(text)[1]] == [
         ["11.000", "10.000-12.000", "1.00x", "-"], ["6.000", "5.000-7.000", "0.55x", "faster"],
         ["25.000", "20.000-30.000", "2.27x", "slower"], ["11.000", "9.000-13.000", "1.00x", "tie"],
-        ["20.000", "12.000-30.000", "1.82x", "tie"]]
+        ["20.000", "12.000-30.000", "1.82x", "tie"], ["6.000", "5.000-7.000", "0.55x", "faster"],
+        ["25.000", "20.000-30.000", "2.27x", "slower"], ["11.000", "9.000-13.000", "1.00x", "tie"]]
 
 
 def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tmp_path, monkeypatch):

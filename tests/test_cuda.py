@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
+from conftest import with_cache
 from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
-from conftest import with_cache
 from collab_attn import CollaborativeAttention, MultiHeadAttention, reparametrize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -199,9 +199,9 @@ def test_a_converted_gpt2_decodes_on_the_gpu_as_on_the_cpu(method, rank):
         torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(full.cpu(), cpu(ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
     settings = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
-    with_cache = gpu.generate(ids.to(GPU), use_cache=True, **settings)
-    assert torch.equal(with_cache, gpu.generate(ids.to(GPU), use_cache=False, **settings))
-    assert torch.equal(with_cache.cpu(), cpu.generate(ids, **settings))
+    cached = gpu.generate(ids.to(GPU), use_cache=True, **settings)
+    assert torch.equal(cached, gpu.generate(ids.to(GPU), use_cache=False, **settings))
+    assert torch.equal(cached.cpu(), cpu.generate(ids, **settings))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

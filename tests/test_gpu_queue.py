@@ -48,7 +48,7 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
     if group == "no data":
         assert ran == {"tests": "exit 0", "decode": "exit 0", "decode-kernels": "exit 0"}, done.stdout
         assert (dry / "benchmarks" / "decode_cuda_bfloat16_batches.md").is_file()
-        assert (dry / "benchmarks" / "decode_kernels_cuda_bfloat16_batch1.md").is_file()
+        assert (dry / "benchmarks" / "decode_kernels_kv184_cuda_bfloat16_batch1.md").is_file()
         report = (dry / "gpu_tests" / "test_cuda.txt").read_text().splitlines()
         assert re.fullmatch(r"sources [0-9a-f]{12}", report[0]) and report[1] == "exit 0", report[:2]
         # without a GPU every test skips; with one they pass: either way each was collected and none failed

@@ -146,6 +146,34 @@ def test_each_method_is_sized_within_the_budget():
     assert race_script.entries_at("merge-kv", 0.5, 2, kv_heads=2, head_dim=12) == [race.Entry("merge-kv", 12,
                                                                                               budget=0.5)]
     assert race.Entry("cp", 8, 8, distill_tokens=100).name == "cp-k8-v8-distilled100"
+    assert race_script.entries_at("key-svd", 0.25, 4, calibration_tokens=64) == [
+        race.Entry("key-svd", 48, 48, budget=0.25, calibration_tokens=64)]
+    assert race.Entry("kv-svd", 8, options={"rope_pairs": 2}, calibration_tokens=64).name == (
+        "kv-svd-k8-rope_pairs2-calibrated64")
+
+
+def test_a_calibrated_entry_is_fitted_to_the_originals_attention_inputs(tmp_path, monkeypatch):
+    """The entry's conversion takes the calibration the race collected from the original once, and says so in its
+    report; an entry asking for one without a way to get it is refused before anything is converted."""
+    from collab_attn.models.calibration import collect_calibration
+
+    original = tiny_llama()
+    windows = {domain: rows(seed=i) for i, domain in enumerate(heldout.DOMAINS)}
+    monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
+    entry = race.Entry("kv-svd", 16, options={"rope_pairs": 2}, budget=0.5, calibration_tokens=64)
+    with pytest.raises(ValueError, match="asks for a calibration: pass run_entry"):
+        race.run_entry(entry, original, None, windows, tmp_path, original_cache=48)
+    collected = []
+
+    def calibration():
+        collected.append(collect_calibration(original, [{"input_ids": rows(count=4, length=16, seed=5)}]))
+        return collected[-1]
+
+    calibrated = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, calibration=calibration)
+    plain = race.run_entry(race.Entry("kv-svd", 16, options={"rope_pairs": 2}, budget=0.5), original, None, windows,
+                           tmp_path, original_cache=48, calibration=calibration)
+    assert len(collected) == 1 and calibrated["name"] == "kv-svd-k16-rope_pairs2-calibrated64"
+    assert calibrated["mean_layer_error"] != plain["mean_layer_error"]
 
 
 def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path):
@@ -175,6 +203,7 @@ def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path
     (["--windows", "1"], "--windows, --length and --batch must be at least 2"),
     (["--glue-dir", "no/glue"], "no/glue/QNLI/dev.tsv is missing"),
     (["--distill-tokens", "-5"], "--distill-tokens must be 0 (no distillation) or positive"),
+    (["--calibration-tokens", "-5"], "--calibration-tokens must be 0 (no calibration) or positive"),
     (["--budgets", "0.5", "--distill-budgets", "0.25"], "--distill-budgets [0.25] must be among --budgets [0.5]"),
     (["--extra", "cp:96:v"], "--extra cp:96:v: give METHOD:RANK[:VALUE_RANK]"),
     (["--extra", "svd:96"], "--extra svd:96: give METHOD:RANK[:VALUE_RANK] with METHOD one of cp"),

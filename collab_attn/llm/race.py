@@ -42,6 +42,7 @@ class Entry:
     options: dict = field(default_factory=dict)
     budget: float = 1.0  # the fraction of the original's cache it was sized for
     distill_tokens: int = 0  # fitting tokens of the distillation after the conversion (0: none)
+    calibration_tokens: int = 0  # fitting tokens whose attention inputs fit the conversion (0: fitted to the weights)
 
     @property
     def name(self) -> str:
@@ -49,8 +50,9 @@ class Entry:
             return "original"
         sizes = f"-k{self.rank}" + ("" if self.value_rank is None else f"-v{self.value_rank}")
         extra = "".join(f"-{key}{value}" for key, value in sorted(self.options.items()))
+        calibrated = f"-calibrated{self.calibration_tokens}" if self.calibration_tokens else ""
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
-        return f"{self.method}{sizes}{extra}{distilled}"
+        return f"{self.method}{sizes}{extra}{calibrated}{distilled}"
 
 
 def cache_numbers_per_token(model) -> float:
@@ -75,9 +77,10 @@ def answers(model, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int 
 
 
 def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
-              original_cache: float, batch: int = 4, fit_rows=None) -> dict:
-    """Convert a copy of ``original`` as ``entry`` says, distil it on ``fit_rows()`` (a callable giving the fitting
-    windows) when the entry asks for it, measure it, write ``runs/<name>.json``; a finished run is read back
+              original_cache: float, batch: int = 4, fit_rows=None, calibration=None) -> dict:
+    """Convert a copy of ``original`` as ``entry`` says (activation-aware with ``calibration()``, a callable giving
+    the original's ``Calibration``, when the entry asks for it), distil it on ``fit_rows()`` (a callable giving the
+    fitting windows) when the entry asks for it, measure it, write ``runs/<name>.json``; a finished run is read back
     instead."""
     import collab_attn
 
@@ -90,6 +93,10 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     if entry.method != "none":
         model = copy.deepcopy(original)
         sizes = {} if entry.value_rank is None else {"value_rank": entry.value_rank}
+        if entry.calibration_tokens:
+            if calibration is None:
+                raise ValueError(f"{entry.name} asks for a calibration: pass run_entry(..., calibration=...)")
+            sizes["calibration"] = calibration()
         report = collab_attn.reparametrize(model, entry.rank, method=entry.method, **sizes, **entry.options)
     convert_seconds = time.perf_counter() - start
     training = None

@@ -115,6 +115,57 @@ def attend(
     return context.transpose(1, 2).reshape(batch, tgt_len, -1), weights
 
 
+def grouped_attend(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    dropout: float,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``attend`` for query heads that share key/value heads: queries (B, H, T, E), keys (B, G, S, E), values
+    (B, G, S, Dv), G dividing H; query head ``h`` reads key/value head ``h // (H / G)``. ``bias`` is broadcastable
+    to (B, H, T, S). Returns the context (B, T, H, Dv) and, when asked, the weights (B, H, T, S).
+
+    The keys and values are never copied per query head: the ``r = H / G`` query heads of a group are stacked as
+    ``r T`` query rows of one head (B, G, r T, E), which ``attend`` then treats as G ordinary heads; only a bias
+    that differs between query rows is tiled to match those rows."""
+    batch, heads, tgt_len, _ = queries.shape
+    groups = keys.shape[1]
+    if heads % groups:
+        raise ValueError(f"{heads} query heads cannot share {groups} key/value heads")
+    group = heads // groups
+    if group == 1:
+        context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
+        return context.view(batch, tgt_len, heads, -1), weights
+    queries = queries.reshape(batch, groups, group * tgt_len, queries.shape[-1])
+    bias = _grouped_bias(bias, groups, group, tgt_len)
+    if need_weights:  # the weights per query head, (B, H, T, S), are the ones the context is made of
+        logits = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+        weights = (logits if bias is None else logits + bias).softmax(dim=-1).view(batch, heads, tgt_len, -1)
+        grouped = F.dropout(weights.view(batch, groups, group * tgt_len, -1), p=dropout)
+        context = torch.matmul(grouped, values).transpose(1, 2)  # (B, r T, G, Dv)
+    else:
+        context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
+    # (B, r T, G Dv): row j T + t of group g belongs to head g r + j
+    return context.reshape(batch, group, tgt_len, groups, -1).permute(0, 2, 3, 1, 4).flatten(2, 3), weights
+
+
+def _grouped_bias(bias: torch.Tensor | None, groups: int, group: int, tgt_len: int) -> torch.Tensor | None:
+    """A bias broadcastable to (B, H, T, S), H = groups * group, laid out for queries stacked as (B, G, r T, E)."""
+    if bias is None:
+        return None
+    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    batch, heads, rows, src_len = bias.shape
+    if heads == 1 and rows == 1:
+        return bias  # the same for every query row of every head (padding): broadcasts as it is
+    bias = bias.expand(batch, heads, tgt_len, src_len)
+    if heads == 1:
+        return bias[:, :, None].expand(batch, 1, group, tgt_len, src_len).reshape(batch, 1, group * tgt_len, src_len)
+    return bias.reshape(batch, groups, group * tgt_len, src_len)
+
+
 QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")  # what forms the attention scores
 
 
@@ -275,9 +326,12 @@ class CollaborativeAttention(_Attention):
     ``value_rank``: share the values too (see the module's docstring); the value mixing starts like the key mixing
     (``"ones"`` for ``"concatenate"``, which has no block form here), with ``tucker_core_size`` a core of that many
     ``value_rank x value_rank`` slices. None keeps a value head per head.
-    The logits are always explicit: a path through ``scaled_dot_product_attention`` (values padded with zeros to the
-    rank) was slower in every case measured, on the CPU and on an H100, and was removed
-    (experiments/benchmarks/README.md, sections 4 and 10).
+    With a value per head the logits are explicit: a path through ``scaled_dot_product_attention`` (values padded
+    with zeros to the rank) was slower in every case measured, on the CPU and on an H100, and was removed
+    (experiments/benchmarks/README.md, sections 4 and 10). With shared values (``value_rank``) at inference the
+    layer is multi-query attention in disguise: each head's mixing goes into its query, its content logits into the
+    mask, and all heads attend over the one shared key/value head through the fused kernel (``grouped_attend``;
+    section 16 there); with weights asked for, or a gradient to keep, the explicit path runs.
     """
 
     def __init__(
@@ -391,7 +445,14 @@ class CollaborativeAttention(_Attention):
         shared_values = self.value_mixing is not None
         if not need_weights and not shared_values and _blocks_pay(shared_queries, keys, values, self.num_heads):
             return self._finish(self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2)), None
-        context, weights = self._explicit(shared_queries, keys, values, _plus(mask, content))
+        if not need_weights and shared_values and _fused_pays(shared_queries, keys, values):
+            # every head attends over the one shared key/value head: multi-query attention, its heads stacked as
+            # the query rows of one head through the fused kernel, which reads the cache once (B, T, H, D_v)
+            context, weights = grouped_attend(self._mixed(shared_queries), keys[:, None], values,
+                                              _plus(mask, content), 1.0, self._dropout(), False)
+            context = context.transpose(1, 2)  # (B, H, T, D_v), as the explicit path gives it
+        else:
+            context, weights = self._explicit(shared_queries, keys, values, _plus(mask, content))
         if shared_values and self.value_core is not None:  # (B, H, T, D_v) -> sum_h context_h N_h: (B, T, D_v)
             context = torch.einsum("bhtv,hvw->btw", context, self.value_mixing_matrices())
         elif shared_values:  # (B, H, T, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
@@ -551,6 +612,23 @@ def _blocks_pay(queries, keys, values, heads: int) -> bool:
     needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
     logits = queries.shape[0] * heads * queries.shape[1] * keys.shape[1]
     return keys.device.type == "cpu" and not needs_grad and logits > CPU_LOGITS_BLOCK
+
+
+def _fused_pays(queries, keys, values) -> bool:
+    """Whether shared-value heads run as multi-query attention through ``scaled_dot_product_attention``: without a
+    gradient to keep (inference: decoding and prefill; training keeps the explicit path, whose content-bias gradient
+    the fused kernels do not give), and where a fused kernel takes the widths. On the CPU the shared keys no wider
+    than the shared values (``attend`` pads narrower queries and keys with zero columns for the flash kernel). On a
+    GPU equal widths that are a multiple of 16 bytes: the mask (the content logits) rules out the flash kernel, and
+    the memory-efficient one wants that alignment; otherwise sdpa falls back to its math kernel, which measured
+    slower than the explicit path on an H200 (``experiments/benchmarks/README.md``, section 16)."""
+    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
+    if needs_grad:
+        return False
+    if keys.device.type == "cpu":
+        return keys.shape[-1] <= values.shape[-1]
+    aligned = 16 // keys.element_size()
+    return keys.shape[-1] == values.shape[-1] and keys.shape[-1] % aligned == 0
 
 
 def _widen(x: torch.Tensor, width: int) -> torch.Tensor:

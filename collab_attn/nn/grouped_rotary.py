@@ -21,8 +21,9 @@ import math
 import torch
 from torch import nn
 
+from collab_attn.nn.attention import grouped_attend
 from collab_attn.nn.rotary import rotate_pairs
-from collab_attn.nn.variants import GroupedQueryAttention, grouped_attend
+from collab_attn.nn.variants import GroupedQueryAttention
 
 
 class RotaryGroupedQueryAttention(GroupedQueryAttention):

@@ -42,8 +42,9 @@ import warnings
 import torch
 from torch import nn
 
+from collab_attn.nn.attention import grouped_attend
 from collab_attn.nn.rotary import rotate_pairs
-from collab_attn.nn.variants import _SharedKeyValueAttention, grouped_attend
+from collab_attn.nn.variants import _SharedKeyValueAttention
 
 
 def _linear(d_in: int, d_out: int, bias: bool) -> nn.Linear:

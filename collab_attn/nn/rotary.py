@@ -34,7 +34,8 @@ import math
 import torch
 from torch import nn
 
-from collab_attn.nn.variants import _SharedKeyValueAttention, grouped_attend
+from collab_attn.nn.attention import grouped_attend
+from collab_attn.nn.variants import _SharedKeyValueAttention
 
 ROTARY_MIXING_INITS = ("concatenate", "ones", "random")
 

@@ -36,8 +36,9 @@ import math
 import torch
 from torch import nn
 
+from collab_attn.nn.attention import grouped_attend
 from collab_attn.nn.rotary import RotaryCollaborativeAttention, rotate_pairs
-from collab_attn.nn.variants import _SharedKeyValueAttention, grouped_attend
+from collab_attn.nn.variants import _SharedKeyValueAttention
 
 
 class RotarySharedKeyAttention(_SharedKeyValueAttention):

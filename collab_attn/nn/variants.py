@@ -27,61 +27,16 @@ What each hands the ``kv_cache`` hook ``(packed_keys, values) -> (all_packed_key
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, _Attention, additive_mask, attend
-
-
-def grouped_attend(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    bias: torch.Tensor | None,
-    scale: float,
-    dropout: float,
-    need_weights: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``attend`` for query heads that share key/value heads: queries (B, H, T, E), keys (B, G, S, E), values
-    (B, G, S, Dv), G dividing H; query head ``h`` reads key/value head ``h // (H / G)``. ``bias`` is broadcastable
-    to (B, H, T, S). Returns the context (B, T, H, Dv) and, when asked, the weights (B, H, T, S).
-
-    The keys and values are never copied per query head: the ``r = H / G`` query heads of a group are stacked as
-    ``r T`` query rows of one head (B, G, r T, E), which ``attend`` then treats as G ordinary heads; only a bias
-    that differs between query rows is tiled to match those rows."""
-    batch, heads, tgt_len, _ = queries.shape
-    groups = keys.shape[1]
-    if heads % groups:
-        raise ValueError(f"{heads} query heads cannot share {groups} key/value heads")
-    group = heads // groups
-    if group == 1:
-        context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
-        return context.view(batch, tgt_len, heads, -1), weights
-    queries = queries.reshape(batch, groups, group * tgt_len, queries.shape[-1])
-    bias = _grouped_bias(bias, groups, group, tgt_len)
-    if need_weights:  # the weights per query head, (B, H, T, S), are the ones the context is made of
-        logits = torch.matmul(queries, keys.transpose(-1, -2)) * scale
-        weights = (logits if bias is None else logits + bias).softmax(dim=-1).view(batch, heads, tgt_len, -1)
-        grouped = F.dropout(weights.view(batch, groups, group * tgt_len, -1), p=dropout)
-        context = torch.matmul(grouped, values).transpose(1, 2)  # (B, r T, G, Dv)
-    else:
-        context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
-    # (B, r T, G Dv): row j T + t of group g belongs to head g r + j
-    return context.reshape(batch, group, tgt_len, groups, -1).permute(0, 2, 3, 1, 4).flatten(2, 3), weights
-
-
-def _grouped_bias(bias: torch.Tensor | None, groups: int, group: int, tgt_len: int) -> torch.Tensor | None:
-    """A bias broadcastable to (B, H, T, S), H = groups * group, laid out for queries stacked as (B, G, r T, E)."""
-    if bias is None:
-        return None
-    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-    batch, heads, rows, src_len = bias.shape
-    if heads == 1 and rows == 1:
-        return bias  # the same for every query row of every head (padding): broadcasts as it is
-    bias = bias.expand(batch, heads, tgt_len, src_len)
-    if heads == 1:
-        return bias[:, :, None].expand(batch, 1, group, tgt_len, src_len).reshape(batch, 1, group * tgt_len, src_len)
-    return bias.reshape(batch, groups, group * tgt_len, src_len)
+from collab_attn.nn.attention import (
+    CollaborativeAttention,
+    MultiHeadAttention,
+    _Attention,
+    additive_mask,
+    attend,
+    grouped_attend,
+)
 
 
 class _SharedKeyValueAttention(_Attention):

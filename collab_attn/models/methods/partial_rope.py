@@ -4,13 +4,15 @@ Transformer-based LLMs"), the planner of the ``rotary-mla`` layer (``collab_attn
 
 1. Partial RoPE, per key/value group ``g``: keep the ``r`` frequency pairs (of ``head_dim/2``) that contribute most
    to its logits, by MHA2MLA's 2-norm criterion computed from the weights alone (the paper averages the norms of
-   query and key activations over calibration text; rotary conversions take no calibration yet):
+   query and key activations over calibration text; here a calibration fits the latent, step 2, not this choice):
    ``score_g(i) = sum_{h in g} ||Wq_h[i, i + d_h/2]|| ||Wk_g[i, i + d_h/2]||``, each norm over the pair's two rows
    with the bias as one more input column. Those key dimensions stay rotary and are cached per group as they are;
    each query head rotates the same pairs of its query.
 2. The other key dimensions ("nope", no rotation) and the values of all groups are compressed jointly: one SVD of
    ``[Wk_nope; Wv]`` (stacked over the groups) cut to the latent width D_c = ``rank`` (``shared_subspace``), as the
-   non-rotary ``kv-svd``: ``c = W_down y`` is cached, ``k_nope = W_uk c + bk_nope`` and ``v = W_uv c``.
+   non-rotary ``kv-svd``: ``c = W_down y`` is cached, ``k_nope = W_uk c + bk_nope`` and ``v = W_uv c``. With a
+   calibration (``reparametrize(..., calibration=...)``) the SVD is whitened by the layer's inputs' raw second
+   moments (``shared_subspace``): the latent keeps the directions the inputs visit, not those of the raw weights.
 
 Cache per token and layer: ``2 r G + D_c`` numbers (the original's ``2 G d_h``). Biases: the query bias stays; a key
 bias on the kept dimensions stays on them (it rotates with the key); on the nope dimensions it becomes the
@@ -38,7 +40,7 @@ from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.rotary import with_bias_column
-from collab_attn.models.methods.subspace import SOLVER
+from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.nn.partial_rope import default_rope_pairs, dimension_order
 
@@ -115,7 +117,8 @@ def value_products_error(w_value: torch.Tensor, installed_value: torch.Tensor, w
                   / energy(w_value.double()).clamp_min(1e-300)).sqrt())
 
 
-def _plan_layer(layer: LayerWeights, values: ValueWeights, rank: int, rope_pairs: int, index: int) -> LayerPlan:
+def _plan_layer(layer: LayerWeights, values: ValueWeights, rank: int, rope_pairs: int, index: int,
+                whitening=None) -> LayerPlan:
     start = time.perf_counter()
     kv_heads, head_dim, d_in = layer.w_key.shape[0], layer.head_dim, layer.d_in
     widest = max_latent_size(d_in, kv_heads, head_dim, rope_pairs)
@@ -134,7 +137,7 @@ def _plan_layer(layer: LayerWeights, values: ValueWeights, rank: int, rope_pairs
     rope_rows, nope_rows = ordered[:, :width], ordered[:, width:]
     w_value = values.w_value[::layer.heads // kv_heads]  # (G, d_h, d): given per head, read per group
     nope = nope_rows[..., :d_in].flatten(0, 1)
-    fit = shared_subspace(torch.cat([nope, w_value.flatten(0, 1)]), rank)
+    fit = shared_subspace(torch.cat([nope, w_value.flatten(0, 1)]), rank, whitening)
     up_key, up_value = fit.up.split([nope.shape[0], fit.up.shape[0] - nope.shape[0]])
     state = {"query.weight": layer.w_query.flatten(0, 1), "rope_key.weight": rope_rows[..., :d_in].flatten(0, 1),
              "latent.weight": fit.down, "nope_key.weight": up_key, "rope_bands": bands,
@@ -148,7 +151,7 @@ def _plan_layer(layer: LayerWeights, values: ValueWeights, rank: int, rope_pairs
     installed[:, width:] = installed_nope
     installed = torch.empty_like(key).scatter_(1, order[..., None].expand_as(key), installed)  # original order
     return LayerPlan(
-        state, dropped_bands_error(query, key, installed, bands),
+        state, dropped_bands_error(query, key, installed, bands), fit.weighted_error,
         value_error=value_products_error(w_value, (up_value @ fit.down).view_as(w_value), values.w_output),
         seconds=time.perf_counter() - start,
     )
@@ -164,6 +167,7 @@ def plan_partial_rope(request: Request, method: str) -> Plan:
         raise ValueError(f"rope_pairs={rope_pairs}: a head of {head_dim} dimensions has {head_dim // 2} rotary pairs; "
                          f"keep at most {head_dim // 2} (all of them: the keys' positions exactly)")
     progress = tqdm(request.weights, desc=f"{method} (partial RoPE, {rope_pairs} pairs)", disable=not request.progress)
-    layers = [_plan_layer(layer, values, rank, rope_pairs, index)
+    layers = [_plan_layer(layer, values, rank, rope_pairs, index, input_whitening(request, index, layer, values=True))
               for index, (layer, values, rank) in enumerate(zip(progress, request.values, request.ranks))]
-    return Plan(layers, list(request.ranks), SOLVER, rope_pairs=[rope_pairs] * len(layers))
+    return Plan(layers, list(request.ranks), SOLVER, rope_pairs=[rope_pairs] * len(layers),
+                calibration=calibration_summary(request))

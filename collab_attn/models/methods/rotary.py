@@ -57,9 +57,11 @@ def plan_rotary(request: Request, method: str) -> Plan:
             state |= {"query.bias": fit.query_weight[:, layer.d_in], "key.bias": fit.key_weight[:, layer.d_in]}
         planned = LayerPlan(state, fit.relative_error)
         if request.value_ranks is not None:
+            covariance = None if request.calibration is None else request.calibration.covariance(index)
             value_state, planned.value_error = shared_values(
-                request.values[index], request.value_ranks[index], request, None, "cp", None)
+                request.values[index], request.value_ranks[index], request, covariance, "cp", None)
             planned.state |= value_state
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
-    return Plan(layers, list(request.ranks), "complex-als", value_ranks=request.value_ranks)
+    return Plan(layers, list(request.ranks), "complex-als", value_ranks=request.value_ranks,
+                calibration=None if request.calibration is None else request.calibration.summary())

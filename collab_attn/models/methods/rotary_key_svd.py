@@ -31,7 +31,7 @@ from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.rotary import with_bias_column
-from collab_attn.models.methods.subspace import SOLVER
+from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import Factor, HeadForms, original_value_forms, relative_error
 
@@ -52,12 +52,12 @@ def rotary_key_layout(method, site: AttentionSite, layers: int, key_size: int) -
     return Layout(method.name, method.layer_for(True), [key_size] * layers)
 
 
-def shared_value_state(values: ValueWeights, kv_heads: int, value_rank: int) -> tuple[dict, float]:
+def shared_value_state(values: ValueWeights, kv_heads: int, value_rank: int, whitening=None) -> tuple[dict, float]:
     """The state of shared values of width ``value_rank`` (module doc) and the relative error of the value-output
-    products it gives."""
+    products it gives; with ``whitening`` (a calibration's, ``input_whitening``) the SVD is fitted to the inputs."""
     heads, head_dim, _ = values.w_value.shape
     groups = values.w_value[:: heads // kv_heads]  # (G, d_h, d): given per head, read per group
-    fit = shared_subspace(groups.flatten(0, 1), value_rank)
+    fit = shared_subspace(groups.flatten(0, 1), value_rank, whitening)
     state = values.replaced_by(fit.down, values.w_output.flatten(0, 1).T, value_bias=False)
     state["value_up.weight"] = fit.up
     installed = (fit.up @ fit.down).view(kv_heads, head_dim, -1).repeat_interleave(heads // kv_heads, dim=0)
@@ -95,7 +95,8 @@ def _plan_layer(request: Request, index: int) -> LayerPlan:
                 f"value_rank {value_rank} for layer {index}: the shared value holds the values of {kv_heads} key/value "
                 f"heads of {layer.head_dim}, at most {kv_heads * layer.head_dim} numbers (exact); choose a value_rank "
                 f"of at most {kv_heads * layer.head_dim}")
-        value_state, planned.value_error = shared_value_state(request.values[index], kv_heads, value_rank)
+        value_state, planned.value_error = shared_value_state(
+            request.values[index], kv_heads, value_rank, input_whitening(request, index, layer, values=True))
         planned.state |= value_state
     planned.seconds = time.perf_counter() - start
     return planned
@@ -105,4 +106,5 @@ def plan_rotary_key_svd(request: Request, method: str) -> Plan:
     """The ``rotary-shared-key`` plan of every layer (module doc); ``rank`` the shared key's width, even."""
     progress = tqdm(range(len(request.weights)), desc=f"{method} (rotary, per band)", disable=not request.progress)
     layers = [_plan_layer(request, index) for index in progress]
-    return Plan(layers, list(request.ranks), SOLVER, value_ranks=request.value_ranks)
+    return Plan(layers, list(request.ranks), SOLVER, value_ranks=request.value_ranks,
+                calibration=calibration_summary(request))

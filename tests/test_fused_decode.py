@@ -1,0 +1,188 @@
+"""Collaborative heads with shared values (``value_rank``) at inference run as multi-query attention through the fused
+kernel (``collab_attn.nn.attention.grouped_attend``; issue 55): the same outputs as the explicit path (1e-5 in
+float32) for CP and Tucker mixing, every kind of mask and unequal widths; a cache equals recomputation; a static
+cache under ``torch.compile(fullgraph=True)`` decodes as eager without recompiling; attention maps, asked for, come
+from the explicit path; training keeps the explicit path. A spy on ``grouped_attend`` says which path ran."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import with_cache
+from test_common_model import HEAD_DIM, HEADS, config_of, token_ids
+from test_static_cache import generated
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, DynamicCache, GPT2LMHeadModel, StaticCache
+
+from collab_attn import reparametrize
+from collab_attn.nn import attention
+from collab_attn.nn.attention import CollaborativeAttention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+D = HEADS * HEAD_DIM
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many times the fused path ran (calls of ``grouped_attend`` from the collaborative layer)."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return grouped_attend(*args, **kwargs)
+
+    grouped_attend = attention.grouped_attend
+    monkeypatch.setattr(attention, "grouped_attend", spy)
+    return calls
+
+
+def layer(rank: int, value_rank: int, tucker: int | None = None, seed: int = 0) -> CollaborativeAttention:
+    torch.manual_seed(seed)
+    module = CollaborativeAttention(96, 6, rank, value_rank=value_rank, tucker_core_size=tucker,
+                                    mixing_init="random").eval()
+    with torch.no_grad():  # a content bias and value mixing far from their initial values
+        module.content_bias.weight.normal_()
+        module.value_mixing.normal_()
+    return module
+
+
+def masks(batch: int, length: int) -> dict[str, dict]:
+    padding = torch.ones(batch, length, dtype=torch.long)
+    padding[0, :3] = 0
+    allowed = torch.rand(batch, 1, length, length, generator=torch.Generator().manual_seed(1)) > 0.3
+    allowed[..., 0] = True
+    return {"none": {}, "causal": {"is_causal": True}, "padding": {"attention_mask": padding},
+            "padding and causal": {"attention_mask": padding, "is_causal": True},
+            "4-D boolean": {"attention_mask": allowed}}
+
+
+@pytest.mark.parametrize("tucker", [None, 3], ids=["cp", "tucker"])
+@pytest.mark.parametrize("rank, value_rank", [(48, 48), (40, 48)])
+@pytest.mark.parametrize("mask", list(masks(3, 9)))
+def test_the_fused_path_gives_the_explicit_paths_outputs(tucker, rank, value_rank, mask, fused_calls):
+    module, x = layer(rank, value_rank, tucker), torch.randn(3, 9, 96)
+    inputs = masks(3, 9)[mask]
+    with torch.no_grad():
+        fused, none = module(x, **inputs)
+        assert len(fused_calls) == 1 and none is None
+        explicit, weights = module(x, need_weights=True, **inputs)  # weights asked for: the explicit path
+    assert len(fused_calls) == 1 and weights.shape == (3, 6, 9, 9)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_keys_wider_than_the_values_stay_explicit(fused_calls):
+    """The fused kernels want the keys no wider than the values (the CPU pads narrower ones): wider ones stay on the
+    explicit path."""
+    with torch.no_grad():
+        layer(48, 40)(torch.randn(2, 5, 96), is_causal=True)
+    assert fused_calls == []
+
+
+def test_training_keeps_the_explicit_path_and_its_gradients(fused_calls):
+    module = layer(48, 48).train()
+    x = torch.randn(2, 5, 96)
+    out, _ = module(x, is_causal=True)
+    out.square().sum().backward()
+    assert fused_calls == []
+    assert module.content_bias.weight.grad.abs().sum() > 0 and module.value_mixing.grad.abs().sum() > 0
+    with torch.no_grad():  # the same layer in eval mode: the fused path, the same outputs
+        torch.testing.assert_close(module.eval()(x, is_causal=True)[0], out.detach(), atol=1e-5, rtol=1e-5)
+    assert len(fused_calls) == 1
+
+
+def test_a_cache_fed_step_by_step_equals_recomputation(fused_calls):
+    """The layer's own ``kv_cache`` hook: the prompt, then one token at a time, as one causal pass."""
+    module, x = layer(48, 48, tucker=3), torch.randn(2, 8, 96)
+    keys = values = None
+
+    def cache(new_keys, new_values):
+        nonlocal keys, values
+        keys = new_keys if keys is None else torch.cat([keys, new_keys], 2)
+        values = new_values if values is None else torch.cat([values, new_values], 2)
+        return keys, values
+
+    with torch.no_grad():
+        whole, _ = module(x, is_causal=True)
+        steps = [module(x[:, :5], is_causal=True, kv_cache=cache)[0]]
+        steps += [module(x[:, t:t + 1], is_causal=True, kv_cache=cache)[0] for t in range(5, 8)]
+    assert len(fused_calls) == 5
+    torch.testing.assert_close(torch.cat(steps, 1), whole, atol=1e-5, rtol=1e-5)
+
+
+def gpt2_with_shared_values(method: str = "cp") -> GPT2LMHeadModel:
+    """The tests' small GPT-2 (4 heads of 12), keys and values at rank 24 (a quarter-sized cache with the content
+    logits)."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config_of("gpt2")).eval()
+    reparametrize(model, D // 2, method, value_rank=D // 2, progress=False, n_iter_max=5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("method", ["cp", "tucker"])
+def test_a_converted_gpt2_decodes_through_the_fused_path_as_it_recomputes(method, fused_calls):
+    model = gpt2_with_shared_values(method)
+    ids = token_ids(length=9)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        calls = len(fused_calls)
+        cache = DynamicCache()
+        steps = [model(ids[:, :5], use_cache=True, **with_cache(model, cache)).logits]
+        steps += [model(ids[:, t:t + 1], use_cache=True, **with_cache(model, cache)).logits for t in range(5, 9)]
+    assert calls == 2 and len(fused_calls) == 2 + 2 * 5  # two layers, every call
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
+    static = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        steps = [model(ids[:, :5], use_cache=True, **with_cache(model, static)).logits]
+        steps += [model(ids[:, t:t + 1], use_cache=True, **with_cache(model, static)).logits for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_maps_come_from_the_explicit_path_with_the_same_outputs(fused_calls):
+    model = gpt2_with_shared_values()
+    ids = token_ids(length=6)
+    with torch.no_grad():
+        fused = model(ids).logits
+        calls = len(fused_calls)
+        mapped = model(ids, output_attentions=True)
+    assert calls == 2 and len(fused_calls) == 2
+    assert len(mapped.attentions) == 2 and mapped.attentions[0].shape == (2, HEADS, 6, 6)
+    torch.testing.assert_close(mapped.attentions[0].sum(-1), torch.ones(2, HEADS, 6))
+    torch.testing.assert_close(mapped.logits, fused, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_static_decoding_through_the_fused_path_equals_eager_without_recompiling():
+    model = copy.deepcopy(gpt2_with_shared_values())
+    model.set_attn_implementation("sdpa")
+    ids = token_ids(length=5)
+    settings = {"cache_implementation": "static", "new_tokens": 9}
+    compile_config = CompileConfig(fullgraph=True)
+    compile_config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        eager = generated(model, ids, disable_compile=True, **settings)
+        with torch._dynamo.config.patch(error_on_recompile=True):  # 8 decoding steps, one graph
+            compiled = generated(model, ids, compile_config=compile_config, **settings)
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for a, b in zip(compiled.logits, eager.logits):
+        assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_off_the_cpu_the_fused_path_runs_only_where_the_memory_efficient_kernel_takes_the_widths(dtype):
+    """On a GPU the content logits (a mask) rule out the flash kernel, and the memory-efficient one wants equal widths
+    that are a multiple of 16 bytes; elsewhere sdpa's math kernel measured slower than the explicit path (an H200,
+    D~ = D_v = 186 in bfloat16). Checked on meta tensors: the rule reads only shapes, dtypes and the device."""
+    def pays(key_width: int, value_width: int, device: str = "meta") -> bool:
+        queries = torch.empty(2, 1, 96, dtype=dtype, device=device)
+        return attention._fused_pays(queries, torch.empty(2, 64, key_width, dtype=dtype, device=device),
+                                     torch.empty(2, 1, 64, value_width, dtype=dtype, device=device))
+
+    assert pays(184, 184) and pays(192, 192)
+    assert not pays(186, 186) and not pays(184, 192) and not pays(192, 184)
+    assert pays(186, 186, "cpu") and pays(184, 192, "cpu") and not pays(192, 184, "cpu")
