@@ -66,7 +66,12 @@ D_MODEL, HEADS, LAYERS = 768, 12, 12
 # --size: the model's (layers, d_model, heads, vocabulary). gpt2-small is the benchmark; tiny (2 layers, 12 heads of
 # 16, 512 tokens) is for checking that the script runs (its timings measure nothing).
 SIZES = {"gpt2-small": (LAYERS, D_MODEL, HEADS, 50257), "tiny": (2, 192, HEADS, 512)}
-TITLES = {"gpt2-small": "GPT-2 small", "tiny": "a tiny GPT-2 (2 layers, d_model 192, 12 heads)"}
+TITLES = {"gpt2-small": "GPT-2 small", "tiny": "a tiny GPT-2 (2 layers, d_model 192, 12 heads)",
+          "smollm2": "SmolLM2-135M's architecture (Llama: 30 layers, 9 heads and 3 key/value heads of 64, rotary)"}
+# --size smollm2: a rotary Llama with SmolLM2-135M's config, converted by the rotary methods of its cache race at each
+# --cache-fractions (collab_attn.llm.race.entries_at: the sizes scripts/race_smollm2.py uses)
+LLM_SIZES = {"smollm2": "smollm2"}
+LLM_METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 # The conversions of the cache race (experiments/kv_cache): keys and values shared (cp; tucker: mixed by a matrix per
 # head) or cut per head (svd), a latent (kv-svd, MLA), whole heads removed (prune). key-svd never caches less than
 # half. The default set; --race-methods picks others.
@@ -200,11 +205,39 @@ def timed_row(row: dict, key: str, seconds: list[float], base: dict | None) -> d
     return row | {"time_vs_original": row[key] / base[key], "verdict": versus.verdict}
 
 
+def llm_models(args, dtype: torch.dtype) -> dict[str, transformers.PreTrainedModel]:
+    """The original (random weights, the checkpoint's config) and its rotary conversions at ``--cache-fractions``,
+    each converted by ``reparametrize`` (the fits of random weights: decoding time does not depend on them)."""
+    import copy
+
+    from collab_attn.llm.race import entries_at
+    from collab_attn.models.checkpoints import resolve_model
+
+    config = transformers.AutoConfig.from_pretrained(resolve_model(LLM_SIZES[args.size]))
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(config).eval()
+    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+    models = {"original": original}
+    for method in args.race_methods:
+        for fraction in args.cache_fractions:
+            for entry in entries_at(method, fraction, rope_pairs=4, kv_heads=kv_heads, head_dim=head_dim):
+                model = copy.deepcopy(original)
+                sizes = {} if entry.value_rank is None else {"value_rank": entry.value_rank}
+                collab_attn.reparametrize(model, entry.rank, method=method, progress=False, **sizes, **entry.options)
+                name = f"{method} k{entry.rank}" + ("" if entry.value_rank is None else f" v{entry.value_rank}")
+                models[f"{name} ({fraction:g})"] = model
+    return {name: model.to(device=args.device, dtype=dtype).eval() for name, model in models.items()}
+
+
 def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     positions = max(args.contexts) + 8
-    variants = variants_of(args)
-    models = {name: build(layout, positions, args.device, dtype, args.size) for name, layout in variants.items()}
+    if args.size in LLM_SIZES:
+        models = llm_models(args, dtype)
+        variants = dict.fromkeys(models)
+    else:
+        variants = variants_of(args)
+        models = {name: build(layout, positions, args.device, dtype, args.size) for name, layout in variants.items()}
     if args.prefill:
         return [row for batch in args.batches for context in args.contexts
                 for row in prefill_rows(models, variants, args, batch, context)]
@@ -341,16 +374,18 @@ def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
 def main(argv=None) -> list[dict]:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])  # its errors: one error: line
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--size", choices=list(SIZES), default="gpt2-small",
-                        help="the model: gpt2-small (the benchmark) or tiny (2 layers of 192: a check that it runs)")
+    parser.add_argument("--size", choices=[*SIZES, *LLM_SIZES], default="gpt2-small",
+                        help="the model: gpt2-small (the benchmark), tiny (2 layers of 192: a check that it runs) or "
+                             "smollm2 (SmolLM2-135M's rotary architecture and its race's conversions; no --ranks)")
     parser.add_argument("--ranks", type=int, nargs="+", default=None,
                         help="collaborative key widths D~ (default: d_model/2, /4, /8: 384 192 96 for gpt2-small)")
     parser.add_argument("--cache-fractions", type=float, nargs="+", default=[],
                         help="also each cache-race conversion (cp keys and values, svd with values, kv-svd, prune) "
                              "at the size caching at most this fraction of the original's bytes")
-    parser.add_argument("--race-methods", nargs="+", default=list(RACE_METHODS),
+    parser.add_argument("--race-methods", nargs="+", default=None,
                         choices=list(METHODS), help="the conversions that --cache-fractions sizes (default: "
-                        f"{' '.join(RACE_METHODS)}; one that cannot reach a fraction gives no row there)")
+                        f"{' '.join(RACE_METHODS)}; --size smollm2: {' '.join(LLM_METHODS[:3])}; one that cannot reach "
+                        "a fraction gives no row there)")
     parser.add_argument("--batches", "--batch", type=int, nargs="+", default=[1], help="sequences per step")
     parser.add_argument("--caches", nargs="+", choices=("dynamic", "static"), default=["dynamic"],
                         help="dynamic: DynamicCache, eager; static: StaticCache and torch.compile(fullgraph=True)")
@@ -369,7 +404,17 @@ def main(argv=None) -> list[dict]:
                         help="a new output path without suffix (default: experiments/benchmarks/<decode or prefill>_"
                              "<device>_<dtype>_<UTC time>); an existing result is never overwritten")
     args = parser.parse_args(argv)
-    if args.ranks is None:
+    if args.race_methods is None:
+        args.race_methods = list(LLM_METHODS[:3] if args.size in LLM_SIZES else RACE_METHODS)
+    if args.size in LLM_SIZES:
+        if args.ranks:
+            parser.error(f"--ranks: keys-only collaborative widths are GPT-2's; --size {args.size} converts by "
+                         "--race-methods at --cache-fractions")
+        if set(args.race_methods) - set(LLM_METHODS):
+            parser.error(f"--race-methods {sorted(set(args.race_methods) - set(LLM_METHODS))} do not convert rotary "
+                         f"models (these do: {' '.join(LLM_METHODS)})")
+        args.ranks = []
+    elif args.ranks is None:
         d_model = SIZES[args.size][1]
         args.ranks = [d_model // 2, d_model // 4, d_model // 8]
     if args.memory_gib is None:

@@ -36,26 +36,10 @@ sys.path.insert(0, str(ROOT))
 from collab_attn.cli import ArgumentParser  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.llm.heldout import DOMAINS, texts, windows  # noqa: E402
-from collab_attn.llm.race import Entry, load_runs, plot, run_entry, summary_markdown  # noqa: E402
+from collab_attn.llm.race import Entry, entries_at, load_runs, plot, run_entry, summary_markdown  # noqa: E402,F401
 
 METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 CALIBRATED = ("cp", "key-svd", "kv-svd")  # fitted to the attention inputs with --calibration-tokens
-
-
-def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
-               distill_tokens: int = 0, calibration_tokens: int = 0) -> list[Entry]:
-    """The entry of ``method`` at ``fraction`` of the cache of ``kv_heads`` key/value heads of ``head_dim``
-    (default: SmolLM2's), or none when the method cannot get that small."""
-    budget = int(fraction * 2 * kv_heads * head_dim)
-    common = {"budget": fraction, "distill_tokens": distill_tokens, "calibration_tokens": calibration_tokens}
-    if method in ("cp", "key-svd"):
-        half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
-        return [Entry(method, half, half, **common)] if half > 0 else []
-    if method == "kv-svd":
-        latent = budget - 2 * rope_pairs * kv_heads
-        return [Entry("kv-svd", latent, options={"rope_pairs": rope_pairs}, **common)] if latent > 0 else []
-    groups = [g for g in range(1, budget // (2 * head_dim) + 1) if method != "merge-kv" or kv_heads % g == 0]
-    return [Entry(method, groups[-1] * head_dim, **common)] if groups else []
 
 
 def main(argv=None) -> None:

@@ -302,6 +302,8 @@ def test_decode_times_the_cache_race_layouts_with_the_cache_they_hold(tmp_path, 
 @pytest.mark.parametrize("bad, message", [
     (["--race-methods", "bogus"], "argument --race-methods: invalid choice: 'bogus'"),
     (["--cache-fractions", "0"], "--cache-fractions must lie in (0, 1], got [0.0]"),
+    (["--size", "smollm2", "--ranks", "96"], "--ranks: keys-only collaborative widths are GPT-2's"),
+    (["--size", "smollm2", "--race-methods", "svd"], "--race-methods ['svd'] do not convert rotary models"),
 ])
 def test_decode_refuses_a_bad_option_in_one_line_before_writing(bad, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:

@@ -55,6 +55,22 @@ class Entry:
         return f"{self.method}{sizes}{extra}{calibrated}{distilled}"
 
 
+def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
+               distill_tokens: int = 0, calibration_tokens: int = 0) -> list[Entry]:
+    """The entry of ``method`` at ``fraction`` of the cache of ``kv_heads`` key/value heads of ``head_dim``
+    (default: SmolLM2's), or none when the method cannot get that small."""
+    budget = int(fraction * 2 * kv_heads * head_dim)
+    common = {"budget": fraction, "distill_tokens": distill_tokens, "calibration_tokens": calibration_tokens}
+    if method in ("cp", "key-svd"):
+        half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
+        return [Entry(method, half, half, **common)] if half > 0 else []
+    if method == "kv-svd":
+        latent = budget - 2 * rope_pairs * kv_heads
+        return [Entry("kv-svd", latent, options={"rope_pairs": rope_pairs}, **common)] if latent > 0 else []
+    groups = [g for g in range(1, budget // (2 * head_dim) + 1) if method != "merge-kv" or kv_heads % g == 0]
+    return [Entry(method, groups[-1] * head_dim, **common)] if groups else []
+
+
 def cache_numbers_per_token(model) -> float:
     """Numbers a model's cache holds per token and layer (keys and values together, averaged over layers), read from
     the model's default cache after a forward pass of 3 tokens."""
