@@ -185,6 +185,7 @@ def test_each_layers_reported_error_equals_a_dense_recomputation(family):
 
 @pytest.mark.parametrize("family", ROTARY)
 def test_the_cache_holds_the_kept_keys_and_the_latent_and_equals_recomputation(family):
+    """One packed row per token (every group's rotated kept keys, then the latent), read by the absorbed form."""
     model = original(family)
     small, _ = converted(model, 20, 2)
     tokens = ids(length=9)
@@ -198,8 +199,8 @@ def test_the_cache_holds_the_kept_keys_and_the_latent_and_equals_recomputation(f
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     layer = small.model.layers[0].self_attn
-    assert cache.layers[0].keys.shape == (2, KV_HEADS, 9, 4)  # 2 r per group, rotated
-    assert cache.layers[0].values.shape == (2, 1, 9, 20)  # the latent
+    assert cache.layers[0].keys.shape == (2, 1, 9, 2 * 2 * KV_HEADS + 20)  # 2 r per group, rotated; the latent
+    assert cache.layers[0].values.shape == (2, 1, 9, 0)
     assert layer.cache_width() == cache_numbers_per_token(layer) == 2 * 2 * KV_HEADS + 20
 
 
@@ -308,3 +309,25 @@ def test_the_module_refuses_bands_it_cannot_rotate_and_needs_positions():
         layer.load_state_dict(state | {"rope_bands": torch.tensor([[0, 4], [0, 2]])})
     with pytest.raises(ValueError, match="needs position_embeddings"):
         layer(torch.randn(1, 3, 16))
+
+
+def test_inference_runs_the_absorbed_form_training_the_plain_one_and_they_agree(monkeypatch):
+    """Without a gradient to keep the layer scores against the packed cache row (``_absorbed_queries``: one key/value
+    head through the fused kernel); with one it expands the nope keys and the values. Same logits, and the plain form
+    trains the up-projections."""
+    model = original("qwen2")  # biased keys: the nope keys' bias drops out of the absorbed form
+    small, _ = converted(model, 20, 2)
+    calls = []
+    absorbed = PartialRotaryLatentAttention._absorbed_queries
+    monkeypatch.setattr(PartialRotaryLatentAttention, "_absorbed_queries",
+                        lambda self, queries: calls.append(queries.shape) or absorbed(self, queries))
+    tokens = ids(length=9)
+    with torch.no_grad():
+        inference = small(tokens).logits
+    assert len(calls) == 2  # both layers
+    trained = small(tokens).logits
+    assert len(calls) == 2
+    torch.testing.assert_close(trained.detach(), inference, atol=1e-5, rtol=1e-5)
+    trained.square().mean().backward()
+    layer = small.model.layers[0].self_attn
+    assert layer.nope_key.weight.grad.abs().sum() > 0 and layer.value.weight.grad.abs().sum() > 0

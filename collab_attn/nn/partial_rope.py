@@ -29,9 +29,16 @@ Layout (what a conversion writes; G = kv_heads, r = rope_pairs):
 
 Positions come from the caller as transformers computes them: ``position_embeddings = (cos, sin)``, each (batch,
 seq, head_dim), band ``i`` at column ``i`` (and again at ``i + head_dim/2``). The cache (``kv_cache`` hook, as in
-``collab_attn.nn.attention``) receives the rotated kept keys, (batch, G, seq, 2r), as its keys and the latent,
-(batch, 1, seq, latent_size), as its values: ``2 r G + latent_size`` numbers per token; the nope keys and the values
-are recomputed from the cached latent.
+``collab_attn.nn.attention``) receives one packed row per token as its keys, (batch, 1, seq, 2 r G + latent_size):
+every group's rotated kept keys, group after group, then the latent; and an empty tensor (batch, 1, seq, 0) as its
+values (``LatentAttention``'s layout): ``2 r G + latent_size`` numbers per token.
+
+Two exact forms of one function. At inference (no gradient to keep) the layer is absorbed, as MLA decodes: head
+``h``'s query becomes ``[0 .. RoPE(q_h,rope) in group g's slot .. 0 | q_h,nope W_uk,g]``, which scores against the
+packed row itself (the kept keys of its group, then the latent); every head attends over that one key/value head
+through the fused kernel (``grouped_attend``), and ``W_uv,g`` maps each head's weighted latent afterwards. The nope
+keys' bias adds ``q_h,nope . b_uk,g`` to a whole softmax row and drops out. No per-head key or value is formed, and
+the cache is read once. While training, the plain form expands the latent into the nope keys and the values.
 """
 
 from __future__ import annotations
@@ -201,16 +208,40 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
         cos, sin = self.band_angles(key_positions, keys_from.shape[1])
         rope_keys = self._groups(self.rope_key(keys_from))  # (B, G, S, 2r)
         rope_keys = rotate_pairs(rope_keys, cos.to(rope_keys.dtype), sin.to(rope_keys.dtype))
-        latent = self.latent(keys_from)[:, None]  # (B, 1, S, latent_size)
+        latent = self.latent(keys_from)  # (B, S, latent_size)
+        packed = torch.cat([rope_keys.transpose(1, 2).flatten(2), latent], dim=-1)[:, None]  # (B, 1, S, width)
         if kv_cache is not None:
-            rope_keys, latent = kv_cache(rope_keys, latent)
-        nope_keys = self._groups(self.nope_key(latent[:, 0]))  # (B, G, S, head_dim - 2r)
-        keys = torch.cat([rope_keys, nope_keys], dim=-1)
-        values = self._groups(self.value(latent[:, 0]))
-        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
-        queries = self.head_queries(query_states, position_embeddings)
-        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+            packed, _ = kv_cache(packed, packed.new_empty(*packed.shape[:3], 0))
+        mask = self._mask(query_states, attention_mask, is_causal, packed.shape[2])
+        queries = self.head_queries(query_states, position_embeddings)  # (B, H, T, head_dim): kept bands first
+        rope_width = 2 * self.rope_pairs * self.kv_heads
+        needs_grad = torch.is_grad_enabled() and (queries.requires_grad or packed.requires_grad)
+        if not needs_grad:  # absorbed: one key/value head, the packed row (module doc)
+            context, weights = grouped_attend(self._absorbed_queries(queries), packed, packed, mask, self.scale,
+                                              self._dropout(), need_weights)  # (B, T, H, width)
+            up = self.value.weight.view(self.kv_heads, self.head_dim, self.latent_size)
+            up = up.repeat_interleave(self.num_heads // self.kv_heads, dim=0)  # (H, head_dim, latent_size)
+            context = torch.einsum("bthc,hdc->bthd", context[..., rope_width:], up.to(context.dtype))
+        else:  # plain: the nope keys and the values expanded from the latent
+            rope_keys = packed[:, 0, :, :rope_width].unflatten(-1, (self.kv_heads, -1)).transpose(1, 2)
+            latent = packed[:, 0, :, rope_width:]
+            keys = torch.cat([rope_keys, self._groups(self.nope_key(latent))], dim=-1)
+            values = self._groups(self.value(latent))
+            context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
         return self._finish(context.flatten(2)), weights
+
+    def _absorbed_queries(self, queries: torch.Tensor) -> torch.Tensor:
+        """Each head's query against the packed row, (B, H, T, 2 r G + latent_size): its rotated kept-band part in its
+        group's slot (zeros in the others) and its nope part mapped into the latent, ``q_nope W_uk,g``."""
+        batch, heads, tgt_len, _ = queries.shape
+        groups, group, width = self.kv_heads, heads // self.kv_heads, 2 * self.rope_pairs
+        w_up = self.nope_key.weight.view(groups, self.head_dim - width, self.latent_size)
+        w_up = w_up.repeat_interleave(group, dim=0).to(queries.dtype)  # (H, nope, latent_size)
+        latent_queries = torch.einsum("bhtn,hnc->bhtc", queries[..., width:], w_up)
+        rope = queries[..., :width].reshape(batch, groups, group, tgt_len, width)
+        slots = torch.eye(groups, dtype=queries.dtype, device=queries.device)
+        rope = torch.einsum("bgjtw,gk->bgjtkw", rope, slots).reshape(batch, heads, tgt_len, groups * width)
+        return torch.cat([rope, latent_queries], dim=-1)
 
     def query_key_params(self) -> int:
         """Parameters that form the attention scores: the queries, the kept keys and the nope keys' up-projection
