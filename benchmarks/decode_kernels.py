@@ -68,8 +68,8 @@ def collab_sdpa(queries, keys, values, content):
     return F.scaled_dot_product_attention(queries, expanded, values, attn_mask=content, scale=1.0)
 
 
-def make_flex():
-    compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+def make_flex(backend: str = "inductor"):
+    compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False, backend=backend)
 
     def collab_flex(queries, keys, values, content):
         per_key = content[:, :, 0]  # (B, H, S): head h's content logit of each key
@@ -136,6 +136,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile's backend for the compiled variants (default inductor; aot_eager: the same "
+                             "graphs without generating kernels, for checks: its timings measure nothing)")
     parser.add_argument("--out", type=Path, default=None,
                         help="a new output path without suffix (default: experiments/benchmarks/decode_kernels_"
                              "<device>_<dtype>_<UTC time>); results are never overwritten")
@@ -156,6 +159,7 @@ def main(argv=None) -> dict:
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
     b, s, r, v = args.batch, args.context, args.rank, args.value_rank
+    backend = args.compile_backend
     collab_inputs = (randn(b, HEADS, 1, r) / r**0.5, randn(b, s, r), randn(b, HEADS, s, HEAD_DIM),
                      randn(b, HEADS, 1, s))
     kv_inputs = (randn(b, HEADS, 1, v) / v**0.5, randn(b, s, v), randn(b, 1, s, v), randn(b, HEADS, 1, s),
@@ -168,13 +172,14 @@ def main(argv=None) -> dict:
     variants = {  # name: (function, its inputs, the explicit form it must agree with, the cache it reads)
         "original sdpa": (original_sdpa, original_inputs, None, "original"),
         "collab explicit": (collab_explicit, collab_inputs, "collab explicit", "collab"),
-        "collab compiled": (torch.compile(collab_explicit, fullgraph=True, dynamic=False), collab_inputs,
-                            "collab explicit", "collab"),
+        "collab compiled": (torch.compile(collab_explicit, fullgraph=True, dynamic=False, backend=backend),
+                            collab_inputs, "collab explicit", "collab"),
         "collab sdpa": (collab_sdpa, collab_inputs, "collab explicit", "collab"),
-        "collab flex": (make_flex(), collab_inputs, "collab explicit", "collab"),
+        "collab flex": (make_flex(backend), collab_inputs, "collab explicit", "collab"),
         "collab kv explicit": (collab_kv_explicit, kv_inputs, "collab kv explicit", "collab kv"),
         "collab kv fused": (collab_kv_fused, kv_inputs, "collab kv explicit", "collab kv"),
-        "collab kv fused compiled": (torch.compile(collab_kv_fused, fullgraph=True, dynamic=False), kv_inputs,
+        "collab kv fused compiled": (torch.compile(collab_kv_fused, fullgraph=True, dynamic=False, backend=backend),
+                                     kv_inputs,
                                      "collab kv explicit", "collab kv"),
     }
     with torch.inference_mode():

@@ -170,9 +170,9 @@ decode() {  # the dynamic-cache grid first (no compiling: a minute or two), then
   for batch in 1 32; do  # one layer's step five ways (sdpa, explicit, compiled, flex), at 8k context
     local kernels="$ROOT/benchmarks/decode_kernels_kv184_cuda_bfloat16_batch$batch"  # shared values, D_v = 184
     if [ "$DRY" = 1 ]; then
-      # tests/test_benchmarks.py's shapes: inductor's on-disk cache has the kernels when the tests ran before
+      # tests/test_benchmarks.py's shapes, the compiled variants captured without generating kernels
       [ "$batch" = 1 ] && run_job decode-kernels "$PYTHON" benchmarks/decode_kernels.py --batch 2 --context 64 \
-        --rank 48 --value-rank 40 --repeats 1 --warmup 0 --threads 1 --out "$kernels"
+        --rank 48 --value-rank 40 --repeats 1 --warmup 0 --threads 1 --compile-backend aot_eager --out "$kernels"
     elif [ ! -f "$kernels.json" ]; then
       run_job "decode-kernels-b$batch" "$PYTHON" benchmarks/decode_kernels.py --device cuda --dtype bfloat16 \
         --batch $batch --context 8192 --value-rank 184 --repeats 50 --warmup 5 --out "$kernels"

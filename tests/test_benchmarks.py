@@ -440,7 +440,7 @@ def test_decode_kernels_call_faster_or_slower_only_outside_the_spread(tmp_path, 
     steps = iter(seconds for step in zip(*scripted.values()) for seconds in step)
     monkeypatch.setattr(kernels, "timed", lambda fn, *inputs: next(steps))
     monkeypatch.setattr(kernels.torch, "compile", lambda fn, **options: fn)
-    monkeypatch.setattr(kernels, "make_flex", lambda: kernels.collab_sdpa)
+    monkeypatch.setattr(kernels, "make_flex", lambda backend: kernels.collab_sdpa)
     result = kernels.main(["--batch", "1", "--context", "8", "--rank", "8", "--repeats", "3", "--warmup", "0",
                            "--threads", "1", "--out", str(tmp_path / "k")])
     assert [row["verdict"] for row in result["rows"]] == list(SCRIPTED_VERDICTS.values()) + ["faster", "slower", "tie"]
