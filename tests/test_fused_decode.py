@@ -12,9 +12,8 @@ import pytest
 import torch
 from conftest import with_cache
 from test_common_model import HEAD_DIM, HEADS, config_of, token_ids
-from test_static_cache import generated
-from torch._dynamo.utils import counters
-from transformers import CompileConfig, DynamicCache, GPT2LMHeadModel, StaticCache
+from test_static_cache import assert_compiled_static_decoding_equals_eager
+from transformers import DynamicCache, GPT2LMHeadModel, StaticCache
 
 from collab_attn import reparametrize
 from collab_attn.nn import attention
@@ -155,34 +154,4 @@ def test_attention_maps_come_from_the_explicit_path_with_the_same_outputs(fused_
 def test_compiled_static_decoding_through_the_fused_path_equals_eager_without_recompiling():
     model = copy.deepcopy(gpt2_with_shared_values())
     model.set_attn_implementation("sdpa")
-    ids = token_ids(length=5)
-    settings = {"cache_implementation": "static", "new_tokens": 9}
-    compile_config = CompileConfig(fullgraph=True)
-    compile_config._compile_all_devices = True  # transformers compiles on accelerators only unless told
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        eager = generated(model, ids, disable_compile=True, **settings)
-        with torch._dynamo.config.patch(error_on_recompile=True):  # 8 decoding steps, one graph
-            compiled = generated(model, ids, compile_config=compile_config, **settings)
-        assert counters["stats"]["unique_graphs"] == 1
-    finally:
-        torch._dynamo.reset()
-    assert torch.equal(compiled.sequences, eager.sequences)
-    for a, b in zip(compiled.logits, eager.logits):
-        assert (a - b).abs().max() < 1e-4
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_off_the_cpu_the_fused_path_runs_only_where_the_memory_efficient_kernel_takes_the_widths(dtype):
-    """On a GPU the content logits (a mask) rule out the flash kernel, and the memory-efficient one wants equal widths
-    that are a multiple of 16 bytes; elsewhere sdpa's math kernel measured slower than the explicit path (an H200,
-    D~ = D_v = 186 in bfloat16). Checked on meta tensors: the rule reads only shapes, dtypes and the device."""
-    def pays(key_width: int, value_width: int, device: str = "meta") -> bool:
-        queries = torch.empty(2, 1, 96, dtype=dtype, device=device)
-        return attention._fused_pays(queries, torch.empty(2, 64, key_width, dtype=dtype, device=device),
-                                     torch.empty(2, 1, 64, value_width, dtype=dtype, device=device))
-
-    assert pays(184, 184) and pays(192, 192)
-    assert not pays(186, 186) and not pays(184, 192) and not pays(192, 184)
-    assert pays(186, 186, "cpu") and pays(184, 192, "cpu") and not pays(192, 184, "cpu")
+    assert_compiled_static_decoding_equals_eager(model)
