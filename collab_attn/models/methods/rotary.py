@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from collab_attn.decomposition.rotary import allocate_pairs, band_forms, rotary_decomposition
 from collab_attn.models.methods.decomposition import DecompositionOptions, shared_values
+from collab_attn.models.methods.subspace import calibration_summary
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
 
 
@@ -64,4 +65,4 @@ def plan_rotary(request: Request, method: str) -> Plan:
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
     return Plan(layers, list(request.ranks), "complex-als", value_ranks=request.value_ranks,
-                calibration=None if request.calibration is None else request.calibration.summary())
+                calibration=calibration_summary(request))
