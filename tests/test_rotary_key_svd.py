@@ -279,9 +279,8 @@ def test_what_it_cannot_honour_is_refused_with_the_reason():
         converted(model, 12, value_rank=30)
     with pytest.raises(ValueError, match="method='key-svd' takes one rank or one per layer, not a budget"):
         converted(model, "mean:12")
-    with pytest.raises(ValueError, match="on a rotary model a calibration fits the shared values .* give value_rank"):
-        from collab_attn.models.calibration import Calibration
-        converted(model, 12, calibration=Calibration.__new__(Calibration))
+    with pytest.raises(ValueError, match="calibration must be a models.calibration.Calibration"):
+        converted(model, 12, calibration={"layers": []})
     bert = transformers.BertModel(transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                                           intermediate_size=32, vocab_size=30))
     with pytest.raises(ValueError, match="value_rank does not apply to method='key-svd'"):

@@ -22,8 +22,13 @@ rotate it and ``w`` by the angle of each pair's band (``rotate_half`` on the 2R-
 the logit is the real dot product of the two 2R-vectors, ``sum_r Re(m_hr z_r e^{j p theta} conj(w_r e^{j s theta}))``
 (``rotary_logits`` is this reference computation).
 
-Bias: the caller appends a constant-1 input column. Activation-aware fits: whiten the weights before and
-un-whiten the shared weights after (the forms are linear in each weight), as for the non-rotary CP.
+Bias: the caller appends a constant-1 input column.
+
+Activation-aware fits (``whitening``): with query inputs of second moment ``C_x = S_x^2`` and key inputs of ``C_y =
+S_y^2`` (``S`` symmetric), the mean square of a band's logit error ``x^T E y`` over independent inputs is ``||S_x E
+S_y||^2``. So each band's forms are whitened, ``a_h -> S_x a_h`` and ``b_h -> S_y b_h``, decomposed, and the shared
+weights mapped back, ``A = S_x^{-1} A'`` and ``B = S_y^{-1} B'``; the mixing is unchanged and the rotation, which
+acts on the shared pairs and not on the inputs, is still kept exactly.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ class RotaryDecomposition:
     """Shared rotary query/key weights of one layer. ``query_weight``, ``key_weight``: (2R, d) real, rows [real parts
     of the R pairs; imaginary parts]; ``pair_bands``: (R,) band of each pair (ascending); ``mixing``: (heads, 2R) real,
     [real parts; imaginary parts] of the complex mixing; errors relative as in ``ComplexCP``, the overall one over
-    all bands together (energy-weighted); a band with no pairs has error 1."""
+    all bands together (energy-weighted), of the forms themselves; a band with no pairs has error 1.
+    ``weighted_error``: the overall error of the whitened forms, for an activation-aware fit (None otherwise)."""
 
     query_weight: torch.Tensor
     key_weight: torch.Tensor
@@ -61,6 +67,7 @@ class RotaryDecomposition:
     mixing: torch.Tensor
     relative_error: float
     band_errors: list[float]
+    weighted_error: float | None = None
 
 
 def band_forms(w_query: torch.Tensor, w_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +217,22 @@ def allocate_pairs(
     return torch.bincount(chosen, minlength=bands).tolist()
 
 
+def whiten_forms(a: torch.Tensor, b: torch.Tensor, whitening) -> tuple[torch.Tensor, torch.Tensor]:
+    """The band forms ``a``, ``b`` (bands, H, d) seen through the inputs' statistics: ``S_x a_h`` and ``S_y b_h`` for
+    ``whitening = ((S_x, S_x^-1), (S_y, S_y^-1))`` (``collab_attn.decomposition.whitening.whitening_pair``, d x d)."""
+    (s_query, _), (s_key, _) = whitening
+    return a @ s_query.to(a.dtype), b @ s_key.to(b.dtype)  # S symmetric: S a_h is a row a_h^T S
+
+
+def _overall(errors: list[float], energies: torch.Tensor) -> float:
+    residual = (torch.tensor(errors, dtype=torch.float64).square() * energies).sum()
+    return float(residual / energies.sum().clamp_min(1e-300)) ** 0.5
+
+
+def _energies(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.abs().square().sum(-1) * b.abs().square().sum(-1)).sum(-1)  # (bands,): sum_h ||M_h||^2
+
+
 def rotary_decomposition(
     w_query: torch.Tensor,
     w_key: torch.Tensor,
@@ -217,35 +240,45 @@ def rotary_decomposition(
     n_iter_max: int = 200,
     tol: float = 1e-7,
     seed: int = 0,
+    whitening=None,
 ) -> RotaryDecomposition:
     """Shared rotary query/key weights for per-head weights ``w_query`` (H, d_h, d) and ``w_key`` (G, d_h, d), with
     ``pairs_per_band[i]`` pairs for band ``i`` (0: the band is dropped): ``complex_cp`` per band, stacked (module
-    doc for the layout and how a head's logit is computed)."""
-    a, b = band_forms(w_query, w_key)
+    doc for the layout and how a head's logit is computed); with ``whitening`` (``whiten_forms``) fitted to the
+    inputs' statistics."""
+    raw_a, raw_b = band_forms(w_query, w_key)
+    a, b = (raw_a, raw_b) if whitening is None else whiten_forms(raw_a, raw_b, whitening)
     if len(pairs_per_band) != a.shape[0]:
         raise ValueError(f"pairs_per_band needs {a.shape[0]} entries, got {len(pairs_per_band)}")
-    energies = (a.abs().square().sum(-1) * b.abs().square().sum(-1)).sum(-1)  # (bands,): sum_h ||M_h||^2
-    A, B, m, bands, errors = [], [], [], [], []
+    A, B, m, bands, errors, raw_errors = [], [], [], [], [], []
+    raw_energies = _energies(raw_a, raw_b)
     for band, pairs in enumerate(pairs_per_band):
         if pairs == 0:
-            errors.append(1.0)
+            errors.append(1.0), raw_errors.append(1.0)
             continue
         fit = complex_cp(a[band], b[band], pairs, n_iter_max=n_iter_max, tol=tol, seed=seed)
-        A.append(fit.A), B.append(fit.B), m.append(fit.mixing), errors.append(fit.relative_error)
+        query, key = fit.A, fit.B
+        if whitening is not None:
+            (_, query_inverse), (_, key_inverse) = whitening
+            query, key = query_inverse.to(query.dtype) @ query, key_inverse.to(key.dtype) @ key
+            raw_error = _error_sq(raw_a[band], raw_b[band], query, key, fit.mixing)
+            raw_errors.append((raw_error / float(raw_energies[band].clamp_min(1e-300))) ** 0.5)
+        else:
+            raw_errors.append(fit.relative_error)
+        A.append(query), B.append(key), m.append(fit.mixing), errors.append(fit.relative_error)
         bands += [band] * pairs
     d, heads = a.shape[-1], a.shape[1]
     A = torch.cat(A, 1) if A else torch.zeros(d, 0, dtype=torch.complex128)
     B = torch.cat(B, 1) if B else torch.zeros(d, 0, dtype=torch.complex128)
     m = torch.cat(m, 1) if m else torch.zeros(heads, 0, dtype=torch.complex128)
-    residual = (torch.tensor(errors, dtype=torch.float64).square() * energies).sum()
-    total = float(residual / energies.sum().clamp_min(1e-300))
     return RotaryDecomposition(
         query_weight=torch.cat([A.real, A.imag], 1).T.contiguous(),
         key_weight=torch.cat([B.real, B.imag], 1).T.contiguous(),
         pair_bands=torch.tensor(bands, dtype=torch.long),
         mixing=torch.cat([m.real, m.imag], 1),
-        relative_error=total**0.5,
-        band_errors=errors,
+        relative_error=_overall(raw_errors, raw_energies),
+        band_errors=raw_errors,
+        weighted_error=None if whitening is None else _overall(errors, _energies(a, b)),
     )
 
 

@@ -24,6 +24,11 @@ error of the logit forms (the measure of ``collab_attn.models.products.BandForms
 
     sqrt( sum_i sum_h ||a_hi||^2 ||b_gi - U_i U_i^H b_gi||^2  /  sum_i sum_h ||a_hi||^2 ||b_gi||^2 ).
 
+Activation-aware (``whitening``, as ``collab_attn.decomposition.rotary.whiten_forms``): the SVD is of the whitened
+key forms ``S_y b_gi``, and the shared key maps back, ``U_i = S_y^{-1} U'_i`` with ``c_gi = U'^H_i S_y b_gi``; the
+error is then that of the logits on inputs with the calibration's statistics (``weighted_error``, the queries'
+whitened norms ``||S_x a_hi||^2`` as the weights), while ``relative_error`` stays that of the forms themselves.
+
 Exact at ``R_i = G`` in every band (rank = 2 x G x d_h/2 = G d_h, the original key cache's width) and wherever
 ``R_i`` reaches the band's key rank. How the pairs are split among the bands of a layer at a given rank:
 ``allocate_key_pairs``, greedily by the singular values' energy across all bands (the largest remaining
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collab_attn.decomposition.rotary import band_forms
+from collab_attn.decomposition.rotary import band_forms, whiten_forms
 
 
 @dataclass
@@ -45,7 +50,7 @@ class ThinRotaryKeys:
     ``[Re q_h1 .. Re q_hR ; Im q_h1 .. Im q_hR]``; ``key_weight``: (2R, d) real, ``[Re U^T ; Im U^T]``;
     ``pair_bands``: (R,) ascending; ``singular_values``: (bands, min(G, d)) of each band's key forms, descending;
     ``relative_error``: of the logit forms over all bands (energy-weighted), ``band_errors`` per band (1 for a band
-    with no pairs)."""
+    with no pairs); ``weighted_error``: of the whitened forms, for an activation-aware fit (None otherwise)."""
 
     query_weight: torch.Tensor
     key_weight: torch.Tensor
@@ -53,6 +58,7 @@ class ThinRotaryKeys:
     singular_values: torch.Tensor
     relative_error: float
     band_errors: list[float]
+    weighted_error: float | None = None
 
 
 def key_band_svd(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,28 +80,45 @@ def allocate_key_pairs(singular_values: torch.Tensor, total_pairs: int) -> list[
     return torch.bincount(chosen, minlength=bands).tolist()
 
 
-def thin_rotary_keys(w_query: torch.Tensor, w_key: torch.Tensor, pairs: int | list[int]) -> ThinRotaryKeys:
+def _relative(residuals: torch.Tensor, energies: torch.Tensor) -> float:
+    return float((residuals.sum() / energies.sum().clamp_min(1e-300)).sqrt())
+
+
+def thin_rotary_keys(w_query: torch.Tensor, w_key: torch.Tensor, pairs: int | list[int],
+                     whitening=None) -> ThinRotaryKeys:
     """Thin rotary keys (module doc) of the per-head weights ``w_query`` (H, d_h, d) and grouped ``w_key`` (G, d_h,
     d) (biases appended as an input column by the caller). ``pairs``: the shared pairs in all, split among the bands
-    by ``allocate_key_pairs``, or one count per band (0 .. min(G, d); 0 drops the band). Computed in float64."""
+    by ``allocate_key_pairs``, or one count per band (0 .. min(G, d); 0 drops the band); ``whitening``: fitted to
+    the inputs' statistics (module doc). Computed in float64."""
     heads, groups = w_query.shape[0], w_key.shape[0]
     a, b = band_forms(w_query, w_key)  # (bands, H, d); b expanded to the heads
     keys = b[:, :: heads // groups]  # (bands, G, d): one per group
-    u, s = key_band_svd(keys)
+    seen_a, seen_keys = (a, keys) if whitening is None else whiten_forms(a, keys, whitening)
+    key_inverse = None if whitening is None else whitening[1][1].to(keys.dtype)
+    u, s = key_band_svd(seen_keys)
     pairs_per_band = allocate_key_pairs(s, pairs) if isinstance(pairs, int) else list(pairs)
     if len(pairs_per_band) != a.shape[0]:
         raise ValueError(f"pairs_per_band needs {a.shape[0]} entries, got {len(pairs_per_band)}")
     if any(not 0 <= pairs <= s.shape[1] for pairs in pairs_per_band):
         raise ValueError(f"each band holds 0..{s.shape[1]} pairs (its key forms' rank bound), got {pairs_per_band}")
-    query_norms = a.abs().square().sum(-1)  # (bands, H): ||a_hi||^2
-    energies = (query_norms * b.abs().square().sum(-1)).sum(-1)  # (bands,): sum_h ||a_hi||^2 ||b_gi||^2
     group = torch.arange(heads) // (heads // groups)
-    queries, shared, bands, residuals = [], [], [], []
+
+    def norms(vectors):  # (bands, H or G, d) -> (bands, H): ||v||^2 per head
+        squares = vectors.abs().square().sum(-1)
+        return squares if squares.shape[1] == heads else squares[:, group]
+
+    query_norms, seen_query_norms = norms(a), norms(seen_a)
+    energies = (query_norms * norms(keys)).sum(-1)  # (bands,): sum_h ||a_hi||^2 ||b_gi||^2
+    seen_energies = (seen_query_norms * norms(seen_keys)).sum(-1)
+    queries, shared, bands, residuals, seen_residuals = [], [], [], [], []
     for band, pairs in enumerate(pairs_per_band):
-        basis = u[band, :, :pairs]  # (d, R_i)
-        coefficients = basis.mH @ keys[band].T  # (R_i, G): c_gi
-        lost = (keys[band] - (basis @ coefficients).T).abs().square().sum(-1)  # (G,): ||b_gi - U U^H b_gi||^2
+        seen_basis = u[band, :, :pairs]  # (d, R_i): U'_i (U_i itself unwhitened)
+        coefficients = seen_basis.mH @ seen_keys[band].T  # (R_i, G): c_gi
+        basis = seen_basis if key_inverse is None else key_inverse @ seen_basis
+        lost = (keys[band] - (basis @ coefficients).T).abs().square().sum(-1)  # (G,): ||b_gi - U c_gi||^2
+        seen_lost = (seen_keys[band] - (seen_basis @ coefficients).T).abs().square().sum(-1)
         residuals.append((query_norms[band] * lost[group]).sum())
+        seen_residuals.append((seen_query_norms[band] * seen_lost[group]).sum())
         queries.append(coefficients.conj().T[group][:, :, None] * a[band][:, None, :])  # (H, R_i, d)
         shared.append(basis.T)  # (R_i, d): U_ir^T
         bands += [band] * pairs
@@ -106,6 +129,7 @@ def thin_rotary_keys(w_query: torch.Tensor, w_key: torch.Tensor, pairs: int | li
         key_weight=torch.cat([key.real, key.imag], 0),
         pair_bands=torch.tensor(bands, dtype=torch.long),
         singular_values=s,
-        relative_error=float((residual.sum() / energies.sum().clamp_min(1e-300)).sqrt()),
+        relative_error=_relative(residual, energies),
         band_errors=(residual / energies.clamp_min(1e-300)).sqrt().tolist(),
+        weighted_error=None if whitening is None else _relative(torch.stack(seen_residuals), seen_energies),
     )

@@ -284,11 +284,6 @@ def reparametrize(
         raise ValueError(f"device={device!r} does not apply to method={method!r}: it runs no decomposition")
     sites, ranks, budget = _validate(model, conversion, rank)
     value_ranks = _check_value_ranks(conversion, value_rank, sites)
-    if calibration is not None and sites[0].rotary and value_ranks is None and conversion.name != "kv-svd":
-        raise ValueError(
-            f"on a rotary model a calibration fits the shared values (value_rank=) and the kv-svd latent; the rotary "
-            f"keys of method={method!r} are fitted to the weights, so without value_rank it would change nothing: "
-            "give value_rank, use method='kv-svd', or leave calibration out")
     if calibration is not None:
         if not isinstance(calibration, Calibration):
             raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")

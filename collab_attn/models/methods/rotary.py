@@ -7,6 +7,9 @@ mixing number per head and pair: the rotation is kept exactly, whatever the numb
 width in numbers, 2 x the pairs; at heads x head_dim every head keeps its own pairs (exact). Below it, the pairs are
 spread over the bands by their energy (``allocate_pairs``). The values stay grouped as the source's, or are shared
 (``value_rank``) as on any model: values carry no rotation.
+
+With a calibration the pairs are allocated and fitted on the whitened forms (``rotary_whitening``): the error that is
+minimized is that of the logits on inputs like the calibration's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from collab_attn.decomposition.rotary import allocate_pairs, band_forms, rotary_decomposition
+from collab_attn.decomposition.rotary import allocate_pairs, band_forms, rotary_decomposition, whiten_forms
+from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.models.methods.decomposition import DecompositionOptions, shared_values
 from collab_attn.models.methods.subspace import calibration_summary
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
@@ -25,6 +29,20 @@ from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
 def with_bias_column(weights: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """(heads, head_dim, d_in) weights with the bias as one more input column (inputs get a constant 1)."""
     return weights if bias is None else torch.cat([weights, bias[..., None]], dim=-1)
+
+
+def rotary_whitening(request: Request, index: int, layer: LayerWeights):
+    """``((S, S^-1), (S, S^-1))`` of layer ``index``'s inputs for the rotary key fits, or None without a calibration.
+    Both sides use the raw second moments: the centered key statistic of the non-rotary fits relies on a key's mean
+    shifting a whole softmax row by one constant, which the rotation breaks (the shift turns with ``p - s``). A bias
+    input column (a constant 1) is whitened by 1."""
+    if request.calibration is None:
+        return None
+    raw = request.calibration.covariance(index)[0]
+    side = whitening_pair((raw, raw), layer.d_in, request.calibration.eps)[0]
+    if layer.b_query is not None:
+        side = tuple(torch.block_diag(matrix, torch.ones(1, 1, dtype=matrix.dtype)) for matrix in side)
+    return side, side
 
 
 def rotary_forms(layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,17 +64,21 @@ def plan_rotary(request: Request, method: str) -> Plan:
         query = with_bias_column(layer.w_query, layer.b_query)
         key = with_bias_column(layer.w_key, layer.b_key)
         bands = layer.head_dim // 2
+        whitening = rotary_whitening(request, index, layer)
         if rank == layer.heads * layer.head_dim:
             pairs = [layer.heads] * bands  # every head keeps its own pair in every band: exact
+            whitening = None  # nothing is cut: the inputs cannot matter
         else:
-            pairs = allocate_pairs(*band_forms(query, key), rank // 2)
+            forms = band_forms(query, key)
+            pairs = allocate_pairs(*(forms if whitening is None else whiten_forms(*forms, whitening)), rank // 2)
         fit = rotary_decomposition(query, key, pairs, n_iter_max=options.n_iter_max, tol=options.tol,
-                                   seed=request.seed)
+                                   seed=request.seed, whitening=whitening)
         state = {"query.weight": fit.query_weight[:, :layer.d_in], "key.weight": fit.key_weight[:, :layer.d_in],
                  "mixing": fit.mixing, "pair_bands": fit.pair_bands}
         if layer.b_query is not None:
             state |= {"query.bias": fit.query_weight[:, layer.d_in], "key.bias": fit.key_weight[:, layer.d_in]}
-        planned = LayerPlan(state, fit.relative_error)
+        exact_but_calibrated = whitening is None and request.calibration is not None
+        planned = LayerPlan(state, fit.relative_error, 0.0 if exact_but_calibrated else fit.weighted_error)
         if request.value_ranks is not None:
             covariance = None if request.calibration is None else request.calibration.covariance(index)
             value_state, planned.value_error = shared_values(

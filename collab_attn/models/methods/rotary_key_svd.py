@@ -8,7 +8,9 @@ space, ``conj(c_gi) a_hi`` with ``c_gi = U_i^H b_gi`` (``collab_attn.decompositi
 ``rank`` = 2 sum_i R_i, even; the pairs are split among the bands greedily by the singular values' energy (largest
 remaining ``sigma^2`` of the layer first). Exact at ``rank = kv_heads x head_dim`` (``R_i = G``: the original key
 cache's width), and wider shared keys are refused (they would only cache zeros). The reported error is that of the
-logit forms per band (``collab_attn.models.products.BandForms``), checked against the installed layer.
+logit forms per band (``collab_attn.models.products.BandForms``), checked against the installed layer. With a
+calibration the bands' SVDs are of the whitened key forms (``rotary_whitening``; ``weighted_error`` reports their
+fit).
 
 Values: grouped as the source's by default (the source's value and output projections are kept). With
 ``value_rank=V``: one SVD of the stacked value projections of the G groups (G d_h x d) cut to ``V``
@@ -30,7 +32,7 @@ from collab_attn.decomposition.rotary_keys import thin_rotary_keys
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
-from collab_attn.models.methods.rotary import with_bias_column
+from collab_attn.models.methods.rotary import rotary_whitening, with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import Factor, HeadForms, original_value_forms, relative_error
@@ -81,13 +83,13 @@ def _plan_layer(request: Request, index: int) -> LayerPlan:
             f"original key cache's width); a wider one only caches zeros: choose an even rank of at most {widest}")
     query = with_bias_column(layer.w_query, layer.b_query)
     key = with_bias_column(layer.w_key, layer.b_key)
-    fit = thin_rotary_keys(query, key, rank // 2)
+    fit = thin_rotary_keys(query, key, rank // 2, rotary_whitening(request, index, layer))
     d_in = layer.d_in
     state = {"query.weight": fit.query_weight[..., :d_in].flatten(0, 1), "key.weight": fit.key_weight[:, :d_in],
              "pair_bands": fit.pair_bands}
     if layer.b_query is not None:
         state |= {"query.bias": fit.query_weight[..., d_in].flatten(), "key.bias": fit.key_weight[:, d_in]}
-    planned = LayerPlan(state, fit.relative_error)
+    planned = LayerPlan(state, fit.relative_error, fit.weighted_error)
     if request.value_ranks is not None:
         value_rank = request.value_ranks[index]
         if value_rank > kv_heads * layer.head_dim:
