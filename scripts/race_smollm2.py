@@ -19,6 +19,8 @@ Sizes at a budget of B numbers per token and layer (the largest that fit; G key/
   grouped keys at G pairs per band) of width ``rank``, and shared values of width ``value_rank``, both B/2.
 - ``kv-svd``: MHA2MLA's partial RoPE, ``rope_pairs`` rotary pairs per key/value group (``--rope-pairs``, default 4),
   the rest of the keys and the values in one latent of width ``B - 2 x rope_pairs x G``.
+- ``--pairs-by-budget``: ``cp`` and ``key-svd`` with the same key width as a budget, ``mean:R`` (the pairs spread
+  over the bands of all layers; ``collab_attn.decomposition.rotary_budget``).
 - ``merge-kv`` / ``drop-kv``: key/value groups merged by mean pooling, or dropped with their query heads: g groups
   with ``2 g d_h <= B`` (merging: g divides G; SmolLM2: none below a third of the cache).
 """
@@ -63,7 +65,12 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
                     for e in at(fraction, method, calibration_tokens=calibrated[method])]
         entries += [dataclasses.replace(entry, calibration_tokens=args.calibration_tokens) for entry in extra
                     if entry.method in CALIBRATED]
-    return entries
+    if args.pairs_by_budget:
+        entries += [e for fraction in args.budgets for method in args.methods
+                    for e in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
+                                        calibration_tokens=calibrated[method], spread=True)]
+    return [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
+            for e in entries]
 
 
 def main(argv=None) -> None:
@@ -91,6 +98,13 @@ def main(argv=None) -> None:
                         help="also every method that takes a calibration on a rotary model (cp, key-svd: their "
                              "rotary keys and shared values; kv-svd: its latent) fitted to the attention inputs of "
                              "this many fitting tokens, at every budget, without retraining (0: none)")
+    parser.add_argument("--calibration-sample", type=int, default=0,
+                        help="calibrate on the K-th block of --calibration-tokens fitting tokens (default 0: the "
+                             "first): another sample of the same text, for the spread of the calibrated rows")
+    parser.add_argument("--pairs-by-budget", action="store_true",
+                        help="also cp and key-svd with their key width as a budget ('mean:R': the same cache, the "
+                             "pairs spread over the bands of all layers by the spectra), calibrated with "
+                             "--calibration-tokens")
     parser.add_argument("--extra", nargs="+", default=[], metavar="METHOD:RANK[:VALUE_RANK]",
                         help="also these conversions, as given (e.g. key-svd:192:144: exact keys, values cut), "
                              "without retraining (and calibrated, with --calibration-tokens); their budget is the "
@@ -106,6 +120,9 @@ def main(argv=None) -> None:
         parser.error(f"--distill-tokens must be 0 (no distillation) or positive, got {args.distill_tokens}")
     if args.calibration_tokens < 0:
         parser.error(f"--calibration-tokens must be 0 (no calibration) or positive, got {args.calibration_tokens}")
+    if args.calibration_sample < 0 or (args.calibration_sample and not args.calibration_tokens):
+        parser.error(f"--calibration-sample must be 0 or positive, with --calibration-tokens; got "
+                     f"{args.calibration_sample}")
     args.distill_budgets = args.budgets if args.distill_budgets is None else args.distill_budgets
     if set(args.distill_budgets) - set(args.budgets):
         parser.error(f"--distill-budgets {args.distill_budgets} must be among --budgets {args.budgets}")
@@ -156,8 +173,10 @@ def main(argv=None) -> None:
         if "calibration" not in fitting:
             from collab_attn.models.calibration import collect_calibration
 
-            calibration_rows = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length,
-                                           args.calibration_tokens).to(args.device)
+            blocks = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length,
+                                 (args.calibration_sample + 1) * args.calibration_tokens)
+            per_block = len(blocks) // (args.calibration_sample + 1)
+            calibration_rows = blocks[args.calibration_sample * per_block:].to(args.device)
             fitting["calibration"] = collect_calibration(
                 original, ({"input_ids": calibration_rows[i:i + args.batch]}
                            for i in range(0, len(calibration_rows), args.batch)))

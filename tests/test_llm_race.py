@@ -157,14 +157,21 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
 
     race_script = script()
     args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
-                           distill_tokens=100, calibration_tokens=64)
+                           distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False)
     extra = [race.Entry("key-svd", 192, 96), race.Entry("drop-kv", 128)]
     names = [entry.name for entry in race_script.race_entries(args, 3, 64, extra)]
     assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
                      "key-svd-k192-v96", "drop-kv-k128", "kv-svd-k72-rope_pairs4-calibrated64-distilled100",
                      "kv-svd-k264-rope_pairs4-calibrated64", "kv-svd-k72-rope_pairs4-calibrated64",
                      "key-svd-k192-v96-calibrated64"]
-    args.calibration_tokens = 0  # without a calibration the distillation starts from the weight fit
+    args.methods, args.pairs_by_budget = ["key-svd", "kv-svd"], True  # the key width of key-svd as a budget
+    assert [e.name for e in race_script.race_entries(args, 3, 64, [])][-2:] == [
+        "key-svd-kmean144-v144-calibrated64", "key-svd-kmean48-v48-calibrated64"]
+    args.methods, args.pairs_by_budget = ["kv-svd", "drop-kv"], False
+    args.calibration_sample = 1  # another block of the fitting text: named for it, the plain runs unchanged
+    names = [entry.name for entry in race_script.race_entries(args, 3, 64, [])]
+    assert "kv-svd-k72-rope_pairs4-calibrated64s1" in names and "kv-svd-k72-rope_pairs4" in names
+    args.calibration_tokens, args.calibration_sample = 0, 0  # no calibration: distilled from the weight fit
     assert "kv-svd-k72-rope_pairs4-distilled100" in [e.name for e in race_script.race_entries(args, 3, 64, [])]
 
 

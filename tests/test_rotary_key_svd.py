@@ -277,8 +277,8 @@ def test_what_it_cannot_honour_is_refused_with_the_reason():
         converted(model, 50)
     with pytest.raises(ValueError, match="value_rank 30 for layer 0: .* choose a value_rank of at most 24"):
         converted(model, 12, value_rank=30)
-    with pytest.raises(ValueError, match="method='key-svd' takes one rank or one per layer, not a budget"):
-        converted(model, "mean:12")
+    with pytest.raises(ValueError, match="a params:0.5 budget does not apply to rotary models"):
+        converted(model, "params:0.5")
     with pytest.raises(ValueError, match="calibration must be a models.calibration.Calibration"):
         converted(model, 12, calibration={"layers": []})
     bert = transformers.BertModel(transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -164,8 +164,8 @@ def test_what_rotary_models_do_not_take_yet_is_refused_with_the_reason():
         collab_attn.reparametrize(copy.deepcopy(model), HALF, method="svd", progress=False)
     with pytest.raises(ValueError, match="rank 23 is odd"):
         collab_attn.reparametrize(copy.deepcopy(model), 23, progress=False)
-    with pytest.raises(ValueError, match="a budget .* does not apply to rotary models yet"):
-        collab_attn.reparametrize(copy.deepcopy(model), "mean:24", progress=False)
+    with pytest.raises(ValueError, match="a params:0.5 budget does not apply to rotary models"):
+        collab_attn.reparametrize(copy.deepcopy(model), "params:0.5", progress=False)
     with pytest.raises(ValueError, match="solver='tensorly', init='svd' do not apply to rotary models"):
         collab_attn.reparametrize(copy.deepcopy(model), HALF, solver="tensorly", progress=False)
     with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):

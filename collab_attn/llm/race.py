@@ -37,33 +37,39 @@ class Entry:
     """One conversion of the race (``method="none"``: the original itself)."""
 
     method: str
-    rank: int | None = None
+    rank: int | str | None = None  # or a budget: "mean:96", the key width 96 spread over bands and layers
     value_rank: int | None = None
     options: dict = field(default_factory=dict)
     budget: float = 1.0  # the fraction of the original's cache it was sized for
     distill_tokens: int = 0  # fitting tokens of the distillation after the conversion (0: none)
     calibration_tokens: int = 0  # fitting tokens whose attention inputs fit the conversion (0: fitted to the weights)
+    calibration_sample: int = 0  # which block of that many fitting tokens (0: the first)
 
     @property
     def name(self) -> str:
         if self.method == "none":
             return "original"
-        sizes = f"-k{self.rank}" + ("" if self.value_rank is None else f"-v{self.value_rank}")
+        rank = str(self.rank).replace(":", "")  # a budget "mean:96" names the run "-kmean96"
+        sizes = f"-k{rank}" + ("" if self.value_rank is None else f"-v{self.value_rank}")
         extra = "".join(f"-{key}{value}" for key, value in sorted(self.options.items()))
-        calibrated = f"-calibrated{self.calibration_tokens}" if self.calibration_tokens else ""
+        sample = f"s{self.calibration_sample}" if self.calibration_sample else ""
+        calibrated = f"-calibrated{self.calibration_tokens}{sample}" if self.calibration_tokens else ""
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         return f"{self.method}{sizes}{extra}{calibrated}{distilled}"
 
 
 def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
-               distill_tokens: int = 0, calibration_tokens: int = 0) -> list[Entry]:
+               distill_tokens: int = 0, calibration_tokens: int = 0, spread: bool = False) -> list[Entry]:
     """The entry of ``method`` at ``fraction`` of the cache of ``kv_heads`` key/value heads of ``head_dim``
-    (default: SmolLM2's), or none when the method cannot get that small."""
+    (default: SmolLM2's), or none when the method cannot get that small. ``spread``: ``cp`` and ``key-svd`` get
+    their key width as a budget (``"mean:R"``: the same total, spread over bands and layers)."""
     budget = int(fraction * 2 * kv_heads * head_dim)
     common = {"budget": fraction, "distill_tokens": distill_tokens, "calibration_tokens": calibration_tokens}
     if method in ("cp", "key-svd"):
         half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
-        return [Entry(method, half, half, **common)] if half > 0 else []
+        return [Entry(method, f"mean:{half}" if spread else half, half, **common)] if half > 0 else []
+    if spread:
+        return []
     if method == "kv-svd":
         latent = budget - 2 * rope_pairs * kv_heads
         return [Entry("kv-svd", latent, options={"rope_pairs": rope_pairs}, **common)] if latent > 0 else []
@@ -150,8 +156,9 @@ def load_runs(out_dir: Path) -> list[dict]:
 
 def _order(result: dict) -> tuple:
     entry = result["entry"]
+    rank = entry["rank"] or 0
     return (-entry["budget"], entry.get("distill_tokens", 0), entry["method"] != "none", entry["method"],
-            -(entry["rank"] or 0))
+            isinstance(rank, str), -int(str(rank).split(":")[-1]))
 
 
 def summary_markdown(results: list[dict], command: str, setup: str) -> str:
@@ -197,7 +204,9 @@ def plot(results: list[dict], path: Path) -> Path:
         def line_of(r):
             tokens = r["entry"].get("distill_tokens", 0)
             given = " (sizes as given)" if r["entry"]["budget"] == 1.0 else ""  # diagnostics: not one curve
-            return r["entry"]["method"] + (f" distilled {tokens}" if tokens else "") + given
+            spread = " (pairs by budget)" if isinstance(r["entry"]["rank"], str) else ""
+            calibrated = " calibrated" if r["entry"].get("calibration_tokens") else ""
+            return r["entry"]["method"] + spread + calibrated + (f" distilled {tokens}" if tokens else "") + given
 
         for line in sorted({line_of(r) for r in results if r["entry"]["method"] != "none"}):
             points = sorted((r["cache_fraction"], r["domains"][domain]["perplexity"]

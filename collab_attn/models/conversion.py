@@ -25,6 +25,7 @@ from torch import nn
 from collab_attn.decomposition.cp_als import HeadProducts
 from collab_attn.decomposition.decompose import check_finite
 from collab_attn.decomposition.rank_selection import RankBudget, is_budget
+from collab_attn.decomposition.rotary_budget import ROTARY_BUDGETS
 from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
     LAYER_KINDS,
@@ -68,10 +69,11 @@ def _layer_weights(site: AttentionSite) -> LayerWeights:
     return weights
 
 
-def _check_ranks(method: ConversionMethod, rank, num_layers: int, full_rank: int):
+def _check_ranks(method: ConversionMethod, rank, num_layers: int, full_rank: int, rotary: bool = False):
     if is_budget(rank):
-        if not method.budgets:
-            raise ValueError(f"method={method.name!r} takes one rank or one per layer, not a budget ({rank!r})")
+        if not (method.rotary_budgets if rotary else method.budgets):
+            where = " on rotary models" if rotary and method.budgets else ""
+            raise ValueError(f"method={method.name!r} takes one rank or one per layer{where}, not a budget ({rank!r})")
         return None, RankBudget.parse(rank)
     return per_layer_ranks(rank, num_layers, full_rank), None
 
@@ -85,7 +87,7 @@ def _validate(model: nn.Module, method: ConversionMethod, rank):
     family, sites = attention_sites(model)
     check_head_class(model, family)
     method.layer_for(family.rotary)  # a method that does not convert rotary models says so here
-    ranks, budget = _check_ranks(method, rank, len(sites), sites[0].width)
+    ranks, budget = _check_ranks(method, rank, len(sites), sites[0].width, family.rotary)
     if family.rotary:  # collaborative rotary layers count each shared pair twice; other kinds' widths are their own
         _check_rotary_ranks(ranks, budget, counts_pairs=LAYER_KINDS[method.layer_for(True)].collaborative)
     if ranks is not None and method.check_ranks is not None:
@@ -95,7 +97,16 @@ def _validate(model: nn.Module, method: ConversionMethod, rank):
 
 def _check_rotary_ranks(ranks, budget, counts_pairs: bool = True) -> None:
     if budget is not None:
-        raise ValueError(f"a budget ({budget}) does not apply to rotary models yet: give one rank or one per layer")
+        if budget.kind not in ROTARY_BUDGETS:
+            raise ValueError(f"a {budget} budget does not apply to rotary models: it counts query/key parameters, and "
+                             f"a rotary conversion is sized by its key cache; use {' or '.join(ROTARY_BUDGETS)} (e.g. "
+                             "'mean:96': the key width 96 in every layer, spread over bands and layers)")
+        if budget.step is not None or budget.min_rank is not None:
+            raise ValueError(f"budget {budget}: step and min_rank do not apply to rotary models (pairs are spread one "
+                             "by one and every layer keeps at least one); leave them out")
+        if budget.kind == "mean" and int(budget.value) % 2:
+            raise ValueError(f"budget {budget}: a rotary key width counts each shared pair twice; give an even width")
+        return
     odd = [rank for rank in ranks if rank % 2] if counts_pairs else []
     if odd:
         raise ValueError(f"rank {odd[0]} is odd: a rotary model's query/key width counts each shared pair twice (its "

@@ -48,6 +48,8 @@ class ConversionMethod:
     # the kind of layer it builds on rotary models (Llama, Qwen2, Mistral), from the same planner (the request says
     # ``rotary``); None: it does not convert them
     rotary_layer: str | None = None
+    # takes a budget on rotary models too ("mean:96", "energy:0.9": collab_attn.decomposition.rotary_budget)
+    rotary_budgets: bool = False
 
     def __post_init__(self):
         for layer in (self.layer, self.rotary_layer or self.layer):

@@ -22,4 +22,5 @@ CP = register(ConversionMethod(
     NAME, "collaborative heads with mixing vectors from a CP decomposition of the head products (the paper's)",
     plan_cp, layer="collaborative", options=DecompositionOptions, budgets=True, calibrated=True, decomposes=True,
     mixing="vectors", cuts_values=True, rotary_layer="rotary-collaborative",
+    rotary_budgets=True,
 ))

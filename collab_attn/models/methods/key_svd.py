@@ -47,4 +47,5 @@ def plan_key_svd(request: Request) -> Plan:
 KEY_SVD = register(ConversionMethod(
     NAME, "one key of width rank shared by every head, from an SVD of the stacked key projection (thin keys)",
     plan_key_svd, layer="shared-key", calibrated=True, reports_products_error=False, rotary_layer="rotary-shared-key",
+    rotary_budgets=True,
 ))

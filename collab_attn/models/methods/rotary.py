@@ -9,7 +9,8 @@ spread over the bands by their energy (``allocate_pairs``). The values stay grou
 (``value_rank``) as on any model: values carry no rotation.
 
 With a calibration the pairs are allocated and fitted on the whitened forms (``rotary_whitening``): the error that is
-minimized is that of the logits on inputs like the calibration's.
+minimized is that of the logits on inputs like the calibration's. A budget (``"mean:R"``, ``"energy:E"``) spreads the
+pairs over the bands of all layers (``collab_attn.decomposition.rotary_budget``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from collab_attn.decomposition.rotary import allocate_pairs, band_forms, rotary_decomposition, whiten_forms
+from collab_attn.decomposition.rotary import (
+    allocate_pairs,
+    band_forms,
+    band_spectra,
+    rotary_decomposition,
+    whiten_forms,
+)
+from collab_attn.decomposition.rotary_budget import allocate_budget
 from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.models.methods.decomposition import DecompositionOptions, shared_values
 from collab_attn.models.methods.subspace import calibration_summary
@@ -51,26 +59,44 @@ def rotary_forms(layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return band_forms(with_bias_column(layer.w_query, layer.b_query), with_bias_column(layer.w_key, layer.b_key))
 
 
+def seen_forms(request: Request, index: int, layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's band forms (``rotary_forms``) as the fit sees them: whitened with a calibration."""
+    forms = rotary_forms(layer)
+    whitening = rotary_whitening(request, index, layer)
+    return forms if whitening is None else whiten_forms(*forms, whitening)
+
+
+def budget_pairs(request: Request, spectrum) -> list[list[int] | None]:
+    """Pairs per band of every layer: from the request's budget (``allocate_budget`` on ``spectrum(index, layer)``,
+    each layer's (bands, k) spectrum), or None per layer where the request gives ranks."""
+    if request.ranks is not None:
+        return [None] * len(request.weights)
+    return allocate_budget([spectrum(index, layer) for index, layer in enumerate(request.weights)], request.budget)
+
+
 def plan_rotary(request: Request, method: str) -> Plan:
     options: DecompositionOptions = request.options
     if (options.solver, options.init) != ("implicit", "svd"):
         raise ValueError(f"solver={options.solver!r}, init={options.init!r} do not apply to rotary models: their "
                          "bands are fitted by a complex ALS started from SVDs (solver='implicit', init='svd')")
+    allocation = budget_pairs(request, lambda index, layer: band_spectra(*seen_forms(request, index, layer)))
+    ranks = request.ranks or [2 * sum(pairs) for pairs in allocation]
     layers = []
-    progress = tqdm(request.weights, desc=f"reparametrize ({method}, rotary, rank {request.ranks[0]})",
+    progress = tqdm(request.weights, desc=f"reparametrize ({method}, rotary, {request.budget or f'rank {ranks[0]}'})",
                     disable=not request.progress)
-    for index, (layer, rank) in enumerate(zip(progress, request.ranks)):
+    for index, (layer, rank) in enumerate(zip(progress, ranks)):
         start = time.perf_counter()
         query = with_bias_column(layer.w_query, layer.b_query)
         key = with_bias_column(layer.w_key, layer.b_key)
         bands = layer.head_dim // 2
         whitening = rotary_whitening(request, index, layer)
-        if rank == layer.heads * layer.head_dim:
+        pairs = allocation[index]
+        if pairs is None and rank == layer.heads * layer.head_dim:
             pairs = [layer.heads] * bands  # every head keeps its own pair in every band: exact
+        elif pairs is None:
+            pairs = allocate_pairs(*seen_forms(request, index, layer), rank // 2)
+        if all(count == layer.heads for count in pairs):
             whitening = None  # nothing is cut: the inputs cannot matter
-        else:
-            forms = band_forms(query, key)
-            pairs = allocate_pairs(*(forms if whitening is None else whiten_forms(*forms, whitening)), rank // 2)
         fit = rotary_decomposition(query, key, pairs, n_iter_max=options.n_iter_max, tol=options.tol,
                                    seed=request.seed, whitening=whitening)
         state = {"query.weight": fit.query_weight[:, :layer.d_in], "key.weight": fit.key_weight[:, :layer.d_in],
@@ -86,5 +112,5 @@ def plan_rotary(request: Request, method: str) -> Plan:
             planned.state |= value_state
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
-    return Plan(layers, list(request.ranks), "complex-als", value_ranks=request.value_ranks,
+    return Plan(layers, list(ranks), "complex-als", value_ranks=request.value_ranks,
                 calibration=calibration_summary(request))

@@ -10,7 +10,8 @@ remaining ``sigma^2`` of the layer first). Exact at ``rank = kv_heads x head_dim
 cache's width), and wider shared keys are refused (they would only cache zeros). The reported error is that of the
 logit forms per band (``collab_attn.models.products.BandForms``), checked against the installed layer. With a
 calibration the bands' SVDs are of the whitened key forms (``rotary_whitening``; ``weighted_error`` reports their
-fit).
+fit). A budget (``"mean:R"``, ``"energy:E"``) spreads the pairs over the bands of all layers by the squared singular
+values (``collab_attn.decomposition.rotary_budget``).
 
 Values: grouped as the source's by default (the source's value and output projections are kept). With
 ``value_rank=V``: one SVD of the stacked value projections of the G groups (G d_h x d) cut to ``V``
@@ -26,13 +27,14 @@ from __future__ import annotations
 
 import time
 
+import torch
 from tqdm.auto import tqdm
 
-from collab_attn.decomposition.rotary_keys import thin_rotary_keys
+from collab_attn.decomposition.rotary_keys import key_band_svd, thin_rotary_keys
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
-from collab_attn.models.methods.rotary import rotary_whitening, with_bias_column
+from collab_attn.models.methods.rotary import budget_pairs, rotary_forms, rotary_whitening, with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import Factor, HeadForms, original_value_forms, relative_error
@@ -68,9 +70,21 @@ def shared_value_state(values: ValueWeights, kv_heads: int, value_rank: int, whi
     return state, error
 
 
-def _plan_layer(request: Request, index: int) -> LayerPlan:
+def key_spectrum(request: Request, index: int, layer: LayerWeights) -> torch.Tensor:
+    """(bands, min(G, d)) squared singular values of each band's key forms, whitened with a calibration: what each
+    pair of the band's shared key removes from the error of its keys."""
+    heads, groups = layer.w_query.shape[0], layer.w_key.shape[0]
+    keys = rotary_forms(layer)[1][:, :: heads // groups]
+    whitening = rotary_whitening(request, index, layer)
+    if whitening is not None:
+        keys = keys @ whitening[1][0].to(keys.dtype)
+    return key_band_svd(keys)[1].square()
+
+
+def _plan_layer(request: Request, index: int, pairs: list[int] | None) -> LayerPlan:
     start = time.perf_counter()
-    layer, rank = request.weights[index], request.ranks[index]
+    layer = request.weights[index]
+    rank = request.ranks[index] if pairs is None else 2 * sum(pairs)
     kv_heads = layer.w_key.shape[0]
     if rank % 2:
         raise ValueError(f"rank {rank} is odd: a rotary shared key counts each of its pairs twice (real and imaginary "
@@ -83,7 +97,7 @@ def _plan_layer(request: Request, index: int) -> LayerPlan:
             f"original key cache's width); a wider one only caches zeros: choose an even rank of at most {widest}")
     query = with_bias_column(layer.w_query, layer.b_query)
     key = with_bias_column(layer.w_key, layer.b_key)
-    fit = thin_rotary_keys(query, key, rank // 2, rotary_whitening(request, index, layer))
+    fit = thin_rotary_keys(query, key, rank // 2 if pairs is None else pairs, rotary_whitening(request, index, layer))
     d_in = layer.d_in
     state = {"query.weight": fit.query_weight[..., :d_in].flatten(0, 1), "key.weight": fit.key_weight[:, :d_in],
              "pair_bands": fit.pair_bands}
@@ -106,7 +120,9 @@ def _plan_layer(request: Request, index: int) -> LayerPlan:
 
 def plan_rotary_key_svd(request: Request, method: str) -> Plan:
     """The ``rotary-shared-key`` plan of every layer (module doc); ``rank`` the shared key's width, even."""
+    allocation = budget_pairs(request, lambda index, layer: key_spectrum(request, index, layer))
     progress = tqdm(range(len(request.weights)), desc=f"{method} (rotary, per band)", disable=not request.progress)
-    layers = [_plan_layer(request, index) for index in progress]
-    return Plan(layers, list(request.ranks), SOLVER, value_ranks=request.value_ranks,
+    layers = [_plan_layer(request, index, allocation[index]) for index in progress]
+    ranks = request.ranks or [2 * sum(pairs) for pairs in allocation]
+    return Plan(layers, list(ranks), SOLVER, value_ranks=request.value_ranks,
                 calibration=calibration_summary(request))

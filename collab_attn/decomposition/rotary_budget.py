@@ -1,0 +1,71 @@
+"""Budgets on rotary models: how many shared pairs each frequency band of each layer gets.
+
+A rotary conversion (``cp``'s complex CP per band, ``key-svd``'s per-band SVD) spends its key width pair by pair, and
+a pair serves one band of one layer. Per band the error that ``R`` pairs leave is bounded (equal, for the SVD) by the
+tail of a spectrum: the eigenvalues of the band's head Gram (``collab_attn.decomposition.rotary.band_spectra``) for
+``cp``, the squared singular values of its key forms for ``key-svd``; whitened by the layer's inputs with a
+calibration. Dividing each layer's spectra by its total energy makes the tails relative squared errors, the
+quantity per-layer ranks minimize on the other families (``collab_attn.decomposition.rank_selection``), so:
+
+- ``"mean:R"``: the key width of ``R`` numbers (``R / 2`` pairs) in every layer, spread differently: the
+  ``layers x R / 2`` pairs with the largest relative eigenvalues across all bands of all layers, every layer
+  keeping at least one. Each spectrum is descending, so this minimizes the sum over layers of the bounds;
+- ``"energy:E"``: in each layer, the fewest pairs whose eigenvalues hold a fraction ``E`` of its energy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from collab_attn.decomposition.rank_selection import RankBudget
+
+ROTARY_BUDGETS = ("mean", "energy")
+
+
+def relative_spectra(spectra: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each layer's (bands, k) spectrum divided by its total: what a pair's eigenvalue removes from the layer's
+    squared relative error."""
+    return [s.double() / s.double().sum().clamp_min(1e-300) for s in spectra]
+
+
+def _take(values: torch.Tensor, count: int) -> list[int]:
+    """Pairs per band when the ``count`` largest entries of ``values`` (bands, k; each row descending) are kept."""
+    bands, width = values.shape
+    chosen = values.flatten().argsort(descending=True, stable=True)[:count] // width
+    return torch.bincount(chosen, minlength=bands).tolist()
+
+
+def allocate_budget(spectra: list[torch.Tensor], budget: RankBudget | str) -> list[list[int]]:
+    """Pairs per band for every layer (module doc) from each layer's (bands, k) spectrum, each row descending."""
+    budget = RankBudget.parse(budget)
+    if budget.kind not in ROTARY_BUDGETS:
+        raise ValueError(f"a {budget} budget does not apply to rotary models: it counts query/key parameters, "
+                         f"and a rotary conversion is sized by its key cache; use {' or '.join(ROTARY_BUDGETS)} "
+                         "(e.g. 'mean:96': the cache of width 96 in every layer, spread by the spectra)")
+    relative = relative_spectra(spectra)
+    if budget.kind == "energy":
+        pairs = []
+        for layer in relative:
+            kept = layer.flatten().sort(descending=True).values.cumsum(0)
+            count = int((kept < budget.value - 1e-12).sum()) + 1
+            pairs.append(_take(layer, min(count, layer.numel())))
+        return pairs
+    width = int(budget.value)
+    capacity = min(layer.numel() for layer in relative)
+    if width % 2 or not 2 <= width <= 2 * capacity:
+        raise ValueError(f"budget mean:{width}: a rotary key width counts each shared pair twice and every layer "
+                         f"holds at most {capacity} pairs; give an even width from 2 to {2 * capacity}")
+    total = len(relative) * width // 2
+    # every layer keeps its largest pair, then the rest go by value across all layers
+    firsts = [int(layer.flatten().argmax()) for layer in relative]
+    pool = torch.cat([layer.flatten().clone().index_fill_(0, torch.tensor([first]), float("inf"))
+                      for layer, first in zip(relative, firsts)])
+    order = pool.argsort(descending=True, stable=True)[:total]
+    sizes = [layer.numel() for layer in relative]
+    owner = torch.repeat_interleave(torch.arange(len(relative)), torch.tensor(sizes))
+    starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
+    pairs = []
+    for index, layer in enumerate(relative):
+        mine = order[owner[order] == index] - starts[index]
+        pairs.append(torch.bincount(mine // layer.shape[1], minlength=layer.shape[0]).tolist())
+    return pairs
