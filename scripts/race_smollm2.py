@@ -15,11 +15,12 @@ script resumes, and so does an interrupted distillation), then ``<out>/summary.m
 
 Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
 - ``cp``: rotary-exact collaborative keys of width ``rank`` and shared values of width ``value_rank``, both B/2.
+- ``tucker``: the same sizes, each head mixing the pairs of a band (and the shared values) with a matrix of its own.
 - ``key-svd``: one shared rotary key per frequency band (thin keys, each head's query mapped into it; exact for
   grouped keys at G pairs per band) of width ``rank``, and shared values of width ``value_rank``, both B/2.
 - ``kv-svd``: MHA2MLA's partial RoPE, ``rope_pairs`` rotary pairs per key/value group (``--rope-pairs``, default 4),
   the rest of the keys and the values in one latent of width ``B - 2 x rope_pairs x G``.
-- ``--pairs-by-budget``: ``cp`` and ``key-svd`` with the same key width as a budget, ``mean:R`` (the pairs spread
+- ``--pairs-by-budget``: ``cp``, ``tucker`` and ``key-svd`` with the same key width as a budget, ``mean:R`` (the pairs spread
   over the bands of all layers; ``collab_attn.decomposition.rotary_budget``).
 - ``merge-kv`` / ``drop-kv``: key/value groups merged by mean pooling, or dropped with their query heads: g groups
   with ``2 g d_h <= B`` (merging: g divides G; SmolLM2: none below a third of the cache).
@@ -43,8 +44,8 @@ from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.llm.heldout import DOMAINS, texts, windows  # noqa: E402
 from collab_attn.llm.race import Entry, entries_at, load_runs, plot, run_entry, summary_markdown  # noqa: E402,F401
 
-METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
-CALIBRATED = ("cp", "key-svd", "kv-svd")  # fitted to the attention inputs with --calibration-tokens
+METHODS = ("cp", "tucker", "key-svd", "kv-svd", "merge-kv", "drop-kv")
+CALIBRATED = ("cp", "tucker", "key-svd", "kv-svd")  # fitted to the attention inputs with --calibration-tokens
 
 
 def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list[Entry]:
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
                         help="calibrate on the K-th block of --calibration-tokens fitting tokens (default 0: the "
                              "first): another sample of the same text, for the spread of the calibrated rows")
     parser.add_argument("--pairs-by-budget", action="store_true",
-                        help="also cp and key-svd with their key width as a budget ('mean:R': the same cache, the "
+                        help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same cache, the "
                              "pairs spread over the bands of all layers by the spectra), calibrated with "
                              "--calibration-tokens")
     parser.add_argument("--extra", nargs="+", default=[], metavar="METHOD:RANK[:VALUE_RANK]",

@@ -59,7 +59,9 @@ class RotaryDecomposition:
     of the R pairs; imaginary parts]; ``pair_bands``: (R,) band of each pair (ascending); ``mixing``: (heads, 2R) real,
     [real parts; imaginary parts] of the complex mixing; errors relative as in ``ComplexCP``, the overall one over
     all bands together (energy-weighted), of the forms themselves; a band with no pairs has error 1.
-    ``weighted_error``: the overall error of the whitened forms, for an activation-aware fit (None otherwise)."""
+    ``weighted_error``: the overall error of the whitened forms, for an activation-aware fit (None otherwise).
+    Tucker mixing (``collab_attn.decomposition.rotary_tucker``): ``core`` (heads, 2, R, R), each head's complex
+    matrix over the pairs [real; imaginary], and ``mixing`` the (heads, heads) weights of those slices."""
 
     query_weight: torch.Tensor
     key_weight: torch.Tensor
@@ -68,6 +70,7 @@ class RotaryDecomposition:
     relative_error: float
     band_errors: list[float]
     weighted_error: float | None = None
+    core: torch.Tensor | None = None
 
 
 def band_forms(w_query: torch.Tensor, w_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,7 +306,13 @@ def rotary_logits(
     ``x`` (Nq, d), ``y`` (Nk, d), ``inv_freq`` (bands,) the rotary frequencies ``theta_i``."""
     pairs = len(dec.pair_bands)
     z, w = x @ dec.query_weight.T, y @ dec.key_weight.T  # (N, 2R)
-    zr, zi, mr, mi = z[:, :pairs], z[:, pairs:], dec.mixing[:, None, :pairs], dec.mixing[:, None, pairs:]
-    queries = torch.cat([zr * mr - zi * mi, zr * mi + zi * mr], -1)  # (H, Nq, 2R): m_h * z
+    if dec.core is not None:  # Tucker: head h's pair s is sum_r z_r C_h[r, s]
+        core = torch.einsum("hg,gcrs->hcrs", dec.mixing, dec.core)
+        queries = torch.einsum("nr,hrs->hns", torch.complex(z[:, :pairs], z[:, pairs:]).to(torch.complex128),
+                               torch.complex(core[:, 0], core[:, 1]).to(torch.complex128))
+        queries = torch.cat([queries.real, queries.imag], -1)
+    else:
+        zr, zi, mr, mi = z[:, :pairs], z[:, pairs:], dec.mixing[:, None, :pairs], dec.mixing[:, None, pairs:]
+        queries = torch.cat([zr * mr - zi * mi, zr * mi + zi * mr], -1)  # (H, Nq, 2R): m_h * z
     theta = inv_freq.to(z.dtype)[dec.pair_bands]
     return rotate(queries, q_positions, theta) @ rotate(w, k_positions, theta).T

@@ -61,11 +61,11 @@ class Entry:
 def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
                distill_tokens: int = 0, calibration_tokens: int = 0, spread: bool = False) -> list[Entry]:
     """The entry of ``method`` at ``fraction`` of the cache of ``kv_heads`` key/value heads of ``head_dim``
-    (default: SmolLM2's), or none when the method cannot get that small. ``spread``: ``cp`` and ``key-svd`` get
-    their key width as a budget (``"mean:R"``: the same total, spread over bands and layers)."""
+    (default: SmolLM2's), or none when the method cannot get that small. ``spread``: ``cp``, ``tucker`` and
+    ``key-svd`` get their key width as a budget (``"mean:R"``: the same total, spread over bands and layers)."""
     budget = int(fraction * 2 * kv_heads * head_dim)
     common = {"budget": fraction, "distill_tokens": distill_tokens, "calibration_tokens": calibration_tokens}
-    if method in ("cp", "key-svd"):
+    if method in ("cp", "tucker", "key-svd"):
         half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
         return [Entry(method, f"mean:{half}" if spread else half, half, **common)] if half > 0 else []
     if spread:

@@ -398,11 +398,13 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
     def __init__(self, d_model: int, num_heads: int, pairs: int, *, head_dim: int, dropout: float, bias: bool,
                  output_bias: bool, kv_heads: int, logit_scale: float, value_rank: int | None = None,
                  is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
-                 residual_norm_eps: float | None = None, output_projection: bool = True):
+                 residual_norm_eps: float | None = None, output_projection: bool = True,
+                 tucker_core_size: int | None = None):
+        block = pairs % num_heads == 0 and tucker_core_size in (None, num_heads)
         RotaryCollaborativeAttention.__init__(
             self, d_model, num_heads, pairs, kv_heads=kv_heads, head_dim=head_dim, dropout=dropout, bias=bias,
             output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
-            mixing_init="concatenate" if pairs % num_heads == 0 else "ones", value_rank=value_rank,
+            mixing_init="concatenate" if block else "ones", value_rank=value_rank, tucker_core_size=tucker_core_size,
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
@@ -414,7 +416,8 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
         # shared values fold the value bias into the output bias: Qwen2's output projection gains one
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
         return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
-                   value_rank=spec.value_rank, **_contract(site)).to(site.weight)
+                   value_rank=spec.value_rank, tucker_core_size=spec.tucker_core_size,
+                   **_contract(site)).to(site.weight)
 
 
 class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttention, kind="rotary-shared-key"):

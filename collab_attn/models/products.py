@@ -167,12 +167,14 @@ def _rotary_forms(layer: RotaryCollaborativeAttention) -> BandForms:
         return torch.complex(real, imag)  # (R, d)
 
     queries, keys = pairs(layer.query), pairs(layer.key)
-    real, imag = layer.mixing.double().chunk(2, dim=1)
-    mixing = torch.complex(real, imag)  # (heads, R)
+    if layer.mixing_core is not None:  # Tucker: head h's query for pair s is sum_r C_h[r, s] q_r
+        mixing = torch.complex(*(part.double() for part in layer.mixing_matrices()))  # (heads, R, R)
+    else:
+        mixing = torch.diag_embed(torch.complex(*layer.mixing.double().chunk(2, dim=1)))  # CP: diagonal
     forms = []
     for band in range(layer.head_dim // 2):
         index = (layer.pair_bands == band).nonzero().flatten()
-        left = mixing[:, index, None] * queries[index][None] * layer.scale
+        left = torch.einsum("hrs,rd->hsd", mixing[:, index][:, :, index], queries[index]) * layer.scale
         forms.append(complex_forms(left, keys[index][None]))
     return BandForms(forms)
 

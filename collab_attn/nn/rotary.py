@@ -15,10 +15,17 @@ Layout (what a conversion writes): R pairs per layer.
 - ``query``, ``key``: ``nn.Linear(d, 2R)``; their 2R outputs are ``[real parts of the R pairs ; imaginary parts]``,
   so transformers' ``rotate_half`` on the 2R vector rotates pair ``r``, i.e. ``(z_r, z_(r+R))``, by its angle.
 - ``pair_bands`` (persistent buffer, (R,) int64): the RoPE band ``0 .. head_dim/2 - 1`` each pair rotates with.
-- ``mixing`` (heads, 2R): ``[real parts ; imaginary parts]`` of each head's complex mixing number per pair.
+- ``mixing`` (heads, 2R): ``[real parts ; imaginary parts]`` of each head's complex mixing number per pair (CP).
+  Tucker (``tucker_core_size`` K): ``mixing`` (heads, K) real weights of ``mixing_core`` (K, 2, R, R), K complex
+  R x R slices ``[real ; imaginary]``; head ``h`` mixes with ``C_h = sum_g mixing[h, g] core_g``, its query for pair
+  ``s`` being ``sum_r C_h[r, s] q_r`` over the pairs ``r`` of the same band as ``s`` (entries across bands are
+  never read: a rotation commutes only with mixing inside one band). Head ``h`` scores
+  ``Re(sum_(r,s) q_r C_h[r, s] conj(k_s))`` (rotations included); CP is the diagonal ``C_h``.
 - values: grouped like the source (``value``: d -> kv_heads * head_dim, head ``h`` reads group
   ``h // (heads / kv_heads)``, ``output``: heads * head_dim -> d), or shared (``value_rank`` D_v: ``value``: d -> D_v,
-  ``value_mixing`` (heads, D_v), ``output``: D_v -> d), as ``CollaborativeAttention`` shares them.
+  ``value_mixing`` (heads, D_v), ``output``: D_v -> d), as ``CollaborativeAttention`` shares them; with
+  ``tucker_core_size`` through a core of value mixing matrices (``value_mixing`` (heads, K), ``value_core`` (K, D_v,
+  D_v)), as there.
 
 Positions come from the caller as transformers computes them: ``position_embeddings = (cos, sin)``, each
 (batch, seq, head_dim), with ``cos[..., i] == cos[..., i + head_dim/2]`` the cosine of band ``i`` (rope scaling
@@ -34,7 +41,7 @@ import math
 import torch
 from torch import nn
 
-from collab_attn.nn.attention import grouped_attend
+from collab_attn.nn.attention import _head_mixing, _init_head_mixing, grouped_attend
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
 ROTARY_MIXING_INITS = ("concatenate", "ones", "random")
@@ -61,7 +68,9 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
     projection (Qwen2 has q/k/v biases and no o_proj bias). ``logit_scale``: default ``1 / sqrt(head_dim)``.
     ``mixing_init``: ``"concatenate"`` (head ``h`` gets mixing 1 on its own block of ``pairs / heads`` pairs, 0
     elsewhere), ``"ones"`` (1 everywhere) or ``"random"`` (standard normal real and imaginary parts); shared values
-    start as ones (normal for ``"random"``).
+    start as ones (normal for ``"random"``). ``tucker_core_size``: mix through a core of that many complex pair x
+    pair slices (module doc) instead of one complex number per pair; "concatenate" then needs one slice per head
+    (slice ``h`` the identity on head ``h``'s block); "ones" gives identity slices weighted ``1 / K``.
 
     ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
     kv_cache=None, position_embeddings=None, key_position_embeddings=None) -> (output, weights or None)``;
@@ -86,6 +95,7 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         logit_scale: float | None = None,
         mixing_init: str = "concatenate",
         value_rank: int | None = None,
+        tucker_core_size: int | None = None,
     ):
         output_bias = bias if output_bias is None else output_bias
         super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, output_bias)
@@ -99,6 +109,12 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
             raise ValueError(f"kv_heads must be a positive divisor of num_heads ({num_heads}), got {kv_heads!r}")
         if mixing_init not in ROTARY_MIXING_INITS:
             raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {ROTARY_MIXING_INITS}")
+        if tucker_core_size is not None and (not isinstance(tucker_core_size, int)
+                                             or isinstance(tucker_core_size, bool) or tucker_core_size <= 0):
+            raise ValueError(f"tucker_core_size must be a positive integer or None, got {tucker_core_size!r}")
+        if mixing_init == "concatenate" and tucker_core_size not in (None, num_heads):
+            raise ValueError(f"mixing_init='concatenate' gives each head its own core slice: tucker_core_size must be "
+                             f"num_heads ({num_heads}), got {tucker_core_size}; or use mixing_init='ones'/'random'")
         if mixing_init == "concatenate" and pairs % num_heads:
             raise ValueError(
                 f"mixing_init='concatenate' splits the pairs ({pairs}) into num_heads ({num_heads}) equal blocks; "
@@ -111,7 +127,13 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         self.scale = 1.0 / math.sqrt(self.head_dim) if logit_scale is None else logit_scale
         self.query = nn.Linear(d_model, 2 * pairs, bias=bias)
         self.key = nn.Linear(self.kv_dim, 2 * pairs, bias=bias)
-        self.mixing = nn.Parameter(torch.empty(num_heads, 2 * pairs))
+        self.tucker_core_size = tucker_core_size
+        if tucker_core_size is None:
+            self.mixing = nn.Parameter(torch.empty(num_heads, 2 * pairs))
+            self.mixing_core = None
+        else:
+            self.mixing = nn.Parameter(torch.empty(num_heads, tucker_core_size))
+            self.mixing_core = nn.Parameter(torch.empty(tucker_core_size, 2, pairs, pairs))
         if pair_bands is None:
             pair_bands = torch.arange(pairs) % (self.head_dim // 2)
         pair_bands = torch.as_tensor(pair_bands)
@@ -125,12 +147,12 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
             if not isinstance(value_rank, int) or isinstance(value_rank, bool) or value_rank <= 0:
                 raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
             self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
-            self.value_mixing = nn.Parameter(torch.empty(num_heads, value_rank))
+            self.value_mixing, self.value_core = _head_mixing(num_heads, value_rank, tucker_core_size)
             if output_projection:
                 self.output = nn.Linear(value_rank, d_model, bias=output_bias)
         else:
             self.value = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)
-            self.value_mixing = None
+            self.value_mixing = self.value_core = None
         self.reset_mixing()
 
     @torch.no_grad()
@@ -139,17 +161,38 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         if self.mixing.device.type == "meta":
             return
         heads, pairs = self.num_heads, self.pairs
-        if self.mixing_init == "random":
+        if self.mixing_core is not None:
+            self._reset_core()
+        elif self.mixing_init == "random":
             nn.init.normal_(self.mixing)
         elif self.mixing_init == "ones":
             self.mixing.zero_()[:, :pairs] = 1.0
         else:  # head h: 1 + 0j on its own block of pairs
             self.mixing.zero_()[:, :pairs] = torch.eye(heads).repeat_interleave(pairs // heads, dim=1)
         if self.value_mixing is not None:
-            if self.mixing_init == "random":
-                nn.init.normal_(self.value_mixing)
-            else:
-                self.value_mixing.fill_(1.0)
+            _init_head_mixing(self.value_mixing, self.value_core, "random" if self.mixing_init == "random" else "ones")
+
+    def _reset_core(self) -> None:
+        core_size, pairs = self.mixing.shape[1], self.pairs
+        self.mixing_core.zero_()
+        if self.mixing_init == "random":
+            nn.init.normal_(self.mixing, std=core_size**-0.5)
+            nn.init.normal_(self.mixing_core, std=pairs**-0.5)
+        elif self.mixing_init == "ones":
+            self.mixing.fill_(1.0 / core_size)
+            self.mixing_core[:, 0] = torch.eye(pairs)
+        else:  # slice h: the identity on head h's own block of pairs
+            self.mixing.copy_(torch.eye(core_size))
+            blocks = torch.eye(core_size).repeat_interleave(pairs // core_size, dim=1)
+            self.mixing_core[:, 0] = torch.diag_embed(blocks)
+
+    def mixing_matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tucker: each head's complex mixing ``C_h`` over the pairs, real and imaginary parts (heads, R, R) each,
+        with the entries across bands set to zero."""
+        bands = self.pair_bands
+        same_band = (bands[:, None] == bands[None, :]).to(self.mixing_core.dtype)
+        matrices = torch.einsum("hg,gcrs->chrs", self.mixing, self.mixing_core) * same_band
+        return matrices[0], matrices[1]
 
     def _check_bands(self, bands: torch.Tensor) -> None:
         """A clear error for bands that are not integers in ``0 .. head_dim/2 - 1``."""
@@ -210,6 +253,12 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
     def head_queries(self, rotated_queries: torch.Tensor) -> torch.Tensor:
         """Each head's queries (B, H, T, 2R) from the rotated shared ones (B, T, 2R): pair ``r`` times the head's
         complex mixing number ``m_hr`` (a rotation commutes with it, so rotating first is the same)."""
+        if self.mixing_core is not None:  # head h's pair s: sum_r q_r C_h[r, s] (complex, within s's band)
+            re, im = rotated_queries.chunk(2, dim=-1)  # (B, T, R)
+            c_re, c_im = (part.to(re.dtype) for part in self.mixing_matrices())
+            mixed = torch.einsum("btr,hrs->bhts", torch.cat([re, -im], -1), torch.cat([c_re, c_im], 1)), \
+                torch.einsum("btr,hrs->bhts", torch.cat([re, im], -1), torch.cat([c_im, c_re], 1))
+            return torch.cat(mixed, dim=-1)
         re, im = rotated_queries[:, None].chunk(2, dim=-1)  # (B, 1, T, R)
         m_re, m_im = self.mixing[:, None].to(re.dtype).chunk(2, dim=-1)  # (H, 1, R); autocast: the queries' dtype
         return torch.cat([re * m_re - im * m_im, re * m_im + im * m_re], dim=-1)
@@ -240,11 +289,17 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         groups = values.shape[1]  # shared values: one group of all heads, the keys never expanded
         keys = keys.expand(-1, groups, -1, -1)
         context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
-        if shared_values:  # (B, T, H, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
+        if shared_values and self.value_core is not None:  # (B, T, H, D_v) -> sum_h context_h N_h: (B, T, D_v)
+            context = torch.einsum("bthv,hvw->btw", context, self.value_mixing_matrices())
+        elif shared_values:  # (B, T, H, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
             context = torch.einsum("bthv,hv->btv", context, self.value_mixing)
         else:
             context = context.flatten(2)
         return self._finish(context), weights
+
+    def value_mixing_matrices(self) -> torch.Tensor:
+        """Tucker values: each head's (D_v, D_v) mixing ``N_h = sum_g value_mixing[h, g] value_core[g]``."""
+        return torch.einsum("hg,gvw->hvw", self.value_mixing, self.value_core)
 
     def cache_width(self) -> int:
         """Numbers the ``kv_cache`` hook is handed per token: the rotated shared key (2R) and the values

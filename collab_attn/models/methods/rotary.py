@@ -1,4 +1,6 @@
-"""Collaborative heads on rotary-position models (Llama, Qwen2, Mistral): the planner ``cp`` uses there.
+"""Collaborative heads on rotary-position models (Llama, Qwen2, Mistral): the planner ``cp`` and ``tucker`` use
+there (Tucker: ``collab_attn.decomposition.rotary_tucker``, a complex matrix per head and band instead of CP's
+numbers, values shared by a Tucker decomposition as on any model).
 
 Per frequency band, each head's logit form is one complex rank-1 matrix ``a_hi conj(b_gi)^T`` (its query and key
 pair as complex vectors; a bias is one more input column). A complex CP of each band's stacked head forms
@@ -28,6 +30,7 @@ from collab_attn.decomposition.rotary import (
     whiten_forms,
 )
 from collab_attn.decomposition.rotary_budget import allocate_budget
+from collab_attn.decomposition.rotary_tucker import rotary_tucker
 from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.models.methods.decomposition import DecompositionOptions, shared_values
 from collab_attn.models.methods.subspace import calibration_summary
@@ -75,10 +78,18 @@ def budget_pairs(request: Request, spectrum) -> list[list[int] | None]:
 
 
 def plan_rotary(request: Request, method: str) -> Plan:
+    """``cp`` (complex CP per band) or ``tucker`` (complex Tucker per band, one core slice per head) on a rotary
+    model."""
     options: DecompositionOptions = request.options
+    tucker = method == "tucker"
     if (options.solver, options.init) != ("implicit", "svd"):
         raise ValueError(f"solver={options.solver!r}, init={options.init!r} do not apply to rotary models: their "
-                         "bands are fitted by a complex ALS started from SVDs (solver='implicit', init='svd')")
+                         f"bands are fitted by a complex {'HOOI' if tucker else 'ALS'} started from SVDs "
+                         "(solver='implicit', init='svd')")
+    heads = request.weights[0].heads
+    if tucker and getattr(options, "tucker_core_size", None) not in (None, heads):
+        raise ValueError(f"tucker_core_size={options.tucker_core_size}: on rotary models the Tucker fit gives every "
+                         f"head its own core slice (tucker_core_size = heads = {heads}); leave it out")
     allocation = budget_pairs(request, lambda index, layer: band_spectra(*seen_forms(request, index, layer)))
     ranks = request.ranks or [2 * sum(pairs) for pairs in allocation]
     layers = []
@@ -97,10 +108,16 @@ def plan_rotary(request: Request, method: str) -> Plan:
             pairs = allocate_pairs(*seen_forms(request, index, layer), rank // 2)
         if all(count == layer.heads for count in pairs):
             whitening = None  # nothing is cut: the inputs cannot matter
-        fit = rotary_decomposition(query, key, pairs, n_iter_max=options.n_iter_max, tol=options.tol,
-                                   seed=request.seed, whitening=whitening)
+        if tucker:
+            fit = rotary_tucker(query, key, pairs, n_iter_max=options.n_iter_max, tol=options.tol,
+                                whitening=whitening)
+        else:
+            fit = rotary_decomposition(query, key, pairs, n_iter_max=options.n_iter_max, tol=options.tol,
+                                       seed=request.seed, whitening=whitening)
         state = {"query.weight": fit.query_weight[:, :layer.d_in], "key.weight": fit.key_weight[:, :layer.d_in],
                  "mixing": fit.mixing, "pair_bands": fit.pair_bands}
+        if tucker:
+            state["mixing_core"] = fit.core
         if layer.b_query is not None:
             state |= {"query.bias": fit.query_weight[:, layer.d_in], "key.bias": fit.key_weight[:, layer.d_in]}
         exact_but_calibrated = whitening is None and request.calibration is not None
@@ -108,9 +125,11 @@ def plan_rotary(request: Request, method: str) -> Plan:
         if request.value_ranks is not None:
             covariance = None if request.calibration is None else request.calibration.covariance(index)
             value_state, planned.value_error = shared_values(
-                request.values[index], request.value_ranks[index], request, covariance, "cp", None)
+                request.values[index], request.value_ranks[index], request, covariance, method,
+                heads if tucker else None)
             planned.state |= value_state
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
-    return Plan(layers, list(ranks), "complex-als", value_ranks=request.value_ranks,
+    return Plan(layers, list(ranks), "complex-hooi" if tucker else "complex-als", value_ranks=request.value_ranks,
+                tucker_core_size=heads if tucker else None,
                 calibration=calibration_summary(request))

@@ -1,6 +1,7 @@
 """``tucker``: collaborative heads with mixing matrices built from a core of ``tucker_core_size`` slices (default: the
 heads), from a Tucker decomposition of the stacked head products (``collab_attn.models.methods.decomposition``); with
-a value rank, the values shared the same way (a Tucker decomposition of the value-output products)."""
+a value rank, the values shared the same way (a Tucker decomposition of the value-output products). On rotary
+models a complex Tucker per frequency band, one core slice per head (``collab_attn.models.methods.rotary``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 from collab_attn.models.methods.base import ConversionMethod, register
 from collab_attn.models.methods.decomposition import DecompositionOptions, plan_decomposition
+from collab_attn.models.methods.rotary import plan_rotary
 from collab_attn.models.plan import Plan, Request
 
 NAME = "tucker"
@@ -25,11 +27,13 @@ class TuckerOptions(DecompositionOptions):
 
 
 def plan_tucker(request: Request) -> Plan:
+    if request.rotary:
+        return plan_rotary(request, NAME)
     return plan_decomposition(request, NAME, request.options.tucker_core_size or request.weights[0].heads)
 
 
 TUCKER = register(ConversionMethod(
     NAME, "collaborative heads with mixing matrices from a Tucker decomposition of the head products",
     plan_tucker, layer="collaborative", options=TuckerOptions, budgets=True, calibrated=True, decomposes=True,
-    mixing="matrices", cuts_values=True,
+    mixing="matrices", cuts_values=True, rotary_layer="rotary-collaborative", rotary_budgets=True,
 ))
