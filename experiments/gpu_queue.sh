@@ -15,10 +15,10 @@
 #      tests/conftest.py): skipped while they are unchanged, run again once they change. A run that ends in failed
 #      tests is a result too (committed, to be fixed).
 #   1. smollm2: the key/value-cache race on SmolLM2-135M (scripts/race_smollm2.py, float32 on the GPU): every
-#      conversion at 1/2, 1/4, 1/8 of the cache without retraining and after a distillation from the original on
-#      2,048,000 fitting tokens, and fitted to the attention inputs of 262,144 (calibrated: the shared values and the
-#      kv-svd latent), 128 held-out windows of 512 tokens per domain; resumable run by run (and within a
-#      distillation, every 25 steps).
+#      conversion at 1/2, 1/4, 1/8 of the cache without retraining, fitted to the attention inputs of 262,144
+#      fitting tokens (calibrated: the rotary keys, the shared values and the kv-svd latent), and distilled from the
+#      original on 2,048,000 fitting tokens starting from the calibrated conversions; 128 held-out windows of 512
+#      tokens per domain; resumable run by run (and within a distillation, every 25 steps).
 #   2. decode: benchmarks/decode.py in bfloat16, original and D~ = d/2, d/4, d/8 (issue 45): batches 1 8 32 64 at
 #      contexts 1024 4096 8192 with dynamic caches, then dynamic against static (compiled, CUDA graphs) caches at
 #      batches 1 and 32, context 4096 (every shape compiles once per model); keys and values at a quarter of the
@@ -50,7 +50,7 @@ if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
       tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
-      smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --distill-tokens 2048000 --calibration-tokens 262144: every rotary conversion at 1/2 1/4 1/8, without retraining, calibrated and distilled";;
+      smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --distill-tokens 2048000 --calibration-tokens 262144: every rotary conversion at 1/2 1/4 1/8, without retraining, calibrated, and distilled from the calibrated ones";;
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; cp keys and values at 0.25 (186) and 0.2475 (184) of the cache, --batches 32 --contexts 8192; benchmarks/decode_kernels.py --value-rank 184 --batch 1, 32";;
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import with_cache
 from test_rotary_models import FULL, HALF, HEAD_DIM, HEADS, KV_HEADS, ROTARY, converted, ids, original
+from test_static_cache import assert_compiled_static_decoding_equals_eager
 
 from collab_attn.decomposition.rotary import rotary_logits, rotate
 from collab_attn.decomposition.rotary_tucker import complex_tucker, rotary_tucker
@@ -105,6 +106,11 @@ def test_generation_with_and_without_a_cache_static_and_assisted():
         step = small(tokens[:, 4:], **with_cache(small, cache)).logits
     torch.testing.assert_close(step[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)
     assert cache.layers[0].keys.shape == (2, 1, 5, HALF) and cache.layers[0].values.shape == (2, 1, 5, HALF)
+
+
+def test_compiled_static_decoding_equals_eager():
+    small, _ = converted(original("llama", vocab_size=128), HALF, method="tucker", value_rank=HALF)
+    assert_compiled_static_decoding_equals_eager(small)  # the helper's token ids reach 119
 
 
 def test_attention_maps_equal_the_original_at_full_size():

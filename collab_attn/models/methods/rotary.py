@@ -87,7 +87,7 @@ def plan_rotary(request: Request, method: str) -> Plan:
                          f"bands are fitted by a complex {'HOOI' if tucker else 'ALS'} started from SVDs "
                          "(solver='implicit', init='svd')")
     heads = request.weights[0].heads
-    if tucker and getattr(options, "tucker_core_size", None) not in (None, heads):
+    if tucker and options.tucker_core_size not in (None, heads):
         raise ValueError(f"tucker_core_size={options.tucker_core_size}: on rotary models the Tucker fit gives every "
                          f"head its own core slice (tucker_core_size = heads = {heads}); leave it out")
     allocation = budget_pairs(request, lambda index, layer: band_spectra(*seen_forms(request, index, layer)))
