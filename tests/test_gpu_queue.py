@@ -62,8 +62,8 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
                        "convert-train-seed0": "exit 0", "convert-seed0": "exit 0"}, done.stdout
         race = dry / "smollm2" / "gpu"
         assert sorted(p.name for p in (race / "runs").glob("*.json")) == [
-            "cp-k12-v12-calibrated32.json", "cp-k12-v12-distilled64.json", "cp-k12-v12.json",
-            "merge-kv-k12-distilled64.json", "merge-kv-k12.json", "original.json"]
+            "cp-k12-v12-calibrated32-distilled64.json", "cp-k12-v12-calibrated32.json", "cp-k12-v12.json",
+            "merge-kv-k12-distilled64.json", "merge-kv-k12.json", "original.json"]  # distilled from the calibrated
         assert (race / "summary.md").is_file() and (race / "perplexity.png").is_file()
         assert list((dry / "minilm_glue" / "runs").glob("rte/minilm/cp-aware-r96/*/results.jsonl"))
         assert (dry / "shakespeare_char" / "gpu" / "runs" / "collab-k8-seed0.json").is_file()
