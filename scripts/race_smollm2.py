@@ -20,8 +20,8 @@ Sizes at a budget of B numbers per token and layer (the largest that fit; G key/
   grouped keys at G pairs per band) of width ``rank``, and shared values of width ``value_rank``, both B/2.
 - ``kv-svd``: MHA2MLA's partial RoPE, ``rope_pairs`` rotary pairs per key/value group (``--rope-pairs``, default 4),
   the rest of the keys and the values in one latent of width ``B - 2 x rope_pairs x G``.
-- ``--pairs-by-budget``: ``cp``, ``tucker`` and ``key-svd`` with the same key width as a budget, ``mean:R`` (the pairs spread
-  over the bands of all layers; ``collab_attn.decomposition.rotary_budget``).
+- ``--pairs-by-budget``: ``cp``, ``tucker`` and ``key-svd`` with the same key width as a budget, ``mean:R`` (the
+  pairs spread over the bands of all layers; ``collab_attn.decomposition.rotary_budget``).
 - ``merge-kv`` / ``drop-kv``: key/value groups merged by mean pooling, or dropped with their query heads: g groups
   with ``2 g d_h <= B`` (merging: g divides G; SmolLM2: none below a third of the cache).
 """
@@ -103,8 +103,8 @@ def main(argv=None) -> None:
                         help="calibrate on the K-th block of --calibration-tokens fitting tokens (default 0: the "
                              "first): another sample of the same text, for the spread of the calibrated rows")
     parser.add_argument("--pairs-by-budget", action="store_true",
-                        help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same cache, the "
-                             "pairs spread over the bands of all layers by the spectra), calibrated with "
+                        help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
+                             "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
                              "--calibration-tokens")
     parser.add_argument("--extra", nargs="+", default=[], metavar="METHOD:RANK[:VALUE_RANK]",
                         help="also these conversions, as given (e.g. key-svd:192:144: exact keys, values cut), "
