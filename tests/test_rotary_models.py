@@ -98,17 +98,23 @@ def test_shared_values_on_a_grouped_source(family):
     assert layer.value.weight.shape == (HALF, D) and layer.value_mixing.shape == (HEADS, HALF)
 
 
-@pytest.mark.parametrize("family", ROTARY)
-def test_generation_with_and_without_a_cache_static_and_assisted(family):
-    model = original(family)
-    small, _ = converted(model, HALF)
-    tokens = ids(length=5)
+def assert_generates_alike(small, model, tokens) -> None:
+    """Greedy tokens of ``small`` the same with a dynamic cache, without one, with a static one, and assisted by the
+    original ``model`` (batch of one)."""
     settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     greedy = small.generate(tokens, **settings)
     assert torch.equal(small.generate(tokens, use_cache=False, **settings), greedy)
     assert torch.equal(small.generate(tokens, cache_implementation="static", **settings), greedy)
     one = tokens[:1]
     assert torch.equal(small.generate(one, assistant_model=model, **settings), small.generate(one, **settings))
+
+
+@pytest.mark.parametrize("family", ROTARY)
+def test_generation_with_and_without_a_cache_static_and_assisted(family):
+    model = original(family)
+    small, _ = converted(model, HALF)
+    tokens = ids(length=5)
+    assert_generates_alike(small, model, tokens)
     with torch.no_grad():
         cache = small(tokens, use_cache=True).past_key_values
     layer = small.model.layers[0].self_attn

@@ -10,7 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import with_cache
-from test_rotary_models import FULL, HALF, HEAD_DIM, HEADS, KV_HEADS, ROTARY, converted, ids, original
+from test_rotary_models import (
+    FULL,
+    HALF,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    ROTARY,
+    assert_generates_alike,
+    converted,
+    ids,
+    original,
+)
 from test_static_cache import assert_compiled_static_decoding_equals_eager
 
 from collab_attn.decomposition.rotary import rotary_logits, rotate
@@ -94,12 +105,7 @@ def test_generation_with_and_without_a_cache_static_and_assisted():
     layer = small.model.layers[0].self_attn
     assert layer.mixing_core.shape == (HEADS, 2, HALF // 2, HALF // 2) and layer.value_core.shape == (HEADS, HALF, HALF)
     tokens = ids(length=5)
-    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-    greedy = small.generate(tokens, **settings)
-    assert torch.equal(small.generate(tokens, use_cache=False, **settings), greedy)
-    assert torch.equal(small.generate(tokens, cache_implementation="static", **settings), greedy)
-    one = tokens[:1]
-    assert torch.equal(small.generate(one, assistant_model=model, **settings), small.generate(one, **settings))
+    assert_generates_alike(small, model, tokens)
     with torch.no_grad():
         full = small(tokens).logits
         cache = small(tokens[:, :4], use_cache=True).past_key_values
