@@ -144,21 +144,28 @@ def test_every_head_class_converts_saves_and_loads_back(family, tmp_path):
     for model_class in classes:
         model, _ = converted(original(family, model_class), HALF)
         assert type(model) is collab_model_class(model_class)
-        folder = tmp_path / model_class.__name__
-        model.save_pretrained(folder)
-        with torch.no_grad():
-            expected = model(**inputs)
-            loaders = [collab_model_class(model_class)] + [
-                auto for auto in AUTO_CLASSES
-                if auto._model_mapping._model_mapping.get(family) == model_class.__name__]
-            assert len(loaders) >= 2, model_class
-            for loader in loaders:
-                loaded = loader.from_pretrained(folder).eval()
-                assert loaded.config.collab_layer == "rotary-collaborative"
-                got = loaded(**inputs)
-                for name, value in expected.items():
-                    if torch.is_tensor(value):
-                        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+        for loaded in assert_loads_back(model, family, model_class, tmp_path / model_class.__name__, inputs):
+            assert loaded.config.collab_layer == "rotary-collaborative"
+
+
+def assert_loads_back(model, family: str, model_class, folder, inputs) -> list:
+    """Save ``model`` and load it back through its collaborative class and every Auto class that maps ``family`` to
+    ``model_class`` (at least two loaders): every tensor output identical. Returns the loaded models."""
+    model.save_pretrained(folder)
+    loaders = [collab_model_class(model_class)] + [
+        auto for auto in AUTO_CLASSES if auto._model_mapping._model_mapping.get(family) == model_class.__name__]
+    assert len(loaders) >= 2, model_class
+    loaded_models = []
+    with torch.no_grad():
+        expected = model(**inputs)
+        for loader in loaders:
+            loaded = loader.from_pretrained(folder).eval()
+            got = loaded(**inputs)
+            for name, value in expected.items():
+                if torch.is_tensor(value):
+                    torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+            loaded_models.append(loaded)
+    return loaded_models
 
 
 def test_what_rotary_models_do_not_take_yet_is_refused_with_the_reason():

@@ -18,6 +18,7 @@ from test_rotary_models import (
     KV_HEADS,
     ROTARY,
     assert_generates_alike,
+    assert_loads_back,
     converted,
     ids,
     original,
@@ -27,7 +28,7 @@ from test_static_cache import assert_compiled_static_decoding_equals_eager
 from collab_attn.decomposition.rotary import rotary_logits, rotate
 from collab_attn.decomposition.rotary_tucker import complex_tucker, rotary_tucker
 from collab_attn.models.families import FAMILIES
-from collab_attn.models.hf import AUTO_CLASSES, collab_model_class, head_classes
+from collab_attn.models.hf import head_classes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,19 +134,8 @@ def test_every_head_class_converts_saves_and_loads_back(tmp_path):
     inputs = {"input_ids": ids(), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
     for model_class in head_classes(FAMILIES["llama"]):
         model, _ = converted(original("llama", model_class), HALF, method="tucker", value_rank=HALF)
-        folder = tmp_path / model_class.__name__
-        model.save_pretrained(folder)
-        loaders = [collab_model_class(model_class)] + [
-            auto for auto in AUTO_CLASSES if auto._model_mapping._model_mapping.get("llama") == model_class.__name__]
-        with torch.no_grad():
-            expected = model(**inputs)
-            for loader in loaders:
-                loaded = loader.from_pretrained(folder).eval()
-                assert loaded.config.collab_tucker_core_size == HEADS
-                got = loaded(**inputs)
-                for name, value in expected.items():
-                    if torch.is_tensor(value):
-                        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+        for loaded in assert_loads_back(model, "llama", model_class, tmp_path / model_class.__name__, inputs):
+            assert loaded.config.collab_tucker_core_size == HEADS
 
 
 def test_what_rotary_tucker_cannot_honour_is_refused():
