@@ -175,6 +175,18 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
     assert "kv-svd-k72-rope_pairs4-distilled100" in [e.name for e in race_script.race_entries(args, 3, 64, [])]
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--calibration-sample", "-1", "--calibration-tokens", "64"], "--calibration-sample must be 0 or positive"),
+    (["--calibration-sample", "1"], "with --calibration-tokens"),
+    (["--pairs-by-budget", "--methods", "kv-svd", "--budgets", "2"], "--budgets must lie in (0, 1]"),
+])
+def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        script().main(["--out", str(tmp_path / "race"), *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "race").exists()
+
+
 def test_a_calibrated_entry_is_fitted_to_the_originals_attention_inputs(tmp_path, monkeypatch):
     """The entry's conversion takes the calibration the race collected from the original once, and says so in its
     report; an entry asking for one without a way to get it is refused before anything is converted."""
