@@ -62,10 +62,10 @@ def rotary_forms(layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return band_forms(with_bias_column(layer.w_query, layer.b_query), with_bias_column(layer.w_key, layer.b_key))
 
 
-def seen_forms(request: Request, index: int, layer: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's band forms (``rotary_forms``) as the fit sees them: whitened with a calibration."""
+def seen_forms(layer: LayerWeights, whitening) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's band forms (``rotary_forms``) as the fit sees them: whitened with a calibration's ``whitening``
+    (``rotary_whitening``; None: as they are)."""
     forms = rotary_forms(layer)
-    whitening = rotary_whitening(request, index, layer)
     return forms if whitening is None else whiten_forms(*forms, whitening)
 
 
@@ -90,7 +90,8 @@ def plan_rotary(request: Request, method: str) -> Plan:
     if tucker and options.tucker_core_size not in (None, heads):
         raise ValueError(f"tucker_core_size={options.tucker_core_size}: on rotary models the Tucker fit gives every "
                          f"head its own core slice (tucker_core_size = heads = {heads}); leave it out")
-    allocation = budget_pairs(request, lambda index, layer: band_spectra(*seen_forms(request, index, layer)))
+    allocation = budget_pairs(
+        request, lambda index, layer: band_spectra(*seen_forms(layer, rotary_whitening(request, index, layer))))
     ranks = request.ranks or [2 * sum(pairs) for pairs in allocation]
     layers = []
     progress = tqdm(request.weights, desc=f"reparametrize ({method}, rotary, {request.budget or f'rank {ranks[0]}'})",
@@ -105,7 +106,7 @@ def plan_rotary(request: Request, method: str) -> Plan:
         if pairs is None and rank == layer.heads * layer.head_dim:
             pairs = [layer.heads] * bands  # every head keeps its own pair in every band: exact
         elif pairs is None:
-            pairs = allocate_pairs(*seen_forms(request, index, layer), rank // 2)
+            pairs = allocate_pairs(*seen_forms(layer, whitening), rank // 2)  # the whitening computed once
         if all(count == layer.heads for count in pairs):
             whitening = None  # nothing is cut: the inputs cannot matter
         if tucker:
