@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from collab_attn.decomposition.rank_selection import RankBudget
+from collab_attn.decomposition.rotary_keys import allocate_key_pairs
 
 ROTARY_BUDGETS = ("mean", "energy")
 
@@ -28,33 +29,37 @@ def relative_spectra(spectra: list[torch.Tensor]) -> list[torch.Tensor]:
     return [s.double() / s.double().sum().clamp_min(1e-300) for s in spectra]
 
 
-def _take(values: torch.Tensor, count: int) -> list[int]:
-    """Pairs per band when the ``count`` largest entries of ``values`` (bands, k; each row descending) are kept."""
-    bands, width = values.shape
-    chosen = values.flatten().argsort(descending=True, stable=True)[:count] // width
-    return torch.bincount(chosen, minlength=bands).tolist()
-
-
-def allocate_budget(spectra: list[torch.Tensor], budget: RankBudget | str) -> list[list[int]]:
-    """Pairs per band for every layer (module doc) from each layer's (bands, k) spectrum, each row descending."""
+def check_rotary_budget(budget: RankBudget | str) -> RankBudget:
+    """The budget, parsed, or a ValueError saying why it cannot size a rotary conversion."""
     budget = RankBudget.parse(budget)
     if budget.kind not in ROTARY_BUDGETS:
         raise ValueError(f"a {budget} budget does not apply to rotary models: it counts query/key parameters, "
                          f"and a rotary conversion is sized by its key cache; use {' or '.join(ROTARY_BUDGETS)} "
-                         "(e.g. 'mean:96': the cache of width 96 in every layer, spread by the spectra)")
+                         "(e.g. 'mean:96': the key width 96 in every layer, spread over bands and layers)")
+    if budget.step is not None or budget.min_rank is not None:
+        raise ValueError(f"budget {budget}: step and min_rank do not apply to rotary models (pairs are spread one "
+                         "by one and every layer keeps at least one); leave them out")
+    if budget.kind == "mean" and int(budget.value) % 2:
+        raise ValueError(f"budget {budget}: a rotary key width counts each shared pair twice; give an even width")
+    return budget
+
+
+def allocate_budget(spectra: list[torch.Tensor], budget: RankBudget | str) -> list[list[int]]:
+    """Pairs per band for every layer (module doc) from each layer's (bands, k) spectrum, each row descending."""
+    budget = check_rotary_budget(budget)
     relative = relative_spectra(spectra)
     if budget.kind == "energy":
         pairs = []
         for layer in relative:
             kept = layer.flatten().sort(descending=True).values.cumsum(0)
             count = int((kept < budget.value - 1e-12).sum()) + 1
-            pairs.append(_take(layer, min(count, layer.numel())))
+            pairs.append(allocate_key_pairs(layer, min(count, layer.numel())))
         return pairs
     width = int(budget.value)
     capacity = min(layer.numel() for layer in relative)
-    if width % 2 or not 2 <= width <= 2 * capacity:
-        raise ValueError(f"budget mean:{width}: a rotary key width counts each shared pair twice and every layer "
-                         f"holds at most {capacity} pairs; give an even width from 2 to {2 * capacity}")
+    if not 2 <= width <= 2 * capacity:
+        raise ValueError(f"budget mean:{width}: every layer holds at most {capacity} pairs; give an even width from "
+                         f"2 to {2 * capacity}")
     total = len(relative) * width // 2
     # every layer keeps its largest pair, then the rest go by value across all layers
     firsts = [int(layer.flatten().argmax()) for layer in relative]

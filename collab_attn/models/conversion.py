@@ -25,7 +25,7 @@ from torch import nn
 from collab_attn.decomposition.cp_als import HeadProducts
 from collab_attn.decomposition.decompose import check_finite
 from collab_attn.decomposition.rank_selection import RankBudget, is_budget
-from collab_attn.decomposition.rotary_budget import ROTARY_BUDGETS
+from collab_attn.decomposition.rotary_budget import check_rotary_budget
 from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
     LAYER_KINDS,
@@ -97,15 +97,7 @@ def _validate(model: nn.Module, method: ConversionMethod, rank):
 
 def _check_rotary_ranks(ranks, budget, counts_pairs: bool = True) -> None:
     if budget is not None:
-        if budget.kind not in ROTARY_BUDGETS:
-            raise ValueError(f"a {budget} budget does not apply to rotary models: it counts query/key parameters, and "
-                             f"a rotary conversion is sized by its key cache; use {' or '.join(ROTARY_BUDGETS)} (e.g. "
-                             "'mean:96': the key width 96 in every layer, spread over bands and layers)")
-        if budget.step is not None or budget.min_rank is not None:
-            raise ValueError(f"budget {budget}: step and min_rank do not apply to rotary models (pairs are spread one "
-                             "by one and every layer keeps at least one); leave them out")
-        if budget.kind == "mean" and int(budget.value) % 2:
-            raise ValueError(f"budget {budget}: a rotary key width counts each shared pair twice; give an even width")
+        check_rotary_budget(budget)
         return
     odd = [rank for rank in ranks if rank % 2] if counts_pairs else []
     if odd:
