@@ -8,10 +8,13 @@ give for collaborative heads, and how fast each reads its cache.
 The step: one new query per sequence, 12 heads of 64 (GPT-2 small's layer), a cache of ``--context`` positions.
 - ``original sdpa``: concatenated heads, ``scaled_dot_product_attention`` on per-head keys and values (what GPT-2's
   attention runs).
-- ``collab explicit``: the library's path (``CollaborativeAttention._explicit``): the heads' mixed queries against
-  the one shared key in a single ``bmm``, the content logits added, softmax, the per-head values.
+- ``collab explicit``: the library's reference path (``CollaborativeAttention._explicit``): the heads' mixed
+  queries against the one shared key in a single ``bmm``, the content logits added, softmax, the per-head values.
 - ``collab compiled``: the same function under ``torch.compile(fullgraph=True)`` (the compiler may fuse the
   softmax and the weighted sum).
+- ``collab kernels``: the library's decoding path on the CPU in float32 (``collab_attn.nn.cpu_kernels``): the
+  same arithmetic in one pass over the shared keys and one over the values; ``collab kernels compiled``: the same
+  under ``torch.compile`` (the operators stay opaque; the compiler takes the rest).
 - ``collab sdpa``: the shared key expanded (a view) to every head and ``scaled_dot_product_attention`` with the
   content logits as its additive mask (query/key width D~, value width 64: the unfused kernel where they differ).
 - ``collab flex``: ``flex_attention`` (compiled, as it must be) with the shared key expanded to every head and the
@@ -22,6 +25,9 @@ With shared values (``--value-rank`` D_v, default 186: keys and values at a quar
 - ``collab kv fused``: the library's path (``collab_attn.nn.attention.grouped_attend``): the heads stacked as the
   query rows of one key/value head, the content logits as the mask, one ``scaled_dot_product_attention`` call
   (multi-query attention), then the value mixing; ``collab kv fused compiled``: the same under ``torch.compile``.
+- ``collab kv kernels``: the library's decoding path on the CPU in float32: the scores through
+  ``cpu_kernels.shared_key_scores``, the content logits added, softmax, one ``bmm`` of all heads' weights with the
+  one value per token, the value mixing; ``collab kv kernels compiled``: the same under ``torch.compile``.
 The keys-only variants read the same cache, the kv variants theirs; the script checks that each agrees with its
 explicit form (max |difference|), counts the bytes each reads (keys, content logits and values; ``GB/s``: those bytes
 over the median step) and times
@@ -50,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn.nn import cpu_kernels  # noqa: E402
 from collab_attn.nn.attention import grouped_attend  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
@@ -61,6 +68,12 @@ def collab_explicit(queries, keys, values, content):
     batch, heads, tgt, rank = queries.shape
     logits = torch.bmm(queries.reshape(batch, heads * tgt, rank), keys.transpose(1, 2)).view(batch, heads, tgt, -1)
     return torch.matmul((logits + content).softmax(dim=-1), values)
+
+
+def collab_kernels(queries, keys, values, content):
+    batch, heads, tgt, rank = queries.shape
+    logits = cpu_kernels.shared_key_scores(queries.reshape(batch, heads * tgt, rank), keys).view(batch, heads, tgt, -1)
+    return cpu_kernels.weighted_values((logits + content).softmax(dim=-1), values)
 
 
 def collab_sdpa(queries, keys, values, content):
@@ -94,6 +107,14 @@ def collab_kv_explicit(queries, keys, values, content, value_mixing):
 def collab_kv_fused(queries, keys, values, content, value_mixing):
     context, _ = grouped_attend(queries, keys[:, None], values, content, 1.0, 0.0, False)  # (B, 1, H, D_v)
     return torch.einsum("bthv,hv->btv", context, value_mixing)
+
+
+def collab_kv_kernels(queries, keys, values, content, value_mixing):
+    batch, heads, tgt, rank = queries.shape
+    logits = cpu_kernels.shared_key_scores(queries.reshape(batch, heads * tgt, rank), keys).view(batch, heads, tgt, -1)
+    weights = (logits + content).softmax(dim=-1).view(batch, heads * tgt, -1)
+    context = torch.bmm(weights, values[:, 0]).view(batch, heads, tgt, -1)  # (B, H, 1, D_v)
+    return torch.einsum("bhtv,hv->btv", context, value_mixing)
 
 
 def original_sdpa(queries, keys, values):
@@ -174,6 +195,9 @@ def main(argv=None) -> dict:
         "collab explicit": (collab_explicit, collab_inputs, "collab explicit", "collab"),
         "collab compiled": (torch.compile(collab_explicit, fullgraph=True, dynamic=False, backend=backend),
                             collab_inputs, "collab explicit", "collab"),
+        "collab kernels": (collab_kernels, collab_inputs, "collab explicit", "collab"),
+        "collab kernels compiled": (torch.compile(collab_kernels, fullgraph=True, dynamic=False, backend=backend),
+                                    collab_inputs, "collab explicit", "collab"),
         "collab sdpa": (collab_sdpa, collab_inputs, "collab explicit", "collab"),
         "collab flex": (make_flex(backend), collab_inputs, "collab explicit", "collab"),
         "collab kv explicit": (collab_kv_explicit, kv_inputs, "collab kv explicit", "collab kv"),
@@ -181,7 +205,13 @@ def main(argv=None) -> dict:
         "collab kv fused compiled": (torch.compile(collab_kv_fused, fullgraph=True, dynamic=False, backend=backend),
                                      kv_inputs,
                                      "collab kv explicit", "collab kv"),
+        "collab kv kernels": (collab_kv_kernels, kv_inputs, "collab kv explicit", "collab kv"),
+        "collab kv kernels compiled": (torch.compile(collab_kv_kernels, fullgraph=True, dynamic=False,
+                                                     backend=backend), kv_inputs, "collab kv explicit", "collab kv"),
     }
+    if not (device == "cpu" and dtype == torch.float32 and cpu_kernels.available()):
+        for name in ("collab kernels", "collab kernels compiled", "collab kv kernels", "collab kv kernels compiled"):
+            del variants[name]  # CPU, float32, AVX2 only
     with torch.inference_mode():
         references = {name: fn(*inputs).float() for name, (fn, inputs, _, _) in variants.items()
                       if name in ("collab explicit", "collab kv explicit")}

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from collab_attn.analysis.accounting import attention_flops_per_token
+from collab_attn.nn import cpu_kernels
 from collab_attn.stats import timing_verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -373,8 +374,11 @@ def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     assert_decode_reports(rows, text, capsys.readouterr().out, prefill=False)
 
 
-KERNELS = ["original sdpa", "collab explicit", "collab compiled", "collab sdpa", "collab flex", "collab kv explicit",
-           "collab kv fused", "collab kv fused compiled"]
+CPU_KERNELS = cpu_kernels.available()  # the CPU decoding kernels' rows run where they built (x86, AVX2)
+KERNELS = (["original sdpa", "collab explicit", "collab compiled"]
+           + ["collab kernels", "collab kernels compiled"] * CPU_KERNELS
+           + ["collab sdpa", "collab flex", "collab kv explicit", "collab kv fused", "collab kv fused compiled"]
+           + ["collab kv kernels", "collab kv kernels compiled"] * CPU_KERNELS)
 
 
 def assert_decode_kernels_reports(result: dict, text: str, printed: str) -> None:
@@ -435,22 +439,29 @@ def test_decode_kernels_call_faster_or_slower_only_outside_the_spread(tmp_path, 
     kernel only where its range and the original's do not overlap. Nothing is timed, so nothing is compiled either:
     the compiled variants run eagerly here (the test above compiles them)."""
     kernels = load("decode_kernels")
-    scripted = {**SCRIPTED, "kv faster": SCRIPTED["faster"], "kv slower": SCRIPTED["slower"],
-                "kv across": SCRIPTED["across"]}  # one series per variant, in the script's order
+    kernel_rows = {"kernels faster": SCRIPTED["faster"], "kernels across": SCRIPTED["across"]} if CPU_KERNELS else {}
+    kv_kernel_rows = {"kv kernels slower": SCRIPTED["slower"], "kv kernels faster": SCRIPTED["faster"]} \
+        if CPU_KERNELS else {}
+    head = dict(list(SCRIPTED.items())[:3])  # original, explicit, compiled; then the kernels; then sdpa and flex
+    scripted = {**head, **kernel_rows, **dict(list(SCRIPTED.items())[3:]), "kv faster": SCRIPTED["faster"],
+                "kv slower": SCRIPTED["slower"], "kv across": SCRIPTED["across"], **kv_kernel_rows}  # in order
     steps = iter(seconds for step in zip(*scripted.values()) for seconds in step)
     monkeypatch.setattr(kernels, "timed", lambda fn, *inputs: next(steps))
     monkeypatch.setattr(kernels.torch, "compile", lambda fn, **options: fn)
     monkeypatch.setattr(kernels, "make_flex", lambda backend: kernels.collab_sdpa)
     result = kernels.main(["--batch", "1", "--context", "8", "--rank", "8", "--repeats", "3", "--warmup", "0",
                            "--threads", "1", "--out", str(tmp_path / "k")])
-    assert [row["verdict"] for row in result["rows"]] == list(SCRIPTED_VERDICTS.values()) + ["faster", "slower", "tie"]
+    verdicts = list(SCRIPTED_VERDICTS.values())
+    verdicts[3:3] = ["faster", "tie"] * CPU_KERNELS
+    assert [row["verdict"] for row in result["rows"]] == verdicts + ["faster", "slower", "tie"] + [
+        "slower", "faster"] * CPU_KERNELS
     text = (tmp_path / "k.md").read_text()
     assert_decode_kernels_reports(result, text, capsys.readouterr().out)
+    faster, slower, tie = (["6.000", "5.000-7.000", "0.55x", "faster"], ["25.000", "20.000-30.000", "2.27x", "slower"],
+                           ["11.000", "9.000-13.000", "1.00x", "tie"])
     assert [cells[1:5] for cells in markdown_table(text)[1]] == [
-        ["11.000", "10.000-12.000", "1.00x", "-"], ["6.000", "5.000-7.000", "0.55x", "faster"],
-        ["25.000", "20.000-30.000", "2.27x", "slower"], ["11.000", "9.000-13.000", "1.00x", "tie"],
-        ["20.000", "12.000-30.000", "1.82x", "tie"], ["6.000", "5.000-7.000", "0.55x", "faster"],
-        ["25.000", "20.000-30.000", "2.27x", "slower"], ["11.000", "9.000-13.000", "1.00x", "tie"]]
+        ["11.000", "10.000-12.000", "1.00x", "-"], faster, slower] + [faster, tie] * CPU_KERNELS + [
+        tie, ["20.000", "12.000-30.000", "1.82x", "tie"], faster, slower, tie] + [slower, faster] * CPU_KERNELS
 
 
 def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tmp_path, monkeypatch):

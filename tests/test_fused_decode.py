@@ -2,7 +2,9 @@
 kernel (``collab_attn.nn.attention.grouped_attend``; issue 55): the same outputs as the explicit path (1e-5 in
 float32) for CP and Tucker mixing, every kind of mask and unequal widths; a cache equals recomputation; a static
 cache under ``torch.compile(fullgraph=True)`` decodes as eager without recompiling; attention maps, asked for, come
-from the explicit path; training keeps the explicit path. A spy on ``grouped_attend`` says which path ran."""
+from the explicit path; training keeps the explicit path. A spy on ``grouped_attend`` says which path ran. The CPU
+decoding kernels are switched off here (``cpu_kernels``; they take the decoding steps on the CPU where they build, and
+``tests/test_cpu_kernels.py`` tests them): this is the path of a GPU, and of a CPU without them."""
 
 from __future__ import annotations
 
@@ -16,11 +18,16 @@ from test_static_cache import assert_compiled_static_decoding_equals_eager
 from transformers import DynamicCache, GPT2LMHeadModel, StaticCache
 
 from collab_attn import reparametrize
-from collab_attn.nn import attention
+from collab_attn.nn import attention, cpu_kernels
 from collab_attn.nn.attention import CollaborativeAttention
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "without_cpu_kernels")
 D = HEADS * HEAD_DIM
+
+
+@pytest.fixture
+def without_cpu_kernels(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_loaded", {"ok": False})
 
 
 @pytest.fixture

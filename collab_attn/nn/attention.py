@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
+
 MIXING_INITS = ("concatenate", "ones", "random")
 
 
@@ -328,7 +330,8 @@ class CollaborativeAttention(_Attention):
     ``value_rank x value_rank`` slices. None keeps a value head per head.
     With a value per head the logits are explicit: a path through ``scaled_dot_product_attention`` (values padded
     with zeros to the rank) was slower in every case measured, on the CPU and on an H100, and was removed
-    (experiments/benchmarks/README.md, sections 4 and 10). With shared values (``value_rank``) at inference the
+    (experiments/benchmarks/README.md, sections 4 and 10); a decoding step on the CPU runs its two products through
+    ``cpu_kernels`` (section 18). With shared values (``value_rank``) at inference the
     layer is multi-query attention in disguise: each head's mixing goes into its query, its content logits into the
     mask, and all heads attend over the one shared key/value head through the fused kernel (``grouped_attend``;
     section 16 there); with weights asked for, or a gradient to keep, the explicit path runs.
@@ -443,9 +446,12 @@ class CollaborativeAttention(_Attention):
         batch, tgt_len, _ = query_states.shape
         shared_queries = self.query(query_states)  # (B, T, rank)
         shared_values = self.value_mixing is not None
-        if not need_weights and not shared_values and _blocks_pay(shared_queries, keys, values, self.num_heads):
+        if not need_weights and _cpu_kernels_pay(shared_queries, keys, values):
+            # a decoding step on the CPU: the scores in one pass over the shared keys (cpu_kernels), (B, H, T, D)
+            context, weights = self._through_cpu_kernels(shared_queries, keys, values, _plus(mask, content)), None
+        elif not need_weights and not shared_values and _blocks_pay(shared_queries, keys, values, self.num_heads):
             return self._finish(self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2)), None
-        if not need_weights and shared_values and _fused_pays(shared_queries, keys, values):
+        elif not need_weights and shared_values and _fused_pays(shared_queries, keys, values):
             # every head attends over the one shared key/value head: multi-query attention, its heads stacked as
             # the query rows of one head through the fused kernel, which reads the cache once (B, T, H, D_v)
             context, weights = grouped_attend(self._mixed(shared_queries), keys[:, None], values,
@@ -485,6 +491,20 @@ class CollaborativeAttention(_Attention):
             logits = logits + bias if logits.requires_grad else logits.add_(bias)
         weights = logits.softmax(dim=-1)
         return torch.matmul(F.dropout(weights, p=self._dropout()), values), weights
+
+    def _through_cpu_kernels(self, shared_queries, keys, values, bias) -> torch.Tensor:
+        """``_explicit``'s context (B, H, T, head_dim or D_v) through ``cpu_kernels`` (inference, float32, CPU): the
+        scores in one pass over the shared keys; each head's weights times its values in one pass over them, or with
+        shared values all heads' weights times the one value per token in a single matrix product."""
+        queries = self._mixed(shared_queries)
+        heads, tgt_len = queries.shape[1:3]
+        logits = cpu_kernels.shared_key_scores(queries.flatten(1, 2), keys).unflatten(1, (heads, tgt_len))
+        if bias is not None:
+            logits = logits + bias
+        weights = logits.softmax(dim=-1)
+        if self.value_mixing is None:
+            return cpu_kernels.weighted_values(weights, values)
+        return torch.bmm(weights.flatten(1, 2), values[:, 0]).unflatten(1, (heads, tgt_len))
 
     def _key_heads(self, keys: torch.Tensor) -> torch.Tensor:
         return keys  # (B, S, rank): one key per position, shared by all heads
@@ -612,6 +632,15 @@ def _blocks_pay(queries, keys, values, heads: int) -> bool:
     needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
     logits = queries.shape[0] * heads * queries.shape[1] * keys.shape[1]
     return keys.device.type == "cpu" and not needs_grad and logits > CPU_LOGITS_BLOCK
+
+
+def _cpu_kernels_pay(queries, keys, values) -> bool:
+    """Whether a keys-only step runs through ``cpu_kernels``: a decoding step (one query row; the kernels make one
+    pass over the values per row, where a prefill's matrix product reuses them), on the CPU in float32, without a
+    gradient to keep, on a machine where the kernels built."""
+    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
+    return (queries.shape[1] == 1 and keys.device.type == "cpu" and not needs_grad
+            and all(t.dtype == torch.float32 for t in (queries, keys, values)) and cpu_kernels.available())
 
 
 def _fused_pays(queries, keys, values) -> bool:
