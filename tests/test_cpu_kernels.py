@@ -138,6 +138,23 @@ def test_prefill_training_and_other_dtypes_keep_the_explicit_path(kernel_calls):
     assert kernel_calls == [] and module.mixing.grad.abs().sum() > 0
 
 
+def test_dropout_in_training_mode_without_gradients_still_drops():
+    """A layer in training mode under ``no_grad`` (a decoding step with dropout on) drops weights on the kernels' path
+    as on the explicit one: the same outputs under the same random numbers."""
+    module = layer()
+    module.dropout = 0.5
+    module.train()
+    query, keys = torch.randn(2, 1, 96), torch.randn(2, 9, 96)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        through_kernels, _ = module(query, keys)
+        torch.manual_seed(3)
+        explicit, _ = module(query, keys, need_weights=True)
+        undropped, _ = module.eval()(query, keys)
+    torch.testing.assert_close(through_kernels, explicit, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(through_kernels, undropped, atol=1e-3)
+
+
 @pytest.mark.parametrize("value_rank", [None, 44], ids=["keys only", "shared values"])
 def test_a_cache_fed_step_by_step_equals_recomputation(value_rank, kernel_calls):
     module, x = layer(tucker=3, value_rank=value_rank), torch.randn(2, 8, 96)

@@ -501,7 +501,7 @@ class CollaborativeAttention(_Attention):
         logits = cpu_kernels.shared_key_scores(queries.flatten(1, 2), keys).unflatten(1, (heads, tgt_len))
         if bias is not None:
             logits = logits + bias
-        weights = logits.softmax(dim=-1)
+        weights = F.dropout(logits.softmax(dim=-1), p=self._dropout())
         if self.value_mixing is None:
             return cpu_kernels.weighted_values(weights, values)
         return torch.bmm(weights.flatten(1, 2), values[:, 0]).unflatten(1, (heads, tgt_len))
