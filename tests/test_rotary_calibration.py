@@ -90,7 +90,7 @@ def test_calibrated_keys_report_both_errors(family, method, rank):
                           calibration=collect_calibration(model, narrow_batches(seed=0, batches=2)))
     for layer in report.layers:
         assert 0 < layer.weighted_error < 1 and 0 < layer.relative_error < 1
-        assert layer.weighted_error != pytest.approx(layer.relative_error, rel=1e-5)  # two measures, not one
+        assert layer.weighted_error != pytest.approx(layer.relative_error, rel=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,8 +23,6 @@ from test_rotary_models import (  # the tiny rotary models of every rotary test
 )
 
 import collab_attn
-from collab_attn.decomposition.rotary import band_forms
-from collab_attn.decomposition.rotary_keys import thin_rotary_keys
 from collab_attn.models.conversion import check_request
 from collab_attn.models.layers import RotarySharedKeySelfAttention
 from collab_attn.models.methods import METHODS
@@ -63,15 +61,6 @@ def band_keys(attention, kv_heads) -> torch.Tensor:
     """(bands, G, d') complex key forms of an original layer, by hand: row i + j row i + d_h/2 of each group."""
     k = with_bias(attention.k_proj).view(kv_heads, HEAD_DIM, -1)
     return torch.complex(k[:, :BANDS], k[:, BANDS:]).transpose(0, 1)
-
-
-def query_weighted_band_keys(attention, kv_heads) -> torch.Tensor:
-    """``band_keys`` with each group's key scaled by the norm of all its heads' query forms in that band (the error
-    of the logit forms weighs a key's loss by the squared norms of the queries that read it)."""
-    q = with_bias(attention.q_proj).view(HEADS, HEAD_DIM, -1)
-    query_energy = (q[:, :BANDS].square() + q[:, BANDS:].square()).sum(-1).T  # (bands, H): ||a_hi||^2
-    weights = query_energy.view(BANDS, kv_heads, HEADS // kv_heads).sum(-1).sqrt()  # (bands, G)
-    return band_keys(attention, kv_heads) * weights[..., None]
 
 
 def dense_error(model, small, kv_heads=KV_HEADS) -> list[float]:
@@ -137,35 +126,14 @@ def test_exact_wherever_each_band_keeps_its_key_rank():
 
 @pytest.mark.parametrize("family", ROTARY)
 def test_the_pairs_go_to_the_largest_singular_values_of_the_layer(family):
-    """The largest singular values of the query-weighted key forms of all bands: where they differ from the key forms'
-    own (a key that its queries read weakly), the split follows the queries."""
     model = original(family)
     for rank in (2, 10, 16):
         small, _ = converted(model, rank)
         for old, new in zip(model.model.layers, small.model.layers):
-            spectra = torch.linalg.svdvals(query_weighted_band_keys(old.self_attn, KV_HEADS).mT)  # (bands, G)
+            spectra = torch.linalg.svdvals(band_keys(old.self_attn, KV_HEADS).mT)  # (bands, G)
             threshold = spectra.flatten().sort(descending=True).values[rank // 2 - 1]
             expected = (spectra >= threshold).sum(1)
             assert torch.bincount(new.self_attn.pair_bands, minlength=BANDS).tolist() == expected.tolist()
-
-
-def test_the_keys_are_fitted_to_the_queries_that_read_them():
-    """Two key groups, the second read by queries 30x stronger, one pair per band: the fit follows the second
-    group's keys. Its error of the logit forms is the weighted SVD's minimum: well below what the key forms' own
-    SVD (TransMLA's PCA of the keys) gives, computed here by hand by the same formula."""
-    generator = torch.Generator().manual_seed(0)
-    w_query = torch.randn(4, 8, 16, generator=generator, dtype=torch.float64)
-    w_query[2:] *= 30  # the heads of group 1
-    w_key = torch.randn(2, 8, 16, generator=generator, dtype=torch.float64)
-    fit = thin_rotary_keys(w_query, w_key, [1] * 4)
-    queries, keys = band_forms(w_query, w_key)  # (bands, H, d), the keys given per head
-    group_keys = keys[:, ::2]
-    basis = torch.linalg.svd(group_keys.mT, full_matrices=False)[0][..., :1]  # (bands, d, 1): the keys' own
-    lost = (group_keys - (basis @ (basis.mH @ group_keys.mT)).mT).abs().square().sum(-1)  # (bands, G)
-    query_energy = queries.abs().square().sum(-1)  # (bands, H)
-    residual = (query_energy * lost.repeat_interleave(2, dim=1)).sum()
-    keys_own = float((residual / (query_energy * keys.abs().square().sum(-1)).sum()).sqrt())
-    assert fit.relative_error < 0.5 * keys_own
 
 
 @pytest.mark.parametrize("family", ROTARY)

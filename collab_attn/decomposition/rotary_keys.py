@@ -6,10 +6,9 @@ In band ``i`` (frequency ``theta_i``) key group ``g`` has the complex key vector
 j row ``i + d_h/2`` of ``Wk_g``; a bias is one more input column) and query head ``h`` the vector ``a_hi``; head ``h``
 (group ``g = g(h)``) scores band ``i`` as ``Re((a_hi^T x) conj(b_gi^T y) e^{j (p - s) theta_i})``.
 
-Per band, stack the G key vectors, each weighted by the norm of the queries that read it, as the columns of
-``K_i = [w_1i b_1i ... w_Gi b_Gi]`` (d x G complex, ``w_gi^2 = sum_(h in g) ||a_hi||^2``) and keep the ``R_i`` leading
-left singular vectors ``U_i`` (d x R_i) of its SVD. With ``c_gi = U_i^H b_gi`` (R_i numbers), ``U_i c_gi`` is
-``b_gi`` projected onto those directions (``b_gi`` itself when ``R_i`` >= the rank of ``K_i``, at most G), so
+Per band, stack the G key vectors as the columns of ``K_i = [b_1i ... b_Gi]`` (d x G complex) and keep the ``R_i``
+leading left singular vectors ``U_i`` (d x R_i) of its SVD. With ``c_gi = U_i^H b_gi`` (R_i numbers), ``U_i c_gi``
+is ``b_gi`` projected onto those directions (``b_gi`` itself when ``R_i`` >= the rank of ``K_i``, at most G), so
 
     b_gi^T y ~= sum_r c_gir (U_ir^T y)      and
     logit_h band i ~= Re( sum_r [conj(c_gir) a_hi^T x] e^{j p theta_i} conj([U_ir^T y] e^{j s theta_i}) ).
@@ -23,12 +22,7 @@ head's 2R-vector with the key's is ``Re(q conj(k))``.
 Error: head ``h``'s band-``i`` form ``a_hi conj(b_gi)^T`` becomes ``a_hi conj(U_i U_i^H b_gi)^T``, so the relative
 error of the logit forms (the measure of ``collab_attn.models.products.BandForms``) is
 
-    sqrt( sum_i sum_h ||a_hi||^2 ||b_gi - U_i U_i^H b_gi||^2  /  sum_i sum_h ||a_hi||^2 ||b_gi||^2 ),
-
-whose band-``i`` numerator is ``sum_g ||(I - U_i U_i^H) w_gi b_gi||^2``: the weighted SVD's ``U_i`` minimises it (the
-Eckart-Young theorem), and its squared singular values are what each pair removes. Weighting by the queries matters
-where the pairs are few: a key that no query reads strongly earns no pair (unweighted, at an eighth of SmolLM2's
-cache, this fit was 2x further from the original's perplexity than ``cp``'s; ``experiments/smollm2/README.md``).
+    sqrt( sum_i sum_h ||a_hi||^2 ||b_gi - U_i U_i^H b_gi||^2  /  sum_i sum_h ||a_hi||^2 ||b_gi||^2 ).
 
 Activation-aware (``whitening``, as ``collab_attn.decomposition.rotary.whiten_forms``): the SVD is of the whitened
 key forms ``S_y b_gi``, and the shared key maps back, ``U_i = S_y^{-1} U'_i`` with ``c_gi = U'^H_i S_y b_gi``; the
@@ -54,8 +48,7 @@ from collab_attn.decomposition.rotary import band_forms, whiten_forms
 class ThinRotaryKeys:
     """The thin rotary keys of one layer (module doc). ``query_weight``: (heads, 2R, d) real, head ``h``'s rows
     ``[Re q_h1 .. Re q_hR ; Im q_h1 .. Im q_hR]``; ``key_weight``: (2R, d) real, ``[Re U^T ; Im U^T]``;
-    ``pair_bands``: (R,) ascending; ``singular_values``: (bands, min(G, d)) of each band's query-weighted key forms
-    (``key_band_svd``), descending;
+    ``pair_bands``: (R,) ascending; ``singular_values``: (bands, min(G, d)) of each band's key forms, descending;
     ``relative_error``: of the logit forms over all bands (energy-weighted), ``band_errors`` per band (1 for a band
     with no pairs); ``weighted_error``: of the whitened forms, for an activation-aware fit (None otherwise)."""
 
@@ -68,21 +61,24 @@ class ThinRotaryKeys:
     weighted_error: float | None = None
 
 
-def key_band_svd(queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per band the SVD of the stacked key forms weighted by their queries' norms, ``K_i`` of the module doc
-    (``queries``: (bands, H, d), ``keys``: (bands, G, d) complex, whitened or not alike): the left singular vectors
-    (bands, d, k) and the singular values (bands, k), descending, ``k = min(G, d)``."""
-    heads, groups = queries.shape[1], keys.shape[1]
-    weights = queries.abs().square().sum(-1).view(queries.shape[0], groups, heads // groups).sum(-1).sqrt()
-    u, s, _ = torch.linalg.svd((keys * weights[..., None]).to(torch.complex128).mT, full_matrices=False)
+def key_band_svd(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per band the SVD of the stacked key forms ``K_i = keys[i]^T`` (``keys``: (bands, G, d) complex): the left
+    singular vectors (bands, d, k) and the singular values (bands, k), descending, ``k = min(G, d)``."""
+    u, s, _ = torch.linalg.svd(keys.to(torch.complex128).mT, full_matrices=False)
     return u, s
 
 
 def allocate_key_pairs(singular_values: torch.Tensor, total_pairs: int) -> list[int]:
     """Pairs per band for ``singular_values`` (bands, k) of each band's key forms: greedily, the next pair goes to the
     band whose next singular value is largest (the largest remaining ``sigma^2`` of the layer first; ties to the
-    lower band). Each spectrum is descending, so this keeps the ``total_pairs`` largest of all of them: with the
-    query-weighted spectra of ``key_band_svd``, the split with the least error of the logit forms."""
+    lower band). Each spectrum is descending, so this keeps the ``total_pairs`` largest of all of them: the split
+    that keeps the most key energy (the error of the keys themselves, not weighted by the queries that read them).
+
+    Weighting each key by the norm of its queries before the SVD would minimise the reported error of the logit forms
+    exactly (Eckart-Young), but on SmolLM2 it measured worse where it matters: calibrated, at a quarter of the cache,
+    19.0x / 21.6x the original's perplexity against 9.8x / 5.2x unweighted (a tie at 1/2, mixed at 1/8;
+    ``experiments/smollm2/query_weighted/``, made at commit 355604a). The form error weighs the loud bands most;
+    the model needs the quiet ones too."""
     bands, width = singular_values.shape
     if not 0 <= total_pairs <= bands * width:
         raise ValueError(f"total_pairs must be in 0..{bands * width}, got {total_pairs}")
@@ -105,7 +101,7 @@ def thin_rotary_keys(w_query: torch.Tensor, w_key: torch.Tensor, pairs: int | li
     keys = b[:, :: heads // groups]  # (bands, G, d): one per group
     seen_a, seen_keys = (a, keys) if whitening is None else whiten_forms(a, keys, whitening)
     key_inverse = None if whitening is None else whitening[1][1].to(keys.dtype)
-    u, s = key_band_svd(seen_a, seen_keys)
+    u, s = key_band_svd(seen_keys)
     pairs_per_band = allocate_key_pairs(s, pairs) if isinstance(pairs, int) else list(pairs)
     if len(pairs_per_band) != a.shape[0]:
         raise ValueError(f"pairs_per_band needs {a.shape[0]} entries, got {len(pairs_per_band)}")

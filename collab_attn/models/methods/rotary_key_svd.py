@@ -5,14 +5,13 @@ Per band ``i``, the complex key forms ``b_gi`` of the G key/value groups (biases
 stacked as the columns of a d x G matrix whose ``R_i`` leading left singular vectors ``U_i`` make the shared key
 ``U_i^T y``: ``R_i`` complex numbers per token rotating with ``theta_i``. Head ``h`` keeps a query of its own in that
 space, ``conj(c_gi) a_hi`` with ``c_gi = U_i^H b_gi`` (``collab_attn.decomposition.rotary_keys`` has the math).
-``rank`` = 2 sum_i R_i, even; the SVD weighs each key form by the norms of the queries that read it (so that it
-minimises the error of the logit forms), and the pairs are split among the bands greedily by its singular values'
-energy (largest remaining ``sigma^2`` of the layer first). Exact at ``rank = kv_heads x head_dim`` (``R_i = G``: the
-original key cache's width), and wider shared keys are refused (they would only cache zeros). The reported error
-is that of the logit forms per band (``collab_attn.models.products.BandForms``), checked against the installed
-layer. With a calibration the bands' SVDs are of the whitened forms (``rotary_whitening``; ``weighted_error`` reports
-their fit). A budget (``"mean:R"``, ``"energy:E"``) spreads the pairs over the bands of all layers by the same squared
-singular values (``collab_attn.decomposition.rotary_budget``).
+``rank`` = 2 sum_i R_i, even; the pairs are split among the bands greedily by the singular values' energy (largest
+remaining ``sigma^2`` of the layer first). Exact at ``rank = kv_heads x head_dim`` (``R_i = G``: the original key
+cache's width), and wider shared keys are refused (they would only cache zeros). The reported error is that of the
+logit forms per band (``collab_attn.models.products.BandForms``), checked against the installed layer. With a
+calibration the bands' SVDs are of the whitened key forms (``rotary_whitening``; ``weighted_error`` reports their
+fit). A budget (``"mean:R"``, ``"energy:E"``) spreads the pairs over the bands of all layers by the squared singular
+values (``collab_attn.decomposition.rotary_budget``).
 
 Values: grouped as the source's by default (the source's value and output projections are kept). With
 ``value_rank=V``: one SVD of the stacked value projections of the G groups (G d_h x d) cut to ``V``
@@ -35,7 +34,7 @@ from collab_attn.decomposition.rotary_keys import key_band_svd, thin_rotary_keys
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
-from collab_attn.models.methods.rotary import budget_pairs, rotary_whitening, seen_forms, with_bias_column
+from collab_attn.models.methods.rotary import budget_pairs, rotary_forms, rotary_whitening, with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import Factor, HeadForms, original_value_forms, relative_error
@@ -72,11 +71,14 @@ def shared_value_state(values: ValueWeights, kv_heads: int, value_rank: int, whi
 
 
 def key_spectrum(request: Request, index: int, layer: LayerWeights) -> torch.Tensor:
-    """(bands, min(G, d)) squared singular values of each band's query-weighted key forms (``key_band_svd``), whitened
-    with a calibration: what each pair of the band's shared key removes from the error of the logit forms."""
+    """(bands, min(G, d)) squared singular values of each band's key forms, whitened with a calibration: what each
+    pair of the band's shared key removes from the error of its keys."""
     heads, groups = layer.w_query.shape[0], layer.w_key.shape[0]
-    queries, keys = seen_forms(layer, rotary_whitening(request, index, layer))
-    return key_band_svd(queries, keys[:, :: heads // groups])[1].square()
+    keys = rotary_forms(layer)[1][:, :: heads // groups]
+    whitening = rotary_whitening(request, index, layer)
+    if whitening is not None:
+        keys = keys @ whitening[1][0].to(keys.dtype)
+    return key_band_svd(keys)[1].square()
 
 
 def _plan_layer(request: Request, index: int, pairs: list[int] | None) -> LayerPlan:
