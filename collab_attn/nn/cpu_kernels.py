@@ -65,7 +65,9 @@ def _load() -> bool:
 
     logger.info("collab_attn CPU kernels: compiling %s (once per machine, about 20 s)", SOURCE.name)
     try:
-        load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"], is_python_module=False)
+        # -fopenmp: at::parallel_for is OpenMP in torch's CPU wheels, and without it the kernels run on one thread
+        load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a read-only cache: the reference path still works
         warnings.warn(
             f"collab_attn's CPU decoding kernels did not build ({type(error).__name__}: {error}); keys-only "
