@@ -330,11 +330,12 @@ class CollaborativeAttention(_Attention):
     ``value_rank x value_rank`` slices. None keeps a value head per head.
     With a value per head the logits are explicit: a path through ``scaled_dot_product_attention`` (values padded
     with zeros to the rank) was slower in every case measured, on the CPU and on an H100, and was removed
-    (experiments/benchmarks/README.md, sections 4 and 10); a decoding step on the CPU runs its two products through
-    ``cpu_kernels`` (section 18). With shared values (``value_rank``) at inference the
+    (experiments/benchmarks/README.md, sections 4 and 10). With shared values (``value_rank``) at inference the
     layer is multi-query attention in disguise: each head's mixing goes into its query, its content logits into the
     mask, and all heads attend over the one shared key/value head through the fused kernel (``grouped_attend``;
-    section 16 there); with weights asked for, or a gradient to keep, the explicit path runs.
+    section 16 there). A decoding step on the CPU in float32 scores through ``cpu_kernels`` instead, and with a value
+    per head sums the values through it too (section 18). With weights asked for, or a gradient to keep, the
+    explicit path runs.
     """
 
     def __init__(
@@ -635,9 +636,10 @@ def _blocks_pay(queries, keys, values, heads: int) -> bool:
 
 
 def _cpu_kernels_pay(queries, keys, values) -> bool:
-    """Whether a keys-only step runs through ``cpu_kernels``: a decoding step (one query row; the kernels make one
-    pass over the values per row, where a prefill's matrix product reuses them), on the CPU in float32, without a
-    gradient to keep, on a machine where the kernels built."""
+    """Whether a step runs through ``cpu_kernels``: a decoding step (one query row; ``weighted_values`` makes one pass
+    over the values per row, where a prefill's matrix product reuses them, and a prefill's scores are a large product
+    that ``bmm`` runs well), on the CPU in float32, without a gradient to keep, on a machine where the kernels
+    built."""
     needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
     return (queries.shape[1] == 1 and keys.device.type == "cpu" and not needs_grad
             and all(t.dtype == torch.float32 for t in (queries, keys, values)) and cpu_kernels.available())
