@@ -1,4 +1,5 @@
-// The two products of a decoding step of keys-only collaborative heads, for x86 CPUs with AVX2 and FMA, float32.
+// The two products of a collaborative decoding step, for x86 CPUs with AVX2 and FMA, float32: the scores of every
+// layout (keys only or with shared values), and the weighted values of keys-only heads (a value per head).
 //
 // shared_key_scores(q, k): every head scores against the one shared key of each position, (B, R, W) x (B, S, W)
 //   -> (B, R, S). PyTorch's batched matrix product runs this shape (a few query rows against many keys) at a

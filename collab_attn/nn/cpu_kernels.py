@@ -6,7 +6,9 @@ step is two products, which PyTorch runs far below the machine's memory speed fo
 query rows against every shared key (``torch.bmm``, a matrix product with a dozen rows), and each head's weights
 times its values (``torch.matmul``, a batch of matrix-vector products). ``shared_key_scores`` and
 ``weighted_values`` do the same arithmetic in one pass over the keys and one over the values
-(``experiments/benchmarks/README.md``, section 18).
+(``experiments/benchmarks/README.md``, section 18). With shared values the step scores through
+``shared_key_scores`` too and sums the one shared value with a plain ``bmm`` (a large product, which PyTorch runs
+well).
 
 They are compiled from source with ``torch.utils.cpp_extension`` the first time a layer asks (about 20 s, then
 cached by torch), registered as the operators ``torch.ops.collab_attn.*`` with shape functions, so that
