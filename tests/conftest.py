@@ -141,6 +141,23 @@ def character_tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
 
 
+def causal_pass_and_cached_steps(module, x: torch.Tensor, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention layer's output on ``x`` in one causal pass, and again through its own ``kv_cache`` hook: the first
+    ``prompt`` tokens, then one token at a time (every call's keys and values concatenated), without gradients."""
+    held = {}
+
+    def cache(new_keys, new_values):
+        for name, new in (("keys", new_keys), ("values", new_values)):
+            held[name] = new if name not in held else torch.cat([held[name], new], 2)
+        return held["keys"], held["values"]
+
+    with torch.no_grad():
+        whole, _ = module(x, is_causal=True)
+        steps = [module(x[:, :prompt], is_causal=True, kv_cache=cache)[0]]
+        steps += [module(x[:, t:t + 1], is_causal=True, kv_cache=cache)[0] for t in range(prompt, x.shape[1])]
+    return whole, torch.cat(steps, 1)
+
+
 def with_cache(model, cache) -> dict:
     """``{name: cache}`` under the name the model's forward takes (``collab_attn.models.layers.cache_keyword``)."""
     from collab_attn.models.layers import cache_keyword

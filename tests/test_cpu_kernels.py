@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import with_cache
+from conftest import causal_pass_and_cached_steps, with_cache
 from test_common_model import HEAD_DIM, HEADS, config_of, token_ids
 from test_static_cache import assert_compiled_static_decoding_equals_eager
 from transformers import DynamicCache, GPT2LMHeadModel, StaticCache
@@ -158,20 +158,9 @@ def test_dropout_in_training_mode_without_gradients_still_drops():
 @pytest.mark.parametrize("value_rank", [None, 44], ids=["keys only", "shared values"])
 def test_a_cache_fed_step_by_step_equals_recomputation(value_rank, kernel_calls):
     module, x = layer(tucker=3, value_rank=value_rank), torch.randn(2, 8, 96)
-    keys = values = None
-
-    def cache(new_keys, new_values):
-        nonlocal keys, values
-        keys = new_keys if keys is None else torch.cat([keys, new_keys], 2)
-        values = new_values if values is None else torch.cat([values, new_values], 2)
-        return keys, values
-
-    with torch.no_grad():
-        whole, _ = module(x, is_causal=True)
-        steps = [module(x[:, :5], is_causal=True, kv_cache=cache)[0]]
-        steps += [module(x[:, t:t + 1], is_causal=True, kv_cache=cache)[0] for t in range(5, 8)]
+    whole, stepwise = causal_pass_and_cached_steps(module, x, prompt=5)
     assert len(kernel_calls) == 3  # the decoding steps, not the prompt
-    torch.testing.assert_close(torch.cat(steps, 1), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stepwise, whole, atol=1e-5, rtol=1e-5)
 
 
 def gpt2_with_shared_keys(method: str = "cp", value_rank: int | None = None) -> GPT2LMHeadModel:

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import with_cache
+from conftest import causal_pass_and_cached_steps, with_cache
 from test_common_model import HEAD_DIM, HEADS, config_of, token_ids
 from test_static_cache import assert_compiled_static_decoding_equals_eager
 from transformers import DynamicCache, GPT2LMHeadModel, StaticCache
@@ -101,20 +101,9 @@ def test_training_keeps_the_explicit_path_and_its_gradients(fused_calls):
 def test_a_cache_fed_step_by_step_equals_recomputation(fused_calls):
     """The layer's own ``kv_cache`` hook: the prompt, then one token at a time, as one causal pass."""
     module, x = layer(48, 48, tucker=3), torch.randn(2, 8, 96)
-    keys = values = None
-
-    def cache(new_keys, new_values):
-        nonlocal keys, values
-        keys = new_keys if keys is None else torch.cat([keys, new_keys], 2)
-        values = new_values if values is None else torch.cat([values, new_values], 2)
-        return keys, values
-
-    with torch.no_grad():
-        whole, _ = module(x, is_causal=True)
-        steps = [module(x[:, :5], is_causal=True, kv_cache=cache)[0]]
-        steps += [module(x[:, t:t + 1], is_causal=True, kv_cache=cache)[0] for t in range(5, 8)]
+    whole, stepwise = causal_pass_and_cached_steps(module, x, prompt=5)
     assert len(fused_calls) == 5
-    torch.testing.assert_close(torch.cat(steps, 1), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stepwise, whole, atol=1e-5, rtol=1e-5)
 
 
 def gpt2_with_shared_values(method: str = "cp") -> GPT2LMHeadModel:
