@@ -219,13 +219,20 @@ def test_a_compiled_decoding_step_calls_the_operators_in_its_graph():
     torch.testing.assert_close(compiled, eager)
 
 
-def test_the_switch_and_a_failed_build_keep_the_reference_path(monkeypatch):
+def test_the_switch_a_bad_switch_and_a_failed_build(monkeypatch):
+    """0 keeps the reference path; a value other than 0 or 1 is refused, naming the variable; a failed build
+    warns and keeps the reference path."""
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv(cpu_kernels.SWITCH, "0")
     assert not cpu_kernels.available()
 
     def no_compiler(**kwargs):
         raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    monkeypatch.setenv(cpu_kernels.SWITCH, "off")
+    with pytest.raises(ValueError, match="COLLAB_ATTN_CPU_KERNELS='off': set it to 0 .* or 1"):
+        cpu_kernels.available()
 
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv(cpu_kernels.SWITCH, "1")

@@ -56,7 +56,10 @@ def weighted_values(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor
 
 
 def _load() -> bool:
-    if os.environ.get(SWITCH, "1") == "0":
+    switch = os.environ.get(SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{SWITCH}={switch!r}: set it to 0 (the reference path) or 1 (the kernels, the default)")
+    if switch == "0":
         return False
     capability = torch.backends.cpu.get_cpu_capability()
     if os.name != "posix" or platform.machine().lower() not in ("x86_64", "amd64") or capability == "DEFAULT":
