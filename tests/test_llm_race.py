@@ -85,6 +85,27 @@ def test_agreement_recomputes_by_hand():
     assert got.original_perplexity == pytest.approx(same.perplexity, rel=1e-12)
 
 
+def test_agreement_keeps_each_windows_sums():
+    model, original, ids = tiny_llama(0), tiny_llama(1), rows(count=5)
+    got = heldout.agreement(model, original, ids, batch=2)
+    assert len(got.windows) == 5 and all(w.tokens == 8 for w in got.windows)
+    with torch.no_grad():
+        logp = F.log_softmax(model(ids[3:4]).logits[:, :-1].double(), -1)
+        ref = F.log_softmax(original(ids[3:4]).logits[:, :-1].double(), -1)
+    fourth = got.windows[3]
+    assert fourth.nll == pytest.approx(float(-logp.gather(-1, ids[3:4, 1:, None]).sum()), rel=1e-9)
+    assert fourth.original_nll == pytest.approx(float(-ref.gather(-1, ids[3:4, 1:, None]).sum()), rel=1e-9)
+    assert fourth.kl == pytest.approx(float(F.kl_div(logp, ref, log_target=True, reduction="sum")), rel=1e-9)
+    assert fourth.top1 == int((logp.argmax(-1) == ref.argmax(-1)).sum())
+    assert math.log(got.perplexity) == pytest.approx(sum(w.nll for w in got.windows) / got.tokens, rel=1e-12)
+    assert got.top1 == sum(w.top1 for w in got.windows) / got.tokens
+    again = heldout.agreement(original, original, ids, batch=3)  # the same windows: the same fingerprints
+    assert [w.fingerprint for w in again.windows] == [w.fingerprint for w in got.windows]
+    assert len({w.fingerprint for w in got.windows}) == 5
+    assert got.as_dict()["windows"][3] == {"tokens": 8, "nll": fourth.nll, "original_nll": fourth.original_nll,
+                                           "kl": fourth.kl, "top1": fourth.top1, "fingerprint": fourth.fingerprint}
+
+
 def test_the_cache_is_read_from_a_real_cache():
     import collab_attn
 

@@ -12,12 +12,15 @@ evaluation split that share no text.
 
 Evaluation windows are consecutive, non-overlapping token windows of the evaluation text (sentences joined by a
 space), so every model sees the same tokens; each window starts from the tokenizer's beginning-of-text token.
+``agreement`` keeps each window's sums beside the totals, so two runs on the same windows can be compared by a
+paired bootstrap over windows (``collab_attn.stats.window_bootstrap``).
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,18 +78,42 @@ def windows(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Window:
+    """One evaluation window's sums: what a paired bootstrap over windows resamples (``collab_attn.stats``).
+    ``fingerprint`` names the window's token ids (CRC-32), so two runs can be checked to hold the same windows."""
+
+    tokens: int  # next tokens predicted
+    nll: float  # the model's summed negative log-likelihood of those tokens, nats
+    original_nll: float  # the original's
+    kl: float  # summed KL(original || model), nats
+    top1: int  # positions whose most likely next token is the original's
+    fingerprint: str
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "nll": self.nll, "original_nll": self.original_nll, "kl": self.kl,
+                "top1": self.top1, "fingerprint": self.fingerprint}
+
+
+@dataclass(frozen=True)
 class Agreement:
-    """One model against the original on the same tokens (every next-token prediction of every window)."""
+    """One model against the original on the same tokens (every next-token prediction of every window), with each
+    window's sums in ``windows``."""
 
     tokens: int
     perplexity: float
     original_perplexity: float
     kl: float  # mean KL(original || model) per token, nats
     top1: float  # fraction of positions whose most likely next token is the original's
+    windows: tuple[Window, ...] = ()
 
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "perplexity": self.perplexity, "original_perplexity": self.original_perplexity,
-                "kl": self.kl, "top1": self.top1}
+                "kl": self.kl, "top1": self.top1, "windows": [w.as_dict() for w in self.windows]}
+
+
+def fingerprint(ids: torch.Tensor) -> str:
+    """The CRC-32 of one window's token ids (as int64), eight hex digits."""
+    return f"{zlib.crc32(ids.detach().to('cpu', torch.int64).contiguous().numpy().tobytes()):08x}"
 
 
 def _batches(rows: torch.Tensor, batch: int) -> Iterator[torch.Tensor]:
@@ -97,20 +124,25 @@ def _batches(rows: torch.Tensor, batch: int) -> Iterator[torch.Tensor]:
 @torch.no_grad()
 def agreement(model, original, rows: torch.Tensor, batch: int = 4, progress=None) -> Agreement:
     """``model`` against ``original`` on the token windows ``rows``: perplexities of both on the next tokens, the
-    mean KL divergence of the model's next-token distribution from the original's, top-1 agreement (``progress``: a
-    tqdm bar advanced by the windows done)."""
-    nll = original_nll = kl = agree = 0.0
-    tokens = 0
+    mean KL divergence of the model's next-token distribution from the original's, top-1 agreement, and the same
+    sums per window (``progress``: a tqdm bar advanced by the windows done)."""
+    per_window = []
     for ids in _batches(rows, batch):
         ids = ids.to(model.device)
         logp = F.log_softmax(model(ids).logits[:, :-1].double(), dim=-1)
         ref = F.log_softmax(original(ids).logits[:, :-1].double(), dim=-1)
         target = ids[:, 1:, None]
-        nll -= float(logp.gather(-1, target).sum())
-        original_nll -= float(ref.gather(-1, target).sum())
-        kl += float((ref.exp() * (ref - logp)).sum())
-        agree += float((logp.argmax(-1) == ref.argmax(-1)).sum())
-        tokens += target.numel()
+        nll = -logp.gather(-1, target).sum(dim=(1, 2))
+        original_nll = -ref.gather(-1, target).sum(dim=(1, 2))
+        kl = (ref.exp() * (ref - logp)).sum(dim=(1, 2))
+        agree = (logp.argmax(-1) == ref.argmax(-1)).sum(dim=1)
+        for i in range(len(ids)):
+            per_window.append(Window(int(target[i].numel()), float(nll[i]), float(original_nll[i]), float(kl[i]),
+                                     int(agree[i]), fingerprint(ids[i])))
         if progress is not None:
             progress.update(len(ids))
-    return Agreement(tokens, math.exp(nll / tokens), math.exp(original_nll / tokens), kl / tokens, agree / tokens)
+    tokens = sum(w.tokens for w in per_window)
+    return Agreement(tokens, math.exp(math.fsum(w.nll for w in per_window) / tokens),
+                     math.exp(math.fsum(w.original_nll for w in per_window) / tokens),
+                     math.fsum(w.kl for w in per_window) / tokens, sum(w.top1 for w in per_window) / tokens,
+                     tuple(per_window))
