@@ -2,8 +2,10 @@
 
 ``paired_comparison``: values of two methods paired by seed (the same seed: the same data order, the same original
 model), a 95% t-interval over the paired differences, and a verdict that is ``tie`` whenever that interval holds
-zero. ``timing_verdict``: the same idea for benchmark timings, which have no pairing: repeated runs, the median,
-and faster or slower only when the two sets of runs do not overlap.
+zero. ``window_bootstrap``: two deterministic runs evaluated on the same held-out windows, paired by window, a 95%
+percentile interval of their perplexity ratio from resampling the windows, the same verdict. ``timing_verdict``: the
+same idea for benchmark timings, which have no pairing: repeated runs, the median, and faster or slower only when the
+two sets of runs do not overlap.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import statistics
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from scipy import stats as scipy_stats
 
 CONFIDENCE = 0.95
@@ -82,6 +85,66 @@ def compare_on_shared_seeds(a: Mapping, b: Mapping, higher_is_better: bool = Fal
     """``paired_comparison`` of two methods' values (seed -> value) on the seeds both have."""
     seeds = set(a) & set(b)
     return paired_comparison({s: a[s] for s in seeds}, {s: b[s] for s in seeds}, higher_is_better, resolution)
+
+
+def _window_field(window, name: str):
+    return window[name] if isinstance(window, Mapping) else getattr(window, name)
+
+
+def _paired_windows(a: Sequence, b: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens and the two runs' nll sums per window; refused unless the windows pair one to one: the same count, the
+    same tokens per window, and the same fingerprints where both runs recorded them."""
+    if len(a) != len(b):
+        raise ValueError(f"window_bootstrap: {len(a)} windows against {len(b)}; both runs must be evaluated on the "
+                         "same windows")
+    if len(a) < 2:
+        raise ValueError(f"window_bootstrap: {len(a)} window; resampling needs at least two")
+    tokens = np.array([_window_field(w, "tokens") for w in a], dtype=np.int64)
+    if not np.array_equal(tokens, np.array([_window_field(w, "tokens") for w in b], dtype=np.int64)):
+        raise ValueError("window_bootstrap: the windows predict different numbers of tokens; not the same windows")
+    prints = [[w.get("fingerprint") if isinstance(w, Mapping) else getattr(w, "fingerprint", None) for w in run]
+              for run in (a, b)]
+    if all(p is not None for p in prints[0] + prints[1]) and prints[0] != prints[1]:
+        first = next(i for i, (x, y) in enumerate(zip(*prints)) if x != y)
+        raise ValueError(f"window_bootstrap: window {first} holds other tokens in the two runs "
+                         f"(fingerprints {prints[0][first]} and {prints[1][first]}); not the same windows")
+    if (tokens <= 0).any():
+        raise ValueError("window_bootstrap: a window predicts no token")
+    nll = [np.array([_window_field(w, "nll") for w in run], dtype=np.float64) for run in (a, b)]
+    return tokens, nll[0], nll[1]
+
+
+def window_bootstrap(a: Sequence, b: Sequence, resamples: int = 10_000, seed: int = 0,
+                     resolution: float = 0.0) -> Comparison:
+    """Is run ``a`` better (lower perplexity) than run ``b`` on the same held-out windows?
+
+    ``a``, ``b``: one record per window (mappings or objects with ``tokens``, the tokens predicted, and ``nll``, their
+    summed negative log-likelihood; ``fingerprint`` where recorded, to check that window i is the same text in both:
+    ``collab_attn.llm.heldout.Window``), in the same window order. The statistic is the relative perplexity
+    difference ``ppl(a) / ppl(b) - 1`` with ``ppl = exp(sum nll / sum tokens)``; ``mean_difference`` holds it on all
+    windows. ``resamples`` draws of the windows with replacement (seeded: the same seed, the same interval), the same
+    draw for both runs (paired), give its 95% percentile interval; the verdict follows ``paired_comparison``: a win or
+    a loss only when the interval excludes zero and the difference exceeds ``resolution``, ``tie`` otherwise.
+    ``pairs`` is the number of windows. The interval covers the choice of evaluation text only: for deterministic
+    conversions, not for what a calibration sample or a training seed changes."""
+    if resamples < 100:
+        raise ValueError(f"window_bootstrap: resamples={resamples}; use at least 100 for a 95% interval")
+    tokens, nll_a, nll_b = _paired_windows(a, b)
+    n = len(tokens)
+    observed = math.exp((nll_a.sum() - nll_b.sum()) / tokens.sum()) - 1
+    rng = np.random.default_rng(seed)
+    draws = np.empty(resamples)
+    chunk = max(1, 2 ** 20 // n)  # about a million indices at a time
+    for start in range(0, resamples, chunk):
+        index = rng.integers(0, n, size=(min(chunk, resamples - start), n))
+        draws[start:start + len(index)] = np.expm1((nll_a[index].sum(1) - nll_b[index].sum(1))
+                                                   / tokens[index].sum(1))
+    low, high = (float(x) for x in np.percentile(draws, [50 * (1 - CONFIDENCE), 50 * (1 + CONFIDENCE)]))
+    if low <= 0 <= high or abs(observed) <= resolution:
+        verdict = "tie"
+    else:
+        verdict = "better" if observed < 0 else "worse"
+    return Comparison(observed, (low, high), verdict, n)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
 """The one comparison rule of every summary (collab_attn/stats.py): paired by seed, a 95% t-interval over the
-differences, a tie whenever it holds zero; and its timing twin for benchmarks."""
+differences, a tie whenever it holds zero; its bootstrap over held-out windows for deterministic runs; and its
+timing twin for benchmarks."""
 
 import math
 
+import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from collab_attn.stats import paired_comparison, rank, timing_verdict
+from collab_attn.stats import paired_comparison, rank, timing_verdict, window_bootstrap
 
 
 def test_a_clear_win_is_better_with_the_hand_computed_interval():
@@ -106,3 +108,61 @@ def test_a_difference_within_the_resolution_is_a_tie():
     assert exact.verdict == "better"  # the bare rule sees a consistent difference ...
     assert paired_comparison([1.8984621, 1.9055244, 1.9059248], [1.8984622, 1.9055245, 1.9059249],
                              resolution=1e-5).verdict == "tie"  # ... that is below what the evaluation resolves
+
+
+def windows(nll_per_token, tokens=255, seed=0, noise=0.3):
+    """Per-window records as the SmolLM2 race writes them: 16 windows whose mean nll per token scatters by ``noise``
+    around ``nll_per_token``."""
+    rng = np.random.default_rng(seed)
+    return [{"tokens": tokens, "nll": float(tokens * (nll_per_token + noise * rng.standard_normal())),
+             "fingerprint": f"{i:08x}"} for i in range(16)]
+
+
+def test_the_window_bootstrap_finds_a_clear_difference_and_its_direction():
+    base = windows(4.0)
+    # the same windows (the same text difficulty), the model 0.2 nats per token worse on each, +-0.05
+    worse = [dict(w, nll=w["nll"] + w["tokens"] * (0.2 + 0.05 * math.sin(i))) for i, w in enumerate(base)]
+    result = window_bootstrap(base, worse)
+    ppl = [math.exp(sum(w["nll"] for w in run) / (16 * 255)) for run in (base, worse)]
+    assert result.mean_difference == pytest.approx(ppl[0] / ppl[1] - 1) and result.pairs == 16
+    low, high = result.interval
+    assert result.verdict == "better" and low < result.mean_difference < high < 0
+    assert window_bootstrap(worse, base).verdict == "worse"
+    # the shared difficulty of a window cancels in the pairing: unpaired, a 0.3-nats spread would hide 0.2
+    assert high - low < 0.05
+
+
+def test_the_window_bootstrap_calls_identical_runs_and_noise_a_tie():
+    base = windows(4.0)
+    same = window_bootstrap(base, [dict(w) for w in base])
+    assert same.verdict == "tie" and same.mean_difference == 0 and same.interval == (0, 0)
+    shuffled = [dict(w, nll=w["nll"] + w["tokens"] * 0.1 * (-1) ** i) for i, w in enumerate(base)]  # +-0.1, no trend
+    noisy = window_bootstrap(base, shuffled)
+    assert noisy.verdict == "tie" and noisy.interval[0] < 0 < noisy.interval[1]
+    slight = [dict(w, nll=w["nll"] + w["tokens"] * 1e-6) for w in base]
+    assert window_bootstrap(base, slight).verdict == "better"
+    assert window_bootstrap(base, slight, resolution=1e-4).verdict == "tie"
+
+
+def test_the_window_bootstrap_is_deterministic_with_its_seed():
+    a, b = windows(4.0, seed=1), windows(4.05, seed=2)
+    first = window_bootstrap(a, b, resamples=2000, seed=3)
+    assert window_bootstrap(a, b, resamples=2000, seed=3) == first
+    assert window_bootstrap(a, b, resamples=2000, seed=4).interval != first.interval
+    assert window_bootstrap(a, b, resamples=2000, seed=4).mean_difference == first.mean_difference
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda ws: ws[:15], "16 windows against 15"),
+    (lambda ws: [dict(w, tokens=100) if i == 3 else w for i, w in enumerate(ws)], "different numbers of tokens"),
+    (lambda ws: [dict(w, fingerprint="deadbeef") if i == 5 else w for i, w in enumerate(ws)],
+     "window 5 holds other tokens"),
+    (lambda ws: ws[:1], "1 window"),
+])
+def test_the_window_bootstrap_refuses_windows_that_do_not_pair(change, message):
+    base = windows(4.0)
+    other = change([dict(w) for w in base])
+    with pytest.raises(ValueError, match=message):
+        window_bootstrap(base if len(other) > 1 else base[:1], other)
+    no_prints = [{k: v for k, v in w.items() if k != "fingerprint"} for w in base]
+    assert window_bootstrap(no_prints, base).verdict == "tie"  # fingerprints checked only where both have them
