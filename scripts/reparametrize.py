@@ -42,6 +42,7 @@ from collab_attn.models.checkpoints import (
     load_model_and_tokenizer,
 )
 from collab_attn.models.families import family_of
+from collab_attn.models.hf import forward_inputs
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings
 
@@ -90,7 +91,7 @@ def compare(original, converted, tokenizer, sentences) -> dict:
     """Max and mean |difference| of the last hidden states over non-padding tokens of one padded batch."""
     encoded = [tokenizer(*([s] if isinstance(s, str) else s)) for s in sentences]
     batch = tokenizer.pad(encoded, padding=True, return_tensors="pt")
-    outputs = [m.eval()(**batch, output_hidden_states=True) for m in (original, converted)]
+    outputs = [m.eval()(**forward_inputs(m, batch), output_hidden_states=True) for m in (original, converted)]
     keep = batch["attention_mask"].bool()
     diff = (outputs[0].hidden_states[-1] - outputs[1].hidden_states[-1]).abs()[keep]
     result = {
@@ -116,7 +117,7 @@ def compare_generation(original, converted, tokenizer, prompts, max_new_tokens: 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = []
     for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt")
+        ids = forward_inputs(original, tokenizer(prompt, return_tensors="pt"))  # only what the model takes
         logits = [m.eval()(**ids, use_cache=False).logits for m in (original, converted)]
         start = ids["input_ids"].shape[1]
         tokens = [

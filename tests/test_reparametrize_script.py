@@ -21,6 +21,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 import collab_attn
 from collab_attn.decomposition.cp_als import DEFAULT_TOL
 from collab_attn.models.checkpoints import load_model_and_tokenizer, resolve_model
+from collab_attn.models.hf import forward_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -170,6 +171,35 @@ def test_a_decoder_is_compared_on_greedy_continuations(tmp_path):
     rows = reduced["comparison"]["prompts"]
     assert len(rows) == 2 and all(0 <= row["same_tokens_before_first_difference"] <= 20 for row in rows)
     assert reduced["comparison"]["max_abs_diff"] > 1e-4 and rows[0]["original"] and rows[0]["converted"]
+
+
+SMALL_BERT = {"hidden_size": 48, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 64,
+              "vocab_size": 40}
+
+
+def test_inputs_the_model_does_not_take_are_not_passed(tmp_path):
+    """A Llama checkpoint saved with a tokenizer that returns ``token_type_ids`` (a BERT-style tokenizer beside a
+    decoder): Llama's forward has no such input, and ``generate`` refuses unused model kwargs, so the comparison
+    used to end in a traceback after the conversion. Only the inputs the forward names are passed."""
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "llama"
+    config = transformers.LlamaConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                      num_hidden_layers=2, intermediate_size=64, vocab_size=40,
+                                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    transformers.LlamaForCausalLM(config).save_pretrained(checkpoint)
+    tokenizer, names = character_tokenizer(), ["input_ids", "token_type_ids", "attention_mask"]
+    tokenizer.model_input_names = tokenizer.init_kwargs["model_input_names"] = names  # saved with the tokenizer
+    tokenizer.save_pretrained(checkpoint)
+    assert "token_type_ids" in AutoTokenizer.from_pretrained(checkpoint)("the cat")
+    prompts = "compare_prompts=[the cat sat,once upon a time]"
+    result = script.run(config_for_decoder(checkpoint, tmp_path / "out", "collab.rank=48", "max_new_tokens=5", prompts))
+    rows = result["comparison"]["prompts"]
+    assert [row["same_tokens_before_first_difference"] for row in rows] == [5, 5]
+    assert result["comparison"]["max_abs_diff"] < 1e-4 and (tmp_path / "out" / "reparam_report.json").is_file()
+    batch = {"input_ids": 1, "token_type_ids": 2, "attention_mask": 3}
+    llama = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert forward_inputs(llama, batch) == {"input_ids": 1, "attention_mask": 3}
+    assert forward_inputs(transformers.BertModel(transformers.BertConfig(**SMALL_BERT)), batch) == batch
 
 
 def config_for_decoder(checkpoint, out, *overrides):

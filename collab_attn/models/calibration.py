@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from collab_attn.decomposition.whitening import DEFAULT_EPS
-from collab_attn.models.hf import find_attention, is_collaborative
+from collab_attn.models.hf import find_attention, forward_inputs, is_collaborative
 
 KEY_STATISTICS = ("centered", "raw")
 DEFAULT_MAX_LENGTH = 128  # tokens per calibration text
@@ -157,7 +157,8 @@ def collect_calibration(
     tokens = sequences = 0
     try:
         for batch in batches:
-            inputs = {k: v.to(device) for k, v in batch.items() if k in MODEL_INPUTS and v is not None}
+            taken = forward_inputs(model, batch)  # a tokenizer's extra inputs (token_type_ids beside a Llama) left out
+            inputs = {k: v.to(device) for k, v in taken.items() if k in MODEL_INPUTS and v is not None}
             mask = inputs.get("attention_mask")
             if mask is None:
                 mask = torch.ones_like(inputs["input_ids"])
@@ -237,7 +238,7 @@ def attention_inputs(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> lis
     ]
     was_training = model.training
     try:
-        model.eval()(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
+        model.eval()(**{k: v for k, v in forward_inputs(model, batch).items() if k in MODEL_INPUTS})
     finally:
         for handle in handles:
             handle.remove()

@@ -18,6 +18,8 @@ model.
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass, is_dataclass
 
 import torch
@@ -49,6 +51,15 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     new.train(old.training)
     new._forward_hooks.update(old._forward_hooks)
     setattr(parent, child, new)
+
+
+def forward_inputs(model: nn.Module, batch: Mapping) -> dict:
+    """The entries of ``batch`` that ``model.forward`` names as parameters. A tokenizer may return inputs the model
+    does not take (``token_type_ids`` from a BERT-style tokenizer saved beside a Llama): a forward with ``**kwargs``
+    ignores them, ``generate`` refuses them ("model_kwargs are not used by the model")."""
+    parameters = inspect.signature(model.forward).parameters
+    named = {n for n, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return {k: v for k, v in batch.items() if k in named}
 
 
 # The layer kind of a checkpoint saved before configs recorded it (``collab_layer``), by its ``collab_method``: a
