@@ -3,6 +3,7 @@ that no fit reads, token windows, the comparison with the original (perplexity, 
 cache read from a real cache, resumable runs, the summary and the sizes each method gets at a budget."""
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -140,6 +141,67 @@ def test_a_run_is_written_once_and_read_back(tmp_path, monkeypatch):
             f"{m['perplexity'] / m['original_perplexity']:.3f}x | {m['kl']:.4f} | {m['top1']:.3f} |") in text
     assert text.index("| original |") < text.index("| cp-k16-v8 |") and baseline["domains"]["wikipedia"]["kl"] == 0
     assert race.plot(race.load_runs(tmp_path), tmp_path / "p.png").stat().st_size > 10_000
+
+
+
+def fake_run(method, nll, sample=0, windows=True, distill=0, budget=0.25):
+    """A run file as run_entry writes it, 8 windows of 10 tokens per domain whose nll per token is ``nll`` plus a
+    difficulty shared by every run (window i: 0.3 sin i)."""
+    entry = race.Entry(method, 8, budget=budget, distill_tokens=distill, calibration_tokens=16,
+                       calibration_sample=sample)
+    records = [{"tokens": 10, "nll": 10 * (nll + 0.3 * math.sin(i)), "original_nll": 25.0, "kl": 1.0, "top1": 5,
+                "fingerprint": f"{i:08x}"} for i in range(8)]
+    measured = {"tokens": 80, "perplexity": math.exp(sum(w["nll"] for w in records) / 80),
+                "original_perplexity": math.exp(2.5), "kl": 0.1, "top1": 0.5}
+    return {"name": entry.name, "entry": dataclasses.asdict(entry), "cache_numbers": 24.0, "cache_fraction": budget,
+            "mean_layer_error": 0.5, "domains": {d: dict(measured, **({"windows": records} if windows else {}))
+                                                 for d in heldout.DOMAINS},
+            "answers": [""] * len(race.PROMPTS)}
+
+
+def test_the_summary_puts_an_interval_beside_every_verdict(tmp_path):
+    from collab_attn.stats import window_bootstrap
+
+    def table(results):
+        return {tuple(c.strip() for c in line.split("|")[1:4]): line for line in race.verdicts_markdown(results)
+                if line.startswith("| wikipedia")}
+
+    cp, kv, tucker = fake_run("cp", 3.0), fake_run("kv-svd", 3.3), fake_run("tucker", 3.02)
+    for i, w in enumerate(tucker["domains"]["wikipedia"]["windows"]):  # +-0.1 nats per token about 3.02: a tie
+        w["nll"] += (-1) ** i
+    distilled = fake_run("cp", 4.0, windows=False, distill=100)
+    rows = table([kv, tucker, cp, distilled])
+    best, peer = "cp-k8-calibrated16", "kv-svd-k8-calibrated16"
+    assert set(rows) == {("wikipedia", best, "tucker-k8-calibrated16"), ("wikipedia", best, peer),
+                         ("wikipedia", best, "cp-k8-calibrated16-distilled100"),
+                         ("wikipedia", "tucker-k8-calibrated16", peer),
+                         ("wikipedia", "cp-k8-calibrated16-distilled100", peer)}
+    low, high = window_bootstrap(cp["domains"]["wikipedia"]["windows"], kv["domains"]["wikipedia"]["windows"]).interval
+    assert rows["wikipedia", best, peer] == (f"| wikipedia | {best} | {peer} | {math.exp(-0.3):.3g}x | "
+                                             f"[{1 + low:.3g}x, {1 + high:.3g}x] ahead (8 windows) | one sample | "
+                                             "**ahead** |")
+    assert rows["wikipedia", best, "tucker-k8-calibrated16"].endswith("tie (8 windows) | one sample | tie |")
+    assert rows["wikipedia", "tucker-k8-calibrated16", peer].endswith("ahead (8 windows) | one sample | **ahead** |")
+    assert rows["wikipedia", best, "cp-k8-calibrated16-distilled100"].endswith(
+        "| no per-window data | one sample | one run, no per-window data: no verdict |")
+    assert "Distilled runs: one run each" in "\n".join(race.verdicts_markdown([cp, distilled]))
+    assert "Distilled runs" not in "\n".join(race.verdicts_markdown([cp, kv]))
+    # a second calibration sample of each: the spread over samples beside the windows (sample 0's)
+    samples = [fake_run("cp", 3.05, sample=1, windows=False), fake_run("kv-svd", 3.4, sample=1, windows=False)]
+    row = table([cp, kv, *samples])["wikipedia", best, peer]
+    assert "ahead (8 windows) | [" in row and "] ahead (2 samples) | **ahead** |" in row
+    close = [fake_run("cp", 3.35, sample=1, windows=False), samples[1]]  # sample 1 turns the order round: a tie
+    assert table([cp, kv, *close])["wikipedia", best, peer].endswith("tie (2 samples) | tie |")
+    assert table([fake_run("cp", 3.0), fake_run("kv-svd", 3.0)])["wikipedia", best, peer].endswith(
+        "| 1x | [1x, 1x] tie (8 windows) | one sample | tie |")
+
+    (tmp_path / "runs").mkdir()
+    for r in (cp, kv):
+        (tmp_path / "runs" / f"{r['name']}.json").write_text(json.dumps(r))
+    (tmp_path / "summary.md").write_text(race.summary_markdown([cp], "python scripts/race_smollm2.py --x", "my setup"))
+    written = race.rewrite_summary(tmp_path).read_text()
+    assert written == race.summary_markdown([cp, kv], "python scripts/race_smollm2.py --x", "my setup")
+    assert "## Verdicts" in written and written.index("## Verdicts") < written.index("## Answers")
 
 
 def script():

@@ -1,7 +1,9 @@
 """The key/value-cache race on a pretrained rotary decoder (SmolLM2-135M): each conversion at a fraction of the
 original's cache, without retraining or after a short distillation from the original (``collab_attn.llm.distill``),
 measured against the original on held-out text (``collab_attn.llm.heldout``) and on a fixed set of prompts, one
-result file per run (resumable: a finished run is skipped), and a summary table and plot.
+result file per run (resumable: a finished run is skipped), and a summary table and plot. The summary's verdicts
+(``verdicts_markdown``) come from ``collab_attn.stats``: a paired bootstrap over the held-out windows, and the
+spread over calibration samples where there are several.
 
 An entry is a conversion (``method``, ``rank``, ``value_rank``, method options) named for its sizes. Its cache is
 read from a real cache after a forward pass (numbers per token and layer, keys and values together), not from a
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import json
+import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -161,9 +165,120 @@ def _order(result: dict) -> tuple:
             isinstance(rank, str), -int(str(rank).split(":")[-1]))
 
 
+RESAMPLES = 10_000  # the window bootstrap's draws (collab_attn.stats.window_bootstrap)
+
+
+def _sample(result: dict) -> int:
+    return result["entry"].get("calibration_sample", 0) if result["entry"].get("calibration_tokens") else 0
+
+
+def _conversion(result: dict) -> str:
+    """The run's name without its calibration sample: the samples of one conversion share it."""
+    sample = _sample(result)
+    return re.sub(rf"(-calibrated\d+)s{sample}(?=-|$)", r"\1", result["name"]) if sample else result["name"]
+
+
+def _ratio(x: float) -> str:
+    """A relative difference ``x`` (a / b - 1) as the ratio a / b."""
+    return f"{1 + x:.3g}x"
+
+
+def _interval(comparison, windows: bool) -> str:
+    low, high = comparison.interval
+    words = {"better": "ahead", "worse": "behind", "tie": "tie"}[comparison.verdict]
+    unit = f"{comparison.pairs} windows" if windows else f"{comparison.pairs} samples"
+    if not windows:  # log-perplexity differences: shown as ratios
+        low, high = math.expm1(low), math.expm1(high)
+    return f"[{_ratio(low)}, {_ratio(high)}] {words} ({unit})"
+
+
+def _log_perplexity(run: dict, domain: str) -> float:
+    return math.log(run["domains"][domain]["perplexity"])
+
+
+def _mean_log_perplexity(runs: dict[int, dict], domain: str) -> float:
+    return sum(_log_perplexity(r, domain) for r in runs.values()) / len(runs)
+
+
+def _at(runs: dict[int, dict], sample: int) -> dict | None:
+    """The run of calibration sample ``sample``; a conversion without calibration is the same for every sample."""
+    if sample in runs:
+        return runs[sample]
+    only = next(iter(runs.values()))
+    return only if len(runs) == 1 and not only["entry"].get("calibration_tokens") else None
+
+
+def _versus(a: dict[int, dict], b: dict[int, dict], domain: str) -> list[str]:
+    """``a`` against ``b`` (calibration sample -> run) on ``domain``: the cells of one verdict row."""
+    from collab_attn.stats import compare_on_shared_seeds, window_bootstrap
+
+    shared = [s for s in sorted(set(a) | set(b)) if _at(a, s) is not None and _at(b, s) is not None]
+    ratio = math.expm1(_mean_log_perplexity(a, domain) - _mean_log_perplexity(b, domain))
+    windowed = [s for s in shared if _at(a, s)["domains"][domain].get("windows")
+                and _at(b, s)["domains"][domain].get("windows")]
+    by_windows = None if not windowed else window_bootstrap(
+        _at(a, windowed[0])["domains"][domain]["windows"], _at(b, windowed[0])["domains"][domain]["windows"],
+        resamples=RESAMPLES, seed=0)
+    by_samples = None if len(shared) < 2 else compare_on_shared_seeds(
+        *({s: _log_perplexity(_at(runs, s), domain) for s in shared} for runs in (a, b)))
+    judged = [c.verdict for c in (by_windows, by_samples) if c is not None]
+    if not judged:
+        verdict = "one run, no per-window data: no verdict"
+    elif all(v == judged[0] for v in judged):
+        verdict = {"better": "**ahead**", "worse": "**behind**", "tie": "tie"}[judged[0]]
+    else:
+        verdict = "tie"
+    return [_ratio(ratio), "no per-window data" if by_windows is None else _interval(by_windows, True),
+            "one sample" if by_samples is None else _interval(by_samples, False), verdict]
+
+
+def verdicts_markdown(results: list[dict], peer: str | None = "kv-svd") -> list[str]:
+    """Per budget and domain, the conversion with the lowest perplexity (its mean log over calibration samples)
+    against every other one there, and every conversion against the best ``peer`` (MHA2MLA's ``kv-svd``), each with
+    the interval its verdict rests on: a paired bootstrap over the held-out windows where both runs kept per-window
+    sums (``collab_attn.stats.window_bootstrap``), the spread over calibration samples where both have several
+    (``collab_attn.stats.paired_comparison`` of log perplexity, paired by sample), "no verdict" otherwise."""
+    budgets = sorted({r["entry"]["budget"] for r in results}, reverse=True)
+    lines = ["## Verdicts", "",
+             "`a / b`: a's perplexity over b's (below 1: a predicts the held-out text better; geometric means "
+             "over calibration samples where there are several). Over "
+             f"windows: a paired bootstrap over the held-out windows ({RESAMPLES:,} resamples, seed 0; the same "
+             "calibration sample on both sides), 95% percentile interval: it covers the choice of evaluation text, "
+             "not the calibration sample or a training seed. Over calibration samples: a 95% t-interval of the "
+             "log-perplexity differences paired by calibration sample (a conversion without calibration counts the "
+             "same for every sample), shown as ratios. Ahead or behind only when every interval available "
+             "excludes 1 the same way; a tie otherwise.", ""]
+    if any(r["entry"].get("distill_tokens") for r in results):
+        lines += ["Distilled runs: one run each (one distillation seed; the distilled weights were not kept), so no "
+                  "interval covers the distillation itself; where a distilled run has per-window data, its window "
+                  "interval covers the evaluation text only.", ""]
+    for budget in budgets:
+        runs = [r for r in results if r["entry"]["budget"] == budget]
+        rows = []
+        for domain in DOMAINS:
+            conversions: dict[str, dict[int, dict]] = {}
+            for r in runs:
+                if domain in r["domains"]:
+                    conversions.setdefault(_conversion(r), {})[_sample(r)] = r
+            if len(conversions) < 2:
+                continue
+            order = sorted(conversions, key=lambda name: _mean_log_perplexity(conversions[name], domain))  # noqa: B023
+            pairs = [(order[0], other) for other in order[1:]]
+            peers = [name for name in order if next(iter(conversions[name].values()))["entry"]["method"] == peer]
+            if peers and peers[0] != order[0]:
+                pairs += [(name, peers[0]) for name in order if name not in (order[0], peers[0])]
+            rows += [f"| {domain} | {a} | {b} | " + " | ".join(_versus(conversions[a], conversions[b], domain))
+                     + " |" for a, b in pairs]
+        if rows:
+            lines += [f"### budget {budget:g}", "", "| domain | a | b | a / b | over windows "
+                      "| over calibration samples | a against b |", "|---|---|---|---:|---|---|---|", *rows, ""]
+    return lines
+
+
 def summary_markdown(results: list[dict], command: str, setup: str) -> str:
     """Per domain: cache (numbers per token and layer, fraction), perplexity and its ratio to the original's, KL,
-    top-1 agreement; then the prompts' answers side by side."""
+    top-1 agreement; the verdicts with their intervals (``verdicts_markdown``); then the prompts' answers side by
+    side."""
     results = sorted(results, key=_order)
     lines = ["# The key/value-cache race on a pretrained rotary decoder", "", setup, "", "```bash",
              command, "```", ""]
@@ -182,6 +297,7 @@ def summary_markdown(results: list[dict], command: str, setup: str) -> str:
                          f"{m['perplexity'] / m['original_perplexity']:.3f}x | {m['kl']:.4f} | {m['top1']:.3f} | "
                          f"{error} |")
         lines.append("")
+    lines += verdicts_markdown(results)
     lines += ["## Answers (greedy, 24 new tokens, through the chat template)", ""]
     for index, prompt in enumerate(PROMPTS):
         lines += [f"**{prompt}**", "", "| conversion | answer |", "|---|---|"]
@@ -189,6 +305,17 @@ def summary_markdown(results: list[dict], command: str, setup: str) -> str:
                   for r in results]
         lines.append("")
     return "\n".join(lines)
+
+
+def rewrite_summary(out_dir: Path) -> Path:
+    """``<out_dir>/summary.md`` made again from ``<out_dir>/runs`` (after the runs or the summary's code changed),
+    keeping the setup line and the command of the summary there."""
+    path = Path(out_dir) / "summary.md"
+    lines = path.read_text().split("\n")
+    if lines[4:5] != ["```bash"] or "```" not in lines[6:7]:
+        raise ValueError(f"{path}: not a summary written by summary_markdown (no setup line and command block)")
+    write_text_atomic(path, summary_markdown(load_runs(Path(out_dir)), lines[5], lines[2]))
+    return path
 
 
 def plot(results: list[dict], path: Path) -> Path:
