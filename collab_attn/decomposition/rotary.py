@@ -1,4 +1,4 @@
-"""Rotary-exact collaborative keys: a complex CP per rotary frequency band (DESIGN.md, "Rotary positions").
+"""Rotary-exact collaborative keys: a complex CP per rotary frequency band (docs/design.md, "Rotary positions").
 
 Layout: transformers' ``rotate_half`` RoPE pairs row ``i`` of a head with row ``i + d_h/2`` (``i < d_h/2`` is the
 band). Per band write the two rows as one complex vector, ``a_hi = Wq[h, i] + j Wq[h, i + d_h/2]`` for query head

@@ -1,5 +1,5 @@
 """Thin rotary keys: one key shared by every head, from an SVD of the key forms of each rotary frequency band
-(TransMLA's per-frequency PCA of the keys; DESIGN.md, "Rotary positions"). The layout of the bands and pairs is
+(TransMLA's per-frequency PCA of the keys; docs/design.md, "Rotary positions"). The layout of the bands and pairs is
 ``collab_attn.decomposition.rotary``'s.
 
 In band ``i`` (frequency ``theta_i``) key group ``g`` has the complex key vector ``b_gi`` (d entries: row ``i`` +

@@ -5,8 +5,8 @@ Encoders: BERT, RoBERTa, DistilBERT, ALBERT (any head class; BERT and RoBERTa al
 embeddings, so ``Wq_h^T Wk_h`` is what each head's logits are made of; and the rotary-position decoders Llama, Qwen2
 and Mistral (grouped key/value heads: head h reads key/value group h // (heads / kv_heads)), whose heads rotate each
 pair of query/key dimensions by its frequency band's angle between the projections: per band, each head's logit form
-is one complex rank-1 matrix, and a conversion that mixes heads within a band keeps the rotation exactly (DESIGN.md,
-"Rotary positions"; ``collab_attn.decomposition.rotary``).
+is one complex rank-1 matrix, and a conversion that mixes heads within a band keeps the rotation exactly
+(docs/design.md, "Rotary positions"; ``collab_attn.decomposition.rotary``).
 """
 
 from __future__ import annotations

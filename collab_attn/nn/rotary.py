@@ -4,7 +4,7 @@ Rotary models (Llama, Qwen2, Mistral, SmolLM) rotate each pair ``(i, i + d_h/2)`
 ``p theta_i`` at position ``p`` (transformers' ``rotate_half`` layout). Written as one complex number per pair, the
 rotation is a multiplication by ``e^(j p theta_i)``, and it commutes with any complex multiplication. So the heads
 can share query/key *pairs* that each rotate with one frequency band (``pair_bands``), and each head keeps one
-complex mixing number per shared pair (see "Rotary positions" in DESIGN.md):
+complex mixing number per shared pair (see "Rotary positions" in docs/design.md):
 
     logit_h(t, s) = scale * Re( sum_r  q_r(x_t) m_hr e^(j p_t theta_(b_r))  conj( k_r(y_s) e^(j p_s theta_(b_r)) ) )
 
