@@ -9,7 +9,7 @@ import torch
 import transformers
 from conftest import character_tokenizer, with_cache
 from transformers import AutoModelForCausalLM, DynamicCache
-from transformers.cache_utils import StaticSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, StaticSlidingWindowLayer
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
 from collab_attn import reparametrize
@@ -221,8 +221,17 @@ def test_caches_that_cannot_hold_shared_keys_and_unsupported_keywords_are_refuse
     ids = prompt(batch=1, length=4)
     sliding = transformers.StaticCache(config=model.config, max_cache_len=8)
     sliding.layers[0] = StaticSlidingWindowLayer(max_cache_len=8, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="cannot hold collaborative keys.*DynamicCache"):
+    with pytest.raises(NotImplementedError, match="attends to every position, but its cache layer "
+                                                  r"\(StaticSlidingWindowLayer\) keeps only a sliding window"):
         model(ids, use_cache=True, **with_cache(model, sliding))
+
+    class OtherLayer(DynamicLayer):  # a layer kind no converted layer knows (quantized, offloaded, ...)
+        pass
+
+    other = DynamicCache()
+    other.layers.append(OtherLayer())
+    with pytest.raises(NotImplementedError, match=r"a DynamicCache \(OtherLayer\) cannot hold collaborative keys"):
+        model(ids, use_cache=True, **with_cache(model, other))
     layer = next(m for m in model.modules() if isinstance(m, ConvertedSelfAttention))
     with pytest.raises(TypeError, match="cu_seq_lens_q"):
         layer(torch.randn(1, 3, D), cu_seq_lens_q=torch.tensor([0, 3]))

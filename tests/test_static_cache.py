@@ -155,9 +155,9 @@ def assert_compiled_static_decoding_equals_eager(model, backend: str = "inductor
         assert (a - b).abs().max() < 1e-4
 
 
-def test_sliding_window_layers_are_refused():
+def test_sliding_window_layers_are_refused_where_the_model_has_no_window():
     _, model = original_and_converted("gpt2", "cp", HALF)
     cache = StaticCache(config=model.config, max_cache_len=16)
     cache.layers[0] = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="cannot hold collaborative keys.*full static cache"):
+    with pytest.raises(NotImplementedError, match="attends to every position.*keeps only a sliding window"):
         model(token_ids(length=3), use_cache=True, **with_cache(model, cache))

@@ -78,6 +78,15 @@ class Family:
     def head_dim(self, module: nn.Module) -> int:
         return getattr(module, "attention_head_size", None) or module.head_dim
 
+    def sliding_window(self, module: nn.Module) -> int | None:
+        """How many of the latest positions each query of this layer sees (the model masks the rest), or None for
+        all of them: Qwen2 sets it per layer (its sliding layers), Mistral for every layer from the config."""
+        if not self.rotary:
+            return None
+        if hasattr(module, "sliding_window"):
+            return module.sliding_window
+        return getattr(module.config, "sliding_window", None)
+
     def logit_scale(self, module: nn.Module) -> float:
         """What the logits are multiplied by: ``1/sqrt(head_dim)``, and GPT-2's ``scale_attn_*`` options."""
         return float(module.scaling)
@@ -161,12 +170,6 @@ class Family:
         if partial not in (None, 1, 1.0):
             raise ValueError(f"partial_rotary_factor={partial}: only part of each head rotates, and collab_attn "
                              "pairs every query/key dimension with a frequency band; convert a fully rotary model")
-        window = getattr(config, "sliding_window", None)
-        if window is not None and getattr(config, "use_sliding_window", True):
-            raise ValueError(
-                f"sliding_window={window}: converted layers keep every position (a full cache); load the model with "
-                "sliding_window=None (the same model for sequences up to the window's length)"
-            )
 
 
 FAMILIES: dict[str, Family] = {
@@ -233,6 +236,7 @@ class AttentionSite:
     output_inside: bool  # the output projection is part of the attention module
     output_bias: bool
     rotary: bool  # rotary positions: the model hands the layer its (cos, sin)
+    sliding_window: int | None  # the latest positions a query sees, the model's mask applying it (None: all)
 
     @classmethod
     def of(cls, model: nn.Module, family: Family, name: str, module: nn.Module) -> AttentionSite:
@@ -245,7 +249,7 @@ class AttentionSite:
             family.dropout_p(module, family.output_dropout) if family.output_dropout else None,
             module.LayerNorm.eps if family.has_residual_norm else None, bool(getattr(module, "is_causal", False)),
             getattr(module, "layer_idx", None), output_name, output, family.output is not None,
-            output.bias is not None, family.rotary,
+            output.bias is not None, family.rotary, family.sliding_window(module),
         )
 
     @property

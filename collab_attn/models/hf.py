@@ -151,8 +151,11 @@ class InstalledLayer:
 
 
 def build_layer(site: AttentionSite, spec: LayerSpec) -> ConvertedSelfAttention:
-    """An empty converted layer of ``spec.kind`` shaped by ``spec`` to replace the module at ``site``."""
-    return LAYER_KINDS[spec.kind].build(site, spec)
+    """An empty converted layer of ``spec.kind`` shaped by ``spec`` to replace the module at ``site``, with the
+    site's sliding window (which cache layers it may write into)."""
+    layer = LAYER_KINDS[spec.kind].build(site, spec)
+    layer.sliding_window = site.sliding_window
+    return layer
 
 
 def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
@@ -275,6 +278,12 @@ def _collab_model_class(base: type, config_class: type) -> type:
         base._init_weights(self, module)
         if isinstance(module, CollaborativeAttention) and not getattr(module.mixing, "_is_hf_initialized", False):
             module.reset_mixing()
+        # buffers the layer derives in its constructor (rotary bands): a model built on the meta device gets them back;
+        # loaded ones (flagged by transformers) stay
+        for name, value in (module.default_buffers() if hasattr(module, "default_buffers") else {}).items():
+            buffer = getattr(module, name)
+            if not getattr(buffer, "_is_hf_initialized", False):
+                buffer.copy_(value)
 
     namespace = {
         "__init__": __init__,

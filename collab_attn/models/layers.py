@@ -32,7 +32,14 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    EncoderDecoderCache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 from transformers.utils.output_capturing import _active_collector  # what the output hooks collect into
 
 from collab_attn.models.families import AttentionSite
@@ -124,6 +131,9 @@ class ConvertedSelfAttention(nn.Module):
     # its plans' relative_error is always the query/key products error, checked against the installed layer even
     # where the method's other plans report another error (kv-svd on rotary models: the per-band forms)
     plans_products_error: ClassVar[bool] = False
+    # the latest positions a query sees, where the model masks a sliding window (set by ``hf.build_layer`` from the
+    # site): only then may the cache hold a sliding-window layer, which drops the positions before the window
+    sliding_window: int | None = None
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -198,12 +208,15 @@ class ConvertedSelfAttention(nn.Module):
         """The ``kv_cache`` hook of the attention module (append this call's keys and values to ``cache``), and the
         cache's ``StaticLayer`` for this layer when the cache is static (else None).
 
-        A dynamic layer grows with the keys it is given. A static layer (``StaticCache``, ``generate(...,
-        cache_implementation="static")``) preallocates ``max_cache_len`` positions; transformers would shape its
-        values like its keys (one head count for both), so this layer allocates them on first use with their own
-        shapes (``_allocate_static``): collaborative heads keep one packed shared key per position and per-head
-        values, narrow concatenated heads keys narrower than their values. Sliding-window, quantized and other
-        layer kinds are refused."""
+        A dynamic layer grows with the keys it is given; a dynamic sliding-window layer (a model with
+        ``sliding_window``) keeps only the last ``sliding_window - 1`` positions and returns them with the new ones,
+        for the mask the model made for that window. A static layer (``StaticCache``, ``generate(...,
+        cache_implementation="static")``) preallocates ``max_cache_len`` positions (a sliding one, the window's);
+        transformers would shape its values like its keys (one head count for both), so this layer allocates them on
+        first use with their own shapes (``_allocate_static``): collaborative heads keep one packed shared key per
+        position and per-head values, narrow concatenated heads keys narrower than their values. Every one of these
+        layers only moves positions along the sequence axis, so they hold any of the converted layouts. Quantized,
+        offloaded and other layer kinds are refused."""
         if isinstance(cache, EncoderDecoderCache):
             cache = cache.self_attention_cache
         if self.layer_idx is None:
@@ -211,11 +224,17 @@ class ConvertedSelfAttention(nn.Module):
         layers = getattr(cache, "layers", [])
         layer = layers[self.layer_idx] if self.layer_idx < len(layers) else None
         dynamic = isinstance(cache, DynamicCache) and (
-            type(layer) is DynamicLayer if layer is not None else cache.layer_class_to_replicate is DynamicLayer
+            type(layer) in DYNAMIC_LAYERS if layer is not None else cache.layer_class_to_replicate is DynamicLayer
         )
+        if getattr(layer, "is_sliding", False) and self.sliding_window is None:
+            raise NotImplementedError(
+                f"layer {self.layer_idx} attends to every position, but its cache layer ({type(layer).__name__}) "
+                "keeps only a sliding window of them: build the cache from this model's config (DynamicCache("
+                "config=model.config), or let generate make it), or use a full DynamicCache or StaticCache"
+            )
         if dynamic:
             return (lambda keys, values: cache.update(keys, values, self.layer_idx)), None
-        if type(layer) is StaticLayer:
+        if type(layer) in STATIC_LAYERS:
             def update(keys, values):
                 if not layer.is_initialized:
                     _allocate_static(layer, keys, values)
@@ -224,9 +243,14 @@ class ConvertedSelfAttention(nn.Module):
             return update, layer
         raise NotImplementedError(
             f"a {type(cache).__name__} ({type(layer).__name__ if layer is not None else 'no layer'}) cannot hold "
-            "collaborative keys: sliding-window and quantized cache layers keep heads x head_dim per token. Use "
-            "a DynamicCache (the default) or a full static cache (generate(..., cache_implementation='static'))"
+            "collaborative keys: quantized, offloaded and other cache layers keep heads x head_dim per token. Use "
+            "a DynamicCache (the default) or a static cache (generate(..., cache_implementation='static'))"
         )
+
+
+# The cache layers a converted layer writes into: they move positions along the sequence axis (dim -2) only.
+DYNAMIC_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+STATIC_LAYERS = (StaticLayer, StaticSlidingWindowLayer)
 
 
 def _allocate_static(layer: StaticLayer, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -132,10 +132,15 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
         self.nope_key = _linear(latent_size, kv_heads * nope, bias)
         self.value = nn.Linear(latent_size, kv_heads * self.head_dim, bias=False)  # replaces _Attention's
         if rope_bands is None:
-            rope_bands = torch.arange(rope_pairs).expand(kv_heads, rope_pairs)
+            rope_bands = self.default_buffers()["rope_bands"]
         rope_bands = torch.as_tensor(rope_bands)
         self._check_bands(rope_bands)
         self.register_buffer("rope_bands", rope_bands.to(torch.int64).clone(), persistent=True)
+
+    def default_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers as the constructor makes them without ``rope_bands`` (every group keeps the lowest bands, the
+        fastest rotating): what a model's ``_init_weights`` writes back into a layer built on the meta device."""
+        return {"rope_bands": torch.arange(self.rope_pairs).expand(self.kv_heads, self.rope_pairs)}
 
     def _check_bands(self, bands: torch.Tensor) -> None:
         """A clear error for kept bands that are not (kv_heads, rope_pairs) strictly increasing band indices."""

@@ -47,6 +47,12 @@ from collab_attn.nn.variants import _SharedKeyValueAttention
 ROTARY_MIXING_INITS = ("concatenate", "ones", "random")
 
 
+def default_pair_bands(pairs: int, head_dim: int) -> torch.Tensor:
+    """The bands ``pairs`` shared pairs rotate with when none are given: pair ``r`` with band ``r mod head_dim/2``
+    (at ``pairs = heads x head_dim / 2``, head ``h``'s own block of pairs holds every band once)."""
+    return torch.arange(pairs) % (head_dim // 2)
+
+
 def rotate_pairs(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the pairs of ``z`` (..., 2R) laid out ``[real parts ; imaginary parts]`` by the angles whose cosines and
     sines are ``cos``, ``sin`` (..., R): ``(re cos - im sin, re sin + im cos)``, i.e. transformers'
@@ -135,7 +141,7 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
             self.mixing = nn.Parameter(torch.empty(num_heads, tucker_core_size))
             self.mixing_core = nn.Parameter(torch.empty(tucker_core_size, 2, pairs, pairs))
         if pair_bands is None:
-            pair_bands = torch.arange(pairs) % (self.head_dim // 2)
+            pair_bands = default_pair_bands(pairs, self.head_dim)
         pair_bands = torch.as_tensor(pair_bands)
         if pair_bands.shape != (pairs,):
             raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
@@ -206,6 +212,11 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
                 f"pair_bands must lie in 0 .. {bands_count - 1} (head_dim {self.head_dim} has {bands_count} RoPE "
                 f"bands), got values from {int(bands.min())} to {int(bands.max())}"
             )
+
+    def default_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers as the constructor makes them without ``pair_bands``: what a model's ``_init_weights`` writes
+        back into a layer built on the meta device (a checkpoint's bands then load over them)."""
+        return {"pair_bands": default_pair_bands(self.pairs, self.head_dim)}
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         bands = state_dict.get(prefix + "pair_bands")

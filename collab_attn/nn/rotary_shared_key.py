@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from collab_attn.nn.attention import grouped_attend
-from collab_attn.nn.rotary import RotaryCollaborativeAttention, rotate_pairs
+from collab_attn.nn.rotary import RotaryCollaborativeAttention, default_pair_bands, rotate_pairs
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
 
@@ -103,13 +103,15 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
             self.value = nn.Linear(d_model, value_rank, bias=False)
             self.value_up = nn.Linear(value_rank, grouped, bias=False)
         if pair_bands is None:
-            pair_bands = torch.arange(pairs) % (self.head_dim // 2)
+            pair_bands = default_pair_bands(pairs, self.head_dim)
         pair_bands = torch.as_tensor(pair_bands)
         if pair_bands.shape != (pairs,):
             raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
         self._check_bands(pair_bands)
         self.register_buffer("pair_bands", pair_bands.to(torch.int64).clone(), persistent=True)
         self._bands_checked: tuple | None = None
+
+    default_buffers = RotaryCollaborativeAttention.default_buffers
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         bands = state_dict.get(prefix + "pair_bands")
