@@ -8,6 +8,7 @@ from collab_attn.decomposition.decompose import HeadDecomposition, decompose_hea
 from collab_attn.models import hf as _hf  # noqa: F401  (registers the Auto classes)
 from collab_attn.models import scratch as _scratch  # noqa: F401  (registers the from-scratch classifier)
 from collab_attn.models.conversion import ReparamReport, reparametrize
+from collab_attn.models.fitting import FitReport, fit_to_original
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 
 __all__ = [
@@ -17,4 +18,6 @@ __all__ = [
     "decompose_heads",
     "ReparamReport",
     "reparametrize",
+    "FitReport",
+    "fit_to_original",
 ]

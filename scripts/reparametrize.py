@@ -7,10 +7,13 @@
     python scripts/reparametrize.py collab.budget=mean:128                   # per-layer ranks, same size as 128
     python scripts/reparametrize.py collab.calibration=../shared/data/glue/SST-2/train.tsv   # activation-aware
     python scripts/reparametrize.py model=path/to/gpt2-checkpoint collab.rank=192            # a decoder
+    python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100   # + fitted to the original
 
 The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
 labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
-``collab=none`` converts nothing.
+``collab=none`` converts nothing. ``collab.fit_steps`` (with ``collab.calibration``) then trains each converted
+attention layer that many steps to give the original's attention output on the calibration texts
+(``collab_attn.fit_to_original``); its per-layer report is printed and saved under ``fit``.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
@@ -36,12 +39,13 @@ from omegaconf import DictConfig
 from collab_attn import cli, reparametrize
 from collab_attn.cli import hydra_main, settings_of
 from collab_attn.files import atomic_directory
-from collab_attn.glue.calibrate import calibrate, check_calibration
+from collab_attn.glue.calibrate import calibrate, check_calibration, fit_batches
 from collab_attn.models.checkpoints import (
     checked_model,
     load_model_and_tokenizer,
 )
 from collab_attn.models.families import family_of
+from collab_attn.models.fitting import fit_to_original
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings
@@ -153,6 +157,11 @@ def run(cfg: DictConfig) -> dict:
             model, seed=settings["seed"], calibration=calibration, progress=True, **method.reparametrize_kwargs()
         )
     print(report.table())
+    fit = None
+    if method.fit_steps:  # each converted layer trained to give the original's attention output
+        fit = fit_to_original(model, original, fit_batches(tokenizer, method, settings["seed"]),
+                              steps=method.fit_steps, seed=settings["seed"])
+        print(fit.table())
 
     if is_decoder(model):
         comparison = compare_generation(
@@ -185,6 +194,7 @@ def run(cfg: DictConfig) -> dict:
         **report.to_dict(), "comparison": comparison, "model": settings["model"], "model_path": path,
         "rank": method.rank_request, "seed": settings["seed"], "config": settings,
     }
+    result["fit"] = None if fit is None else fit.to_dict()
 
     with atomic_directory(settings["output_dir"], settings["overwrite"]) as folder:
         model.save_pretrained(folder)

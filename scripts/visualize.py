@@ -59,6 +59,7 @@ def _check(settings: dict) -> MethodSettings:
     """The settings this script can show, as ``MethodSettings``: collaborative heads (cp, tucker) at one rank; with
     the model's config, the calibration texts and the output folder checked before anything is loaded or written."""
     method = MethodSettings.from_config(settings["collab"])
+    method.refuse_fit("scripts/visualize.py")
     if not method.converts or not method.conversion.collaborative:
         shown = [name for name, m in METHODS.items() if m.collaborative]
         raise ValueError(f"collab.method={method.method} has no collaborative heads to show; choose one of "

@@ -240,7 +240,8 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
 
     race_script = script()
     args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
-                           distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False)
+                           distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
+                           fit_steps=0)
     extra = [race.Entry("key-svd", 192, 96), race.Entry("drop-kv", 128)]
     names = [entry.name for entry in race_script.race_entries(args, 3, 64, extra)]
     assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
@@ -258,9 +259,25 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
     assert "kv-svd-k72-rope_pairs4-distilled100" in [e.name for e in race_script.race_entries(args, 3, 64, [])]
 
 
+def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
+                           distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
+                           fit_steps=30)
+    names = [entry.name for entry in script().race_entries(args, 3, 64, [race.Entry("key-svd", 192, 96)])]
+    assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
+                     "key-svd-k192-v96", "kv-svd-k72-rope_pairs4-calibrated64-fitted30-distilled100",
+                     "kv-svd-k264-rope_pairs4-calibrated64", "kv-svd-k72-rope_pairs4-calibrated64",
+                     "key-svd-k192-v96-calibrated64", "kv-svd-k264-rope_pairs4-calibrated64-fitted30",
+                     "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--calibration-sample", "-1", "--calibration-tokens", "64"], "--calibration-sample must be 0 or positive"),
     (["--calibration-sample", "1"], "with --calibration-tokens"),
+    (["--fit-steps", "10"], "--fit-steps must be 0 (no fit) or positive, with --calibration-tokens"),
+    (["--fit-steps", "-1", "--calibration-tokens", "64"], "--fit-steps must be 0 (no fit) or positive"),
     (["--pairs-by-budget", "--methods", "kv-svd", "--budgets", "2"], "--budgets must lie in (0, 1]"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
@@ -292,6 +309,40 @@ def test_a_calibrated_entry_is_fitted_to_the_originals_attention_inputs(tmp_path
                            tmp_path, original_cache=48, calibration=calibration)
     assert len(collected) == 1 and calibrated["name"] == "kv-svd-k16-rope_pairs2-calibrated64"
     assert calibrated["mean_layer_error"] != plain["mean_layer_error"]
+
+
+def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp_path, monkeypatch):
+    """``fit_steps``: after the calibrated conversion, ``fit_to_original`` on the calibration windows; the run is named
+    ``-fitted<N>``, records the fit per layer and is closer to the original than the calibrated run it starts from."""
+    from collab_attn.models.calibration import collect_calibration
+
+    config = tiny_llama().config
+    config.initializer_range = 0.2  # attention far from uniform: keys matter
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).eval()
+    windows = {domain: rows(count=4, length=24, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
+    monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
+    fitting = rows(count=16, length=24, seed=5)
+    common = {"budget": 0.5, "calibration_tokens": 128}
+    entry = race.Entry("key-svd", 12, 12, **common, fit_steps=20)
+    assert entry.name == "key-svd-k12-v12-calibrated128-fitted20"
+    distilled = race.Entry("cp", 8, 8, **common, fit_steps=5, distill_tokens=64)
+    assert distilled.name == "cp-k8-v8-calibrated128-fitted5-distilled64"
+
+    def calibration():
+        return collect_calibration(original, [{"input_ids": fitting}])
+
+    with pytest.raises(ValueError, match="is fitted on its calibration tokens: give it calibration_tokens and pass"):
+        race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, calibration=calibration)
+    fitted = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                            calibration_rows=lambda: fitting)
+    plain = race.run_entry(race.Entry("key-svd", 12, 12, **common), original, None, windows, tmp_path,
+                           original_cache=48, calibration=calibration)
+    assert fitted["fit"]["steps"] == 20 and len(fitted["fit"]["layers"]) == 2 and plain["fit"] is None
+    assert all(layer["error_after"] < layer["error_before"] for layer in fitted["fit"]["layers"])
+    assert fitted["cache_numbers"] == plain["cache_numbers"] == 24
+    for domain in heldout.DOMAINS:
+        assert fitted["domains"][domain]["kl"] < plain["domains"][domain]["kl"]
 
 
 def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path):

@@ -218,6 +218,34 @@ def test_calibration_texts_from_a_file(tmp_path):
     assert errors[0] != errors[1]
 
 
+def test_fit_steps_fit_the_converted_layers_on_the_calibration_texts(tmp_path):
+    """``collab.fit_steps``: after the conversion each layer is trained on the calibration texts to give the
+    original's attention output; the report gives each layer's error before and after, the saved model is the fitted
+    one, and it is closer to the original than the same conversion without the fit."""
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "gpt2"
+    config_ = transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=40, n_positions=64,
+                                      initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.GPT2LMHeadModel(config_).save_pretrained(checkpoint)
+    character_tokenizer().save_pretrained(checkpoint)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("".join(f"{w} the cat sat on the mat and {w} ran home\n" for w in ("one", "two", "six", "ten")))
+    common = ("collab.rank=12", "collab.value_rank=12", f"collab.calibration={texts}", "compare_prompts=[the cat sat]")
+    plain = script.run(config_for_decoder(checkpoint, tmp_path / "plain", *common))
+    fitted = script.run(config_for_decoder(checkpoint, tmp_path / "fitted", *common, "collab.fit_steps=30"))
+    assert plain["fit"] is None and fitted["config"]["collab"]["fit_steps"] == 30
+    layers = fitted["fit"]["layers"]
+    assert [layer["name"] for layer in layers] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert all(layer["kept_fit"] and layer["error_after"] < layer["error_before"] for layer in layers)
+    assert fitted["comparison"]["max_abs_diff"] < plain["comparison"]["max_abs_diff"]
+    original = AutoModelForCausalLM.from_pretrained(checkpoint)
+    ids = character_tokenizer()("the cat sat on a mat", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        errors = [(AutoModelForCausalLM.from_pretrained(tmp_path / name)(ids).logits - original(ids).logits).norm()
+                  for name in ("plain", "fitted")]
+    assert errors[1] < errors[0]
+
+
 def test_tucker_with_per_layer_ranks(tmp_path):
     ranks = [384, 384, 256, 192, 128, 64]
     out = tmp_path / "out"
@@ -263,6 +291,8 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path):
         (["collab=svd", "collab.rank=100"], ValueError, "not a multiple of the 12 heads"),
         (["collab.calibration=task"], ValueError, "only for the GLUE pipeline"),
         (["collab.calibration=/no/texts.txt"], FileNotFoundError, "collab.calibration=/no/texts.txt: no such file"),
+        (["collab.fit_steps=10"], ValueError, "collab.fit_steps=10 fits the converted layers on the calibration texts"),
+        (["collab.fit_steps=-1"], ValueError, r"collab.fit_steps must be a number of steps per layer \(0 or null"),
         (["+collab.importance_data=x.tsv"], ValueError, "unknown key collab.importance_data"),
         (["model=/no/such/checkpoint"], FileNotFoundError, "no checkpoint at /no/such/checkpoint"),
         (["model=./missing-checkpoint"], FileNotFoundError, "no checkpoint at"),

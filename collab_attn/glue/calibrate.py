@@ -1,7 +1,8 @@
 """Activation-aware fitting from the ``collab`` group's calibration texts: a text file (one text per line), a GLUE
 train.tsv/dev.tsv (its task's text fields), or ``task`` (the task's training texts, which the GLUE pipeline passes
 in). ``load_texts`` reads a file, ``check_calibration`` checks the source before any work, ``calibrate`` samples
-the texts and collects the attention layers' input statistics. The GLUE pipeline and the scripts that convert a
+the texts and collects the attention layers' input statistics, ``fit_batches`` tokenizes the same texts for
+``collab.fit_steps`` (``collab_attn.fit_to_original``). The GLUE pipeline and the scripts that convert a
 model (``scripts/reparametrize.py``, ``scripts/visualize.py``) use it."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from collab_attn import cli
 from collab_attn.glue.tasks import get_task, task_texts
-from collab_attn.models.calibration import calibration_from_texts
+from collab_attn.models.calibration import calibration_from_texts, text_batches
 from collab_attn.models.settings import MethodSettings
 from collab_attn.texts import CALIBRATION_SAMPLES, read_texts
 
@@ -71,3 +72,14 @@ def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=No
         texts = load_texts(settings.source, seed=seed, limit=settings.samples)
     log.info("calibrating on %d texts from %s", len(texts), settings.source)
     return calibration_from_texts(model, tokenizer, texts, max_length=settings.max_length)
+
+
+def fit_batches(tokenizer, method: MethodSettings, seed: int) -> list[dict]:
+    """The texts of ``collab.calibration`` (a file; the same sample ``calibrate`` draws), tokenized in batches of 16
+    for ``collab.fit_steps``: the fitting tokens of ``collab_attn.fit_to_original``."""
+    settings = method.calibration
+    if settings is None or settings.from_task:
+        raise ValueError("collab.fit_steps fits on the texts of collab.calibration: set it to a text file or a GLUE "
+                         "train.tsv/dev.tsv")
+    texts = load_texts(settings.source, seed=seed, limit=settings.samples)
+    return list(text_batches(tokenizer, texts, max_length=settings.max_length))

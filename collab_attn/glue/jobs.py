@@ -131,6 +131,7 @@ class GlueJob:
         with cli.naming("task.name", settings["task"]["name"]):
             task = glue.get_task(settings["task"]["name"])
         method = MethodSettings.from_config(settings["collab"])
+        method.refuse_fit("the GLUE pipeline")
         weights = settings.get("weights", "pretrained")
         if weights not in WEIGHTS:
             raise ValueError(f"weights={weights!r}: choose 'pretrained' (the checkpoint) or 'random' (its "

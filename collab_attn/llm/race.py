@@ -48,6 +48,7 @@ class Entry:
     distill_tokens: int = 0  # fitting tokens of the distillation after the conversion (0: none)
     calibration_tokens: int = 0  # fitting tokens whose attention inputs fit the conversion (0: fitted to the weights)
     calibration_sample: int = 0  # which block of that many fitting tokens (0: the first)
+    fit_steps: int = 0  # steps per layer of ``fit_to_original`` on the calibration tokens after the conversion
 
     @property
     def name(self) -> str:
@@ -58,17 +59,21 @@ class Entry:
         extra = "".join(f"-{key}{value}" for key, value in sorted(self.options.items()))
         sample = f"s{self.calibration_sample}" if self.calibration_sample else ""
         calibrated = f"-calibrated{self.calibration_tokens}{sample}" if self.calibration_tokens else ""
+        fitted = f"-fitted{self.fit_steps}" if self.fit_steps else ""
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
-        return f"{self.method}{sizes}{extra}{calibrated}{distilled}"
+        return f"{self.method}{sizes}{extra}{calibrated}{fitted}{distilled}"
 
 
 def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
-               distill_tokens: int = 0, calibration_tokens: int = 0, spread: bool = False) -> list[Entry]:
+               distill_tokens: int = 0, calibration_tokens: int = 0, spread: bool = False,
+               fit_steps: int = 0) -> list[Entry]:
     """The entry of ``method`` at ``fraction`` of the cache of ``kv_heads`` key/value heads of ``head_dim``
     (default: SmolLM2's), or none when the method cannot get that small. ``spread``: ``cp``, ``tucker`` and
-    ``key-svd`` get their key width as a budget (``"mean:R"``: the same total, spread over bands and layers)."""
+    ``key-svd`` get their key width as a budget (``"mean:R"``: the same total, spread over bands and layers).
+    ``fit_steps``: then fitted to the original's attention outputs on the calibration tokens."""
     budget = int(fraction * 2 * kv_heads * head_dim)
-    common = {"budget": fraction, "distill_tokens": distill_tokens, "calibration_tokens": calibration_tokens}
+    common = {"budget": fraction, "distill_tokens": distill_tokens, "calibration_tokens": calibration_tokens,
+              "fit_steps": fit_steps}
     if method in ("cp", "tucker", "key-svd"):
         half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
         return [Entry(method, f"mean:{half}" if spread else half, half, **common)] if half > 0 else []
@@ -103,11 +108,13 @@ def answers(model, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int 
 
 
 def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
-              original_cache: float, batch: int = 4, fit_rows=None, calibration=None) -> dict:
+              original_cache: float, batch: int = 4, fit_rows=None, calibration=None, calibration_rows=None) -> dict:
     """Convert a copy of ``original`` as ``entry`` says (activation-aware with ``calibration()``, a callable giving
-    the original's ``Calibration``, when the entry asks for it), distil it on ``fit_rows()`` (a callable giving the
-    fitting windows) when the entry asks for it, measure it, write ``runs/<name>.json``; a finished run is read back
-    instead."""
+    the original's ``Calibration``, when the entry asks for it), fit its converted layers to the original's
+    attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
+    callable giving the calibration windows, ``batch`` per step) when it asks for that, distil it on ``fit_rows()``
+    (a callable giving the fitting windows) when it asks for it, measure it, write ``runs/<name>.json``; a finished
+    run is read back instead."""
     import collab_attn
 
     path = out_dir / "runs" / f"{entry.name}.json"
@@ -115,7 +122,10 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         print(f"{entry.name}: done before ({path})", flush=True)
         return json.loads(path.read_text())
     start = time.perf_counter()
-    model, report = original, None
+    if entry.fit_steps and not (entry.calibration_tokens and calibration_rows is not None):
+        raise ValueError(f"{entry.name} is fitted on its calibration tokens: give it calibration_tokens and pass "
+                         "run_entry(..., calibration_rows=...)")
+    model, report, fit = original, None, None
     if entry.method != "none":
         model = copy.deepcopy(original)
         sizes = {} if entry.value_rank is None else {"value_rank": entry.value_rank}
@@ -125,6 +135,12 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
             sizes["calibration"] = calibration()
         report = collab_attn.reparametrize(model, entry.rank, method=entry.method, **sizes, **entry.options)
     convert_seconds = time.perf_counter() - start
+    if entry.fit_steps:
+        windows = calibration_rows()
+        fit = collab_attn.fit_to_original(model, original, [{"input_ids": windows[i:i + batch]}
+                                                             for i in range(0, len(windows), batch)],
+                                          steps=entry.fit_steps)
+        print(fit.table(), flush=True)
     training = None
     if entry.distill_tokens:
         from collab_attn.llm.distill import distill
@@ -140,7 +156,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     result = {"name": entry.name, "entry": asdict(entry), "cache_numbers": cache,
               "cache_fraction": cache / original_cache, "convert_seconds": convert_seconds,
               "mean_layer_error": None if report is None else report.mean_relative_error, "training": training,
-              "domains": {}}
+              "fit": None if fit is None else fit.to_dict(), "domains": {}}
     total = sum(len(r) for r in rows.values())
     with tqdm(total=total, desc=entry.name, unit="window") as progress:
         for domain, windows in rows.items():

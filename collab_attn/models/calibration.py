@@ -25,7 +25,7 @@ Typical use::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,6 +183,23 @@ def collect_calibration(
     )
 
 
+def text_batches(tokenizer, texts: Sequence[str | tuple[str, str]], batch_size: int = 16,
+                 max_length: int = DEFAULT_MAX_LENGTH) -> Iterator[dict]:
+    """``texts`` (strings, or (first, second) sentence pairs) tokenized ``batch_size`` at a time, with truncation to
+    ``max_length`` and padded per batch: what ``collect_calibration`` (and ``fit_to_original``) take."""
+    texts = list(texts)
+    for start in range(0, len(texts), batch_size):
+        chunk = texts[start : start + batch_size]
+        if all(isinstance(t, str) for t in chunk):
+            yield tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            continue
+        firsts, seconds = zip(*[(t, None) if isinstance(t, str) else tuple(t) for t in chunk])
+        if any(s is None for s in seconds):
+            raise ValueError("mix of single texts and sentence pairs in one calibration set")
+        yield tokenizer(list(firsts), list(seconds), padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+
+
 def calibration_from_texts(
     model: nn.Module,
     tokenizer,
@@ -195,27 +212,12 @@ def calibration_from_texts(
     dtype: torch.dtype | None = None,
 ) -> Calibration:
     """``collect_calibration`` on ``texts`` (strings, or (first, second) sentence pairs), tokenized with
-    truncation to ``max_length`` and padded per batch (``dtype``: see ``collect_calibration``)."""
+    truncation to ``max_length`` and padded per batch (``text_batches``; ``dtype``: see ``collect_calibration``)."""
     texts = list(texts)
     if not texts:
         raise ValueError("no calibration texts")
-
-    def batches():
-        for start in range(0, len(texts), batch_size):
-            chunk = texts[start : start + batch_size]
-            if all(isinstance(t, str) for t in chunk):
-                encoded = tokenizer(chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-            else:
-                firsts, seconds = zip(*[(t, None) if isinstance(t, str) else tuple(t) for t in chunk])
-                if any(s is None for s in seconds):
-                    raise ValueError("mix of single texts and sentence pairs in one calibration set")
-                encoded = tokenizer(
-                    list(firsts), list(seconds), padding=True, truncation=True, max_length=max_length,
-                    return_tensors="pt",
-                )
-            yield encoded
-
-    calibration = collect_calibration(model, batches(), keys=keys, eps=eps, dtype=dtype)
+    batches = text_batches(tokenizer, texts, batch_size, max_length)
+    calibration = collect_calibration(model, batches, keys=keys, eps=eps, dtype=dtype)
     calibration.metadata.update(texts=len(texts), max_length=max_length)
     return calibration
 

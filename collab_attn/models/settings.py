@@ -114,6 +114,7 @@ def group_keys(method: ConversionMethod) -> dict:
     if method.calibrated:
         fields = {**_defaults(CalibrationSettings), "source": None}
         keys.update({key: fields[field] for key, field in CALIBRATION_KEYS.items()})
+        keys["fit_steps"] = None  # fit_to_original on the calibration texts after the conversion (null or 0: off)
     if method.needs_importance:
         fields = _defaults(ImportanceSettings)
         keys.update({key: fields[field] for key, field in IMPORTANCE_KEYS.items()})
@@ -135,6 +136,9 @@ class MethodSettings:
     value_rank: int | list[int] | None = None  # shared values: D_v, one int or one per layer (None: per-head values)
     calibration: CalibrationSettings | None = None  # None: fit the raw weights
     importance: ImportanceSettings | None = None
+    # after the conversion, each converted layer trained this many steps to give the original's attention output on
+    # the calibration texts (collab_attn.fit_to_original); None: no fit (0 in a config means the same)
+    fit_steps: int | None = None
 
     @classmethod
     def from_config(cls, collab: Mapping) -> MethodSettings:
@@ -176,8 +180,12 @@ class MethodSettings:
         importance = None
         if method.needs_importance:
             importance = ImportanceSettings(**{f: given[k] for k, f in IMPORTANCE_KEYS.items() if k in given})
+        fit_steps = given.get("fit_steps")
+        if fit_steps is not None and not (type(fit_steps) is int and fit_steps >= 0):
+            raise ValueError(f"collab.fit_steps must be a number of steps per layer (0 or null: no fit), got "
+                             f"{fit_steps!r}")
         return cls(name, collab.get("rank"), collab.get("budget"), options, collab.get("value_rank"), calibration,
-                   importance)
+                   importance, fit_steps or None)
 
     def __post_init__(self):
         if self.method == NO_CONVERSION:
@@ -199,6 +207,13 @@ class MethodSettings:
                 raise ValueError(f"collab.rank must be an integer or a list of integers (one per layer), got {rank!r}")
             if isinstance(rank, tuple):
                 object.__setattr__(self, "rank", list(rank))
+        if self.fit_steps is not None:
+            if not (type(self.fit_steps) is int and self.fit_steps > 0):
+                raise ValueError(f"collab.fit_steps must be a positive number of steps per layer or null, got "
+                                 f"{self.fit_steps!r}")
+            if self.calibration is None:
+                raise ValueError(f"collab.fit_steps={self.fit_steps} fits the converted layers on the calibration "
+                                 "texts: set collab.calibration too (a text file or a GLUE train.tsv/dev.tsv)")
         value = self.value_rank
         if value is not None:
             is_int = type(value) is int and value > 0
@@ -222,6 +237,8 @@ class MethodSettings:
         for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
             if settings is not None:
                 group.update({key: getattr(settings, field) for key, field in keys.items()})
+        if self.fit_steps is not None:
+            group["fit_steps"] = self.fit_steps
         return group
 
     # ----------------------------------------------------------------------------------------------------------
@@ -273,6 +290,14 @@ class MethodSettings:
             raise ValueError("collab.method=none keeps the concatenated heads: there is nothing to reparametrize")
         shared = {} if self.value_rank is None else {"value_rank": self.value_rank}
         return {"rank": self.rank_request, "method": self.method, **shared, **dataclasses.asdict(self.options)}
+
+    def refuse_fit(self, entry_point: str) -> None:
+        """For an entry point that does not run ``fit_to_original``: refuse ``collab.fit_steps`` rather than ignore
+        it."""
+        if self.fit_steps:
+            raise ValueError(f"collab.fit_steps={self.fit_steps}: {entry_point} does not fit the converted layers to "
+                             "the original; convert with scripts/reparametrize.py (which does), or set "
+                             "collab.fit_steps=null")
 
     def check_calibration_source(self, task_allowed: bool) -> None:
         """The calibration texts exist: a file, or ``task`` where the caller has a task (the GLUE pipeline)."""

@@ -1,0 +1,475 @@
+"""Fitting converted attention layers to what the original computes (DESIGN.md, "Fitting converted layers to what the
+original computes").
+
+``fit_to_original(converted, original, batches, steps)``: for each converted attention layer in order, the inputs the
+*converted* model gives it (its hidden states and every other argument the model passes: masks, rotary positions;
+no cache) are captured, the original model's attention module at the same place computes its output on those same
+hidden states, and only that converted layer's parameters are trained (Adam, one of the given batches per step,
+cosine decay) to minimise ``||conv(X) - orig(X)||^2 / ||orig(X)||^2`` over the non-padding tokens. The output is
+compared after the output projection: where the model keeps that projection beside the attention module (BERT,
+RoBERTa), the converted model's projection is part of the layer fitted. Each layer keeps the better of its weights
+before and after the fit, measured on all the fitting tokens, so an exact conversion stays exact. Nothing else moves:
+not the cache layout or sizes, not the buffers, not the other layers.
+
+One routine for every method and family: the converted layers are found as the conversion left them (at the names of
+the original's attention modules, ``find_attention``), and the model is run block by block (the element of a
+``ModuleList`` that holds each attention layer: a decoder or encoder layer), each block on the output of the one
+before, so that every layer's inputs include what the fitted layers before it changed. That the blocks chain this way
+is checked on the first batch before anything is fitted. A layer called several times per pass (ALBERT's shared
+layer) is fitted once, on the inputs of all its calls.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from collab_attn.models.calibration import MODEL_INPUTS
+from collab_attn.models.families import family_of, find_attention, is_collaborative
+from collab_attn.models.hf import forward_inputs
+from collab_attn.models.layers import ConvertedSelfAttention
+
+DEFAULT_LEARNING_RATE = 1e-2
+# config fields that say nothing about what a model computes, or that a conversion sets
+_IGNORED_CONFIG = ("model_type", "architectures", "transformers_version", "_name_or_path", "name_or_path", "dtype",
+                   "torch_dtype", "output_attentions", "output_hidden_states", "return_dict", "use_cache",
+                   "_commit_hash", "_attn_implementation_autoset", "_attn_implementation_internal")
+
+
+@dataclass
+class LayerFit:
+    """One layer's fit: the relative output error on the fitting tokens before it and after it (of the weights the
+    layer keeps: ``error_after <= error_before``), the error the trained weights reached (``fitted_error``; kept only
+    when lower: ``kept_fit``), and the seconds it took (inputs, targets and steps)."""
+
+    name: str
+    error_before: float
+    error_after: float
+    fitted_error: float
+    kept_fit: bool
+    calls: int  # captured calls of the layer (batches x calls per pass)
+    seconds: float
+
+
+@dataclass
+class FitReport:
+    steps: int
+    learning_rate: float
+    tokens: int  # non-padding fitting tokens per pass
+    layers: list[LayerFit] = field(default_factory=list)
+    capture_seconds: float = 0.0  # the first passes of both models (before the layers' own seconds)
+    cpu_seconds: float = 0.0  # processor time of the whole fit (this process, all its threads)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the whole fit: the first passes and every layer."""
+        return self.capture_seconds + sum(layer.seconds for layer in self.layers)
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "learning_rate": self.learning_rate, "tokens": self.tokens,
+                "seconds": self.seconds, "capture_seconds": self.capture_seconds, "cpu_seconds": self.cpu_seconds,
+                "layers": [asdict(layer) for layer in self.layers]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        """A per-layer Markdown table with a mean row."""
+        rows = ["| layer | error before | after | fit reached | kept fit | seconds |",
+                "|---|---:|---:|---:|:---:|---:|"]
+        for layer in self.layers:
+            rows.append(f"| {layer.name} | {layer.error_before:.4f} | {layer.error_after:.4f} | "
+                        f"{layer.fitted_error:.4f} | {'yes' if layer.kept_fit else 'no'} | {layer.seconds:.2f} |")
+        count = len(self.layers)
+        rows.append(f"| mean ({self.steps} steps, {self.tokens:,} tokens) | "
+                    f"{sum(x.error_before for x in self.layers) / count:.4f} | "
+                    f"{sum(x.error_after for x in self.layers) / count:.4f} | "
+                    f"{sum(x.fitted_error for x in self.layers) / count:.4f} | "
+                    f"{sum(x.kept_fit for x in self.layers)}/{count} | {self.seconds:.2f} |")
+        return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks
+
+
+def _check_source(converted: nn.Module, original: nn.Module) -> list[str]:
+    """The names of the converted layers, once ``original`` is shown to be the model ``converted`` was made from."""
+    for name, model in (("converted", converted), ("original", original)):
+        if not hasattr(model, "config"):
+            raise ValueError(f"{name} must be a transformers model, got {type(model).__name__}")
+    if is_collaborative(original.config):
+        raise ValueError("original must be the model before the conversion (its concatenated heads); pass the "
+                         "unconverted model, e.g. a copy made before reparametrize")
+    layers = [n for n, m in converted.named_modules() if isinstance(m, ConvertedSelfAttention)]
+    if not is_collaborative(converted.config) or not layers:
+        raise ValueError("converted has no converted attention layers: pass a model converted by "
+                         "collab_attn.reparametrize (and its original as original)")
+    family = family_of(original.config)
+    if family is not family_of(converted.config):
+        raise ValueError(f"original is a {original.config.model_type} model but converted was made from a "
+                         f"{converted.config.model_type.removeprefix('collab_attn_')} model: pass its own original")
+    names = [name for name, _ in find_attention(original)[1]]
+    if names != layers:
+        raise ValueError(f"converted has {len(layers)} converted layers ({layers[:1]}...) but original has "
+                         f"{len(names)} attention layers ({names[:1]}...): pass the model converted was made from")
+    ours, theirs = (_structural(model.config) for model in (converted, original))
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if differ:
+        raise ValueError(f"converted's config differs from original's in {differ[:5]}: pass the model converted was "
+                         "made from as original")
+    return layers
+
+
+def _structural(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG and not k.startswith("collab_")}
+
+
+def _check_arguments(steps, learning_rate) -> None:
+    if type(steps) is not int or steps < 1:
+        raise ValueError(f"steps must be a positive number of optimizer steps per layer, got {steps!r}")
+    if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
+        raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
+
+
+def _batches(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], device) -> list[dict]:
+    if batches is None:
+        raise ValueError("batches is None: pass tokenized batches (dicts with input_ids, attention_mask, ...), as "
+                         "collect_calibration takes")
+    kept = []
+    for batch in batches:
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise ValueError("each batch must be a dict with input_ids (and attention_mask, ...), as "
+                             f"collect_calibration takes; got {type(batch).__name__}")
+        taken = forward_inputs(model, batch)  # what the model's forward names (no token_type_ids beside a Llama)
+        inputs = {k: v.to(device) for k, v in taken.items() if k in MODEL_INPUTS and v is not None}
+        if inputs["input_ids"].numel():
+            kept.append(inputs)
+    if not kept:
+        raise ValueError("no fitting tokens: pass at least one non-empty batch (dicts with input_ids, "
+                         "attention_mask, ...)")
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Capture: the blocks of one forward pass, and the original's attention arguments
+
+
+class _Stop(Exception):
+    """Ends a forward pass once what it was run for is captured."""
+
+
+def _block_of(model: nn.Module, name: str) -> str:
+    """The deepest ancestor of module ``name`` that is an element of a ``ModuleList``: the model's layer (block)."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        if isinstance(model.get_submodule(".".join(parts[:end - 1])), nn.ModuleList):
+            return ".".join(parts[:end])
+    raise NotImplementedError(f"{name} is in no ModuleList of {type(model).__name__}: fit_to_original runs a model "
+                              "layer by layer and cannot find its layers")
+
+
+@dataclass
+class _Call:
+    """One call of a module: where its hidden states were (an argument position or ``hidden_states``) and every
+    other argument."""
+
+    args: tuple
+    kwargs: dict
+    positional: bool
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> tuple[_Call, torch.Tensor]:
+        if args:
+            return cls(args[1:], kwargs, True), args[0]
+        kwargs = dict(kwargs)
+        return cls((), kwargs, False), kwargs.pop("hidden_states")
+
+    def __call__(self, module: nn.Module, hidden: torch.Tensor):
+        if self.positional:
+            return module(hidden, *self.args, **self.kwargs)
+        return module(**self.kwargs, hidden_states=hidden)
+
+
+def _hidden_of(output, like: torch.Tensor) -> torch.Tensor:
+    """A block's output hidden states: the output, or its first tensor shaped like its input."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for item in output:
+        if isinstance(item, torch.Tensor) and item.shape == like.shape:
+            return item
+    raise NotImplementedError("a block returned no hidden states shaped like its input")
+
+
+def _forward_kwargs(model: nn.Module) -> dict:
+    import inspect
+
+    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+
+
+@torch.no_grad()
+def _capture_blocks(model: nn.Module, blocks: dict[str, nn.Module], batches: list[dict]):
+    """Per batch: every block call of one pass of ``model`` (module name, ``_Call``), and the hidden states entering
+    the first; for the first batch the hidden states entering every call (to check the chain)."""
+    calls: list[list[tuple[str, _Call]]] = []
+    first: list[torch.Tensor] = []
+    seen: list[torch.Tensor] = []
+    expected: list[int] = []
+
+    def hook(name):
+        def pre(module, args, kwargs):
+            call, hidden = _Call.of(args, kwargs)
+            calls[-1].append((name, call))
+            if len(calls[-1]) == 1:
+                first.append(hidden.detach())
+            if len(calls) == 1:
+                seen.append(hidden.detach())
+            if expected and len(calls[-1]) == expected[0]:
+                raise _Stop
+
+        return pre
+
+    handles = [module.register_forward_pre_hook(hook(name), with_kwargs=True) for name, module in blocks.items()]
+    try:
+        for batch in batches:
+            calls.append([])
+            try:
+                model(**batch, **_forward_kwargs(model))
+            except _Stop:
+                pass
+            if not expected:
+                expected.append(len(calls[0]))
+            elif len(calls[-1]) != expected[0]:
+                raise NotImplementedError("the model calls its layers in another order for another batch")
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls, first, seen
+
+
+@torch.no_grad()
+def _capture_attention(model: nn.Module, names: list[str], batches: list[dict]) -> dict[str, list[list[_Call]]]:
+    """Per attention module of ``model``, per batch, its calls' arguments besides the hidden states."""
+    calls = {name: [] for name in names}
+    count = [0]
+
+    def hook(name):
+        def pre(module, args, kwargs):
+            calls[name][-1].append(_Call.of(args, kwargs)[0])
+            count[0] += 1
+            if count[0] == total[0]:
+                raise _Stop
+
+        return pre
+
+    total = [-1]
+    handles = [model.get_submodule(name).register_forward_pre_hook(hook(name), with_kwargs=True) for name in names]
+    try:
+        for index, batch in enumerate(batches):
+            for name in names:
+                calls[name].append([])
+            count[0] = 0
+            try:
+                model(**batch, **_forward_kwargs(model))
+            except _Stop:
+                pass
+            if index == 0:
+                total[0] = count[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fit
+
+
+class _Output(nn.Module):
+    """An attention layer's output after its output projection: the module's, then the one beside it (BERT)."""
+
+    def __init__(self, attention: nn.Module, outer: nn.Module | None):
+        super().__init__()
+        self.attention, self.outer = attention, outer
+
+    def forward(self, call: _Call, hidden: torch.Tensor) -> torch.Tensor:
+        output = call(self.attention, hidden)
+        output = output[0] if isinstance(output, (tuple, list)) else output
+        return output if self.outer is None else self.outer(output)
+
+
+def _squared(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (diff.double().pow(2).sum(-1) * mask).sum()
+
+
+@torch.no_grad()
+def _error(layer: _Output, items: list) -> float:
+    num = den = 0.0
+    for call, hidden, target, mask in items:
+        num += float(_squared(layer(call, hidden) - target, mask))
+        den += float(_squared(target, mask))
+    return num / max(den, 1e-300)
+
+
+def _train(layer: _Output, params: list[nn.Parameter], items: list, steps: int, learning_rate: float,
+           generator: torch.Generator, progress) -> None:
+    optimizer = torch.optim.Adam(params, lr=learning_rate)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+    order: list[int] = []
+    for _ in progress:
+        if not order:
+            order = torch.randperm(len(items), generator=generator).tolist()
+        call, hidden, target, mask = items[order.pop()]
+        output = layer(call, hidden)
+        loss = _squared(output - target, mask).float() / _squared(target, mask).float().clamp_min(1e-30)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        progress.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+
+
+def fit_to_original(
+    converted: nn.Module,
+    original: nn.Module,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    steps: int = 100,
+    *,
+    learning_rate: float = DEFAULT_LEARNING_RATE,
+    seed: int = 0,
+    progress: bool = True,
+) -> FitReport:
+    """Train each converted attention layer of ``converted`` (in place, in order) to give the output of
+    ``original``'s attention layer at the same place on the inputs the converted model gives it; see the module doc.
+
+    ``batches``: tokenized batches as ``collect_calibration`` takes them (dicts with ``input_ids``,
+    ``attention_mask``, ...; other keys are ignored), the fitting tokens; each optimizer step uses one of them (in a
+    seeded random order), so their size is the minibatch. ``steps``: Adam steps per layer, ``learning_rate`` its
+    initial rate (cosine decay to 0). Both models are run in eval mode (no dropout) and left in the mode they were
+    in. Returns a ``FitReport``: per layer the relative output error before and after (the weights kept)."""
+    _check_arguments(steps, learning_rate)
+    names = _check_source(converted, original)
+    device = next(converted.parameters()).device
+    batches = _batches(original, batches, device)
+    family = family_of(original.config)
+    modes = [(m, m.training) for m in (converted, original)]
+    converted.eval()
+    original.eval()
+    cpu = time.process_time()
+    try:
+        report = _fit(converted, original, family, names, batches, steps, learning_rate, seed, progress)
+        report.cpu_seconds = time.process_time() - cpu
+        return report
+    finally:
+        for model, mode in modes:
+            model.train(mode)
+
+
+def _fit(converted, original, family, names, batches, steps, learning_rate, seed, progress) -> FitReport:
+    start = time.perf_counter()
+    block_names = list(dict.fromkeys(_block_of(converted, name) for name in names))
+    blocks = {name: converted.get_submodule(name) for name in block_names}
+    layer_of_block = {_block_of(converted, name): name for name in names}
+    calls, state, seen = _capture_blocks(converted, blocks, batches)
+    targets = _capture_attention(original, names, batches)
+    _check_chain(blocks, calls[0], seen)
+    masks = [batch.get("attention_mask", torch.ones_like(batch["input_ids"])).to(state[0].dtype) for batch in batches]
+    report = FitReport(steps, float(learning_rate), int(sum(mask.sum() for mask in masks)),
+                       capture_seconds=time.perf_counter() - start)
+    generator = torch.Generator().manual_seed(seed)
+    sequence = [name for name, _ in calls[0]]
+    position = 0
+    for name in names:
+        start = time.perf_counter()
+        indices = [k for k, block in enumerate(sequence) if layer_of_block[block] == name]
+        state = _advance(blocks, calls, sequence, state, position, indices[0])
+        position = indices[0]
+        items = _inputs(converted, blocks, calls, sequence, state, position, indices, name)
+        outer = None if family.output is not None else family.output_projection_name(name)
+        layer = _Output(converted.get_submodule(name), None if outer is None else converted.get_submodule(outer))
+        reference = _Output(original.get_submodule(name), None if outer is None else original.get_submodule(outer))
+        fitted = []
+        with torch.no_grad():
+            for call, hidden, batch, rank in items:
+                target = reference(targets[name][batch][rank], hidden)
+                fitted.append((call, hidden, target.detach(), masks[batch]))
+        params = [p for p in layer.parameters() if p.requires_grad]
+        saved = [p.detach().clone() for p in params]
+        before = _error(layer, fitted)
+        bar = tqdm(range(steps), desc=f"fit {name}", disable=not progress, leave=False)
+        _train(layer, params, fitted, steps, learning_rate, generator, bar)
+        after = _error(layer, fitted)
+        kept = after < before
+        if not kept:
+            with torch.no_grad():
+                for param, value in zip(params, saved):
+                    param.copy_(value)
+        report.layers.append(LayerFit(name, before, after if kept else before, after, kept, len(fitted),
+                                      time.perf_counter() - start))
+        state = _advance(blocks, calls, sequence, state, position, indices[-1] + 1)
+        position = indices[-1] + 1
+    return report
+
+
+@torch.no_grad()
+def _advance(blocks, calls, sequence, state, start: int, stop: int) -> list[torch.Tensor]:
+    """The hidden states entering block call ``stop`` for every batch, from those entering call ``start``."""
+    for k in range(start, stop):
+        if k >= len(sequence):
+            break
+        state = [_hidden_of(calls[b][k][1](blocks[sequence[k]], hidden), hidden) for b, hidden in enumerate(state)]
+    return state
+
+
+@torch.no_grad()
+def _inputs(converted, blocks, calls, sequence, state, start: int, indices: list[int], name: str) -> list:
+    """The converted layer ``name``'s inputs at its calls ``indices`` (block calls from ``start``, the block run up to
+    the layer at the last one): (``_Call`` without the hidden states, hidden states, batch index, the call's number
+    among the layer's calls in one pass) per batch and call."""
+    captured = []
+    last = [False]
+
+    def pre(module, args, kwargs):
+        call, hidden = _Call.of(args, kwargs)
+        captured.append((call, hidden.detach(), *current))
+        if last[0]:
+            raise _Stop
+
+    current = [0, 0]
+    handle = converted.get_submodule(name).register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        for k in range(start, indices[-1] + 1):
+            last[0] = k == indices[-1]
+            following = []
+            for b, hidden in enumerate(state):
+                current[:] = [b, indices.index(k) if k in indices else -1]
+                try:
+                    following.append(_hidden_of(calls[b][k][1](blocks[sequence[k]], hidden), hidden))
+                except _Stop:
+                    pass
+            state = following
+    finally:
+        handle.remove()
+    return captured
+
+
+@torch.no_grad()
+def _check_chain(blocks, calls: list, seen: list[torch.Tensor]) -> None:
+    """Each block call's output is the next call's input (on the first batch): the model does nothing between its
+    layers, so running it block by block is running it."""
+    for k in range(len(calls) - 1):
+        name, call = calls[k]
+        output = _hidden_of(call(blocks[name], seen[k]), seen[k])
+        scale = seen[k + 1].abs().max().clamp_min(1e-12)
+        if output.shape != seen[k + 1].shape or (output - seen[k + 1]).abs().max() > 1e-4 * scale:
+            raise NotImplementedError(
+                f"{type(next(iter(blocks.values()))).__name__} call {k + 1} does not take what call {k} returns: this "
+                "model does more between its layers than fit_to_original can run layer by layer"
+            )

@@ -1,0 +1,196 @@
+"""``collab_attn.fit_to_original``: each converted attention layer trained to give the original's attention output on
+the inputs the converted model gives it (collab_attn/models/fitting.py). On tiny random GPT-2 and grouped-head Llama
+models converted at half the cache by every method: the held-out KL from the original falls, the cache and the
+parameter shapes stay, an exact conversion stays exact, the report has one record per layer; the other families run
+through the same routine; bad arguments are refused."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from conftest import random_batch, small_model
+
+import collab_attn
+from collab_attn.llm.race import cache_numbers_per_token
+from collab_attn.models.layers import ConvertedSelfAttention
+from collab_attn.models.settings import MethodSettings
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STEPS = 30
+
+
+def gpt2(layers=2) -> transformers.GPT2LMHeadModel:
+    torch.manual_seed(0)  # initializer_range 0.2: attention far from uniform, so keys matter
+    config = transformers.GPT2Config(n_embd=48, n_head=4, n_layer=layers, vocab_size=100, n_positions=64,
+                                     initializer_range=0.2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def llama() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)  # 4 heads of 12 reading 2 key/value groups: 48 numbers cached per token and layer
+    config = transformers.LlamaConfig(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                                      num_hidden_layers=2, intermediate_size=64, vocab_size=100,
+                                      max_position_embeddings=128, initializer_range=0.2, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def ids(seed: int, shape=(8, 24)) -> torch.Tensor:
+    return torch.randint(3, 100, shape, generator=torch.Generator().manual_seed(seed))
+
+
+FIT = [{"input_ids": ids(seed)} for seed in range(4)]
+HELD_OUT = ids(99)  # tokens no fit reads
+
+
+def kl(original, converted, tokens=HELD_OUT) -> float:
+    with torch.no_grad():
+        p, q = (m(tokens).logits.log_softmax(-1) for m in (original, converted))
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def converted(make, method, rank, **options):
+    original = make()
+    model = copy.deepcopy(original)
+    collab_attn.reparametrize(model, rank, method=method, progress=False, **options)
+    return original, model
+
+
+# half of each model's cache (GPT-2: 96 numbers per token and layer; the Llama: 48); key-svd keeps GPT-2's values,
+# so it never gets below half there (60)
+HALF = [
+    (gpt2, "cp", 20, {"value_rank": 20}), (gpt2, "tucker", 20, {"value_rank": 20}), (gpt2, "key-svd", 12, {}),
+    (gpt2, "kv-svd", 24, {}), (gpt2, "merge-kv", 24, {}), (gpt2, "drop-kv", 24, {}),
+    (llama, "cp", 12, {"value_rank": 12}), (llama, "tucker", 12, {"value_rank": 12}),
+    (llama, "key-svd", 12, {"value_rank": 12}), (llama, "kv-svd", 20, {"rope_pairs": 1}),
+    (llama, "merge-kv", 12, {}), (llama, "drop-kv", 12, {}),
+]
+
+
+@pytest.mark.parametrize("make, method, rank, options", HALF,
+                         ids=[f"{make.__name__}-{method}" for make, method, _, _ in HALF])
+def test_the_fit_lowers_the_held_out_kl_and_keeps_the_cache_and_the_shapes(make, method, rank, options):
+    original, model = converted(make, method, rank, **options)
+    cache = cache_numbers_per_token(model)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    attention = {"attn", "self_attn"}
+    others = {name: p.clone() for name, p in model.named_parameters() if not attention & set(name.split("."))}
+    before = kl(original, model)
+    report = collab_attn.fit_to_original(model, original, FIT, steps=STEPS, progress=False)
+    after = kl(original, model)
+    assert after < 0.99 * before, (before, after)
+    assert cache_numbers_per_token(model) == cache and cache <= (60 if method == "key-svd" else 48) * (
+        2 if make is gpt2 else 1)
+    assert {name: p.shape for name, p in model.named_parameters()} == shapes
+    for name, buffer in model.named_buffers():
+        torch.testing.assert_close(buffer, buffers[name], rtol=0, atol=0)
+    for name, p in model.named_parameters():  # only the attention layers move
+        if name in others:
+            torch.testing.assert_close(p, others[name], rtol=0, atol=0)
+    assert [layer.name for layer in report.layers] == [n for n, m in model.named_modules()
+                                                       if isinstance(m, ConvertedSelfAttention)]
+    assert all(layer.error_after <= layer.error_before for layer in report.layers)
+    assert all(layer.kept_fit and layer.error_after < 0.9 * layer.error_before for layer in report.layers)
+    assert report.tokens == 4 * 8 * 24 and "| mean (" in report.table()
+
+
+@pytest.mark.parametrize("make, method, rank, options", [(gpt2, "kv-svd", 48, {}), (gpt2, "cp", 48, {}),
+                                                         (llama, "key-svd", 24, {}), (llama, "cp", 48, {})],
+                         ids=["gpt2-kv-svd", "gpt2-cp", "llama-key-svd", "llama-cp"])
+def test_an_exact_conversion_stays_exact(make, method, rank, options):
+    """kv-svd at d_in on GPT-2 and key-svd at kv_heads x head_dim on the Llama are exact at half the cache; cp at
+    full rank is exact. Adam would move every weight by about its learning rate: the better of before and after is
+    kept."""
+    original, model = converted(make, method, rank, **options)
+    with torch.no_grad():
+        expected = model(HELD_OUT).logits
+    report = collab_attn.fit_to_original(model, original, FIT, steps=5, learning_rate=1e-2, progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(HELD_OUT).logits, expected, rtol=0, atol=1e-6)
+    assert all(not layer.kept_fit and layer.error_after == layer.error_before < 1e-9 for layer in report.layers)
+    assert all(layer.fitted_error > layer.error_before for layer in report.layers)
+
+
+@pytest.mark.parametrize("family", ["bert", "albert", "distilbert"])
+def test_encoders_with_padding_and_a_shared_layer_go_through_the_same_routine(family):
+    """BERT keeps its output projection beside the attention module (fitted with it), ALBERT calls one layer three
+    times per pass (fitted once, on every call's inputs), padding tokens are left out of the error."""
+    original = small_model(family, initializer_range=0.2)
+    model = copy.deepcopy(original)
+    collab_attn.reparametrize(model, 12, method="cp", value_rank=12, progress=False)
+    lengths = [(11, 7, 3), (9, 9, 5), (4, 10, 8)]
+    batches = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+               for b in (random_batch(lengths=ls, seed=s) for s, ls in enumerate(lengths))]
+    report = collab_attn.fit_to_original(model, original, batches, steps=STEPS, learning_rate=1e-2, progress=False)
+    layers = 1 if family == "albert" else 2
+    assert len(report.layers) == layers and report.tokens == sum(sum(ls) for ls in lengths)
+    assert report.layers[0].calls == 3 * (3 if family == "albert" else 1)
+    assert all(layer.kept_fit and layer.error_after < 0.9 * layer.error_before for layer in report.layers)
+
+
+def test_opt_is_fitted_too():
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(hidden_size=48, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64,
+                                    vocab_size=100, max_position_embeddings=64, word_embed_proj_dim=48,
+                                    init_std=0.2)
+    original = transformers.OPTForCausalLM(config).eval()
+    model = copy.deepcopy(original)
+    collab_attn.reparametrize(model, 24, method="kv-svd", progress=False)
+    before = kl(original, model)
+    report = collab_attn.fit_to_original(model, original, FIT, steps=STEPS, progress=False)
+    assert kl(original, model) < before and all(layer.kept_fit for layer in report.layers)
+
+
+def test_bad_arguments_say_what_to_pass():
+    original, model = converted(gpt2, "kv-svd", 24)
+    kept = {key: value.clone() for key, value in model.state_dict().items()}
+    fit = collab_attn.fit_to_original
+    for steps in (0, -3, 2.5, None):
+        with pytest.raises(ValueError, match="steps must be a positive number"):
+            fit(model, original, FIT, steps=steps)
+    with pytest.raises(ValueError, match="learning_rate must be a positive number"):
+        fit(model, original, FIT, steps=3, learning_rate=0.0)
+    for batches in ([], [{"input_ids": torch.zeros(0, 5, dtype=torch.long)}]):
+        with pytest.raises(ValueError, match="no fitting tokens: pass at least one non-empty batch"):
+            fit(model, original, batches, steps=3)
+    with pytest.raises(ValueError, match="batches is None"):
+        fit(model, original, None, steps=3)
+    with pytest.raises(ValueError, match="each batch must be a dict with input_ids"):
+        fit(model, original, [HELD_OUT], steps=3)
+    with pytest.raises(ValueError, match="converted has no converted attention layers"):
+        fit(gpt2(), original, FIT, steps=3)
+    with pytest.raises(ValueError, match="original must be the model before the conversion"):
+        fit(model, model, FIT, steps=3)
+    with pytest.raises(ValueError, match="but original has 3 attention layers"):
+        fit(model, gpt2(layers=3), FIT, steps=3)
+    with pytest.raises(ValueError, match="original is a llama model but converted was made from a gpt2 model"):
+        fit(model, llama(), FIT, steps=3)
+    config = copy.deepcopy(original.config)
+    config.n_inner = 64
+    wider = transformers.GPT2LMHeadModel(config).eval()
+    with pytest.raises(ValueError, match=r"config differs from original's in \['n_inner'\]"):
+        fit(model, wider, FIT, steps=3)
+    for key, value in model.state_dict().items():  # nothing moved
+        torch.testing.assert_close(value, kept[key], rtol=0, atol=0)
+
+
+def test_fit_steps_in_the_method_settings():
+    """``collab.fit_steps`` (scripts/reparametrize.py): fits on the calibration texts, so it needs them; 0 and null
+    are off (and leave a GLUE job's key as it was); a method without calibration texts does not take it, and an
+    entry point that does not fit refuses it rather than ignoring it."""
+    group = {"method": "key-svd", "rank": 8, "calibration": "texts.txt", "fit_steps": 50}
+    settings = MethodSettings.from_config(group)
+    assert settings.fit_steps == 50 and settings.to_group()["fit_steps"] == 50
+    for off in (0, None):
+        assert MethodSettings.from_config({**group, "fit_steps": off}).to_group()["fit_steps"] is None
+    with pytest.raises(ValueError, match="collab.fit_steps=5 fits the converted layers on the calibration texts"):
+        MethodSettings.from_config({"method": "cp", "rank": 8, "fit_steps": 5})
+    with pytest.raises(ValueError, match="collab.fit_steps must be a number of steps per layer"):
+        MethodSettings.from_config({**group, "fit_steps": "many"})
+    with pytest.raises(ValueError, match="collab.fit_steps does not apply to collab.method=drop-kv"):
+        MethodSettings.from_config({"method": "drop-kv", "rank": 8, "fit_steps": 5})
+    with pytest.raises(ValueError, match="collab.fit_steps=50: scripts/visualize.py does not fit"):
+        settings.refuse_fit("scripts/visualize.py")
+    MethodSettings.from_config({**group, "fit_steps": None}).refuse_fit("scripts/visualize.py")
