@@ -36,7 +36,7 @@ from collab_attn.models.families import family_of, find_attention, is_collaborat
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.layers import ConvertedSelfAttention
 
-DEFAULT_LEARNING_RATE = 1e-2
+DEFAULT_LEARNING_RATE = 3e-3  # SmolLM2-135M: 1e-3 and 3e-3 fit its layers, 1e-2 overshoots (kept the conversion)
 # config fields that say nothing about what a model computes, or that a conversion sets
 _IGNORED_CONFIG = ("model_type", "architectures", "transformers_version", "_name_or_path", "name_or_path", "dtype",
                    "torch_dtype", "output_attentions", "output_hidden_states", "return_dict", "use_cache",
