@@ -130,6 +130,23 @@ def test_encoders_with_padding_and_a_shared_layer_go_through_the_same_routine(fa
     assert all(layer.kept_fit and layer.error_after < 0.9 * layer.error_before for layer in report.layers)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_the_other_rotary_families_are_fitted_too(family):
+    """Qwen2 (biased query/key/value) and Mistral: the same routine as Llama."""
+    config_class, model_class = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+    torch.manual_seed(0)
+    config = config_class(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                          num_hidden_layers=2, intermediate_size=64, vocab_size=100, max_position_embeddings=128,
+                          initializer_range=0.2, sliding_window=None)
+    original = model_class(config).eval()
+    model = copy.deepcopy(original)
+    collab_attn.reparametrize(model, 12, method="key-svd", value_rank=12, progress=False)
+    before = kl(original, model)
+    report = collab_attn.fit_to_original(model, original, FIT, steps=STEPS, progress=False)
+    assert kl(original, model) < before and all(layer.error_after < 0.9 * layer.error_before for layer in report.layers)
+
+
 def test_opt_is_fitted_too():
     torch.manual_seed(0)
     config = transformers.OPTConfig(hidden_size=48, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64,
