@@ -7,6 +7,8 @@ side in one process.
     python benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --caches dynamic static
     python benchmarks/decode.py --contexts 2048 8192 --ranks 384 --cache-fractions 0.25    # the cache race's layouts
     python benchmarks/decode.py --contexts 2048 8192 --ranks 384 --cache-fractions 0.25 --race-methods cp tucker
+    python benchmarks/decode.py --contexts 8192 --batches 8 --ranks 192 --cache-fractions 0.25 --race-methods cp \
+        --caches static --kernels-against-reference   # the CPU kernels against the reference path, taking turns
 
 Models: a randomly initialized GPT-2 small (12 layers, d_model 768, 12 heads of 64, 50,257-token vocabulary,
 positions up to the longest context) and the same architecture with collaborative attention at D~ = d/2, d/4, d/8
@@ -31,6 +33,12 @@ GPU the peak memory of the step, and the largest batch whose cache and weights f
 ``.json``), by default ``experiments/benchmarks/decode_<device>_<dtype>_<UTC time>``; an existing result is never
 overwritten.
 
+``--kernels-against-reference`` (CPU, float32) adds a twin of every collaborative model that decodes through the
+reference path (``collab_attn.nn.cpu_kernels.reference_path()``, switched at call time; a compiled twin gets a graph of
+its own) instead of the CPU kernels, with the same weights and a cache of its own, taking turns with the others step
+by step in the same process; each model's row gives its ratio to its twin and ``timing_verdict``'s verdict, and one
+profiled step per model checks that it runs the kernels and its twin does not (``kernel_calls``).
+
 ``--prefill`` times the prompt pass instead: ``context`` tokens through an empty cache with the causal mask, logits
 for the last position only (``logits_to_keep=1``, as ``generate`` asks), the models again taking turns. Results:
 ``experiments/benchmarks/prefill_<device>_<dtype>_<UTC time>.{md,json}``.
@@ -38,6 +46,7 @@ for the last position only (``logits_to_keep=1``, as ``generate`` asks), the mod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -60,6 +69,7 @@ from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
 from collab_attn.models.layers import cache_keyword  # noqa: E402
 from collab_attn.models.methods import METHODS  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
+from collab_attn.nn import cpu_kernels  # noqa: E402
 from collab_attn.stats import timing_verdict  # noqa: E402
 
 D_MODEL, HEADS, LAYERS = 768, 12, 12
@@ -76,6 +86,7 @@ LLM_METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 # head) or cut per head (svd), a latent (kv-svd, MLA), whole heads removed (prune). key-svd never caches less than
 # half. The default set; --race-methods picks others.
 RACE_METHODS = ("cp", "svd", "kv-svd", "prune")
+REFERENCE = ", reference path"  # the name of a model's twin on the reference path (--kernels-against-reference)
 
 
 def gpt2_sizes(size: str) -> dict:
@@ -113,7 +124,22 @@ def variants_of(args) -> dict[str, Layout | None]:
                 name = f"{method} k{size.key_size}" + ("" if size.value_size is None else f" v{size.value_size}")
                 variants[f"{name} ({fraction:g})"] = converted_layout(config, METHODS[method], size.key_size,
                                                                       size.value_size)
+    if getattr(args, "kernels_against_reference", False):  # each converted model, then its twin
+        variants = {key: value for name, layout in variants.items()
+                    for key, value in [(name, layout)] + ([(name + REFERENCE, layout)] if layout else [])}
     return variants
+
+
+def on_path(name: str):
+    """The context a model's steps run in: its twin's (``REFERENCE``) on the reference path, the others as built."""
+    return cpu_kernels.reference_path() if name.endswith(REFERENCE) else contextlib.nullcontext()
+
+
+def kernel_calls(step) -> int:
+    """Calls of the ``collab_attn`` CPU kernels in one ``step()`` (a profiled decoding step)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step()
+    return sum(event.name.startswith("collab_attn::") for event in profile.events())
 
 
 def filled_cache(model, kind: str, batch: int, context: int):
@@ -277,17 +303,28 @@ def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, conte
                 for name, model in models.items()}
     ids = torch.randint(0, next(iter(models.values())).config.vocab_size, (batch, 1), device=args.device)
     mask = torch.ones(batch, context + 1, dtype=torch.long, device=args.device)
+
+    def step(name, model):
+        with on_path(name):
+            return decode_step(model, forwards[name], caches[name], ids, mask, context)
+
     step_extra = {}  # bytes a step allocates beyond the weights and caches (GPU only: the CPU has no counter)
     for name, model in models.items():
         if args.device == "cuda":
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        decode_step(model, forwards[name], caches[name], ids, mask, context)  # compiles a static step
+        step(name, model)  # compiles a static step
         if args.device == "cuda":
             step_extra[name] = torch.cuda.max_memory_allocated() - before
-    times = repeated_seconds(models, args, lambda name, model: decode_step(model, forwards[name], caches[name], ids,
-                                                                           mask, context))
+    calls = {}
+    if args.kernels_against_reference:
+        calls = {name: kernel_calls(lambda: step(name, model)) for name, model in models.items()}  # noqa: B023
+        wrong = [name for name in models if name + REFERENCE in models and not calls[name]]
+        wrong += [name for name in models if name.endswith(REFERENCE) and calls[name]]
+        if wrong:
+            raise RuntimeError(f"{', '.join(wrong)}: not on the path named (CPU kernel calls per step: {calls})")
+    times = repeated_seconds(models, args, step)
     budget = args.memory_gib * 2**30
     rows = []
     for name, model in models.items():
@@ -301,10 +338,17 @@ def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, conte
         if name in step_extra:
             row["step_extra_mib"] = step_extra[name] / 2**20
         row["cache_vs_original"] = row["cache_mib"] / (base or row)["cache_mib"]
+        twin = ""
+        if name in calls:
+            row["kernel_calls"] = calls[name]
+        if name + REFERENCE in times:  # the kernels against their twin on the reference path
+            versus = timing_verdict(times[name], times[name + REFERENCE])
+            row |= {"vs_reference": versus.ratio, "reference_verdict": versus.verdict}
+            twin = f"  vs reference path {versus.ratio:.2f}x: {versus.verdict}"
         rows.append(row)
         print(f"batch {batch:3d} context {context:5d} {kind:7s} {name:16s} {row['ms_per_token']:8.3f} ms/token "
               f"({row['time_vs_original']:.2f}x, {row['verdict']})  cache {row['cache_mib']:8.1f} MiB "
-              f"({row['cache_vs_original']:.2f}x)  max batch {row['max_batch']}", flush=True)
+              f"({row['cache_vs_original']:.2f}x)  max batch {row['max_batch']}{twin}", flush=True)
     return rows  # the caches go when this returns, before the next ones are filled
 
 
@@ -312,6 +356,7 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
     if args.prefill:
         return prefill_markdown(rows, args, environment)
     extra = args.device == "cuda"
+    twins = args.kernels_against_reference
     if args.compile_backend == "inductor":
         compiler = f"`torch.compile(fullgraph=True)`{' with CUDA graphs' if extra else ''}"
     else:
@@ -327,21 +372,28 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
         "(`collab_attn.stats.timing_verdict`), tie otherwise. Max batch: the largest batch whose weights and cache"
         f"{' (and the step' + chr(39) + 's own memory)' if extra else ''} fit {args.memory_gib:g} GiB at that "
         f"context, from the measured bytes. {environment['device_name']}, torch {environment['torch']}, "
-        f"transformers {environment['transformers']}, {environment['threads']} threads.",
+        f"transformers {environment['transformers']}, {environment['threads']} threads."
+        + (f" `{REFERENCE[2:]}`: the same model and weights decoding through the reference path instead of the CPU "
+           "kernels (`cpu_kernels.reference_path()`), taking turns with the others in this process; `vs reference "
+           "path`: the ratio of the medians, and its verdict by the same rule." if twins else ""),
         "",
         "```bash",
         environment["command"],
         "```",
         "",
         "| batch | context | cache | model | ms / step | range | ms / token | tokens / s | vs original | verdict | "
-        f"cache MiB | vs original | max batch |{' step extra MiB |' if extra else ''}",
-        f"|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|{'---:|' if extra else ''}",
+        f"cache MiB | vs original | max batch |{' step extra MiB |' if extra else ''}"
+        f"{' vs reference path | verdict |' if twins else ''}",
+        f"|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|{'---:|' if extra else ''}"
+        f"{'---:|---|' if twins else ''}",
     ]
     lines += [
         f"| {r['batch']} | {r['context']} | {r['cache']} | {r['model']} | {r['ms_per_step']:.2f} | "
         f"{r['ms_per_step_low']:.2f}-{r['ms_per_step_high']:.2f} | {r['ms_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
         f"{r['time_vs_original']:.2f}x | {r['verdict']} | {r['cache_mib']:.1f} | {r['cache_vs_original']:.2f}x | "
         f"{r['max_batch']} |" + (f" {r['step_extra_mib']:.0f} |" if extra else "")
+        + ((f" {r['vs_reference']:.2f}x | {r['reference_verdict']} |" if "vs_reference" in r else " - | - |")
+           if twins else "")
         for r in rows
     ]
     return "\n".join(lines) + "\n"
@@ -400,6 +452,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--prefill", action="store_true", help="time the prompt pass instead of decoding steps")
+    parser.add_argument("--kernels-against-reference", action="store_true",
+                        help="also every collaborative model on the reference path instead of the CPU kernels, "
+                             "taking turns in this process (CPU, float32, decoding)")
     parser.add_argument("--out", type=Path, default=None,
                         help="a new output path without suffix (default: experiments/benchmarks/<decode or prefill>_"
                              "<device>_<dtype>_<UTC time>); an existing result is never overwritten")
@@ -423,6 +478,13 @@ def main(argv=None) -> list[dict]:
         parser.error("--batches, --contexts, --ranks and --repeats must be positive")
     if any(not 0 < f <= 1 for f in args.cache_fractions):
         parser.error(f"--cache-fractions must lie in (0, 1], got {args.cache_fractions}")
+    if args.kernels_against_reference:
+        if args.device != "cpu" or args.dtype != "float32" or args.prefill or args.size in LLM_SIZES:
+            parser.error("--kernels-against-reference: the CPU kernels decode GPT-2's collaborative layers on the CPU "
+                         "in float32 (no --prefill, --size smollm2, --device cuda or --dtype other than float32)")
+        if not cpu_kernels.available():
+            parser.error(f"--kernels-against-reference: the CPU kernels do not run here (x86 with AVX2 and a "
+                         f"compiler, {cpu_kernels.SWITCH} not 0)")
     kind = "prefill" if args.prefill else "decode"
     try:
         out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / f"{kind}_{args.device}_{args.dtype}")

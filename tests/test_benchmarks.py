@@ -212,13 +212,14 @@ DECODE_COLUMNS = ["batch", "context", "cache", "model", "ms / step", "range", "m
 PREFILL_COLUMNS = ["batch", "context", "model", "prefill ms", "range", "vs original", "verdict"]
 
 
-def assert_decode_reports(rows: list[dict], markdown: str, printed: str, prefill: bool) -> None:
+def assert_decode_reports(rows: list[dict], markdown: str, printed: str, prefill: bool, extra: tuple = ()) -> None:
     """``decode.py``'s rows, its table and its printed lines show the same numbers, and each ratio is the row's
     time (and cache) over the original model's with the same batch, context and cache; the time is the median of the
-    runs the JSON keeps, the range their extremes, the verdict ``timing_verdict``'s."""
+    runs the JSON keeps, the range their extremes, the verdict ``timing_verdict``'s (``extra``: the columns that
+    follow)."""
     time_key = "prefill_ms" if prefill else "ms_per_step"
     header, table = markdown_table(markdown)
-    assert header == (PREFILL_COLUMNS if prefill else DECODE_COLUMNS)
+    assert header == (PREFILL_COLUMNS if prefill else DECODE_COLUMNS) + list(extra)
     lines = [line for line in printed.splitlines() if line.startswith("batch ")]
     assert len(table) == len(lines) == len(rows)
     for row, cells, line in zip(rows, table, lines):
@@ -251,7 +252,7 @@ def assert_decode_reports(rows: list[dict], markdown: str, printed: str, prefill
         assert all(shows(cell, value) for cell, value in zip(cells[4:5] + cells[6:9] + cells[10:12], shown,
                                                              strict=True))
         assert cells[9] == verdict
-        assert cells[12] == str(row["max_batch"]) and line.endswith(f"max batch {row['max_batch']}")
+        assert cells[12] == str(row["max_batch"]) and f"max batch {row['max_batch']}" in line
         ms_per_token, cache = re.search(r"([\d.]+) ms/token .* cache +([\d.]+) MiB", line).groups()
         assert shows(ms_per_token, row["ms_per_token"]) and shows(cache, row["cache_mib"])
         assert len(ratios) == 1 and shows(ratios[0], cache_ratio)
@@ -305,6 +306,7 @@ def test_decode_times_the_cache_race_layouts_with_the_cache_they_hold(tmp_path, 
     (["--cache-fractions", "0"], "--cache-fractions must lie in (0, 1], got [0.0]"),
     (["--size", "smollm2", "--ranks", "96"], "--ranks: keys-only collaborative widths are GPT-2's"),
     (["--size", "smollm2", "--race-methods", "svd"], "--race-methods ['svd'] do not convert rotary models"),
+    (["--kernels-against-reference", "--prefill"], "--kernels-against-reference: the CPU kernels decode GPT-2's"),
 ])
 def test_decode_refuses_a_bad_option_in_one_line_before_writing(bad, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
@@ -372,6 +374,40 @@ def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     text = (tmp_path / "dec.md").read_text()
     assert 'torch.compile(fullgraph=True, backend="aot_eager")' in text
     assert_decode_reports(rows, text, capsys.readouterr().out, prefill=False)
+
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need x86 with AVX2 and FMA")
+def test_decode_times_the_cpu_kernels_against_the_reference_path_in_one_process(tmp_path, capsys):
+    """``--kernels-against-reference``: every collaborative model beside a twin on the reference path, taking turns
+    in one process; a profiled step shows the kernels in the one and not in the other, and each model's ratio to its
+    twin is the ratio of their medians, with the verdict of their ranges. (Compiled twins get graphs of their own:
+    tests/test_cpu_kernels.py::test_a_step_compiled_on_one_path_is_not_reused_on_the_other.)"""
+    decode = load("decode")
+    argv = [*TINY, "--contexts", "16", "--batches", "1", "2", "--repeats", "3", "--warmup", "0",
+            "--kernels-against-reference", "--out", str(tmp_path / "d")]
+    rows = decode.main(argv)
+    twin = "collab D~=24" + decode.REFERENCE
+    assert [(r["batch"], r["model"]) for r in rows] == [(batch, model) for batch in (1, 2)
+                                                        for model in ("original", "collab D~=24", twin)]
+    for batch in (1, 2):
+        original, kernels, reference = (r for r in rows if r["batch"] == batch)
+        # two layers, each scoring and weighting through the kernels: two calls per layer and step
+        assert (original["kernel_calls"], kernels["kernel_calls"], reference["kernel_calls"]) == (0, 4, 0)
+        assert kernels["vs_reference"] == pytest.approx(kernels["ms_per_step"] / reference["ms_per_step"])
+        versus = timing_verdict(kernels["ms_per_step_runs"], reference["ms_per_step_runs"])
+        assert kernels["reference_verdict"] == versus.verdict
+        assert "vs_reference" not in original and "vs_reference" not in reference
+    text, printed = (tmp_path / "d.md").read_text(), capsys.readouterr().out
+    assert "`reference path`: the same model and weights decoding through the reference path" in text
+    assert_decode_reports(rows, text, printed, prefill=False, extra=("vs reference path", "verdict"))
+    _, table = markdown_table(text)
+    for row, cells, line in zip(rows, table, [line for line in printed.splitlines() if line.startswith("batch ")]):
+        if "vs_reference" in row:
+            assert shows(cells[13], row["vs_reference"]) and cells[14] == row["reference_verdict"]
+            assert line.endswith(f"vs reference path {row['vs_reference']:.2f}x: {row['reference_verdict']}")
+        else:
+            assert cells[13:] == ["-", "-"] and "vs reference path" not in line
 
 
 CPU_KERNELS = cpu_kernels.available()  # the CPU decoding kernels' rows run where they built (x86, AVX2)

@@ -219,6 +219,45 @@ def test_a_compiled_decoding_step_calls_the_operators_in_its_graph():
     torch.testing.assert_close(compiled, eager)
 
 
+def test_the_reference_path_is_switched_at_call_time(kernel_calls):
+    """``reference_path()`` (what ``benchmarks/decode.py --kernels-against-reference`` times the kernels against):
+    eager steps inside it skip the kernels, and give the same outputs."""
+    module, query, keys = layer(), torch.randn(2, 1, 96), torch.randn(2, 7, 96)
+    with torch.no_grad():
+        with cpu_kernels.reference_path():
+            assert not cpu_kernels.available()
+            reference, _ = module(query, keys)
+        assert cpu_kernels.available() and not kernel_calls
+        through, _ = module(query, keys)
+    assert len(kernel_calls) == 1
+    torch.testing.assert_close(through, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_compiled_on_one_path_is_not_reused_on_the_other():
+    """The switch is a guard of a compiled step: traced outside ``reference_path()``, a step called inside it gets
+    one more graph, without the operators, and the first graph serves again outside."""
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    module, query, keys = layer(), torch.randn(2, 1, 96), torch.randn(2, 7, 96)
+    torch._dynamo.reset()
+    try:
+        step = torch.compile(module, backend=recording, fullgraph=True)
+        with torch.no_grad():
+            step(query, keys)
+            with cpu_kernels.reference_path():
+                step(query, keys)
+            step(query, keys)
+    finally:
+        torch._dynamo.reset()
+    called = [{str(node.target) for node in graph.graph.nodes if node.op == "call_function"} for graph in graphs]
+    assert len(called) == 2 and "collab_attn.shared_key_scores" in called[0]
+    assert not any(target.startswith("collab_attn.") for target in called[1])
+
+
 def test_the_switch_a_bad_switch_and_a_failed_build(monkeypatch):
     """0 keeps the reference path; a value other than 0 or 1 is refused, naming the variable; a failed build
     warns and keeps the reference path."""

@@ -13,8 +13,11 @@ well).
 They are compiled from source with ``torch.utils.cpp_extension`` the first time a layer asks (about 20 s, then
 cached by torch), registered as the operators ``torch.ops.collab_attn.*`` with shape functions, so that
 ``torch.compile(fullgraph=True)`` traces through them. ``available()`` says whether they run here: x86 with AVX2
-and FMA, a C++ compiler, and ``COLLAB_ATTN_CPU_KERNELS`` not set to ``0`` (set it to keep the reference path,
-e.g. to measure against it). Where they cannot be built the layers take the reference path and a warning says why.
+and FMA, a C++ compiler, and ``COLLAB_ATTN_CPU_KERNELS`` not set to ``0`` (set it to keep the reference path);
+the variable is read once, by the first call. ``reference_path()`` switches the layers to the reference path for
+what runs inside it, at call time, so that one process can time both (``benchmarks/decode.py
+--kernels-against-reference``), compiled or not. Where they cannot be built the layers take the reference path and
+a warning says why.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import logging
 import os
 import platform
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,12 +40,34 @@ logger = logging.getLogger(__name__)
 _loaded: dict[str, bool] = {}
 
 
-@torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the kernels run on this machine, building them on the first call (see the module's docstring)."""
+    """Whether the kernels run on this machine, building them on the first call (see the module's docstring), and
+    are not switched off by ``reference_path()``. Traced by ``torch.compile``: the switch is guarded, so a graph
+    compiled on one path is not reused on the other."""
+    return _built() and not _reference
+
+
+@torch.compiler.assume_constant_result
+def _built() -> bool:
     if "ok" not in _loaded:
         _loaded["ok"] = _load()
     return _loaded["ok"]
+
+
+_reference = False
+
+
+@contextmanager
+def reference_path() -> Iterator[None]:
+    """Inside: ``available()`` is False, so every layer decodes through the reference path (the kernels stay
+    built), eager or compiled (a compiled step traced on one path recompiles for the other: the switch is one of its
+    guards)."""
+    global _reference
+    before, _reference = _reference, True
+    try:
+        yield
+    finally:
+        _reference = before
 
 
 def shared_key_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
