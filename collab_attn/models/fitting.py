@@ -404,7 +404,8 @@ def _fit(converted, original, family, names, batches, steps, learning_rate, seed
         saved = [p.detach().clone() for p in params]
         before = _error(layer, fitted)
         bar = tqdm(range(steps), desc=f"fit {name}", disable=not progress, leave=False)
-        _train(layer, params, fitted, steps, learning_rate, generator, bar)
+        with torch.enable_grad():  # also when called under torch.no_grad()
+            _train(layer, params, fitted, steps, learning_rate, generator, bar)
         after = _error(layer, fitted)
         kept = after < before
         if not kept:
