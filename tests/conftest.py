@@ -11,6 +11,13 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton's kernels (collab_attn/nn/triton_kernels.py, tests/test_triton_kernels.py) run in its interpreter on the
+    # CPU; it must be set before triton is imported, which torch._dynamo does on its own import. No other test runs a
+    # Triton kernel (inductor's CPU code is C++), and the layers take the kernels on the CPU only when
+    # COLLAB_ATTN_TRITON=1.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import transformers  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

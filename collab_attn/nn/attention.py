@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_kernels, triton_kernels
 
 MIXING_INITS = ("concatenate", "ones", "random")
 
@@ -334,8 +334,9 @@ class CollaborativeAttention(_Attention):
     layer is multi-query attention in disguise: each head's mixing goes into its query, its content logits into the
     mask, and all heads attend over the one shared key/value head through the fused kernel (``grouped_attend``;
     section 16 there). A decoding step on the CPU in float32 scores through ``cpu_kernels`` instead, and with a value
-    per head sums the values through it too (section 18). With weights asked for, or a gradient to keep, the
-    explicit path runs.
+    per head sums the values through it too (section 18). A decoding step (one query row, inference) on a GPU
+    takes the Triton kernels of ``triton_kernels`` (the content logits and a padding mask added inside the kernel;
+    ``COLLAB_ATTN_TRITON`` switches them). With weights asked for, or a gradient to keep, the explicit path runs.
     """
 
     def __init__(
@@ -447,7 +448,13 @@ class CollaborativeAttention(_Attention):
         batch, tgt_len, _ = query_states.shape
         shared_queries = self.query(query_states)  # (B, T, rank)
         shared_values = self.value_mixing is not None
-        if not need_weights and _cpu_kernels_pay(shared_queries, keys, values):
+        if not need_weights and triton_kernels.takes_step(tgt_len, (shared_queries, keys, values), mask,
+                                                          self._dropout()):
+            # a decoding step through the Triton kernels (GPU; the CPU under Triton's interpreter): (B, H, 1, D)
+            context = triton_kernels.step(self._mixed(shared_queries), keys, values[:, 0] if shared_values else values,
+                                          mask, content, shared_values=shared_values)[:, :, None]
+            weights = None
+        elif not need_weights and _cpu_kernels_pay(shared_queries, keys, values):
             # a decoding step on the CPU: the scores in one pass over the shared keys (cpu_kernels), (B, H, T, D)
             context, weights = self._through_cpu_kernels(shared_queries, keys, values, _plus(mask, content)), None
         elif not need_weights and not shared_values and _blocks_pay(shared_queries, keys, values, self.num_heads):

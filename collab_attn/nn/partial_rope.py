@@ -49,6 +49,7 @@ import warnings
 import torch
 from torch import nn
 
+from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import grouped_attend
 from collab_attn.nn.rotary import rotate_pairs
 from collab_attn.nn.variants import _SharedKeyValueAttention
@@ -222,11 +223,21 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
         rope_width = 2 * self.rope_pairs * self.kv_heads
         needs_grad = torch.is_grad_enabled() and (queries.requires_grad or packed.requires_grad)
         if not needs_grad:  # absorbed: one key/value head, the packed row (module doc)
-            context, weights = grouped_attend(self._absorbed_queries(queries), packed, packed, mask, self.scale,
-                                              self._dropout(), need_weights)  # (B, T, H, width)
+            absorbed = self._absorbed_queries(queries)
+            if not need_weights and triton_kernels.takes_step(queries.shape[2], (absorbed, packed), mask,
+                                                              self._dropout()):
+                # a decoding step through the Triton kernels: the packed row as the shared key, its latent as the
+                # shared value (a view: the cache is read once), (B, 1, H, latent_size)
+                context = triton_kernels.step(absorbed, packed[:, 0], packed[:, 0, :, rope_width:], mask,
+                                              scale=self.scale, shared_values=True)[:, None]
+                weights = None
+            else:
+                context, weights = grouped_attend(absorbed, packed, packed, mask, self.scale, self._dropout(),
+                                                  need_weights)  # (B, T, H, width)
+                context = context[..., rope_width:]
             up = self.value.weight.view(self.kv_heads, self.head_dim, self.latent_size)
             up = up.repeat_interleave(self.num_heads // self.kv_heads, dim=0)  # (H, head_dim, latent_size)
-            context = torch.einsum("bthc,hdc->bthd", context[..., rope_width:], up.to(context.dtype))
+            context = torch.einsum("bthc,hdc->bthd", context, up.to(context.dtype))
         else:  # plain: the nope keys and the values expanded from the latent
             rope_keys = packed[:, 0, :, :rope_width].unflatten(-1, (self.kv_heads, -1)).transpose(1, 2)
             latent = packed[:, 0, :, rope_width:]

@@ -41,6 +41,7 @@ import math
 import torch
 from torch import nn
 
+from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import _head_mixing, _init_head_mixing, grouped_attend
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
@@ -297,9 +298,16 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
             keys, values = kv_cache(keys, values)
         mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self.head_queries(self._rotated(self.query(query_states), position_embeddings))
-        groups = values.shape[1]  # shared values: one group of all heads, the keys never expanded
-        keys = keys.expand(-1, groups, -1, -1)
-        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        if not need_weights and triton_kernels.takes_step(queries.shape[2], (queries, keys, values), mask,
+                                                          self._dropout()):
+            # a decoding step through the Triton kernels: the rotated shared pairs are one shared key of width 2R
+            context = triton_kernels.step(queries, keys[:, 0], values[:, 0] if shared_values else values, mask,
+                                          scale=self.scale, shared_values=shared_values)[:, None]  # (B, 1, H, D)
+            weights = None
+        else:
+            groups = values.shape[1]  # shared values: one group of all heads, the keys never expanded
+            keys = keys.expand(-1, groups, -1, -1)
+            context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
         if shared_values and self.value_core is not None:  # (B, T, H, D_v) -> sum_h context_h N_h: (B, T, D_v)
             context = torch.einsum("bthv,hvw->btw", context, self.value_mixing_matrices())
         elif shared_values:  # (B, T, H, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
