@@ -9,6 +9,8 @@ side in one process.
     python benchmarks/decode.py --contexts 2048 8192 --ranks 384 --cache-fractions 0.25 --race-methods cp tucker
     python benchmarks/decode.py --contexts 8192 --batches 8 --ranks 192 --cache-fractions 0.25 --race-methods cp \
         --caches static --kernels-against-reference   # the CPU kernels against the reference path, taking turns
+    python benchmarks/decode.py --device cuda --dtype bfloat16 --contexts 8192 --batches 1 32 --ranks 192 \
+        --cache-fractions 0.25 --race-methods cp --caches static --triton   # the Triton kernels against the rest
 
 Models: a randomly initialized GPT-2 small (12 layers, d_model 768, 12 heads of 64, 50,257-token vocabulary,
 positions up to the longest context) and the same architecture with collaborative attention at D~ = d/2, d/4, d/8
@@ -38,6 +40,13 @@ reference path (``collab_attn.nn.cpu_kernels.reference_path()``, switched at cal
 its own) instead of the CPU kernels, with the same weights and a cache of its own, taking turns with the others step
 by step in the same process; each model's row gives its ratio to its twin and ``timing_verdict``'s verdict, and one
 profiled step per model checks that it runs the kernels and its twin does not (``kernel_calls``).
+
+``--triton`` does the same for the Triton decoding kernels (``collab_attn.nn.triton_kernels``): every collaborative
+model beside a twin on its present path (``triton_kernels.present_path()``: what the layers run without the kernels),
+each row with its ratio to its twin and the verdict; the check runs one eager step per model (a CUDA graph's replay
+shows no operator calls to a profiler). It needs the kernels to run on ``--device``: a GPU with triton, or the CPU
+under ``COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1`` (the interpreter: a check that it runs, its timings measure
+nothing).
 
 ``--prefill`` times the prompt pass instead: ``context`` tokens through an empty cache with the causal mask, logits
 for the last position only (``logits_to_keep=1``, as ``generate`` asks), the models again taking turns. Results:
@@ -69,7 +78,7 @@ from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
 from collab_attn.models.layers import cache_keyword  # noqa: E402
 from collab_attn.models.methods import METHODS  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
-from collab_attn.nn import cpu_kernels  # noqa: E402
+from collab_attn.nn import cpu_kernels, triton_kernels  # noqa: E402
 from collab_attn.stats import timing_verdict  # noqa: E402
 
 D_MODEL, HEADS, LAYERS = 768, 12, 12
@@ -87,6 +96,17 @@ LLM_METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 # half. The default set; --race-methods picks others.
 RACE_METHODS = ("cp", "svd", "kv-svd", "prune")
 REFERENCE = ", reference path"  # the name of a model's twin on the reference path (--kernels-against-reference)
+PRESENT = ", present path"  # the name of a model's twin without the Triton kernels (--triton)
+# a twin's suffix -> its row's keys: the ratio to the twin and its verdict
+TWIN_KEYS = {REFERENCE: ("vs_reference", "reference_verdict"), PRESENT: ("vs_present", "present_verdict")}
+
+
+def twin_suffix(args) -> str | None:
+    """The suffix of every collaborative model's twin: ``REFERENCE`` (--kernels-against-reference), ``PRESENT``
+    (--triton), or None (no twins)."""
+    if getattr(args, "kernels_against_reference", False):
+        return REFERENCE
+    return PRESENT if getattr(args, "triton", False) else None
 
 
 def gpt2_sizes(size: str) -> dict:
@@ -124,22 +144,27 @@ def variants_of(args) -> dict[str, Layout | None]:
                 name = f"{method} k{size.key_size}" + ("" if size.value_size is None else f" v{size.value_size}")
                 variants[f"{name} ({fraction:g})"] = converted_layout(config, METHODS[method], size.key_size,
                                                                       size.value_size)
-    if getattr(args, "kernels_against_reference", False):  # each converted model, then its twin
+    suffix = twin_suffix(args)
+    if suffix:  # each converted model, then its twin
         variants = {key: value for name, layout in variants.items()
-                    for key, value in [(name, layout)] + ([(name + REFERENCE, layout)] if layout else [])}
+                    for key, value in [(name, layout)] + ([(name + suffix, layout)] if layout else [])}
     return variants
 
 
 def on_path(name: str):
-    """The context a model's steps run in: its twin's (``REFERENCE``) on the reference path, the others as built."""
-    return cpu_kernels.reference_path() if name.endswith(REFERENCE) else contextlib.nullcontext()
+    """The context a model's steps run in: its twin's on the reference path (``REFERENCE``) or the present path
+    (``PRESENT``), the others as built."""
+    if name.endswith(REFERENCE):
+        return cpu_kernels.reference_path()
+    return triton_kernels.present_path() if name.endswith(PRESENT) else contextlib.nullcontext()
 
 
-def kernel_calls(step) -> int:
-    """Calls of the ``collab_attn`` CPU kernels in one ``step()`` (a profiled decoding step)."""
+def kernel_calls(step, prefix: str = "collab_attn::") -> int:
+    """Calls of the ``collab_attn`` operators whose names start with ``prefix`` (default: every one, the CPU kernels;
+    ``collab_attn::triton_``: the Triton kernels) in one ``step()`` (a profiled decoding step)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         step()
-    return sum(event.name.startswith("collab_attn::") for event in profile.events())
+    return sum(event.name.startswith(prefix) for event in profile.events())
 
 
 def filled_cache(model, kind: str, batch: int, context: int):
@@ -260,6 +285,10 @@ def run(args) -> list[dict]:
     positions = max(args.contexts) + 8
     if args.size in LLM_SIZES:
         models = llm_models(args, dtype)
+        suffix = twin_suffix(args)
+        if suffix:  # each converted model, then its twin: the same model object (weights), a cache of its own
+            models = {key: value for name, model in models.items()
+                      for key, value in [(name, model)] + ([(name + suffix, model)] if name != "original" else [])}
         variants = dict.fromkeys(models)
     else:
         variants = variants_of(args)
@@ -304,9 +333,9 @@ def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, conte
     ids = torch.randint(0, next(iter(models.values())).config.vocab_size, (batch, 1), device=args.device)
     mask = torch.ones(batch, context + 1, dtype=torch.long, device=args.device)
 
-    def step(name, model):
+    def step(name, model, eager: bool = False):
         with on_path(name):
-            return decode_step(model, forwards[name], caches[name], ids, mask, context)
+            return decode_step(model, None if eager else forwards[name], caches[name], ids, mask, context)
 
     step_extra = {}  # bytes a step allocates beyond the weights and caches (GPU only: the CPU has no counter)
     for name, model in models.items():
@@ -317,13 +346,17 @@ def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, conte
         step(name, model)  # compiles a static step
         if args.device == "cuda":
             step_extra[name] = torch.cuda.max_memory_allocated() - before
-    calls = {}
-    if args.kernels_against_reference:
+    calls, suffix = {}, twin_suffix(args)
+    if suffix == REFERENCE:
         calls = {name: kernel_calls(lambda: step(name, model)) for name, model in models.items()}  # noqa: B023
-        wrong = [name for name in models if name + REFERENCE in models and not calls[name]]
-        wrong += [name for name in models if name.endswith(REFERENCE) and calls[name]]
+    elif suffix == PRESENT:  # an eager step: a CUDA graph's replay shows no operator calls to the profiler
+        calls = {name: kernel_calls(lambda: step(name, model, eager=True), "collab_attn::triton_")  # noqa: B023
+                 for name, model in models.items()}
+    if suffix:
+        wrong = [name for name in models if name + suffix in models and not calls[name]]
+        wrong += [name for name in models if name.endswith(suffix) and calls[name]]
         if wrong:
-            raise RuntimeError(f"{', '.join(wrong)}: not on the path named (CPU kernel calls per step: {calls})")
+            raise RuntimeError(f"{', '.join(wrong)}: not on the path named (kernel calls per step: {calls})")
     times = repeated_seconds(models, args, step)
     budget = args.memory_gib * 2**30
     rows = []
@@ -341,10 +374,11 @@ def decode_rows(models: dict, variants: dict, args, kind: str, batch: int, conte
         twin = ""
         if name in calls:
             row["kernel_calls"] = calls[name]
-        if name + REFERENCE in times:  # the kernels against their twin on the reference path
-            versus = timing_verdict(times[name], times[name + REFERENCE])
-            row |= {"vs_reference": versus.ratio, "reference_verdict": versus.verdict}
-            twin = f"  vs reference path {versus.ratio:.2f}x: {versus.verdict}"
+        if suffix and name + suffix in times:  # the kernels against their twin on the other path
+            versus = timing_verdict(times[name], times[name + suffix])
+            ratio_key, verdict_key = TWIN_KEYS[suffix]
+            row |= {ratio_key: versus.ratio, verdict_key: versus.verdict}
+            twin = f"  vs {suffix[2:]} {versus.ratio:.2f}x: {versus.verdict}"
         rows.append(row)
         print(f"batch {batch:3d} context {context:5d} {kind:7s} {name:16s} {row['ms_per_token']:8.3f} ms/token "
               f"({row['time_vs_original']:.2f}x, {row['verdict']})  cache {row['cache_mib']:8.1f} MiB "
@@ -356,7 +390,16 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
     if args.prefill:
         return prefill_markdown(rows, args, environment)
     extra = args.device == "cuda"
-    twins = args.kernels_against_reference
+    twins = twin_suffix(args)
+    ratio_key, verdict_key = TWIN_KEYS.get(twins, (None, None))
+    explained = {
+        REFERENCE: f" `{REFERENCE[2:]}`: the same model and weights decoding through the reference path instead of "
+                   "the CPU kernels (`cpu_kernels.reference_path()`), taking turns with the others in this process; "
+                   "`vs reference path`: the ratio of the medians, and its verdict by the same rule.",
+        PRESENT: f" `{PRESENT[2:]}`: the same model and weights decoding through the layers' present path instead of "
+                 "the Triton kernels (`triton_kernels.present_path()`), taking turns with the others in this "
+                 "process; `vs present path`: the ratio of the medians, and its verdict by the same rule.",
+    }
     if args.compile_backend == "inductor":
         compiler = f"`torch.compile(fullgraph=True)`{' with CUDA graphs' if extra else ''}"
     else:
@@ -373,9 +416,7 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
         f"{' (and the step' + chr(39) + 's own memory)' if extra else ''} fit {args.memory_gib:g} GiB at that "
         f"context, from the measured bytes. {environment['device_name']}, torch {environment['torch']}, "
         f"transformers {environment['transformers']}, {environment['threads']} threads."
-        + (f" `{REFERENCE[2:]}`: the same model and weights decoding through the reference path instead of the CPU "
-           "kernels (`cpu_kernels.reference_path()`), taking turns with the others in this process; `vs reference "
-           "path`: the ratio of the medians, and its verdict by the same rule." if twins else ""),
+        + explained.get(twins, ""),
         "",
         "```bash",
         environment["command"],
@@ -383,7 +424,7 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
         "",
         "| batch | context | cache | model | ms / step | range | ms / token | tokens / s | vs original | verdict | "
         f"cache MiB | vs original | max batch |{' step extra MiB |' if extra else ''}"
-        f"{' vs reference path | verdict |' if twins else ''}",
+        f"{f' vs {twins[2:]} | verdict |' if twins else ''}",
         f"|---:|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|{'---:|' if extra else ''}"
         f"{'---:|---|' if twins else ''}",
     ]
@@ -392,8 +433,7 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
         f"{r['ms_per_step_low']:.2f}-{r['ms_per_step_high']:.2f} | {r['ms_per_token']:.3f} | {r['tokens_per_s']:.1f} | "
         f"{r['time_vs_original']:.2f}x | {r['verdict']} | {r['cache_mib']:.1f} | {r['cache_vs_original']:.2f}x | "
         f"{r['max_batch']} |" + (f" {r['step_extra_mib']:.0f} |" if extra else "")
-        + ((f" {r['vs_reference']:.2f}x | {r['reference_verdict']} |" if "vs_reference" in r else " - | - |")
-           if twins else "")
+        + ((f" {r[ratio_key]:.2f}x | {r[verdict_key]} |" if ratio_key in r else " - | - |") if twins else "")
         for r in rows
     ]
     return "\n".join(lines) + "\n"
@@ -429,8 +469,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--size", choices=[*SIZES, *LLM_SIZES], default="gpt2-small",
                         help="the model: gpt2-small (the benchmark), tiny (2 layers of 192: a check that it runs) or "
                              "smollm2 (SmolLM2-135M's rotary architecture and its race's conversions; no --ranks)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=None,
-                        help="collaborative key widths D~ (default: d_model/2, /4, /8: 384 192 96 for gpt2-small)")
+    parser.add_argument("--ranks", type=int, nargs="*", default=None,
+                        help="collaborative key widths D~ (default: d_model/2, /4, /8: 384 192 96 for gpt2-small; "
+                             "none given: no keys-only models)")
     parser.add_argument("--cache-fractions", type=float, nargs="+", default=[],
                         help="also each cache-race conversion (cp keys and values, svd with values, kv-svd, prune) "
                              "at the size caching at most this fraction of the original's bytes")
@@ -455,6 +496,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--kernels-against-reference", action="store_true",
                         help="also every collaborative model on the reference path instead of the CPU kernels, "
                              "taking turns in this process (CPU, float32, decoding)")
+    parser.add_argument("--triton", action="store_true",
+                        help="also every collaborative model on its present path instead of the Triton kernels, "
+                             "taking turns in this process (decoding, where the kernels run: a GPU with triton, or "
+                             "the CPU under COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1)")
     parser.add_argument("--out", type=Path, default=None,
                         help="a new output path without suffix (default: experiments/benchmarks/<decode or prefill>_"
                              "<device>_<dtype>_<UTC time>); an existing result is never overwritten")
@@ -485,6 +530,17 @@ def main(argv=None) -> list[dict]:
         if not cpu_kernels.available():
             parser.error(f"--kernels-against-reference: the CPU kernels do not run here (x86 with AVX2 and a "
                          f"compiler, {cpu_kernels.SWITCH} not 0)")
+    if args.triton:
+        if args.kernels_against_reference or args.prefill:
+            parser.error("--triton: decoding steps, one kind of twin at a time (no --prefill or "
+                         "--kernels-against-reference)")
+        try:
+            runs = triton_kernels.applies(torch.empty(0, device=args.device))
+        except (RuntimeError, ValueError) as error:
+            parser.error(f"--triton: {error}")
+        if not runs:
+            parser.error(f"--triton: the Triton kernels do not run on {args.device} here (a GPU with triton, or the "
+                         f"CPU under {triton_kernels.SWITCH}=1 TRITON_INTERPRET=1; {triton_kernels.SWITCH} not 0)")
     kind = "prefill" if args.prefill else "decode"
     try:
         out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / f"{kind}_{args.device}_{args.dtype}")
