@@ -28,6 +28,14 @@ With shared values (``--value-rank`` D_v, default 186: keys and values at a quar
 - ``collab kv kernels``: the library's decoding path on the CPU in float32: the scores through
   ``cpu_kernels.shared_key_scores``, the content logits added, softmax, one ``bmm`` of all heads' weights with the
   one value per token, the value mixing; ``collab kv kernels compiled``: the same under ``torch.compile``.
+Where the Triton kernels run (``collab_attn.nn.triton_kernels``: a GPU with triton, unless ``COLLAB_ATTN_TRITON=0``;
+the CPU only under ``COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1``, which checks that they run and measures nothing):
+- ``collab triton``: the library's decoding step on a GPU, keys only: one flash-decoding kernel over the shared key,
+  the content logits and the per-head values (``triton_kernels.keys_only``), chunks combined in torch.
+- ``collab kv triton``: the same for shared keys and values (``triton_kernels.shared_kv``), then the value mixing.
+Every run also times a plain copy (``torch.empty(n).copy_(src)``, at least 256 MiB on a GPU so that it does not fit
+its L2 cache) taking turns with the variants: ``copy GB/s`` is the bytes it reads and writes over its median, and each
+row's ``of copy`` its own GB/s (the cache it reads) over that: the share of the memory's measured speed it reaches.
 The keys-only variants read the same cache, the kv variants theirs; the script checks that each agrees with its
 explicit form (max |difference|), counts the bytes each reads (keys, content logits and values; ``GB/s``: those bytes
 over the median step) and times
@@ -56,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
-from collab_attn.nn import cpu_kernels  # noqa: E402
+from collab_attn.nn import cpu_kernels, triton_kernels  # noqa: E402
 from collab_attn.nn.attention import grouped_attend  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
@@ -115,6 +123,26 @@ def collab_kv_kernels(queries, keys, values, content, value_mixing):
     weights = (logits + content).softmax(dim=-1).view(batch, heads * tgt, -1)
     context = torch.bmm(weights, values[:, 0]).view(batch, heads, tgt, -1)  # (B, H, 1, D_v)
     return torch.einsum("bhtv,hv->btv", context, value_mixing)
+
+
+def collab_triton(queries, keys, values, content):
+    return triton_kernels.keys_only(queries[:, :, 0], keys, values, content[:, :, 0])[:, :, None]
+
+
+def collab_kv_triton(queries, keys, values, content, value_mixing):
+    context = triton_kernels.shared_kv(queries[:, :, 0], keys, values[:, 0], content[:, :, 0])  # (B, H, D_v)
+    return torch.einsum("bhv,hv->bv", context, value_mixing)[:, None]
+
+
+def copy_seconds(destination, source) -> float:
+    """Seconds for ``destination.copy_(source)`` (the GPU synchronized on both sides)."""
+    if source.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    destination.copy_(source)
+    if source.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def original_sdpa(queries, keys, values):
@@ -212,28 +240,49 @@ def main(argv=None) -> dict:
     if not (device == "cpu" and dtype == torch.float32 and cpu_kernels.available()):
         for name in ("collab kernels", "collab kernels compiled", "collab kv kernels", "collab kv kernels compiled"):
             del variants[name]  # CPU, float32, AVX2 only
+    if triton_kernels.applies(collab_inputs[0]):
+        variants["collab triton"] = (collab_triton, collab_inputs, "collab explicit", "collab")
+        variants["collab kv triton"] = (collab_kv_triton, kv_inputs, "collab kv explicit", "collab kv")
+    # the copy: as large as the largest cache read, and at least 256 MiB on a GPU (more than its L2 cache)
+    copy_numel = max(max(cache_bytes.values()), (256 << 20) if device == "cuda" else 0) // element
+    copy_inputs = (torch.empty(copy_numel, device=device, dtype=dtype), torch.ones(copy_numel, device=device,
+                                                                                    dtype=dtype))
     with torch.inference_mode():
         references = {name: fn(*inputs).float() for name, (fn, inputs, _, _) in variants.items()
                       if name in ("collab explicit", "collab kv explicit")}
         differences = {name: float((fn(*inputs).float() - references[explicit]).abs().max())
                        for name, (fn, inputs, explicit, _) in variants.items() if explicit is not None}
     times = {name: [] for name in variants}
+    copy_times = []
     for step in range(args.warmup + args.repeats):
         for name, (fn, inputs, _, _) in variants.items():
             seconds = timed(fn, *inputs)
             if step >= args.warmup:
                 times[name].append(seconds)
+        seconds = copy_seconds(*copy_inputs)  # the copy takes its turn with the variants
+        if step >= args.warmup:
+            copy_times.append(seconds)
+    copy_spread = timing([1e3 * t for t in copy_times])
+    copy_moved = 2 * copy_numel * element  # read and written
+    copied = {"mb": copy_moved / 1e6, "ms": copy_spread.median, "ms_low": copy_spread.low,
+              "ms_high": copy_spread.high, "ms_runs": [1e3 * t for t in copy_times],
+              "gb_per_s": copy_moved / 1e6 / copy_spread.median}
+    print(f"{'copy':24s} {copied['ms']:9.3f} ms  [{copied['ms_low']:.3f}-{copied['ms_high']:.3f}]  "
+          f"{copied['mb']:.0f} MB read and written: {copied['gb_per_s']:.1f} GB/s, the memory's measured speed",
+          flush=True)
     rows = [timed_row(name, seconds, times[REFERENCE], differences.get(name)) for name, seconds in times.items()]
     for row in rows:
         read = cache_bytes[variants[row["variant"]][3]]
         row.update(cache_mb=read / 1e6, gb_per_s=read / 1e6 / row["ms"])
+        row["of_copy"] = row["gb_per_s"] / copied["gb_per_s"]
         print(f"{row['variant']:24s} {row['ms']:9.3f} ms  [{row['ms_low']:.3f}-{row['ms_high']:.3f}]  "
               f"({row['vs_original']:.2f}x, {row['verdict']})  {row['cache_mb']:.0f} MB at {row['gb_per_s']:.1f} GB/s",
               flush=True)
     environment = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "CPU",
                    "torch": torch.__version__, "threads": torch.get_num_threads()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"args": {k: str(v) for k, v in vars(args).items()}, "environment": environment, "rows": rows}
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "environment": environment, "rows": rows,
+              "copy": copied}
     lines = [
         f"# One collaborative decoding step, several ways ({device}, {args.dtype})",
         "",
@@ -243,16 +292,21 @@ def main(argv=None) -> dict:
         "sdpa` only where the two ranges do not overlap (`collab_attn.stats.timing_verdict`), tie otherwise. "
         f"{environment['device']}, torch {environment['torch']}, {environment['threads']} threads.",
         "",
+        f"The memory's measured speed: a copy of {copied['mb'] / 2:.0f} MB (read and written: {copied['mb']:.0f} MB) "
+        f"in {copied['ms']:.3f} ms [{copied['ms_low']:.3f}-{copied['ms_high']:.3f}], taking turns with the variants: "
+        f"**{copied['gb_per_s']:.1f} GB/s**; `of copy` is a row's GB/s (the cache it reads) over that.",
+        "",
         "```bash",
         f"python benchmarks/decode_kernels.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip(),
         "```",
         "",
         "| variant | ms / step | range | vs original sdpa | verdict | cache MB read | GB/s | max abs difference to "
-        "explicit |",
-        "|---|---:|---:|---:|---|---:|---:|---:|",
+        "explicit | of copy |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ] + [f"| {row['variant']} | {row['ms']:.3f} | {row['ms_low']:.3f}-{row['ms_high']:.3f} | "
          f"{row['vs_original']:.2f}x | {row['verdict']} | {row['cache_mb']:.0f} | {row['gb_per_s']:.1f} | "
-         f"{'' if row['max_abs_difference'] is None else format(row['max_abs_difference'], '.1e')} |" for row in rows]
+         f"{'' if row['max_abs_difference'] is None else format(row['max_abs_difference'], '.1e')} | "
+         f"{row['of_copy']:.0%} |" for row in rows]
     write_text_atomic(out.with_suffix(".json"), json.dumps(result, indent=2))
     write_text_atomic(out.with_suffix(".md"), "\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.md')} and .json")

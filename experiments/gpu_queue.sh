@@ -9,6 +9,15 @@
 #   GPU_QUEUE_DRY_RUN=1 OUT=/tmp/q bash experiments/gpu_queue.sh     # every job for one step on the CPU (CI runs it)
 #
 # The queue, highest priority first (each job resumable: it skips what is already done, in the tree or in $OUT):
+#   t. triton (issue 67): the Triton decoding kernels compiled on the GPU: tests/test_triton_kernels.py (the CPU runs
+#      it under Triton's interpreter in CI), its report in experiments/gpu_tests/test_triton_kernels.txt (skipped while
+#      collab_attn/ and the test are unchanged, as below); then one layer's step (benchmarks/decode_kernels.py,
+#      bfloat16, 8,192 positions, batch 1 and 32: keys only at d/4 and keys and values at a quarter of the cache, the
+#      Triton rows beside the others and a copy's bandwidth measured in the same run); then whole models with a
+#      static cache and CUDA graphs against their twins on the present path (benchmarks/decode.py --triton): GPT-2
+#      small keys only at d/4 and cp keys and values at 1/4, batch 32 at 8,192, then batch 1 at 4,096 and 8,192; then
+#      SmolLM2-135M's architecture converted at 1/4 (cp, key-svd, kv-svd), batch 32 at 8,192. Each skipped once its
+#      .json exists.
 #   0. tests: the GPU-only tests (python -m pytest -q tests/test_cuda.py; their CPU twins run in CI:
 #      tests/test_device_twins.py), a minute or two; the report goes to experiments/gpu_tests/test_cuda.txt, whose
 #      first line names the version of the sources it tested (a hash of collab_attn/, tests/test_cuda.py and
@@ -42,13 +51,14 @@
 # $OUT/experiments/... at the end, so the copy-back above puts them where they belong. Logs: $OUT/queue_logs.
 #
 # Settings (environment): PYTHON (python), GPU_QUEUE_DEADLINE (540), GPU_QUEUE_JOBS (which jobs, in order:
-# "tests smollm2 decode glue lm race convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT
+# "triton tests smollm2 decode glue lm race convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT
 # only; the tests job runs as it is: without a GPU every test skips).
 set -u
-JOBS=${GPU_QUEUE_JOBS:-tests smollm2 decode glue lm race convert}
+JOBS=${GPU_QUEUE_JOBS:-triton tests smollm2 decode glue lm race convert}
 if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
+      triton) echo "triton: python -m pytest -q tests/test_triton_kernels.py once per version of collab_attn/ and the test; benchmarks/decode_kernels.py --device cuda --dtype bfloat16 --context 8192 --batch 1, 32 (Triton rows, copy bandwidth); benchmarks/decode.py --device cuda --dtype bfloat16 --caches static --triton: --ranks 192 --cache-fractions 0.25 --race-methods cp at --batches 32 --contexts 8192 and --batches 1 --contexts 4096 8192; --size smollm2 --cache-fractions 0.25 --race-methods cp key-svd kv-svd --batches 32 --contexts 8192";;
       tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
       smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --distill-tokens 2048000 --calibration-tokens 262144: every rotary conversion at 1/2 1/4 1/8, without retraining, calibrated, and distilled from the calibrated ones";;
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; cp keys and values at 0.25 (186) and 0.2475 (184) of the cache, --batches 32 --contexts 8192; benchmarks/decode_kernels.py --value-rank 184 --batch 1, 32";;
@@ -87,6 +97,51 @@ run_job() {  # name command...: one job under the deadline, its output in the lo
   timeout "$(left)" "$@" > "$LOGS/$name.log" 2>&1
   LAST_EXIT=$?
   echo "$name: exit $LAST_EXIT after $(( $(date +%s) - START )) s"
+}
+
+triton() {
+  local out="$ROOT/gpu_tests/test_triton_kernels.txt" sources kernels="$ROOT/benchmarks/decode_kernels_triton_cuda_bfloat16"
+  local models="$ROOT/benchmarks/decode_cuda_bfloat16_triton"
+  sources=$({ find collab_attn -name '*.py' | LC_ALL=C sort; echo tests/conftest.py tests/test_triton_kernels.py; } \
+    | xargs cat | sha1sum | cut -c1-12)
+  if [ "$DRY" = 1 ]; then
+    # on the CPU the kernels run in Triton's interpreter: one test, then both benchmarks at tiny sizes (they check
+    # that the commands run; their timings measure nothing)
+    run_job triton-tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k opcheck
+    run_job triton-kernels env COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1 "$PYTHON" benchmarks/decode_kernels.py \
+      --batch 1 --context 16 --rank 7 --value-rank 9 --repeats 1 --warmup 0 --threads 1 --compile-backend aot_eager \
+      --out "${kernels}_batch1"
+    run_job triton-decode env COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1 "$PYTHON" benchmarks/decode.py --size tiny \
+      --threads 1 --ranks 24 --contexts 16 --batches 1 --caches dynamic --repeats 1 --warmup 0 --triton \
+      --out "${models}_batch1"
+    return
+  fi
+  if [ -f "$out" ] && [ "$(head -n 1 "$out")" = "sources $sources" ]; then echo "triton-tests: done before ($out)"; else
+    run_job triton-tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+    if [ "$LAST_EXIT" = 0 ] || [ "$LAST_EXIT" = 1 ]; then  # as the tests job: a report only of tests that ran
+      mkdir -p "$(dirname "$out")"
+      { echo "sources $sources"; echo "exit $LAST_EXIT"; cat "$LOGS/triton-tests.log"; } > "$out.tmp" && mv "$out.tmp" "$out"
+    fi
+  fi
+  for batch in 1 32; do  # one layer's step: keys only at d/4 (192), keys and values at a quarter (186)
+    if [ -f "${kernels}_batch$batch.json" ]; then echo "triton-kernels-b$batch: done before"; else
+      run_job "triton-kernels-b$batch" "$PYTHON" benchmarks/decode_kernels.py --device cuda --dtype bfloat16 \
+        --batch $batch --context 8192 --rank 192 --value-rank 186 --repeats 50 --warmup 5 --out "${kernels}_batch$batch"
+    fi
+  done
+  local common=(--device cuda --dtype bfloat16 --caches static --triton --repeats 20 --warmup 3)
+  if [ -f "${models}_batch32.json" ]; then echo "triton-decode-b32: done before"; else
+    run_job triton-decode-b32 "$PYTHON" benchmarks/decode.py "${common[@]}" --ranks 192 --cache-fractions 0.25 \
+      --race-methods cp --batches 32 --contexts 8192 --out "${models}_batch32"
+  fi
+  if [ -f "${models}_batch1.json" ]; then echo "triton-decode-b1: done before"; else
+    run_job triton-decode-b1 "$PYTHON" benchmarks/decode.py "${common[@]}" --ranks 192 --cache-fractions 0.25 \
+      --race-methods cp --batches 1 --contexts 4096 8192 --out "${models}_batch1"
+  fi
+  if [ -f "${models}_smollm2.json" ]; then echo "triton-decode-smollm2: done before"; else
+    run_job triton-decode-smollm2 "$PYTHON" benchmarks/decode.py "${common[@]}" --size smollm2 --cache-fractions 0.25 \
+      --race-methods cp key-svd kv-svd --batches 32 --contexts 8192 --out "${models}_smollm2"
+  fi
 }
 
 tests() {
@@ -257,7 +312,7 @@ convert() {
 torch.cuda.is_available())"; } > "$LOGS/environment.txt" 2>&1
 for job in $JOBS; do
   case $job in
-    tests|smollm2|decode|glue|lm|race|convert) $job;;
+    triton|tests|smollm2|decode|glue|lm|race|convert) $job;;
     *) echo "unknown job $job" >&2; exit 2;;
   esac
 done

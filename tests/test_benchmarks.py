@@ -430,7 +430,11 @@ def assert_decode_kernels_reports(result: dict, text: str, printed: str) -> None
         assert row["verdict"] == reference_verdict(name, "original sdpa", runs, base["ms_runs"])
     header, table = markdown_table(text)
     assert header == ["variant", "ms / step", "range", "vs original sdpa", "verdict", "cache MB read", "GB/s",
-                      "max abs difference to explicit"]
+                      "max abs difference to explicit", "of copy"]
+    copied = result["copy"]  # the memory's measured speed, a copy taking turns with the variants
+    assert copied["gb_per_s"] == pytest.approx(copied["mb"] / copied["ms"]) and len(copied["ms_runs"]) == len(
+        base["ms_runs"])
+    assert f"**{copied['gb_per_s']:.1f} GB/s**" in text
     assert "timing_verdict" in text  # the table says by which rule
     lines = [line for line in printed.splitlines() if line.endswith("GB/s")]
     assert len(table) == len(lines) == len(rows)
@@ -441,6 +445,8 @@ def assert_decode_kernels_reports(result: dict, text: str, printed: str) -> None
         assert shows(cells[5], row["cache_mb"]) and shows(cells[6], row["gb_per_s"])
         difference = row["max_abs_difference"]
         assert cells[7] == ("" if difference is None else f"{difference:.1e}")
+        assert row["of_copy"] == pytest.approx(row["gb_per_s"] / copied["gb_per_s"])
+        assert cells[8] == f"{row['of_copy']:.0%}"
         shown_name, ms, low, high, ratio, verdict, megabytes, rate = re.fullmatch(
             r"(\S.*?) +([\d.]+) ms +\[([\d.]+)-([\d.]+)\] +\(([\d.]+x), ([\w-]+)\) +([\d.]+) MB at ([\d.]+) GB/s",
             line).groups()

@@ -14,9 +14,9 @@ from conftest import GLUE_DIR
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "gpu_queue.sh"
 LM_DATA = GLUE_DIR.parents[0] / "tinyshakespeare" / "input.txt"
-JOBS = ["tests", "smollm2", "decode", "glue", "lm", "race", "convert"]
+JOBS = ["triton", "tests", "smollm2", "decode", "glue", "lm", "race", "convert"]
 # The dry run in two parts: the jobs that need no data always run; the others need GLUE and Tiny Shakespeare
-GROUPS = {"no data": ["tests", "decode"], "glue and lm data": ["smollm2", "glue", "lm", "race", "convert"]}
+GROUPS = {"no data": ["triton", "tests", "decode"], "glue and lm data": ["smollm2", "glue", "lm", "race", "convert"]}
 NEEDS = {"no data": [], "glue and lm data": [GLUE_DIR, LM_DATA]}
 
 
@@ -25,6 +25,7 @@ def test_the_queue_lists_its_jobs_in_priority_order():
     assert [line.split(":")[0] for line in listed.splitlines()] == JOBS
     assert "--caches dynamic static" in listed and "refit=distill" in listed and "recipe=gpu" in listed
     assert "pytest -q tests/test_cuda.py" in listed
+    assert "pytest -q tests/test_triton_kernels.py" in listed and "--triton" in listed  # first: issue 67
     assert sorted(job for group in GROUPS.values() for job in group) == sorted(JOBS)  # the dry run covers them all
 
 
@@ -46,7 +47,12 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
     ran = dict(re.findall(r"^([\w-]+): (exit \d+|skipped.*|done before.*)", done.stdout, flags=re.M))
     dry = tmp_path / "dry_run"
     if group == "no data":
-        assert ran == {"tests": "exit 0", "decode": "exit 0", "decode-kernels": "exit 0"}, done.stdout
+        assert ran == {"triton-tests": "exit 0", "triton-kernels": "exit 0", "triton-decode": "exit 0",
+                       "tests": "exit 0", "decode": "exit 0", "decode-kernels": "exit 0"}, done.stdout
+        # the Triton kernels under the interpreter: one layer's step beside the copy, a model beside its twin
+        assert (dry / "benchmarks" / "decode_kernels_triton_cuda_bfloat16_batch1.md").is_file()
+        assert "| collab D~=24, present path |" in (dry / "benchmarks" / "decode_cuda_bfloat16_triton_batch1.md"
+                                                     ).read_text()
         assert (dry / "benchmarks" / "decode_cuda_bfloat16_batches.md").is_file()
         assert (dry / "benchmarks" / "decode_kernels_kv184_cuda_bfloat16_batch1.md").is_file()
         report = (dry / "gpu_tests" / "test_cuda.txt").read_text().splitlines()

@@ -384,3 +384,40 @@ def test_the_switch(switch, monkeypatch, kernel_calls):
         triton_kernels.applies(cpu)
     switch(None)
     assert not triton_kernels.applies(torch.zeros(1, device="meta"))  # not CUDA: the present paths
+
+
+# The benchmarks ------------------------------------------------------------------------------------------------------
+
+
+def test_decode_kernels_times_the_triton_rows_against_the_measured_copy(tmp_path):
+    """benchmarks/decode_kernels.py: where the kernels run, ``collab triton`` and ``collab kv triton`` compute the
+    explicit forms' attention and report their GB/s as a share of the copy measured in the same run."""
+    from test_benchmarks import load
+
+    kernels = load("decode_kernels")
+    result = kernels.main(["--batch", "1", "--context", "16", "--rank", "7", "--value-rank", "9", "--repeats", "1",
+                           "--warmup", "0", "--threads", "1", "--compile-backend", "aot_eager", "--device", DEVICE,
+                           "--out", str(tmp_path / "k")])
+    rows = {row["variant"]: row for row in result["rows"]}
+    for name in ("collab triton", "collab kv triton"):
+        assert rows[name]["max_abs_difference"] < 1e-4
+        assert rows[name]["of_copy"] == pytest.approx(rows[name]["gb_per_s"] / result["copy"]["gb_per_s"])
+    assert "| collab kv triton |" in (tmp_path / "k.md").read_text()
+
+
+def test_decode_times_the_triton_kernels_against_the_present_path(tmp_path):
+    """benchmarks/decode.py --triton: every collaborative model beside a twin on its present path, taking turns; an
+    eager step shows the kernels in the one (a call per layer) and not in the other."""
+    from test_benchmarks import TINY, load
+
+    decode = load("decode")
+    rows = decode.main([*TINY, "--contexts", "16", "--batches", "1", "--repeats", "1", "--warmup", "0", "--triton",
+                        "--device", DEVICE, "--out", str(tmp_path / "d")])
+    twin = "collab D~=24" + decode.PRESENT
+    assert [row["model"] for row in rows] == ["original", "collab D~=24", twin]
+    original, kernels, present = rows
+    assert (original["kernel_calls"], kernels["kernel_calls"], present["kernel_calls"]) == (0, 2, 0)
+    assert kernels["vs_present"] == pytest.approx(kernels["ms_per_step"] / present["ms_per_step"])
+    assert "vs_present" not in present and "| vs present path | verdict |" in (tmp_path / "d.md").read_text()
+    with pytest.raises(SystemExit):
+        decode.main([*TINY, "--triton", "--prefill", "--out", str(tmp_path / "p")])

@@ -26,6 +26,7 @@ imported on the first call. ``applies(tensor)`` says whether a layer takes them,
 ``COLLAB_ATTN_TRITON``: ``1`` forces them wherever they apply (on the CPU only under Triton's interpreter,
 ``TRITON_INTERPRET=1``, which is how the tests run them), ``0`` keeps them off, unset takes them for CUDA tensors
 when triton is installed. The variable is read once, by the first call; any other value is refused.
+``present_path()`` turns them off at call time for what runs inside it, so that one process can time both.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -71,13 +74,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_present = False
+
+
+@contextmanager
+def present_path() -> Iterator[None]:
+    """Inside: ``applies()`` is False, so every layer decodes through its present path (what it runs without the
+    kernels), eager or compiled (a compiled step traced on one path recompiles for the other: the flag is one of its
+    guards). ``benchmarks/decode.py --triton`` times both in one process this way."""
+    global _present
+    before, _present = _present, True
+    try:
+        yield
+    finally:
+        _present = before
+
+
 def applies(tensor: torch.Tensor) -> bool:
-    """Whether a decoding step on ``tensor``'s device takes the Triton kernels (the module's docstring).
+    """Whether a decoding step on ``tensor``'s device takes the Triton kernels (the module's docstring), outside
+    ``present_path()``.
 
     ``COLLAB_ATTN_TRITON=1`` where they cannot run (triton not installed, or a CPU tensor without
     ``TRITON_INTERPRET=1``) is an error, not a quiet fallback."""
     switch = _switch()
-    if switch == "0":
+    if switch == "0" or _present:
         return False
     if switch is None:
         return tensor.device.type == "cuda" and installed()
