@@ -275,23 +275,31 @@ def assert_greedy_generation_is_the_same_with_dynamic_and_static_caches(model, i
 GPT2_MODELS: dict = {}
 
 
-def gpt2(value_rank=None) -> GPT2LMHeadModel:
-    """The tests' small GPT-2 (4 heads of 12, two layers), keys at rank 24, values per head or shared at 24."""
-    if value_rank not in GPT2_MODELS:
+def gpt2(method: str = "cp", value_rank=None) -> GPT2LMHeadModel:
+    """The tests' small GPT-2 (4 heads of 12, two layers) converted at 24: keys (values per head or shared at 24),
+    thin keys (``key-svd``) or an MLA latent (``kv-svd``)."""
+    if (method, value_rank) not in GPT2_MODELS:
         torch.manual_seed(0)
         model = GPT2LMHeadModel(config_of("gpt2")).eval()
-        reparametrize(model, HEADS * HEAD_DIM // 2, "cp", value_rank=value_rank, progress=False, n_iter_max=5)
-        GPT2_MODELS[value_rank] = model.eval().to(DEVICE)
-    return GPT2_MODELS[value_rank]
+        options = {"n_iter_max": 5} if method == "cp" else {}
+        reparametrize(model, HEADS * HEAD_DIM // 2, method, value_rank=value_rank, progress=False, **options)
+        GPT2_MODELS[method, value_rank] = model.eval().to(DEVICE)
+    return GPT2_MODELS[method, value_rank]
 
 
-@pytest.mark.parametrize("value_rank", [None, 24], ids=["keys only", "shared values"])
-def test_a_converted_gpt2_decodes_through_the_kernels_as_it_recomputes(value_rank, kernel_calls):
-    model = gpt2(value_rank)
+@pytest.mark.parametrize("method, value_rank, layer_class, operator", [
+    ("cp", None, "CollaborativeSelfAttention", "keys_only"), ("cp", 24, "CollaborativeSelfAttention", "shared_kv"),
+    ("key-svd", None, "SharedKeySelfAttention", "keys_only"), ("kv-svd", None, "LatentSelfAttention", "shared_kv"),
+], ids=["cp keys only", "cp shared values", "key-svd", "kv-svd"])
+def test_a_converted_gpt2_decodes_through_the_kernels_as_it_recomputes(method, value_rank, layer_class, operator,
+                                                                       kernel_calls):
+    model = gpt2(method, value_rank)
+    assert {type(m).__name__ for m in model.modules() if hasattr(m, "num_heads") and hasattr(m, "scale")} == {
+        layer_class}
     ids = token_ids(batch=1, length=7).to(DEVICE)
     static = StaticCache(config=model.config, max_cache_len=12)
     assert_cached_decoding_equals_recomputation(model, ids, prompt=5, caches=[DynamicCache(), static])
-    assert kernel_calls == ["shared_kv" if value_rank else "keys_only"] * (2 * 2 * 2)  # 2 caches, 2 steps, 2 layers
+    assert kernel_calls == [operator] * (2 * 2 * 2)  # 2 caches, 2 steps, 2 layers
     assert_greedy_generation_is_the_same_with_dynamic_and_static_caches(model, ids[:, :4])
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import (
     CollaborativeAttention,
     MultiHeadAttention,
@@ -187,9 +188,16 @@ class LatentAttention(_SharedKeyValueAttention):
         if absorb:
             w_key, w_value = self._up_projections()
             queries = torch.einsum("bhtd,hdc->bhtc", queries, w_key)  # (B, H, T, latent_size)
-            context, weights = grouped_attend(
-                queries, latent, latent, mask, self.scale, self._dropout(), need_weights
-            )  # context (B, T, H, latent_size)
+            if not need_weights and triton_kernels.takes_step(queries.shape[2], (queries, latent), mask,
+                                                              self._dropout()):
+                # a decoding step through the Triton kernels: the latent as the shared key and value
+                context = triton_kernels.step(queries, latent[:, 0], latent[:, 0], mask, scale=self.scale,
+                                              shared_values=True)[:, None]
+                weights = None
+            else:
+                context, weights = grouped_attend(
+                    queries, latent, latent, mask, self.scale, self._dropout(), need_weights
+                )  # context (B, T, H, latent_size)
             context = torch.einsum("bthc,hdc->bthd", context, w_value)
         else:
             keys = self._heads(self.key(latent[:, 0]), self.num_heads)
@@ -248,6 +256,11 @@ class SharedKeyAttention(_SharedKeyValueAttention):
             keys, values = kv_cache(keys, values)
         mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self._heads(self.query(query_states), self.num_heads)  # (B, H, T, key_size)
+        if not need_weights and triton_kernels.takes_step(queries.shape[2], (queries, keys, values), mask,
+                                                          self._dropout()):
+            # a decoding step through the Triton kernels: one shared key, a value per head, (B, 1, H head_dim)
+            context = triton_kernels.step(queries, keys[:, 0], values, mask, scale=self.scale)[:, None].flatten(2)
+            return self._finish(context), None
         context, weights = attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
         return self._finish(context), weights
 
