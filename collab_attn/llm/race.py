@@ -349,6 +349,7 @@ def plot(results: list[dict], path: Path) -> Path:
             given = " (sizes as given)" if r["entry"]["budget"] == 1.0 else ""  # diagnostics: not one curve
             spread = " (pairs by budget)" if isinstance(r["entry"]["rank"], str) else ""
             calibrated = " calibrated" if r["entry"].get("calibration_tokens") else ""
+            calibrated += f" fitted {r['entry']['fit_steps']}" if r["entry"].get("fit_steps") else ""
             return r["entry"]["method"] + spread + calibrated + (f" distilled {tokens}" if tokens else "") + given
 
         for line in sorted({line_of(r) for r in results if r["entry"]["method"] != "none"}):
