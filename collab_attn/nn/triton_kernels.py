@@ -16,9 +16,10 @@ the rotated kept keys and the latent, with the latent as the value). Two operato
 Both add the heads' content logits (B, H, S) and an additive padding mask (B, S) inside the kernel, never as a
 (B, H, 1, S) mask tensor, and split the sequence into chunks (flash-decoding: batch 1 at a long context still fills
 the GPU): each program keeps a running maximum, sum and weighted sum of values over its chunk in float32, and a
-short torch combine rescales the chunks into the softmax over the whole sequence. Any width: a block of the next
-power of two covers it and loads past the width are masked (the cache is never padded). float32 and bfloat16 (and
-float16) inputs; every sum in float32; the output in the queries' dtype.
+third kernel rescales the chunks into the softmax over the whole sequence (with one chunk the kernel writes the
+output itself). Any width: a block of the next power of two covers it and loads past the width are masked (the
+cache is never padded). float32 and bfloat16 (and float16) inputs; every sum in float32; the output in the queries'
+dtype.
 
 The operators are ``torch.library`` custom ops with shape functions (registered at import, without triton), so a
 static cache's decoding step compiles with ``torch.compile(fullgraph=True)`` and runs under CUDA graphs; triton is
@@ -41,6 +42,7 @@ import torch
 
 SWITCH = "COLLAB_ATTN_TRITON"
 BLOCK_KEYS = 32  # keys per tile inside a chunk
+BLOCK_CHUNKS = 16  # chunks per tile of the combine
 
 _state: dict[str, object] = {}
 
@@ -222,11 +224,27 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _combine(partial, maxima, sums, dtype):
-    """The chunks' partial results (B, H, C, Dv), running maxima and sums (B, H, C) -> the softmax over all keys."""
-    top = maxima.amax(dim=-1, keepdim=True)
-    weights = torch.exp(maxima - top)
-    return ((partial * weights[..., None]).sum(2) / (sums * weights).sum(-1)[..., None]).to(dtype)
+def _outputs(queries, chunks: int, value_width: int):
+    """Where a kernel writes: with one chunk the output itself, (B, H, Dv) in the queries' dtype (no maxima and
+    sums); with several the float32 partial results (B, H, C, Dv), running maxima and sums (B, H, C)."""
+    batch, heads = queries.shape[:2]
+    if chunks == 1:
+        return queries.new_empty(batch, heads, value_width), None, None
+    partial = queries.new_empty(batch, heads, chunks, value_width, dtype=torch.float32)
+    maxima = queries.new_empty(batch, heads, chunks, dtype=torch.float32)
+    return partial, maxima, torch.empty_like(maxima)
+
+
+def _combine(kernels, partial, maxima, sums, dtype):
+    """The chunks' partial results (B, H, C, Dv), running maxima and sums (B, H, C) -> the softmax over all keys,
+    (B, H, Dv) in ``dtype``: one program per head and batch element."""
+    if maxima is None:  # one chunk: the kernel wrote the output
+        return partial
+    batch, heads, chunks, value_width = partial.shape
+    out = partial.new_empty(batch, heads, value_width, dtype=dtype)
+    kernels["combine"][(batch * heads,)](partial, maxima, sums, out, chunks, value_width, BLOCK_C=BLOCK_CHUNKS,
+                                         BLOCK_DV=_block(value_width))
+    return out
 
 
 def _strides(tensor, dims):
@@ -244,17 +262,15 @@ def _keys_only_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         raise ValueError(f"keys_only: {heads} heads cannot share {groups} value groups")
     chunk = _chunk_size(chunk, src_len, batch * heads, queries.device)
     chunks = math.ceil(src_len / chunk)
-    partial = queries.new_empty(batch, heads, chunks, value_width, dtype=torch.float32)
-    maxima = queries.new_empty(batch, heads, chunks, dtype=torch.float32)
-    sums = torch.empty_like(maxima)
+    partial, maxima, sums = _outputs(queries, chunks, value_width)
     kernels["keys_only"][(heads, chunks, batch)](
         queries, keys, values, content, mask, partial, maxima, sums,
         src_len, chunk, scale, heads // groups, width, value_width,
         *queries.stride(), *keys.stride(), *values.stride(), *_strides(content, 3), *_strides(mask, 2),
-        HAS_CONTENT=content is not None, HAS_MASK=mask is not None,
+        HAS_CONTENT=content is not None, HAS_MASK=mask is not None, SPLIT=chunks > 1,
         BLOCK_S=BLOCK_KEYS, BLOCK_R=_block(width), BLOCK_DV=_block(value_width),
     )
-    return _combine(partial, maxima, sums, queries.dtype)
+    return _combine(kernels, partial, maxima, sums, queries.dtype)
 
 
 @torch.library.custom_op("collab_attn::triton_shared_kv_decode", mutates_args=())
@@ -266,20 +282,18 @@ def _shared_kv_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     src_len, value_width = values.shape[1:]
     chunk = _chunk_size(chunk, src_len, batch, queries.device)
     chunks = math.ceil(src_len / chunk)
-    partial = queries.new_empty(batch, heads, chunks, value_width, dtype=torch.float32)
-    maxima = queries.new_empty(batch, heads, chunks, dtype=torch.float32)
-    sums = torch.empty_like(maxima)
+    partial, maxima, sums = _outputs(queries, chunks, value_width)
     block_r, block_dv = _block(width), _block(value_width)
     kernels["shared_kv"][(chunks, batch)](
         queries, keys, values, content, mask, partial, maxima, sums,
         src_len, chunk, scale, heads, width, value_width,
         *queries.stride(), *keys.stride(), *values.stride(), *_strides(content, 3), *_strides(mask, 2),
-        HAS_CONTENT=content is not None, HAS_MASK=mask is not None,
+        HAS_CONTENT=content is not None, HAS_MASK=mask is not None, SPLIT=chunks > 1,
         FLOAT32_DOT=keys.dtype == torch.float32 or interpreting(),
         BLOCK_H=_block(heads), BLOCK_S=BLOCK_KEYS, BLOCK_R=block_r, BLOCK_DV=block_dv,
         num_warps=8 if max(block_r, block_dv) > 256 else 4,
     )
-    return _combine(partial, maxima, sums, queries.dtype)
+    return _combine(kernels, partial, maxima, sums, queries.dtype)
 
 
 @_keys_only_op.register_fake
@@ -305,7 +319,7 @@ def _kernels() -> dict:
         Q, K, V, C, M, OUT, MAX, SUM,
         src_len, chunk, scale, group, width, value_width,
         sq_b, sq_h, sq_r, sk_b, sk_s, sk_r, sv_b, sv_g, sv_s, sv_d, sc_b, sc_h, sc_s, sm_b, sm_s,
-        HAS_CONTENT: tl.constexpr, HAS_MASK: tl.constexpr,
+        HAS_CONTENT: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         """One head ``h`` of one batch element ``b`` over one chunk of keys: its running maximum, sum and weighted
@@ -343,16 +357,19 @@ def _kernels() -> dict:
             total = total * rescale + tl.sum(p, axis=0)
             top = new_top
         row = (b * heads + h) * chunks + c
-        tl.store(OUT + row * value_width + d, acc, mask=d < value_width)
-        tl.store(MAX + row, top)
-        tl.store(SUM + row, total)
+        if SPLIT:  # the chunk's partial results, for the combine
+            tl.store(OUT + row * value_width + d, acc, mask=d < value_width)
+            tl.store(MAX + row, top)
+            tl.store(SUM + row, total)
+        else:  # the only chunk: the output itself
+            tl.store(OUT + row * value_width + d, (acc / total).to(OUT.dtype.element_ty), mask=d < value_width)
 
     @triton.jit
     def shared_kv_kernel(
         Q, K, V, C, M, OUT, MAX, SUM,
         src_len, chunk, scale, heads, width, value_width,
         sq_b, sq_h, sq_r, sk_b, sk_s, sk_r, sv_b, sv_s, sv_d, sc_b, sc_h, sc_s, sm_b, sm_s,
-        HAS_CONTENT: tl.constexpr, HAS_MASK: tl.constexpr, FLOAT32_DOT: tl.constexpr,
+        HAS_CONTENT: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, FLOAT32_DOT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         """Every head of one batch element ``b`` over one chunk of keys at once: the heads are the rows of two
@@ -399,9 +416,37 @@ def _kernels() -> dict:
             top = new_top
         row = (b * heads + h) * chunks + c
         rows = h < heads
-        tl.store(OUT + row[:, None] * value_width + d[None, :], acc, mask=rows[:, None] & (d < value_width)[None, :])
-        tl.store(MAX + row, top, mask=rows)
-        tl.store(SUM + row, total, mask=rows)
+        if SPLIT:  # the chunk's partial results, for the combine
+            tl.store(OUT + row[:, None] * value_width + d[None, :], acc,
+                     mask=rows[:, None] & (d < value_width)[None, :])
+            tl.store(MAX + row, top, mask=rows)
+            tl.store(SUM + row, total, mask=rows)
+        else:  # the only chunk: the output itself
+            tl.store(OUT + row[:, None] * value_width + d[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
+                     mask=rows[:, None] & (d < value_width)[None, :])
 
-    _state["kernels"] = {"keys_only": keys_only_kernel, "shared_kv": shared_kv_kernel}
+    @triton.jit
+    def combine_kernel(PART, MAX, SUM, OUT, chunks, value_width, BLOCK_C: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """One head of one batch element (row ``b H + h``): its chunks' weighted sums rescaled to their common
+        maximum, added up and divided by the rescaled sum of their weights."""
+        row = tl.program_id(0)
+        d = tl.arange(0, BLOCK_DV)
+        top = tl.max(tl.full([BLOCK_C], float("-inf"), tl.float32), axis=0)
+        total = tl.sum(tl.zeros([BLOCK_C], tl.float32), axis=0)
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for first in range(0, chunks, BLOCK_C):
+            c = first + tl.arange(0, BLOCK_C)
+            valid = c < chunks
+            maxima = tl.load(MAX + row * chunks + c, mask=valid, other=float("-inf"))
+            new_top = tl.maximum(top, tl.max(maxima, axis=0))
+            rescale = tl.exp(top - new_top)
+            weights = tl.exp(maxima - new_top)
+            partial = tl.load(PART + (row * chunks + c)[:, None] * value_width + d[None, :],
+                              mask=valid[:, None] & (d < value_width)[None, :], other=0.0)
+            acc = acc * rescale + tl.sum(partial * weights[:, None], axis=0)
+            total = total * rescale + tl.sum(tl.load(SUM + row * chunks + c, mask=valid, other=0.0) * weights, axis=0)
+            top = new_top
+        tl.store(OUT + row * value_width + d, (acc / total).to(OUT.dtype.element_ty), mask=d < value_width)
+
+    _state["kernels"] = {"keys_only": keys_only_kernel, "shared_kv": shared_kv_kernel, "combine": combine_kernel}
     return _state["kernels"]
