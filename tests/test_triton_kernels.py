@@ -166,6 +166,23 @@ def test_bad_inputs_say_what_is_wrong(bad, message):
         triton_kernels.keys_only(*bad)
 
 
+def test_the_chunks_fill_an_h100_without_much_extra_traffic(monkeypatch):
+    """On a GPU (an H100's 132 multiprocessors, pretended) a step splits into about four programs per
+    multiprocessor; with shared keys and values at most S / (20 H) chunks (their float32 partial results cost about
+    2 C H / S of the cache's traffic); on the CPU one chunk; a chunk given is kept."""
+    class H100:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H100)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert triton_kernels._chunk_size(0, 8192, 12, cuda) == 187  # keys only, batch 1: 44 chunks x 12 heads
+    assert triton_kernels._chunk_size(0, 8192, 32 * 12, cuda) == 4096  # batch 32: two chunks
+    assert triton_kernels._chunk_size(0, 8192, 1, cuda, most_chunks=8192 // (20 * 12)) == 241  # shared, batch 1: 34
+    assert triton_kernels._chunk_size(0, 8192, 32, cuda, most_chunks=34) == 482  # shared, batch 32: 17 chunks
+    assert triton_kernels._chunk_size(0, 100, 1, cuda) == 50  # at least 4 tiles of keys per chunk
+    assert triton_kernels._chunk_size(0, 8192, 1, cpu) == 8192 and triton_kernels._chunk_size(7, 8192, 1, cpu) == 7
+
+
 AHEAD_OF_TIME = """
 import importlib.util, sys
 import triton

@@ -41,7 +41,10 @@ from contextlib import contextmanager
 import torch
 
 SWITCH = "COLLAB_ATTN_TRITON"
-BLOCK_KEYS = 32  # keys per tile inside a chunk
+# Keys per tile inside a chunk, and warps per program: first guesses, not measured on a GPU yet. Compiled for sm_90
+# (ptxas -v), 16 keys per tile keeps a GPT-2 layer's programs at 96 to 142 registers without spills (32 keys: 179 to
+# 243), so more programs share a multiprocessor to hide the memory's latency.
+BLOCK_KEYS = 16
 BLOCK_CHUNKS = 16  # chunks per tile of the combine
 
 _state: dict[str, object] = {}
@@ -202,9 +205,10 @@ def _check(name, queries, keys, values, content, mask, values_dims):
         raise ValueError(f"{name}: the inputs are on several devices: {sorted(map(str, devices))}")
 
 
-def _chunk_size(chunk: int, src_len: int, programs_per_chunk: int, device: torch.device) -> int:
-    """Keys per program: ``chunk`` when given, else enough chunks for about four programs per multiprocessor (at
-    least ``4 BLOCK_KEYS`` keys each), one chunk on the CPU (the interpreter)."""
+def _chunk_size(chunk: int, src_len: int, programs_per_chunk: int, device: torch.device,
+                most_chunks: int | None = None) -> int:
+    """Keys per program: ``chunk`` when given, else enough chunks for about four programs per multiprocessor, each of
+    at least ``4 BLOCK_KEYS`` keys and at most ``most_chunks`` of them; one chunk on the CPU (the interpreter)."""
     if chunk < 0:
         raise ValueError(f"chunk must be positive (or 0: chosen for the device), got {chunk}")
     if chunk:
@@ -212,7 +216,8 @@ def _chunk_size(chunk: int, src_len: int, programs_per_chunk: int, device: torch
     if device.type != "cuda":
         return src_len
     wanted = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    chunks = max(1, min(math.ceil(wanted / programs_per_chunk), math.ceil(src_len / (4 * BLOCK_KEYS))))
+    most = math.ceil(src_len / (4 * BLOCK_KEYS)) if most_chunks is None else min(most_chunks, src_len)
+    chunks = max(1, min(math.ceil(wanted / programs_per_chunk), most))
     return math.ceil(src_len / chunks)
 
 
@@ -280,7 +285,9 @@ def _shared_kv_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     kernels = _kernels()
     batch, heads, width = queries.shape
     src_len, value_width = values.shape[1:]
-    chunk = _chunk_size(chunk, src_len, batch, queries.device)
+    # every chunk writes a float32 partial result per head (H Dv numbers) that the combine reads back: against a
+    # cache of S (2 Dv + H) bfloat16 numbers that is about 2 C H / S more traffic, kept near a tenth at most
+    chunk = _chunk_size(chunk, src_len, batch, queries.device, most_chunks=max(1, src_len // (20 * heads)))
     chunks = math.ceil(src_len / chunk)
     partial, maxima, sums = _outputs(queries, chunks, value_width)
     block_r, block_dv = _block(width), _block(value_width)
@@ -291,7 +298,7 @@ def _shared_kv_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         HAS_CONTENT=content is not None, HAS_MASK=mask is not None, SPLIT=chunks > 1,
         FLOAT32_DOT=keys.dtype == torch.float32 or interpreting(),
         BLOCK_H=_block(heads), BLOCK_S=BLOCK_KEYS, BLOCK_R=block_r, BLOCK_DV=block_dv,
-        num_warps=8 if max(block_r, block_dv) > 256 else 4,
+        num_warps=8 if max(block_r, block_dv) > 128 else 4,
     )
     return _combine(kernels, partial, maxima, sums, queries.dtype)
 
