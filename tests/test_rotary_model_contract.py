@@ -5,6 +5,8 @@ its sliding layers) honoured exactly in prefill and decoding, with dynamic and s
 window; padded batches equal to each row alone with its ``position_ids``."""
 
 import copy
+import json
+import re
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ EXACT = {  # method -> (rank, options) that reproduce the original
     "cp shared values": (FULL, {"value_rank": FULL}),
 }
 HALVED = {  # method -> (rank, options) at about half the original's cache
-    "cp": (HALF, {"value_rank": HALF}), "tucker": (HALF, {"value_rank": HALF}), "key-svd": (12, {"value_rank": 12}),
+    "cp": (HALF, {"value_rank": HALF}), "tucker": (HALF, {"value_rank": HALF}), "key-svd": (16, {"value_rank": 12}),
     "kv-svd": (HALF, {}),
 }
 WINDOWED = {  # Mistral: every layer sliding; Qwen2: layer 0 full, layer 1 sliding (max_window_layers)
@@ -57,7 +59,8 @@ def buffers(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method", list(HALVED))
 def test_a_meta_device_build_gets_every_buffer_back_from_init_weights(family, method):
     """transformers' test_init_weights_can_init_buffers: a model built on the meta device, moved to the CPU and
-    initialized has the buffers of one built directly."""
+    initialized has the buffers of one built directly; and the config records the bands the conversion chose, so
+    a model built from it has them."""
     model = convert(original(family), method, *HALVED[method])
     config, model_class = model.config, collab_model_class(type(original(family)))
     direct = model_class(copy.deepcopy(config))
@@ -66,7 +69,8 @@ def test_a_meta_device_build_gets_every_buffer_back_from_init_weights(family, me
     on_meta.to_empty(device="cpu")
     on_meta.init_weights()
     expected, got = buffers(direct), buffers(on_meta)
-    assert any(name.endswith(("pair_bands", "rope_bands")) for name in expected)  # the layers' own buffers
+    bands = [name for name in expected if name.endswith(("pair_bands", "rope_bands"))]
+    assert len(bands) == 2 and all(torch.equal(expected[name], model.get_buffer(name)) for name in bands)
     assert sorted(got) == sorted(expected)
     assert [name for name in expected if not torch.equal(got[name], expected[name])] == []
 
@@ -74,21 +78,33 @@ def test_a_meta_device_build_gets_every_buffer_back_from_init_weights(family, me
 @pytest.mark.parametrize("family", ROTARY)
 @pytest.mark.parametrize("method", list(HALVED))
 def test_loading_through_the_meta_device_keeps_the_saved_bands_and_outputs(family, method, tmp_path):
+    """Loaded with its config, and with a config saved before configs recorded the bands (the weights hold them)."""
     model = convert(original(family), method, *HALVED[method])
-    direct = collab_model_class(type(original(family)))(copy.deepcopy(model.config))
-    with torch.no_grad():  # bands other than the constructor's, where the conversion chose those
-        for name, b in model.named_buffers():
-            if name.endswith("pair_bands") and torch.equal(b, direct.get_buffer(name)):
-                b.copy_(b.flip(0))
-            elif name.endswith("rope_bands") and torch.equal(b, direct.get_buffer(name)):
-                b.add_(HEAD_DIM // 2 - b.shape[1])  # the slowest bands instead of the fastest
+    default = collab_model_class(type(original(family)))(copy.deepcopy(model.config).__class__(
+        **{**model.config.to_dict(), "collab_bands": None}))
     bands = {name: b for name, b in buffers(model).items() if name.endswith(("pair_bands", "rope_bands"))}
-    assert bands and all(not torch.equal(b, direct.get_buffer(name)) for name, b in bands.items())
+    assert any(not torch.equal(b, default.get_buffer(name)) for name, b in bands.items())  # not the defaults
     model.save_pretrained(tmp_path)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)  # built on the meta device, then loaded
-    assert all(torch.equal(loaded.get_buffer(name), b) for name, b in bands.items())
-    with torch.no_grad():
-        assert torch.equal(loaded(ids()).logits, model(ids()).logits)
+    for recorded in (True, False):
+        if not recorded:
+            saved = json.loads((tmp_path / "config.json").read_text())
+            (tmp_path / "config.json").write_text(json.dumps({**saved, "collab_bands": None}))
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)  # built on the meta device, then loaded
+        assert all(torch.equal(loaded.get_buffer(name), b) for name, b in bands.items())
+        with torch.no_grad():
+            assert torch.equal(loaded(ids()).logits, model(ids()).logits)
+
+
+def test_the_tensor_parallel_plan_names_no_converted_weights():
+    """transformers' test_tp_plan_matches_params: every entry of the plan names a parameter or module; the converted
+    attention has no per-head split, so its entries go (the MLP's stay)."""
+    model = convert(original("llama"), "cp", *HALVED["cp"])
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_modules()}
+    for plan in (model.tp_plan, model.model.tp_plan, type(model.config).base_model_tp_plan):
+        assert plan and not any("self_attn" in pattern for pattern in plan)
+        assert any("mlp" in pattern for pattern in plan)
+    for pattern in model.tp_plan:
+        assert any(re.fullmatch(pattern.replace(".", r"\.").replace("*", r"\d+"), name) for name in names), pattern
 
 
 @pytest.mark.parametrize("family", list(WINDOWED))

@@ -17,6 +17,7 @@ collab_attn`` (``collab_attn.models.hf``), whatever the method.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -213,6 +214,12 @@ def _check_installed(name: str, side: str, claimed: float | None, measured: floa
         )
 
 
+def _bands(layer) -> list | None:
+    """The rotary bands a converted layer's pairs rotate with (its kind's ``bands_buffer``), as a list; None for a
+    kind without them."""
+    return None if layer.bands_buffer is None else getattr(layer, layer.bands_buffer).tolist()
+
+
 def _apply(model: nn.Module, sites: list[AttentionSite], request: Request, plan: Plan,
            method: ConversionMethod) -> ReparamReport:
     before = {site.name: (_count(site.module), site.query_key_params) for site in sites}
@@ -235,6 +242,9 @@ def _apply(model: nn.Module, sites: list[AttentionSite], request: Request, plan:
             before[entry.name][1], entry.new.query_key_params(), planned.weighted_error, planned.value_error,
             products_error, value_products_error,
         ))
+    bands = [_bands(entry.new) for entry in built]
+    if any(b is not None for b in bands):  # recorded in the config: a model built from it has the layers' shape
+        layout = dataclasses.replace(layout, bands=bands)
     put_layers(model, built, layout)  # only once every layer holds what was fitted
     report.model_params_after = _count(model)
     return report

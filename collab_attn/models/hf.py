@@ -82,10 +82,13 @@ class Layout:
     mixing_init: str | None = None  # models built from a config to train from scratch: "ones" or "random"
     value_ranks: list[int] | None = None  # per layer, where the values were cut (shared, or narrower heads)
     rope_pairs: list[int] | None = None  # per layer, the rotary pairs each key/value group keeps (rotary-mla)
+    bands: list | None = None  # per layer, its rotary bands (the layer kind's bands_buffer) where it has them
 
     def __post_init__(self):
         if self.rope_pairs is not None and len(self.rope_pairs) != len(self.ranks):
             raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.rope_pairs)} rope pair counts")
+        if self.bands is not None and len(self.bands) != len(self.ranks):
+            raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.bands)} band lists")
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"unknown layer kind {self.kind!r}; choose one of {tuple(LAYER_KINDS)}")
         if self.value_ranks is not None:
@@ -103,8 +106,9 @@ class Layout:
             raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(heads)} head counts")
         values = self.value_ranks or [None] * len(self.ranks)
         rope_pairs = self.rope_pairs or [None] * len(self.ranks)
-        return [LayerSpec(self.kind, h, r, self.tucker_core_size, self.mixing_init, v, p)
-                for r, h, v, p in zip(self.ranks, heads, values, rope_pairs)]
+        bands = self.bands or [None] * len(self.ranks)
+        return [LayerSpec(self.kind, h, r, self.tucker_core_size, self.mixing_init, v, p, b)
+                for r, h, v, p, b in zip(self.ranks, heads, values, rope_pairs, bands)]
 
     def config_fields(self) -> dict:
         """The ``collab_*`` config fields that record this layout (``Layout.of`` reads it back from them)."""
@@ -114,6 +118,7 @@ class Layout:
             "collab_tucker_core_size": self.tucker_core_size, "collab_mixing_init": self.mixing_init,
             "collab_value_ranks": None if self.value_ranks is None else list(self.value_ranks),
             "collab_rope_pairs": None if self.rope_pairs is None else list(self.rope_pairs),
+            "collab_bands": None if self.bands is None else list(self.bands),
         }
 
     @classmethod
@@ -133,7 +138,8 @@ class Layout:
                                  f"({config.collab_method!r}): it was not saved by collab_attn")
         return cls(config.collab_method, kind, list(config.collab_ranks), config.collab_heads,
                    config.collab_tucker_core_size, config.collab_mixing_init, config.collab_value_ranks,
-                   getattr(config, "collab_rope_pairs", None))  # absent from configs saved before rotary-mla
+                   getattr(config, "collab_rope_pairs", None),  # absent from configs saved before rotary-mla
+                   getattr(config, "collab_bands", None))  # absent before configs recorded the bands
 
 
 @dataclass
@@ -204,6 +210,8 @@ def _retag(model: nn.Module, layout: Layout) -> None:
                 vars(config).pop("model_type", None)  # a loaded config may shadow the class's model_type
             for field, value in layout.config_fields().items():
                 setattr(config, field, value)
+            if getattr(module, "_tp_plan", None):
+                module._tp_plan = without_attention(module._tp_plan, family_of(config))
             if type(module) in _COLLAB_MODELS:
                 module.__class__ = _COLLAB_MODELS[type(module)]
                 # transformers keys the output recorders (output_attentions=True) by class: a plain dict keyed by
@@ -233,6 +241,15 @@ def attention_parameters(model: nn.Module) -> dict[str, int]:
     }
 
 
+def without_attention(plan: dict[str, str] | None, family: Family) -> dict[str, str] | None:
+    """A tensor-parallel plan without its entries for the attention projections (they end in the family's query,
+    key, value or output name): a converted layer has other weights, and no per-head split of them is defined."""
+    if plan is None:
+        return None
+    projections = {family.query, family.key, family.value, family.output}
+    return {pattern: style for pattern, style in plan.items() if pattern.rsplit(".", 1)[-1] not in projections}
+
+
 def _collab_config_class(family: Family) -> type:
     if not is_dataclass(family.config_class):
         raise ImportError(
@@ -247,8 +264,10 @@ def _collab_config_class(family: Family) -> type:
             "collab_tucker_core_size": int | None, "collab_mixing_init": str | None,
             "collab_value_ranks": list[int] | None,
             "collab_rope_pairs": list[int] | None,
+            "collab_bands": list | None,
         },
         "model_type": family.collab_model_type,
+        "base_model_tp_plan": without_attention(family.config_class.base_model_tp_plan, family),
         "collab_method": "collaborative",  # the layer kind a CP conversion builds
         "collab_layer": None,  # None in checkpoints saved before configs recorded it (``Layout.of``)
         "collab_ranks": None,
@@ -257,6 +276,7 @@ def _collab_config_class(family: Family) -> type:
         "collab_mixing_init": None,
         "collab_value_ranks": None,
         "collab_rope_pairs": None,  # rotary-mla: the rotary pairs each key/value group keeps, per layer
+        "collab_bands": None,  # rotary kinds: each layer's bands (its pair_bands or rope_bands), per layer
     }
     name = "Collab" + family.config_class.__name__
     cls = strict(type(name, (family.config_class,), namespace))

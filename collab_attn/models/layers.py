@@ -97,7 +97,8 @@ class LayerSpec:
     the ``tucker_core_size``, the ``mixing_init`` of a collaborative layer built from a config (None: block mixing
     where it fits) and ``value_rank``: the values' width D_v where they are cut (one shared value, or heads x narrow
     value heads; None: every head keeps its values); ``rope_pairs``: the rotary pairs each key/value group keeps in a
-    partial-RoPE latent layer (``rotary-mla``; None elsewhere)."""
+    partial-RoPE latent layer (``rotary-mla``; None elsewhere); ``bands``: the rotary bands its pairs rotate with,
+    the layer's ``bands_buffer`` as a list (None: the layer's default)."""
 
     kind: str
     heads: int
@@ -106,6 +107,7 @@ class LayerSpec:
     mixing_init: str | None = None
     value_rank: int | None = None
     rope_pairs: int | None = None
+    bands: list | None = None
 
 
 LAYER_KINDS: dict[str, type[ConvertedSelfAttention]] = {}
@@ -131,6 +133,9 @@ class ConvertedSelfAttention(nn.Module):
     # its plans' relative_error is always the query/key products error, checked against the installed layer even
     # where the method's other plans report another error (kv-svd on rotary models: the per-band forms)
     plans_products_error: ClassVar[bool] = False
+    # the buffer holding the rotary bands its pairs rotate with: part of its shape, recorded in the model's config
+    # (``LayerSpec.bands``) so that a model built from the config is this layer, weights aside
+    bands_buffer: ClassVar[str | None] = None
     # the latest positions a query sees, where the model masks a sliding window (set by ``hf.build_layer`` from the
     # site): only then may the cache hold a sliding-window layer, which drops the positions before the window
     sliding_window: int | None = None
@@ -418,17 +423,19 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
     collaborative = True
     cuts_values = True
     rotary = True
+    bands_buffer = "pair_bands"
 
     def __init__(self, d_model: int, num_heads: int, pairs: int, *, head_dim: int, dropout: float, bias: bool,
                  output_bias: bool, kv_heads: int, logit_scale: float, value_rank: int | None = None,
                  is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
                  residual_norm_eps: float | None = None, output_projection: bool = True,
-                 tucker_core_size: int | None = None):
+                 tucker_core_size: int | None = None, pair_bands: list[int] | None = None):
         block = pairs % num_heads == 0 and tucker_core_size in (None, num_heads)
         RotaryCollaborativeAttention.__init__(
             self, d_model, num_heads, pairs, kv_heads=kv_heads, head_dim=head_dim, dropout=dropout, bias=bias,
             output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
             mixing_init="concatenate" if block else "ones", value_rank=value_rank, tucker_core_size=tucker_core_size,
+            pair_bands=pair_bands,
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
@@ -440,7 +447,7 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
         # shared values fold the value bias into the output bias: Qwen2's output projection gains one
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
         return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
-                   value_rank=spec.value_rank, tucker_core_size=spec.tucker_core_size,
+                   value_rank=spec.value_rank, tucker_core_size=spec.tucker_core_size, pair_bands=spec.bands,
                    **_contract(site)).to(site.weight)
 
 
@@ -453,15 +460,17 @@ class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttent
     cuts_values = True
     rotary = True
     plans_products_error = True  # key-svd's other plans report the error of the keys; this one the logit forms'
+    bands_buffer = "pair_bands"
 
     def __init__(self, d_model: int, num_heads: int, pairs: int, *, head_dim: int, dropout: float, bias: bool,
                  output_bias: bool, kv_heads: int, logit_scale: float, value_rank: int | None = None,
                  is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
-                 residual_norm_eps: float | None = None, output_projection: bool = True):
+                 residual_norm_eps: float | None = None, output_projection: bool = True,
+                 pair_bands: list[int] | None = None):
         RotarySharedKeyAttention.__init__(
             self, d_model, num_heads, pairs, kv_heads=kv_heads, head_dim=head_dim, dropout=dropout, bias=bias,
             output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
-            value_rank=value_rank,
+            value_rank=value_rank, pair_bands=pair_bands,
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
@@ -473,7 +482,7 @@ class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttent
         # shared values fold the value bias into the output bias: Qwen2's output projection gains one
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
         return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
-                   value_rank=spec.value_rank, **_contract(site)).to(site.weight)
+                   value_rank=spec.value_rank, pair_bands=spec.bands, **_contract(site)).to(site.weight)
 
 
 class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAttention, kind="rotary-gqa"):
@@ -512,15 +521,17 @@ class PartialRotaryLatentSelfAttention(ConvertedSelfAttention, PartialRotaryLate
 
     rotary = True
     plans_products_error = True
+    bands_buffer = "rope_bands"
 
     def __init__(self, d_model: int, num_heads: int, latent_size: int, *, rope_pairs: int, kv_heads: int,
                  head_dim: int, dropout: float, bias: bool, output_bias: bool, logit_scale: float,
                  is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
-                 residual_norm_eps: float | None = None, output_projection: bool = True):
+                 residual_norm_eps: float | None = None, output_projection: bool = True,
+                 rope_bands: list[list[int]] | None = None):
         PartialRotaryLatentAttention.__init__(
             self, d_model, num_heads, latent_size, rope_pairs, kv_heads=kv_heads, head_dim=head_dim,
             dropout=dropout, bias=bias, output_bias=output_bias, output_projection=output_projection,
-            logit_scale=logit_scale,
+            logit_scale=logit_scale, rope_bands=rope_bands,
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
@@ -528,7 +539,7 @@ class PartialRotaryLatentSelfAttention(ConvertedSelfAttention, PartialRotaryLate
     def build(cls, site: AttentionSite, spec: LayerSpec) -> PartialRotaryLatentSelfAttention:
         rope_pairs = default_rope_pairs(site.head_dim) if spec.rope_pairs is None else spec.rope_pairs
         return cls(site.d_in, spec.heads, spec.rank, rope_pairs=rope_pairs, kv_heads=site.kv_heads,
-                   output_bias=site.output_bias or site.bias, **_contract(site)).to(site.weight)
+                   output_bias=site.output_bias or site.bias, rope_bands=spec.bands, **_contract(site)).to(site.weight)
 
     @classmethod
     def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:

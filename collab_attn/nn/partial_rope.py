@@ -51,7 +51,7 @@ from torch import nn
 
 from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import grouped_attend
-from collab_attn.nn.rotary import rotate_pairs
+from collab_attn.nn.rotary import bands_as_built, rotate_pairs
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
 
@@ -133,15 +133,20 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
         self.nope_key = _linear(latent_size, kv_heads * nope, bias)
         self.value = nn.Linear(latent_size, kv_heads * self.head_dim, bias=False)  # replaces _Attention's
         if rope_bands is None:
-            rope_bands = self.default_buffers()["rope_bands"]
+            rope_bands = [list(range(rope_pairs))] * kv_heads  # every group keeps the lowest, fastest bands
+        self._bands_as_built = bands_as_built(rope_bands)
         rope_bands = torch.as_tensor(rope_bands)
         self._check_bands(rope_bands)
         self.register_buffer("rope_bands", rope_bands.to(torch.int64).clone(), persistent=True)
 
     def default_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers as the constructor makes them without ``rope_bands`` (every group keeps the lowest bands, the
-        fastest rotating): what a model's ``_init_weights`` writes back into a layer built on the meta device."""
-        return {"rope_bands": torch.arange(self.rope_pairs).expand(self.kv_heads, self.rope_pairs)}
+        """The buffers as the constructor made them (its ``rope_bands``, or the default): what a model's
+        ``_init_weights`` writes back into a layer built on the meta device. Empty where the constructor got the
+        bands as a tensor without data."""
+        if self._bands_as_built is None:
+            return {}
+        bands = torch.tensor(self._bands_as_built, dtype=torch.int64)
+        return {"rope_bands": bands.reshape(self.kv_heads, self.rope_pairs)}
 
     def _check_bands(self, bands: torch.Tensor) -> None:
         """A clear error for kept bands that are not (kv_heads, rope_pairs) strictly increasing band indices."""

@@ -48,10 +48,18 @@ from collab_attn.nn.variants import _SharedKeyValueAttention
 ROTARY_MIXING_INITS = ("concatenate", "ones", "random")
 
 
-def default_pair_bands(pairs: int, head_dim: int) -> torch.Tensor:
+def default_pair_bands(pairs: int, head_dim: int) -> list[int]:
     """The bands ``pairs`` shared pairs rotate with when none are given: pair ``r`` with band ``r mod head_dim/2``
     (at ``pairs = heads x head_dim / 2``, head ``h``'s own block of pairs holds every band once)."""
-    return torch.arange(pairs) % (head_dim // 2)
+    return [r % (head_dim // 2) for r in range(pairs)]
+
+
+def bands_as_built(bands) -> list | None:
+    """Band indices as the constructor got them, in plain Python (nested lists for rows), to build the buffer again
+    (``default_buffers``); None for a tensor without data (one on the meta device)."""
+    if isinstance(bands, torch.Tensor) and bands.device.type == "meta":
+        return None
+    return torch.as_tensor(bands, device="cpu").tolist()
 
 
 def rotate_pairs(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,7 +76,7 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
 
     ``kv_heads`` (default ``num_heads``): value groups, as the source model's key/value heads; ignored with
     ``value_rank``, which shares one value of width D_v across heads (per-head ``value_mixing``).
-    ``pair_bands`` (default ``arange(pairs) % (head_dim / 2)``: with ``pairs = heads * head_dim / 2`` and
+    ``pair_bands`` (default ``default_pair_bands``, ``r mod (head_dim / 2)``: with ``pairs = heads * head_dim / 2`` and
     ``mixing_init="concatenate"`` this is the source's own layout, head ``h`` owning pairs
     ``h d_h/2 .. (h+1) d_h/2 - 1``, pair ``h d_h/2 + i`` rotating with band ``i``).
     ``bias``: biases of the query, key and value projections; ``output_bias`` (default: ``bias``) that of the output
@@ -143,6 +151,7 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
             self.mixing_core = nn.Parameter(torch.empty(tucker_core_size, 2, pairs, pairs))
         if pair_bands is None:
             pair_bands = default_pair_bands(pairs, self.head_dim)
+        self._bands_as_built = bands_as_built(pair_bands)
         pair_bands = torch.as_tensor(pair_bands)
         if pair_bands.shape != (pairs,):
             raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
@@ -215,9 +224,10 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
             )
 
     def default_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers as the constructor makes them without ``pair_bands``: what a model's ``_init_weights`` writes
-        back into a layer built on the meta device (a checkpoint's bands then load over them)."""
-        return {"pair_bands": default_pair_bands(self.pairs, self.head_dim)}
+        """The buffers as the constructor made them (its ``pair_bands``, or the default): what a model's
+        ``_init_weights`` writes back into a layer built on the meta device (a checkpoint's bands then load over
+        them). Empty where the constructor got the bands as a tensor without data."""
+        return {} if self._bands_as_built is None else {"pair_bands": torch.tensor(self._bands_as_built)}
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         bands = state_dict.get(prefix + "pair_bands")

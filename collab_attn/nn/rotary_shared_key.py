@@ -38,7 +38,12 @@ from torch import nn
 
 from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import grouped_attend
-from collab_attn.nn.rotary import RotaryCollaborativeAttention, default_pair_bands, rotate_pairs
+from collab_attn.nn.rotary import (
+    RotaryCollaborativeAttention,
+    bands_as_built,
+    default_pair_bands,
+    rotate_pairs,
+)
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
 
@@ -105,6 +110,7 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
             self.value_up = nn.Linear(value_rank, grouped, bias=False)
         if pair_bands is None:
             pair_bands = default_pair_bands(pairs, self.head_dim)
+        self._bands_as_built = bands_as_built(pair_bands)
         pair_bands = torch.as_tensor(pair_bands)
         if pair_bands.shape != (pairs,):
             raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
