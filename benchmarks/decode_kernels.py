@@ -33,6 +33,8 @@ the CPU only under ``COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1``, which checks tha
 - ``collab triton``: the library's decoding step on a GPU, keys only: one flash-decoding kernel over the shared key,
   the content logits and the per-head values (``triton_kernels.keys_only``), chunks combined in torch.
 - ``collab kv triton``: the same for shared keys and values (``triton_kernels.shared_kv``), then the value mixing.
+- ``--triton-tiles 32:4 16:8 ...`` adds both again per setting of keys per tile and warps per program
+  (``collab triton 32:4``, ...): a sweep of the kernels' first guesses (``triton_kernels.BLOCK_KEYS``, ``WARPS``).
 Every run also times a plain copy (``torch.empty(n).copy_(src)``, at least 256 MiB on a GPU so that it does not fit
 its L2 cache) taking turns with the variants: ``copy GB/s`` is the bytes it reads and writes over its median, and each
 row's ``of copy`` its own GB/s (the cache it reads) over that: the share of the memory's measured speed it reaches.
@@ -134,6 +136,31 @@ def collab_kv_triton(queries, keys, values, content, value_mixing):
     return torch.einsum("bhv,hv->bv", context, value_mixing)[:, None]
 
 
+def with_tiles(fn, block_keys: int, warps: int):
+    """``fn`` run with ``block_keys`` keys per tile and ``warps`` warps per program in the Triton kernels."""
+    def tiled(*inputs):
+        before = triton_kernels.BLOCK_KEYS, triton_kernels.WARPS
+        triton_kernels.BLOCK_KEYS, triton_kernels.WARPS = block_keys, warps
+        try:
+            return fn(*inputs)
+        finally:
+            triton_kernels.BLOCK_KEYS, triton_kernels.WARPS = before
+
+    return tiled
+
+
+def tile_setting(text: str) -> tuple[int, int]:
+    """``KEYS:WARPS`` (``--triton-tiles``): keys per tile, a power of two from 16, and warps, a power of two."""
+    try:
+        keys, warps = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give keys per tile and warps as KEYS:WARPS, e.g. 32:4") from None
+    if keys < 16 or keys & (keys - 1) or warps < 1 or warps & (warps - 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: keys per tile must be a power of two from 16, warps a power "
+                                         "of two")
+    return keys, warps
+
+
 def copy_seconds(destination, source) -> float:
     """Seconds for ``destination.copy_(source)`` (the GPU synchronized on both sides)."""
     if source.device.type == "cuda":
@@ -188,6 +215,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend for the compiled variants (default inductor; aot_eager: the same "
                              "graphs without generating kernels, for checks: its timings measure nothing)")
+    parser.add_argument("--triton-tiles", type=tile_setting, nargs="+", default=[], metavar="KEYS:WARPS",
+                        help="also the Triton rows at these keys per tile and warps per program (where they run)")
     parser.add_argument("--out", type=Path, default=None,
                         help="a new output path without suffix (default: experiments/benchmarks/decode_kernels_"
                              "<device>_<dtype>_<UTC time>); results are never overwritten")
@@ -243,6 +272,14 @@ def main(argv=None) -> dict:
     if triton_kernels.applies(collab_inputs[0]):
         variants["collab triton"] = (collab_triton, collab_inputs, "collab explicit", "collab")
         variants["collab kv triton"] = (collab_kv_triton, kv_inputs, "collab kv explicit", "collab kv")
+        for keys, warps in args.triton_tiles:
+            variants[f"collab triton {keys}:{warps}"] = (with_tiles(collab_triton, keys, warps), collab_inputs,
+                                                         "collab explicit", "collab")
+            variants[f"collab kv triton {keys}:{warps}"] = (with_tiles(collab_kv_triton, keys, warps), kv_inputs,
+                                                            "collab kv explicit", "collab kv")
+    elif args.triton_tiles:
+        parser.error("--triton-tiles: the Triton kernels do not run here (a GPU with triton, or the CPU under "
+                     f"{triton_kernels.SWITCH}=1 TRITON_INTERPRET=1)")
     # the copy: as large as the largest cache read, and at least 256 MiB on a GPU (more than its L2 cache)
     copy_numel = max(max(cache_bytes.values()), (256 << 20) if device == "cuda" else 0) // element
     copy_inputs = (torch.empty(copy_numel, device=device, dtype=dtype), torch.ones(copy_numel, device=device,

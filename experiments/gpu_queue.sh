@@ -13,11 +13,11 @@
 #      it under Triton's interpreter in CI), its report in experiments/gpu_tests/test_triton_kernels.txt (skipped while
 #      collab_attn/ and the test are unchanged, as below); then one layer's step (benchmarks/decode_kernels.py,
 #      bfloat16, 8,192 positions, batch 1 and 32: keys only at d/4 and keys and values at a quarter of the cache, the
-#      Triton rows beside the others and a copy's bandwidth measured in the same run); then whole models with a
-#      static cache and CUDA graphs against their twins on the present path (benchmarks/decode.py --triton): GPT-2
-#      small keys only at d/4 and cp keys and values at 1/4, batch 32 at 8,192, then batch 1 at 4,096 and 8,192; then
-#      SmolLM2-135M's architecture converted at 1/4 (cp, key-svd, kv-svd), batch 32 at 8,192. Each skipped once its
-#      .json exists.
+#      Triton rows beside the others, again at other tiles and warps, and a copy's bandwidth measured in the same
+#      run); then whole models with a static cache and CUDA graphs against their twins on the present path
+#      (benchmarks/decode.py --triton): GPT-2 small keys only at d/4 and cp keys and values at 1/4, batch 32 at
+#      8,192, then batch 1 at 4,096 and 8,192; then SmolLM2-135M's architecture converted at 1/4 (cp, key-svd,
+#      kv-svd), batch 32 at 8,192. Each skipped once its .json exists.
 #   0. tests: the GPU-only tests (python -m pytest -q tests/test_cuda.py; their CPU twins run in CI:
 #      tests/test_device_twins.py), a minute or two; the report goes to experiments/gpu_tests/test_cuda.txt, whose
 #      first line names the version of the sources it tested (a hash of collab_attn/, tests/test_cuda.py and
@@ -58,7 +58,7 @@ JOBS=${GPU_QUEUE_JOBS:-triton tests smollm2 decode glue lm race convert}
 if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
-      triton) echo "triton: python -m pytest -q tests/test_triton_kernels.py once per version of collab_attn/ and the test; benchmarks/decode_kernels.py --device cuda --dtype bfloat16 --context 8192 --batch 1, 32 (Triton rows, copy bandwidth); benchmarks/decode.py --device cuda --dtype bfloat16 --caches static --triton: --ranks 192 --cache-fractions 0.25 --race-methods cp at --batches 32 --contexts 8192 and --batches 1 --contexts 4096 8192; --size smollm2 --cache-fractions 0.25 --race-methods cp key-svd kv-svd --batches 32 --contexts 8192";;
+      triton) echo "triton: python -m pytest -q tests/test_triton_kernels.py once per version of collab_attn/ and the test; benchmarks/decode_kernels.py --device cuda --dtype bfloat16 --context 8192 --batch 1, 32 (Triton rows, a sweep of keys per tile and warps, copy bandwidth); benchmarks/decode.py --device cuda --dtype bfloat16 --caches static --triton: --ranks 192 --cache-fractions 0.25 --race-methods cp at --batches 32 --contexts 8192 and --batches 1 --contexts 4096 8192; --size smollm2 --cache-fractions 0.25 --race-methods cp key-svd kv-svd --batches 32 --contexts 8192";;
       tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
       smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --distill-tokens 2048000 --calibration-tokens 262144: every rotary conversion at 1/2 1/4 1/8, without retraining, calibrated, and distilled from the calibrated ones";;
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; cp keys and values at 0.25 (186) and 0.2475 (184) of the cache, --batches 32 --contexts 8192; benchmarks/decode_kernels.py --value-rank 184 --batch 1, 32";;
@@ -110,7 +110,7 @@ triton() {
     run_job triton-tests "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py -k opcheck
     run_job triton-kernels env COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1 "$PYTHON" benchmarks/decode_kernels.py \
       --batch 1 --context 16 --rank 7 --value-rank 9 --repeats 1 --warmup 0 --threads 1 --compile-backend aot_eager \
-      --out "${kernels}_batch1"
+      --triton-tiles 32:4 --out "${kernels}_batch1"
     run_job triton-decode env COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1 "$PYTHON" benchmarks/decode.py --size tiny \
       --threads 1 --ranks 24 --contexts 16 --batches 1 --caches dynamic --repeats 1 --warmup 0 --triton \
       --out "${models}_batch1"
@@ -126,7 +126,8 @@ triton() {
   for batch in 1 32; do  # one layer's step: keys only at d/4 (192), keys and values at a quarter (186)
     if [ -f "${kernels}_batch$batch.json" ]; then echo "triton-kernels-b$batch: done before"; else
       run_job "triton-kernels-b$batch" "$PYTHON" benchmarks/decode_kernels.py --device cuda --dtype bfloat16 \
-        --batch $batch --context 8192 --rank 192 --value-rank 186 --repeats 50 --warmup 5 --out "${kernels}_batch$batch"
+        --batch $batch --context 8192 --rank 192 --value-rank 186 --repeats 50 --warmup 5 \
+        --triton-tiles 16:2 32:4 32:8 64:8 --out "${kernels}_batch$batch"
     fi
   done
   local common=(--device cuda --dtype bfloat16 --caches static --triton --repeats 20 --warmup 3)

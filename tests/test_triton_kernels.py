@@ -424,14 +424,17 @@ def test_decode_kernels_times_the_triton_rows_against_the_measured_copy(tmp_path
     from test_benchmarks import load
 
     kernels = load("decode_kernels")
-    result = kernels.main(["--batch", "1", "--context", "16", "--rank", "7", "--value-rank", "9", "--repeats", "1",
+    result = kernels.main(["--batch", "1", "--context", "40", "--rank", "7", "--value-rank", "9", "--repeats", "1",
                            "--warmup", "0", "--threads", "1", "--compile-backend", "aot_eager", "--device", DEVICE,
-                           "--out", str(tmp_path / "k")])
+                           "--triton-tiles", "32:2", "--out", str(tmp_path / "k")])
     rows = {row["variant"]: row for row in result["rows"]}
-    for name in ("collab triton", "collab kv triton"):
+    for name in ("collab triton", "collab kv triton", "collab triton 32:2", "collab kv triton 32:2"):
         assert rows[name]["max_abs_difference"] < 1e-4
         assert rows[name]["of_copy"] == pytest.approx(rows[name]["gb_per_s"] / result["copy"]["gb_per_s"])
     assert "| collab kv triton |" in (tmp_path / "k.md").read_text()
+    assert (triton_kernels.BLOCK_KEYS, triton_kernels.WARPS) == (16, None)  # the sweep's settings undone
+    with pytest.raises(SystemExit):
+        kernels.main(["--triton-tiles", "24:4", "--out", str(tmp_path / "bad")])
 
 
 def test_decode_times_the_triton_kernels_against_the_present_path(tmp_path):

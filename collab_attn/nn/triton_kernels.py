@@ -45,6 +45,8 @@ SWITCH = "COLLAB_ATTN_TRITON"
 # (ptxas -v), 16 keys per tile keeps a GPT-2 layer's programs at 96 to 142 registers without spills (32 keys: 179 to
 # 243), so more programs share a multiprocessor to hide the memory's latency.
 BLOCK_KEYS = 16
+WARPS: int | None = None  # warps per program; None: 4, or 8 for the shared kernel above 128 wide
+# (both read at every call: benchmarks/decode_kernels.py --triton-tiles sweeps them)
 BLOCK_CHUNKS = 16  # chunks per tile of the combine
 
 _state: dict[str, object] = {}
@@ -273,7 +275,7 @@ def _keys_only_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         src_len, chunk, scale, heads // groups, width, value_width,
         *queries.stride(), *keys.stride(), *values.stride(), *_strides(content, 3), *_strides(mask, 2),
         HAS_CONTENT=content is not None, HAS_MASK=mask is not None, SPLIT=chunks > 1,
-        BLOCK_S=BLOCK_KEYS, BLOCK_R=_block(width), BLOCK_DV=_block(value_width),
+        BLOCK_S=BLOCK_KEYS, BLOCK_R=_block(width), BLOCK_DV=_block(value_width), num_warps=WARPS or 4,
     )
     return _combine(kernels, partial, maxima, sums, queries.dtype)
 
@@ -298,7 +300,7 @@ def _shared_kv_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         HAS_CONTENT=content is not None, HAS_MASK=mask is not None, SPLIT=chunks > 1,
         FLOAT32_DOT=keys.dtype == torch.float32 or interpreting(),
         BLOCK_H=_block(heads), BLOCK_S=BLOCK_KEYS, BLOCK_R=block_r, BLOCK_DV=block_dv,
-        num_warps=8 if max(block_r, block_dv) > 128 else 4,
+        num_warps=WARPS or (8 if max(block_r, block_dv) > 128 else 4),
     )
     return _combine(kernels, partial, maxima, sums, queries.dtype)
 
