@@ -333,7 +333,8 @@ def _kernels() -> dict:
     ):
         """One head ``h`` of one batch element ``b`` over one chunk of keys: its running maximum, sum and weighted
         sum of its group's values, written to O[b, h, chunk], MAX[b, h, chunk], SUM[b, h, chunk]."""
-        h, c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        h, c = tl.program_id(0), tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)  # offsets in 64 bits: a large batch's cache passes 2^31 elements
         heads, chunks = tl.num_programs(0), tl.num_programs(1)
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_DV)
@@ -383,7 +384,8 @@ def _kernels() -> dict:
     ):
         """Every head of one batch element ``b`` over one chunk of keys at once: the heads are the rows of two
         matrix products with the chunk's shared keys and values, read once."""
-        c, b = tl.program_id(0), tl.program_id(1)
+        c = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)  # offsets in 64 bits: a large batch's cache passes 2^31 elements
         chunks = tl.num_programs(0)
         h = tl.arange(0, BLOCK_H)
         r = tl.arange(0, BLOCK_R)
@@ -438,7 +440,7 @@ def _kernels() -> dict:
     def combine_kernel(PART, MAX, SUM, OUT, chunks, value_width, BLOCK_C: tl.constexpr, BLOCK_DV: tl.constexpr):
         """One head of one batch element (row ``b H + h``): its chunks' weighted sums rescaled to their common
         maximum, added up and divided by the rescaled sum of their weights."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_DV)
         top = tl.max(tl.full([BLOCK_C], float("-inf"), tl.float32), axis=0)
         total = tl.sum(tl.zeros([BLOCK_C], tl.float32), axis=0)
