@@ -391,8 +391,9 @@ def switch(monkeypatch):
 
 
 def test_the_switch(switch, monkeypatch, kernel_calls):
-    """0 keeps the kernels off; unset takes them for CUDA tensors only; a bad value is refused, naming the variable;
-    1 where they cannot run (no triton, or a CPU tensor outside the interpreter) is an error, not a quiet fallback."""
+    """0 keeps the kernels off; unset takes them for CUDA tensors only (of compute capability 8.0 or newer); a bad
+    value is refused, naming the variable; 1 where they cannot run (no triton, or a CPU tensor outside the
+    interpreter) is an error, not a quiet fallback."""
     cpu = torch.zeros(1)
     module = layer()
     switch("0")
@@ -413,6 +414,10 @@ def test_the_switch(switch, monkeypatch, kernel_calls):
         triton_kernels.applies(cpu)
     switch(None)
     assert not triton_kernels.applies(torch.zeros(1, device="meta"))  # not CUDA: the present paths
+    for capability, on in (((7, 5), False), ((8, 0), True), ((9, 0), True)):  # unset: on from Ampere
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, _c=capability: _c)
+        monkeypatch.delitem(triton_kernels._state, ("capable", 5), raising=False)
+        assert triton_kernels._capable(5) is on
 
 
 # The benchmarks ------------------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ static cache's decoding step compiles with ``torch.compile(fullgraph=True)`` and
 imported on the first call. ``applies(tensor)`` says whether a layer takes them, by the switch
 ``COLLAB_ATTN_TRITON``: ``1`` forces them wherever they apply (on the CPU only under Triton's interpreter,
 ``TRITON_INTERPRET=1``, which is how the tests run them), ``0`` keeps them off, unset takes them for CUDA tensors
-when triton is installed. The variable is read once, by the first call; any other value is refused.
+of compute capability 8.0 or newer when triton is installed. The variable is read once, by the first call; any
+other value is refused.
 ``present_path()`` turns them off at call time for what runs inside it, so that one process can time both.
 """
 
@@ -76,6 +77,16 @@ def installed() -> bool:
     return _state["installed"]
 
 
+@torch.compiler.assume_constant_result
+def _capable(index: int | None) -> bool:
+    """Whether the GPU ``index`` (None: the current one) is one the kernels are on by default for: compute capability
+    8.0 or newer (Ampere, Hopper, ...: bfloat16 tensor-core products). Older GPUs take them only when forced."""
+    key = ("capable", index)
+    if key not in _state:
+        _state[key] = torch.cuda.get_device_capability(index) >= (8, 0)
+    return _state[key]
+
+
 def interpreting() -> bool:
     """Whether Triton runs its kernels in its interpreter on the CPU (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -107,7 +118,7 @@ def applies(tensor: torch.Tensor) -> bool:
     if switch == "0" or _present:
         return False
     if switch is None:
-        return tensor.device.type == "cuda" and installed()
+        return tensor.device.type == "cuda" and installed() and _capable(tensor.device.index)
     if not installed():
         raise RuntimeError(f"{SWITCH}=1 asks for the Triton kernels, but triton is not installed "
                            "(pip install -e '.[dev]')")
