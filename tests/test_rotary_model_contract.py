@@ -4,6 +4,7 @@ and a meta-device load through ``from_pretrained`` the same model; sliding windo
 its sliding layers) honoured exactly in prefill and decoding, with dynamic and static caches that keep only the
 window; padded batches equal to each row alone with its ``position_ids``."""
 
+import contextlib
 import copy
 import json
 import re
@@ -93,6 +94,37 @@ def test_loading_through_the_meta_device_keeps_the_saved_bands_and_outputs(famil
         assert all(torch.equal(loaded.get_buffer(name), b) for name, b in bands.items())
         with torch.no_grad():
             assert torch.equal(loaded(ids()).logits, model(ids()).logits)
+
+
+@contextlib.contextmanager
+def seeded_init():
+    """Every module initialized from the same seed (transformers' test_can_init_all_missing_weights does this): two
+    builds that initialize alike then hold the same weights."""
+    initialize = transformers.PreTrainedModel._initialize_weights
+
+    def seeded(*args, **kwargs):
+        transformers.set_seed(42)
+        initialize(*args, **kwargs)
+
+    transformers.PreTrainedModel._initialize_weights = seeded
+    try:
+        yield
+    finally:
+        transformers.PreTrainedModel._initialize_weights = initialize
+
+
+@pytest.mark.parametrize("family", ROTARY)
+@pytest.mark.parametrize("method", list(HALVED))
+def test_weights_missing_from_a_checkpoint_are_initialized_as_the_constructor_does(family, method):
+    """transformers' test_can_init_all_missing_weights: a model loaded from an empty state dict (every weight built
+    on the meta device, then initialized by _init_weights) equals one built from the config."""
+    config = convert(original(family), method, *HALVED[method]).config
+    model_class = collab_model_class(type(original(family)))
+    with seeded_init():
+        built = model_class(copy.deepcopy(config)).state_dict()
+        loaded = model_class.from_pretrained(None, config=copy.deepcopy(config), state_dict={}).state_dict()
+    assert sorted(loaded) == sorted(built)
+    assert [name for name in built if not torch.equal(loaded[name], built[name])] == []
 
 
 def test_the_tensor_parallel_plan_names_no_converted_weights():

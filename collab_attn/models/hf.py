@@ -39,7 +39,6 @@ from collab_attn.models.families import (  # noqa: F401  (re-exported: the HF la
     is_collaborative,
 )
 from collab_attn.models.layers import LAYER_KINDS, ConvertedSelfAttention, LayerSpec  # noqa: F401
-from collab_attn.nn.attention import CollaborativeAttention
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -296,7 +295,8 @@ def _collab_model_class(base: type, config_class: type) -> type:
     @torch.no_grad()
     def _init_weights(self, module):
         base._init_weights(self, module)
-        if isinstance(module, CollaborativeAttention) and not getattr(module.mixing, "_is_hf_initialized", False):
+        # collaborative layers, rotary ones included: the mixing (and shared values' mixing) their init gives
+        if hasattr(module, "reset_mixing") and not getattr(module.mixing, "_is_hf_initialized", False):
             module.reset_mixing()
         # buffers the layer derives in its constructor (rotary bands): a model built on the meta device gets them back;
         # loaded ones (flagged by transformers) stay
