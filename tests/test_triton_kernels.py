@@ -137,9 +137,10 @@ def test_the_kernels_equal_the_softmax_at_odd_sizes(width, value_width, keys, ch
     for values, call, is_shared in ((per_head, triton_kernels.keys_only, False),
                                     (per_group, triton_kernels.keys_only, False),
                                     (shared, triton_kernels.shared_kv, True)):
-        got = call(queries, shared_keys, values, content, mask, 0.7, chunk)
+        got = call(queries, shared_keys, values, content, mask, 0.7, chunk, content_scale=0.3)
         assert got.dtype == dtype and got.shape == (batch, heads, value_width)
-        expected = softmax_reference(queries, shared_keys, values, content, mask, 0.7, is_shared)
+        expected = softmax_reference(queries, shared_keys, values, None if content is None else 0.3 * content.double(),
+                                     mask, 0.7, is_shared)
         torch.testing.assert_close(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
@@ -151,9 +152,9 @@ def test_the_operators_pass_opcheck():
     queries, keys = randn(1, 2, 5), randn(1, 9, 8)[..., :5]
     content, mask = randn(1, 2, 9), torch.zeros(1, 9, device=DEVICE)
     torch.library.opcheck(torch.ops.collab_attn.triton_keys_only_decode.default,
-                          (queries, keys, randn(1, 2, 9, 3), content, mask, 0.5, 4))
+                          (queries, keys, randn(1, 2, 9, 3), content, mask, 0.5, 4, 0.25))
     torch.library.opcheck(torch.ops.collab_attn.triton_shared_kv_decode.default,
-                          (queries, keys, randn(1, 9, 3), None, None, 1.0, 0))
+                          (queries, keys, randn(1, 9, 3), None, None, 1.0, 0, 1.0))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -200,7 +201,7 @@ for name, dtype, split in (("keys_only", "bf16", True), ("shared_kv", "bf16", Fa
                   BLOCK_R=256, BLOCK_DV=64, BLOCK_C=16)
     pointers = dict.fromkeys("QKVCM", "*" + dtype) | dict.fromkeys(("PART", "MAX", "SUM"), "*fp32")
     pointers["OUT"] = "*fp32" if split else "*" + dtype
-    signature = {p: pointers[p] if p in pointers else "fp32" if p == "scale" else "constexpr" if p in values
+    signature = {p: pointers[p] if p in pointers else "fp32" if "scale" in p else "constexpr" if p in values
                  else "i32" for p in names}
     constants = {(names.index(p),): v for p, v in values.items() if p in names}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
@@ -264,7 +265,10 @@ def test_prefill_training_dropout_and_per_head_masks_keep_the_present_paths(kern
         module(torch.randn(2, 5, 30, device=DEVICE), is_causal=True)  # a prompt: five query rows
         per_head = torch.ones(2, 3, 1, 4, dtype=torch.bool, device=DEVICE)
         per_head[0, 1, 0, 0] = False
-        module(torch.randn(2, 1, 30, device=DEVICE), torch.randn(2, 4, 30, device=DEVICE), attention_mask=per_head)
+        query, keys = torch.randn(2, 1, 30, device=DEVICE), torch.randn(2, 4, 30, device=DEVICE)
+        present, _ = module(query, keys, attention_mask=per_head)  # the content logits scaled on this path too
+        explicit, _ = module(query, keys, attention_mask=per_head, need_weights=True)
+        torch.testing.assert_close(present, explicit, atol=1e-5, rtol=1e-5)
         module.dropout = 0.5
         module.train()(torch.randn(2, 1, 30, device=DEVICE), torch.randn(2, 4, 30, device=DEVICE))
     module.dropout = 0.0

@@ -215,14 +215,16 @@ class _Attention(nn.Module):
         counts = self.parameter_counts()
         return sum(counts.get(part, 0) for part in QUERY_KEY_PARTS)
 
-    def _keys_values_mask(self, query_states, key_value_states, attention_mask, is_causal, kv_cache):
+    def _keys_values_mask(self, query_states, key_value_states, attention_mask, is_causal, kv_cache,
+                          scale_content: bool = True):
         """Keys, values, the additive mask over every key the queries attend to, and the content logits (B, H, 1, S)
         (None without content bias); ``_plus(mask, content)`` is the whole bias of the logits.
 
         ``kv_cache``, when given, is called with this call's packed keys (``_pack``: (B, 1 or H, S, width)) and values
         (B, H, S, head_dim; shared values: (B, 1, S, D_v)) and returns those of every position so far (a key/value
         cache's update); the mask then covers the cached positions too, and a causal mask is aligned to the last
-        query."""
+        query. ``scale_content=False`` leaves the content logits unscaled (the Triton kernels scale them as they read
+        them)."""
         keys_from = query_states if key_value_states is None else key_value_states
         keys = self._key_heads(self.key(keys_from))
         content = None if self.content_bias is None else self.content_bias(keys_from)  # (B, S, H)
@@ -238,7 +240,9 @@ class _Attention(nn.Module):
         if content is not None:
             # bq_h . Wk_h y_s does not depend on the query: one logit offset per head and key, (B, H, 1, S). The
             # query bias of head h is exactly this term.
-            content = content.transpose(1, 2)[:, :, None, :] * self.scale
+            content = content.transpose(1, 2)[:, :, None, :]
+            if scale_content:
+                content = content * self.scale
         return keys, values, mask, content
 
     def _finish(self, context: torch.Tensor) -> torch.Tensor:
@@ -442,17 +446,24 @@ class CollaborativeAttention(_Attention):
         need_weights: bool = False,
         kv_cache=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keys, values, mask, content = self._keys_values_mask(
-            query_states, key_value_states, attention_mask, is_causal, kv_cache
-        )  # keys: (B, S, rank), one per position, shared by all heads
         batch, tgt_len, _ = query_states.shape
+        # a decoding step that may go through the Triton kernels: they scale the content logits as they read them
+        maybe_triton = (not need_weights and tgt_len == 1 and query_states.dtype in triton_kernels.DTYPES
+                        and triton_kernels.applies(query_states))
+        keys, values, mask, content = self._keys_values_mask(
+            query_states, key_value_states, attention_mask, is_causal, kv_cache, scale_content=not maybe_triton
+        )  # keys: (B, S, rank), one per position, shared by all heads
         shared_queries = self.query(query_states)  # (B, T, rank)
         shared_values = self.value_mixing is not None
-        if not need_weights and triton_kernels.takes_step(tgt_len, (shared_queries, keys, values), mask,
-                                                          self._dropout()):
+        triton_step = maybe_triton and triton_kernels.takes_step(tgt_len, (shared_queries, keys, values), mask,
+                                                                 self._dropout())
+        if maybe_triton and not triton_step and content is not None:
+            content = content * self.scale
+        if triton_step:
             # a decoding step through the Triton kernels (GPU; the CPU under Triton's interpreter): (B, H, 1, D)
             context = triton_kernels.step(self._mixed(shared_queries), keys, values[:, 0] if shared_values else values,
-                                          mask, content, shared_values=shared_values)[:, :, None]
+                                          mask, content, content_scale=self.scale,
+                                          shared_values=shared_values)[:, :, None]
             weights = None
         elif not need_weights and _cpu_kernels_pay(shared_queries, keys, values):
             # a decoding step on the CPU: the scores in one pass over the shared keys (cpu_kernels), (B, H, T, D)

@@ -135,20 +135,24 @@ def applies(tensor: torch.Tensor) -> bool:
 # The public calls
 
 
-def keys_only(queries, keys, values, content=None, mask=None, scale: float = 1.0, chunk: int = 0) -> torch.Tensor:
-    """``softmax(scale * queries keys^T + content + mask) values`` per head, one query row per head.
+def keys_only(queries, keys, values, content=None, mask=None, scale: float = 1.0, chunk: int = 0,
+              content_scale: float = 1.0) -> torch.Tensor:
+    """``softmax(scale * queries keys^T + content_scale * content + mask) values`` per head, one query row per head.
 
     queries (B, H, R); keys (B, S, R), one per token for every head (any view, e.g. the shared key of a packed
-    cache); values (B, G, S, Dv), G dividing H, head ``h`` reading group ``h // (H / G)``; content (B, H, S) or None,
-    added as it is (already scaled); mask (B, S) additive, or None; ``chunk`` keys per program (0: chosen for the
-    device). Returns (B, H, Dv) in the queries' dtype."""
-    return torch.ops.collab_attn.triton_keys_only_decode(queries, keys, values, content, mask, float(scale), chunk)
+    cache); values (B, G, S, Dv), G dividing H, head ``h`` reading group ``h // (H / G)``; content (B, H, S) or None
+    (any view: the content columns of a packed cache); mask (B, S) additive, or None; ``chunk`` keys per program (0:
+    chosen for the device). Returns (B, H, Dv) in the queries' dtype."""
+    return torch.ops.collab_attn.triton_keys_only_decode(queries, keys, values, content, mask, float(scale), chunk,
+                                                         float(content_scale))
 
 
-def shared_kv(queries, keys, values, content=None, mask=None, scale: float = 1.0, chunk: int = 0) -> torch.Tensor:
+def shared_kv(queries, keys, values, content=None, mask=None, scale: float = 1.0, chunk: int = 0,
+              content_scale: float = 1.0) -> torch.Tensor:
     """``keys_only`` with one value per token shared by every head: values (B, S, Dv) (may be a view of the keys'
     rows, as MLA absorbed reads its latent). Returns (B, H, Dv) in the queries' dtype."""
-    return torch.ops.collab_attn.triton_shared_kv_decode(queries, keys, values, content, mask, float(scale), chunk)
+    return torch.ops.collab_attn.triton_shared_kv_decode(queries, keys, values, content, mask, float(scale), chunk,
+                                                         float(content_scale))
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -170,16 +174,17 @@ def takes_step(tgt_len: int, tensors, mask: torch.Tensor | None, dropout: float)
     return applies(tensors[0])
 
 
-def step(queries, keys, values, mask=None, content=None, scale: float = 1.0, shared_values: bool = False):
+def step(queries, keys, values, mask=None, content=None, scale: float = 1.0, shared_values: bool = False,
+         content_scale: float = 1.0):
     """A layer's decoding step through the kernels, in the layers' shapes: queries (B, H, 1, R), keys (B, S, R),
     values (B, G, S, Dv) (a value per group of heads) or, with ``shared_values``, (B, S, Dv); ``mask`` the layer's
-    additive mask (broadcastable to (B, 1, 1, S): ``takes_step`` said so), ``content`` (B, H, 1, S) or None. Returns
-    the context (B, H, Dv)."""
+    additive mask (broadcastable to (B, 1, 1, S): ``takes_step`` said so), ``content`` (B, H, 1, S) or None, multiplied
+    by ``content_scale`` in the kernel. Returns the context (B, H, Dv)."""
     batch, src_len = keys.shape[0], keys.shape[1]
     _, mask = padding_mask(mask, batch, src_len)
     content = None if content is None else content.expand(batch, -1, 1, src_len)[:, :, 0]
     call = shared_kv if shared_values else keys_only
-    return call(queries[:, :, 0], keys, values, content, mask, scale)
+    return call(queries[:, :, 0], keys, values, content, mask, scale, content_scale=content_scale)
 
 
 def padding_mask(mask: torch.Tensor | None, batch: int, src_len: int) -> tuple[bool, torch.Tensor | None]:
@@ -271,7 +276,7 @@ def _strides(tensor, dims):
 
 @torch.library.custom_op("collab_attn::triton_keys_only_decode", mutates_args=())
 def _keys_only_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, content: torch.Tensor | None,
-                  mask: torch.Tensor | None, scale: float, chunk: int) -> torch.Tensor:
+                  mask: torch.Tensor | None, scale: float, chunk: int, content_scale: float) -> torch.Tensor:
     _check("keys_only", queries, keys, values, content, mask, 4)
     kernels = _kernels()
     batch, heads, width = queries.shape
@@ -283,7 +288,7 @@ def _keys_only_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     partial, maxima, sums = _outputs(queries, chunks, value_width)
     kernels["keys_only"][(heads, chunks, batch)](
         queries, keys, values, content, mask, partial, maxima, sums,
-        src_len, chunk, scale, heads // groups, width, value_width,
+        src_len, chunk, scale, content_scale, heads // groups, width, value_width,
         *queries.stride(), *keys.stride(), *values.stride(), *_strides(content, 3), *_strides(mask, 2),
         HAS_CONTENT=content is not None, HAS_MASK=mask is not None, SPLIT=chunks > 1,
         BLOCK_S=BLOCK_KEYS, BLOCK_R=_block(width), BLOCK_DV=_block(value_width), num_warps=WARPS or 4,
@@ -293,7 +298,7 @@ def _keys_only_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 @torch.library.custom_op("collab_attn::triton_shared_kv_decode", mutates_args=())
 def _shared_kv_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, content: torch.Tensor | None,
-                  mask: torch.Tensor | None, scale: float, chunk: int) -> torch.Tensor:
+                  mask: torch.Tensor | None, scale: float, chunk: int, content_scale: float) -> torch.Tensor:
     _check("shared_kv", queries, keys, values, content, mask, 3)
     kernels = _kernels()
     batch, heads, width = queries.shape
@@ -306,7 +311,7 @@ def _shared_kv_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     block_r, block_dv = _block(width), _block(value_width)
     kernels["shared_kv"][(chunks, batch)](
         queries, keys, values, content, mask, partial, maxima, sums,
-        src_len, chunk, scale, heads, width, value_width,
+        src_len, chunk, scale, content_scale, heads, width, value_width,
         *queries.stride(), *keys.stride(), *values.stride(), *_strides(content, 3), *_strides(mask, 2),
         HAS_CONTENT=content is not None, HAS_MASK=mask is not None, SPLIT=chunks > 1,
         FLOAT32_DOT=keys.dtype == torch.float32 or interpreting(),
@@ -318,7 +323,7 @@ def _shared_kv_op(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 @_keys_only_op.register_fake
 @_shared_kv_op.register_fake
-def _decode_shape(queries, keys, values, content, mask, scale, chunk):
+def _decode_shape(queries, keys, values, content, mask, scale, chunk, content_scale):
     return queries.new_empty(*queries.shape[:2], values.shape[-1])
 
 
@@ -337,7 +342,7 @@ def _kernels() -> dict:
     @triton.jit
     def keys_only_kernel(
         Q, K, V, C, M, OUT, MAX, SUM,
-        src_len, chunk, scale, group, width, value_width,
+        src_len, chunk, scale, content_scale, group, width, value_width,
         sq_b, sq_h, sq_r, sk_b, sk_s, sk_r, sv_b, sv_g, sv_s, sv_d, sc_b, sc_h, sc_s, sm_b, sm_s,
         HAS_CONTENT: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -363,7 +368,8 @@ def _kernels() -> dict:
                         mask=valid[:, None] & (r < width)[None, :], other=0.0).to(tl.float32)
             logits = tl.sum(k * q[None, :], axis=1) * scale
             if HAS_CONTENT:
-                logits += tl.load(C + b * sc_b + h * sc_h + s * sc_s, mask=valid, other=0.0).to(tl.float32)
+                logits += tl.load(C + b * sc_b + h * sc_h + s * sc_s, mask=valid, other=0.0).to(tl.float32) \
+                    * content_scale
             if HAS_MASK:
                 logits += tl.load(M + b * sm_b + s * sm_s, mask=valid, other=0.0).to(tl.float32)
             # a blocked key (the dtype's most negative number, or -inf) stays finite: a row with every key blocked
@@ -388,7 +394,7 @@ def _kernels() -> dict:
     @triton.jit
     def shared_kv_kernel(
         Q, K, V, C, M, OUT, MAX, SUM,
-        src_len, chunk, scale, heads, width, value_width,
+        src_len, chunk, scale, content_scale, heads, width, value_width,
         sq_b, sq_h, sq_r, sk_b, sk_s, sk_r, sv_b, sv_s, sv_d, sc_b, sc_h, sc_s, sm_b, sm_s,
         HAS_CONTENT: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, FLOAT32_DOT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -421,7 +427,7 @@ def _kernels() -> dict:
             logits = logits * scale
             if HAS_CONTENT:
                 logits += tl.load(C + b * sc_b + h[:, None] * sc_h + s[None, :] * sc_s,
-                                  mask=(h < heads)[:, None] & valid[None, :], other=0.0).to(tl.float32)
+                                  mask=(h < heads)[:, None] & valid[None, :], other=0.0).to(tl.float32) * content_scale
             if HAS_MASK:
                 logits += tl.load(M + b * sm_b + s * sm_s, mask=valid, other=0.0).to(tl.float32)[None, :]
             logits = tl.where(valid[None, :], tl.maximum(logits, -3.4028234663852886e38), float("-inf"))
