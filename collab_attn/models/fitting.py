@@ -1,5 +1,5 @@
-"""Fitting converted attention layers to what the original computes (DESIGN.md, "Fitting converted layers to what the
-original computes").
+"""Fitting converted attention layers to what the original computes (docs/design.md, "Fitting converted layers to
+what the original computes").
 
 ``fit_to_original(converted, original, batches, steps)``: for each converted attention layer in order, the inputs the
 *converted* model gives it (its hidden states and every other argument the model passes: masks, rotary positions;
