@@ -36,10 +36,9 @@ import math
 import torch
 from torch import nn
 
-from collab_attn.nn import triton_kernels
-from collab_attn.nn.attention import grouped_attend
 from collab_attn.nn.rotary import (
     RotaryCollaborativeAttention,
+    attend_shared_pairs,
     bands_as_built,
     default_pair_bands,
     rotate_pairs,
@@ -166,16 +165,8 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
             keys, values = kv_cache(keys, values)
         mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self._rotated(self._heads(self.query(query_states), self.num_heads), position_embeddings)
-        if not need_weights and triton_kernels.takes_step(queries.shape[2], (queries, keys, values), mask,
-                                                          self._dropout()):
-            # a decoding step through the Triton kernels: the rotated shared pairs are one shared key of width 2R
-            context = triton_kernels.step(queries, keys[:, 0], values[:, 0] if shared_values else values, mask,
-                                          scale=self.scale, shared_values=shared_values)[:, None]  # (B, 1, H, D)
-            weights = None
-        else:
-            groups = values.shape[1]  # shared values: one group of all heads; the keys are never copied per head
-            keys = keys.expand(-1, groups, -1, -1)
-            context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        context, weights = attend_shared_pairs(queries, keys, values, mask, self.scale, self._dropout(),
+                                               need_weights, shared_values)
         if shared_values:  # (B, T, H, D_v) -> each head's group value (B, T, H, head_dim)
             up = self.value_up.weight.view(self.kv_heads, self.head_dim, -1)
             up = up.repeat_interleave(self.num_heads // self.kv_heads, dim=0)  # (H, head_dim, D_v)
