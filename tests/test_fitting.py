@@ -212,3 +212,65 @@ def test_fit_steps_in_the_method_settings():
     with pytest.raises(ValueError, match="collab.fit_steps=50: scripts/visualize.py does not fit"):
         settings.refuse_fit("scripts/visualize.py")
     MethodSettings.from_config({**group, "fit_steps": None}).refuse_fit("scripts/visualize.py")
+
+
+@pytest.mark.parametrize("make, method, rank, options", [(gpt2, "cp", 20, {"value_rank": 20}),
+                                                         (llama, "key-svd", 12, {"value_rank": 12}),
+                                                         (llama, "kv-svd", 20, {"rope_pairs": 1})],
+                         ids=["gpt2-cp", "llama-key-svd", "llama-kv-svd"])
+@pytest.mark.parametrize("target", ["prefix", "residual"])
+def test_targets_on_the_original_inputs_lower_the_held_out_kl_too(make, method, rank, options, target):
+    """``target="prefix"`` (the original layer on the original's inputs) and ``"residual"`` (also the drift of the
+    stream before it): the first layer sees no drift, so its error before the fit is the same for every target; a
+    later layer's target differs from the layer target's by what the converted layers before it changed."""
+    original, model = converted(make, method, rank, **options)
+    layer_target = collab_attn.fit_to_original(copy.deepcopy(model), original, FIT, steps=1, progress=False)
+    before = kl(original, model)
+    report = collab_attn.fit_to_original(model, original, FIT, steps=STEPS, target=target, progress=False)
+    assert report.target == target and report.to_dict()["target"] == target and f"target {target}" in report.table()
+    assert kl(original, model) < 0.99 * before
+    assert report.layers[0].error_before == pytest.approx(layer_target.layers[0].error_before, rel=1e-9)
+    assert report.layers[1].error_before > 1.2 * layer_target.layers[1].error_before
+    assert all(layer.kept_fit and layer.error_after < 0.9 * layer.error_before for layer in report.layers)
+
+
+@pytest.mark.parametrize("target, inputs", [("prefix", "converted"), ("residual", "converted"),
+                                            ("layer", "original")])
+def test_an_exact_conversion_stays_exact_for_every_target(target, inputs):
+    """At full rank the converted stream is the original's: every target is the original layer's output."""
+    original, model = converted(llama, "cp", 48)
+    with torch.no_grad():
+        expected = model(HELD_OUT).logits
+    report = collab_attn.fit_to_original(model, original, FIT, steps=5, learning_rate=1e-2, target=target,
+                                         inputs=inputs, progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(HELD_OUT).logits, expected, rtol=0, atol=1e-6)
+    assert all(not layer.kept_fit and layer.error_before < 1e-9 for layer in report.layers)
+
+
+def test_inputs_original_fits_each_layer_on_the_original_inputs():
+    """``inputs="original"``: a layer's error does not depend on what the layers before it are: with the first layer
+    perturbed, the second's error is the same (and it is not when the layers are chained)."""
+    original, model = converted(gpt2, "cp", 20, value_rank=20)
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in perturbed.transformer.h[0].attn.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    one, two = (collab_attn.fit_to_original(copy.deepcopy(m), original, FIT, steps=1, inputs="original",
+                                            progress=False) for m in (model, perturbed))
+    assert one.layers[1].error_before == pytest.approx(two.layers[1].error_before, rel=1e-9)
+    assert one.layers[0].error_before > 1.2 * two.layers[0].error_before or \
+        two.layers[0].error_before > 1.2 * one.layers[0].error_before
+    chained = [collab_attn.fit_to_original(copy.deepcopy(m), original, FIT, steps=1, progress=False)
+               for m in (model, perturbed)]
+    assert chained[0].layers[1].error_before != pytest.approx(chained[1].layers[1].error_before, rel=1e-3)
+
+
+def test_bad_targets_and_inputs_say_what_to_pass():
+    original, model = converted(gpt2, "kv-svd", 24)
+    with pytest.raises(ValueError, match="target must be one of 'layer', 'prefix', 'residual'"):
+        collab_attn.fit_to_original(model, original, FIT, steps=3, target="stream")
+    with pytest.raises(ValueError, match="inputs must be 'converted' or 'original'"):
+        collab_attn.fit_to_original(model, original, FIT, steps=3, inputs="both")
+    with pytest.raises(ValueError, match="use target='layer' with inputs='original'"):
+        collab_attn.fit_to_original(model, original, FIT, steps=3, target="residual", inputs="original")

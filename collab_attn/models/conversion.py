@@ -312,14 +312,28 @@ def reparametrize(
     return _apply(model, sites, request, conversion.plan(request), conversion)
 
 
+def _cuts_values(conversion: ConversionMethod, rotary: bool) -> bool:
+    # a method whose rotary layer cuts the values takes a value rank on rotary models (key-svd's shared values)
+    return conversion.cuts_values or (rotary and LAYER_KINDS[conversion.rotary_layer or conversion.layer].cuts_values)
+
+
+def cuts_values_on_rotary_models(conversion: ConversionMethod) -> bool:
+    """Whether the method takes a ``value_rank`` on rotary models (Llama, Qwen2, Mistral)."""
+    return _cuts_values(conversion, True)
+
+
+def takes_value_rank(model: nn.Module, method: str) -> bool:
+    """Whether ``reparametrize(model, ..., method=method, value_rank=...)`` can give the values a width of their own
+    (the methods that share or cut the values, on this model's family)."""
+    return _cuts_values(get_method(method), family_of(model.config).rotary)
+
+
 def _check_value_ranks(conversion: ConversionMethod, value_rank, sites: list[AttentionSite]) -> list[int] | None:
     """Per-layer value widths D_v cached per token (None: each head keeps its values), each in [1, heads x head_dim]
     and within the method's rank rule."""
     if value_rank is None:
         return None
-    # a method whose rotary layer cuts the values takes a value rank on rotary models (key-svd's shared values)
-    rotary_cuts = sites[0].rotary and LAYER_KINDS[conversion.rotary_layer or conversion.layer].cuts_values
-    if not conversion.cuts_values and not rotary_cuts:
+    if not _cuts_values(conversion, sites[0].rotary):
         cutting = [name for name, m in METHODS.items() if m.cuts_values]
         raise ValueError(f"value_rank does not apply to method={conversion.name!r}: its heads keep their values "
                          f"(methods that cut the values: {cutting})")

@@ -3,9 +3,20 @@ what the original computes").
 
 ``fit_to_original(converted, original, batches, steps)``: for each converted attention layer in order, the inputs the
 *converted* model gives it (its hidden states and every other argument the model passes: masks, rotary positions;
-no cache) are captured, the original model's attention module at the same place computes its output on those same
-hidden states, and only that converted layer's parameters are trained (Adam, one of the given batches per step,
-cosine decay) to minimise ``||conv(X) - orig(X)||^2 / ||orig(X)||^2`` over the non-padding tokens. The output is
+no cache) are captured, and only that converted layer's parameters are trained (Adam, one of the given batches per
+step, cosine decay) to minimise ``||conv(X) - Y||^2 / ||Y||^2`` over the non-padding tokens. The target ``Y``
+(``target=``):
+
+- ``"layer"`` (the default): the original's attention layer on the same inputs, ``orig(X)``;
+- ``"prefix"``: the original's attention layer on the inputs the *original* model gives it, ``orig(X_orig)``;
+- ``"residual"``: what makes the residual stream after the attention equal the original's,
+  ``orig(X_orig) + h_orig - h``, with ``h`` the stream entering the layer's block (the attention output is added to
+  it, before or after a norm, in every family here): each layer also corrects the drift the converted layers before
+  it left in the stream.
+
+``inputs="original"`` instead gives every converted layer the inputs the *original* model gives it (the layers are
+then fitted independently of each other, and only ``target="layer"`` applies): what ``collab_attn.allocate_cache``
+measures candidate sizes with, each layer on the same inputs whatever the other layers are. The output is
 compared after the output projection: where the model keeps that projection beside the attention module (BERT,
 RoBERTa), the converted model's projection is part of the layer fitted. Each layer keeps the better of its weights
 before and after the fit, measured on all the fitting tokens, so an exact conversion stays exact. Nothing else moves:
@@ -36,6 +47,7 @@ from collab_attn.models.families import family_of, find_attention, is_collaborat
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.layers import ConvertedSelfAttention
 
+TARGETS = ("layer", "prefix", "residual")
 DEFAULT_LEARNING_RATE = 3e-3  # SmolLM2-135M: 1e-3 and 3e-3 fit its layers, 1e-2 overshoots (kept the conversion)
 # config fields that say nothing about what a model computes, or that a conversion sets
 _IGNORED_CONFIG = ("model_type", "architectures", "transformers_version", "_name_or_path", "name_or_path", "dtype",
@@ -63,6 +75,7 @@ class FitReport:
     steps: int
     learning_rate: float
     tokens: int  # non-padding fitting tokens per pass
+    target: str = "layer"  # what each layer was fitted to (``TARGETS``)
     layers: list[LayerFit] = field(default_factory=list)
     capture_seconds: float = 0.0  # the first passes of both models (before the layers' own seconds)
     cpu_seconds: float = 0.0  # processor time of the whole fit (this process, all its threads)
@@ -74,7 +87,8 @@ class FitReport:
 
     def to_dict(self) -> dict:
         return {"steps": self.steps, "learning_rate": self.learning_rate, "tokens": self.tokens,
-                "seconds": self.seconds, "capture_seconds": self.capture_seconds, "cpu_seconds": self.cpu_seconds,
+                "target": self.target, "seconds": self.seconds, "capture_seconds": self.capture_seconds,
+                "cpu_seconds": self.cpu_seconds,
                 "layers": [asdict(layer) for layer in self.layers]}
 
     def to_json(self) -> str:
@@ -88,7 +102,7 @@ class FitReport:
             rows.append(f"| {layer.name} | {layer.error_before:.4f} | {layer.error_after:.4f} | "
                         f"{layer.fitted_error:.4f} | {'yes' if layer.kept_fit else 'no'} | {layer.seconds:.2f} |")
         count = len(self.layers)
-        rows.append(f"| mean ({self.steps} steps, {self.tokens:,} tokens) | "
+        rows.append(f"| mean ({self.steps} steps, {self.tokens:,} tokens, target {self.target}) | "
                     f"{sum(x.error_before for x in self.layers) / count:.4f} | "
                     f"{sum(x.error_after for x in self.layers) / count:.4f} | "
                     f"{sum(x.fitted_error for x in self.layers) / count:.4f} | "
@@ -132,9 +146,18 @@ def _structural(config) -> dict:
     return {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG and not k.startswith("collab_")}
 
 
-def _check_arguments(steps, learning_rate) -> None:
+def _check_arguments(steps, learning_rate, target, inputs) -> None:
     if type(steps) is not int or steps < 1:
         raise ValueError(f"steps must be a positive number of optimizer steps per layer, got {steps!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(map(repr, TARGETS))} (what each layer is fitted to), "
+                         f"got {target!r}")
+    if inputs not in ("converted", "original"):
+        raise ValueError(f"inputs must be 'converted' or 'original' (which model's inputs each layer is fitted on), "
+                         f"got {inputs!r}")
+    if inputs == "original" and target != "layer":
+        raise ValueError(f"target={target!r} corrects what the converted layers before it changed, which "
+                         "inputs='original' leaves out: use target='layer' with inputs='original'")
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
 
@@ -344,6 +367,8 @@ def fit_to_original(
     *,
     learning_rate: float = DEFAULT_LEARNING_RATE,
     seed: int = 0,
+    target: str = "layer",
+    inputs: str = "converted",
     progress: bool = True,
 ) -> FitReport:
     """Train each converted attention layer of ``converted`` (in place, in order) to give the output of
@@ -352,9 +377,11 @@ def fit_to_original(
     ``batches``: tokenized batches as ``collect_calibration`` takes them (dicts with ``input_ids``,
     ``attention_mask``, ...; other keys are ignored), the fitting tokens; each optimizer step uses one of them (in a
     seeded random order), so their size is the minibatch. ``steps``: Adam steps per layer, ``learning_rate`` its
-    initial rate (cosine decay to 0). Both models are run in eval mode (no dropout) and left in the mode they were
-    in. Returns a ``FitReport``: per layer the relative output error before and after (the weights kept)."""
-    _check_arguments(steps, learning_rate)
+    initial rate (cosine decay to 0). ``target``: what each layer is fitted to, ``"layer"``, ``"prefix"`` or
+    ``"residual"`` (see the module doc); ``inputs``: ``"converted"`` (each layer on the inputs the converted layers
+    before it give it) or ``"original"`` (on the original's, each layer independently). Both models are run in eval
+    mode (no dropout) and left in the mode they were in. Returns a ``FitReport``: per layer the relative output error before and after (the weights kept)."""
+    _check_arguments(steps, learning_rate, target, inputs)
     names = _check_source(converted, original)
     device = next(converted.parameters()).device
     batches = _batches(original, batches, device)
@@ -364,7 +391,8 @@ def fit_to_original(
     original.eval()
     cpu = time.process_time()
     try:
-        report = _fit(converted, original, family, names, batches, steps, learning_rate, seed, progress)
+        report = _fit(converted, original, family, names, batches, steps, learning_rate, seed, target, inputs,
+                      progress)
         report.cpu_seconds = time.process_time() - cpu
         return report
     finally:
@@ -372,16 +400,23 @@ def fit_to_original(
             model.train(mode)
 
 
-def _fit(converted, original, family, names, batches, steps, learning_rate, seed, progress) -> FitReport:
+def _fit(converted, original, family, names, batches, steps, learning_rate, seed, target, inputs,
+         progress) -> FitReport:
     start = time.perf_counter()
     block_names = list(dict.fromkeys(_block_of(converted, name) for name in names))
     blocks = {name: converted.get_submodule(name) for name in block_names}
     layer_of_block = {_block_of(converted, name): name for name in names}
     calls, state, seen = _capture_blocks(converted, blocks, batches)
-    targets = _capture_attention(original, names, batches)
     _check_chain(blocks, calls[0], seen)
+    isolated = inputs == "original"
+    own = target != "layer" or isolated  # the original's own inputs: the original is run block by block beside it
+    if own:
+        theirs = {name: original.get_submodule(name) for name in block_names}
+        their_calls, their_state, _ = _capture_blocks(original, theirs, batches)
+    else:
+        arguments = _capture_attention(original, names, batches)
     masks = [batch.get("attention_mask", torch.ones_like(batch["input_ids"])).to(state[0].dtype) for batch in batches]
-    report = FitReport(steps, float(learning_rate), int(sum(mask.sum() for mask in masks)),
+    report = FitReport(steps, float(learning_rate), int(sum(mask.sum() for mask in masks)), target,
                        capture_seconds=time.perf_counter() - start)
     generator = torch.Generator().manual_seed(seed)
     sequence = [name for name, _ in calls[0]]
@@ -389,17 +424,28 @@ def _fit(converted, original, family, names, batches, steps, learning_rate, seed
     for name in names:
         start = time.perf_counter()
         indices = [k for k, block in enumerate(sequence) if layer_of_block[block] == name]
-        state = _advance(blocks, calls, sequence, state, position, indices[0])
-        position = indices[0]
-        items = _inputs(converted, blocks, calls, sequence, state, position, indices, name)
+        if not isolated:
+            state = _advance(blocks, calls, sequence, state, position, indices[0])
         outer = None if family.output is not None else family.output_projection_name(name)
         layer = _Output(converted.get_submodule(name), None if outer is None else converted.get_submodule(outer))
         reference = _Output(original.get_submodule(name), None if outer is None else original.get_submodule(outer))
+        if own:
+            their_state = _advance(theirs, their_calls, sequence, their_state, position, indices[0])
+            their_items = _inputs(original, theirs, their_calls, sequence, their_state, indices[0], indices, name)
+        items = their_items if isolated else _inputs(converted, blocks, calls, sequence, state, indices[0], indices,
+                                                     name)
         fitted = []
         with torch.no_grad():
-            for call, hidden, batch, rank in items:
-                target = reference(targets[name][batch][rank], hidden)
-                fitted.append((call, hidden, target.detach(), masks[batch]))
+            for k, (call, hidden, batch, rank, stream) in enumerate(items):
+                if own:
+                    their_call, their_hidden, _, _, their_stream = their_items[k]
+                    goal = reference(their_call, their_hidden)
+                    if target == "residual":
+                        goal = goal + (their_stream - stream)
+                else:
+                    goal = reference(arguments[name][batch][rank], hidden)
+                fitted.append((call, hidden, goal.detach(), masks[batch]))
+        del items
         params = [p for p in layer.parameters() if p.requires_grad]
         saved = [p.detach().clone() for p in params]
         before = _error(layer, fitted)
@@ -414,7 +460,10 @@ def _fit(converted, original, family, names, batches, steps, learning_rate, seed
                     param.copy_(value)
         report.layers.append(LayerFit(name, before, after if kept else before, after, kept, len(fitted),
                                       time.perf_counter() - start))
-        state = _advance(blocks, calls, sequence, state, position, indices[-1] + 1)
+        if not isolated:
+            state = _advance(blocks, calls, sequence, state, indices[0], indices[-1] + 1)
+        if own:
+            their_state = _advance(theirs, their_calls, sequence, their_state, indices[0], indices[-1] + 1)
         position = indices[-1] + 1
     return report
 
@@ -430,10 +479,10 @@ def _advance(blocks, calls, sequence, state, start: int, stop: int) -> list[torc
 
 
 @torch.no_grad()
-def _inputs(converted, blocks, calls, sequence, state, start: int, indices: list[int], name: str) -> list:
-    """The converted layer ``name``'s inputs at its calls ``indices`` (block calls from ``start``, the block run up to
+def _inputs(model, blocks, calls, sequence, state, start: int, indices: list[int], name: str) -> list:
+    """The attention layer ``name``'s inputs at its calls ``indices`` (block calls from ``start``, the block run up to
     the layer at the last one): (``_Call`` without the hidden states, hidden states, batch index, the call's number
-    among the layer's calls in one pass) per batch and call."""
+    among the layer's calls in one pass, the hidden states entering the block) per batch and call."""
     captured = []
     last = [False]
 
@@ -443,14 +492,14 @@ def _inputs(converted, blocks, calls, sequence, state, start: int, indices: list
         if last[0]:
             raise _Stop
 
-    current = [0, 0]
-    handle = converted.get_submodule(name).register_forward_pre_hook(pre, with_kwargs=True)
+    current = [0, 0, None]
+    handle = model.get_submodule(name).register_forward_pre_hook(pre, with_kwargs=True)
     try:
         for k in range(start, indices[-1] + 1):
             last[0] = k == indices[-1]
             following = []
             for b, hidden in enumerate(state):
-                current[:] = [b, indices.index(k) if k in indices else -1]
+                current[:] = [b, indices.index(k) if k in indices else -1, hidden]
                 try:
                     following.append(_hidden_of(calls[b][k][1](blocks[sequence[k]], hidden), hidden))
                 except _Stop:

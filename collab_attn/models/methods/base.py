@@ -23,6 +23,23 @@ MIXINGS = ("vectors", "matrices")
 
 
 @dataclass(frozen=True)
+class CacheSizes:
+    """The sizes a method takes to cache a given number of numbers per token and layer: ``reparametrize(model, rank,
+    method, value_rank=value_rank, **options)``."""
+
+    rank: int
+    value_rank: int | None = None
+    options: dict = dataclasses.field(default_factory=dict)
+
+
+def even_split(budget: int, kv_heads: int, head_dim: int, rope_pairs: int) -> CacheSizes | None:
+    """Rotary keys and shared values of the same width, half the budget each (the keys' width even: it counts the
+    shared rotary pairs twice); None below 2 numbers each."""
+    half = budget // 2 - (budget // 2) % 2
+    return CacheSizes(half, half) if half > 0 else None
+
+
+@dataclass(frozen=True)
 class NoOptions:
     """A method without options besides rank and seed."""
 
@@ -50,6 +67,10 @@ class ConversionMethod:
     rotary_layer: str | None = None
     # takes a budget on rotary models too ("mean:96", "energy:0.9": collab_attn.decomposition.rotary_budget)
     rotary_budgets: bool = False
+    # (budget, kv_heads, head_dim, rope_pairs) -> the largest ``CacheSizes`` whose cache on a rotary model with
+    # kv_heads key/value heads of head_dim holds at most budget numbers per token and layer (None: it cannot get that
+    # small); rope_pairs: the rotary pairs a partial-RoPE method keeps per group. None: the races do not size it.
+    sizes_within: Callable[[int, int, int, int], CacheSizes | None] | None = None
 
     def __post_init__(self):
         for layer in (self.layer, self.rotary_layer or self.layer):

@@ -4,7 +4,7 @@ stacked head products (``collab_attn.models.methods.decomposition``); on rotary 
 
 from __future__ import annotations
 
-from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.methods.base import ConversionMethod, even_split, register
 from collab_attn.models.methods.decomposition import DecompositionOptions, plan_decomposition
 from collab_attn.models.methods.rotary import plan_rotary
 from collab_attn.models.plan import Plan, Request
@@ -22,5 +22,5 @@ CP = register(ConversionMethod(
     NAME, "collaborative heads with mixing vectors from a CP decomposition of the head products (the paper's)",
     plan_cp, layer="collaborative", options=DecompositionOptions, budgets=True, calibrated=True, decomposes=True,
     mixing="vectors", cuts_values=True, rotary_layer="rotary-collaborative",
-    rotary_budgets=True,
+    rotary_budgets=True, sizes_within=even_split,
 ))

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
-from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.methods.base import ConversionMethod, even_split, register
 from collab_attn.models.methods.rotary_key_svd import plan_rotary_key_svd
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
@@ -47,5 +47,5 @@ def plan_key_svd(request: Request) -> Plan:
 KEY_SVD = register(ConversionMethod(
     NAME, "one key of width rank shared by every head, from an SVD of the stacked key projection (thin keys)",
     plan_key_svd, layer="shared-key", calibrated=True, reports_products_error=False, rotary_layer="rotary-shared-key",
-    rotary_budgets=True,
+    rotary_budgets=True, sizes_within=even_split,
 ))

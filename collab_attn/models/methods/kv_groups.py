@@ -32,7 +32,7 @@ import torch
 
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
-from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register
 from collab_attn.models.methods.rotary import rotary_forms
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request, ValueWeights
 from collab_attn.models.products import band_forms_of, original_forms, original_value_forms, relative_error
@@ -166,11 +166,22 @@ def plan_drop_kv(request: Request) -> Plan:
                 pruning=Pruning(kept_groups, energies, query_key_params))
 
 
+def _group_sizes(merging: bool):
+    def sizes(budget: int, kv_heads: int, head_dim: int, rope_pairs: int) -> CacheSizes | None:
+        """The most whole key/value groups (of 2 x head_dim numbers) within the budget; merging needs a number that
+        divides the source's groups (each merged group the mean of whole source groups)."""
+        groups = [g for g in range(1, budget // (2 * head_dim) + 1) if not merging or kv_heads % g == 0]
+        return CacheSizes(groups[-1] * head_dim) if groups else None
+
+    return sizes
+
+
 MERGE_KV = register(ConversionMethod(
     MERGE, "grouped-query attention: G key/value groups, each the mean of whole source groups (GQA's conversion)",
-    plan_merge_kv, layer="gqa", reads_values=True, rotary_layer="rotary-gqa",
+    plan_merge_kv, layer="gqa", reads_values=True, rotary_layer="rotary-gqa", sizes_within=_group_sizes(True),
 ))
 DROP_KV = register(ConversionMethod(
     DROP, "the G key/value groups of largest query/key energy, with their query heads; the others dropped",
     plan_drop_kv, layer="kept-heads", reads_values=True, rotary_layer="rotary-gqa",
+    sizes_within=_group_sizes(False),
 ))

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
-from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register
 from collab_attn.models.methods.partial_rope import plan_partial_rope
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
@@ -67,8 +67,15 @@ def plan_kv_svd(request: Request) -> Plan:
     return Plan(layers, list(request.ranks), SOLVER, calibration=calibration_summary(request))
 
 
+def kv_svd_sizes(budget: int, kv_heads: int, head_dim: int, rope_pairs: int) -> CacheSizes | None:
+    """On rotary models (MHA2MLA's partial RoPE): ``rope_pairs`` rotating pairs per key/value group, cached with
+    their rotation, and the rest of the budget for the latent."""
+    latent = budget - 2 * rope_pairs * kv_heads
+    return CacheSizes(latent, options={"rope_pairs": rope_pairs}) if latent > 0 else None
+
+
 KV_SVD = register(ConversionMethod(
     NAME, "latent attention (MLA): one latent of width rank per token from a joint SVD of keys and values",
     plan_kv_svd, layer="mla", options=KvSvdOptions, calibrated=True, reads_values=True, reports_products_error=False,
-    rotary_layer="rotary-mla",
+    rotary_layer="rotary-mla", sizes_within=kv_svd_sizes,
 ))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.methods.base import ConversionMethod, even_split, register
 from collab_attn.models.methods.decomposition import DecompositionOptions, plan_decomposition
 from collab_attn.models.methods.rotary import plan_rotary
 from collab_attn.models.plan import Plan, Request
@@ -36,4 +36,5 @@ TUCKER = register(ConversionMethod(
     NAME, "collaborative heads with mixing matrices from a Tucker decomposition of the head products",
     plan_tucker, layer="collaborative", options=TuckerOptions, budgets=True, calibrated=True, decomposes=True,
     mixing="matrices", cuts_values=True, rotary_layer="rotary-collaborative", rotary_budgets=True,
+    sizes_within=even_split,
 ))
