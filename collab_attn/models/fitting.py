@@ -380,7 +380,8 @@ def fit_to_original(
     initial rate (cosine decay to 0). ``target``: what each layer is fitted to, ``"layer"``, ``"prefix"`` or
     ``"residual"`` (see the module doc); ``inputs``: ``"converted"`` (each layer on the inputs the converted layers
     before it give it) or ``"original"`` (on the original's, each layer independently). Both models are run in eval
-    mode (no dropout) and left in the mode they were in. Returns a ``FitReport``: per layer the relative output error before and after (the weights kept)."""
+    mode (no dropout) and left in the mode they were in. Returns a ``FitReport``: per layer the relative output error
+    before and after (the weights kept)."""
     _check_arguments(steps, learning_rate, target, inputs)
     names = _check_source(converted, original)
     device = next(converted.parameters()).device
