@@ -410,12 +410,14 @@ def plot(results: list[dict], path: Path) -> Path:
             calibrated += f" ({r['entry']['fit_target']})" if r["entry"].get("fit_target", "layer") != "layer" else ""
             return r["entry"]["method"] + spread + calibrated + (f" distilled {tokens}" if tokens else "") + given
 
-        for line in sorted({line_of(r) for r in results if r["entry"]["method"] != "none"}):
+        lines = sorted({line_of(r) for r in results if r["entry"]["method"] != "none"})
+        colours = plt.get_cmap("tab20" if len(lines) > 10 else "tab10")
+        for index, line in enumerate(lines):  # one colour per line, the same in every panel
             points = sorted((r["cache_fraction"], r["domains"][domain]["perplexity"]
                              / r["domains"][domain]["original_perplexity"])
                             for r in results if line_of(r) == line and domain in r["domains"])
             if points:
-                ax.plot(*zip(*points), marker="x" if "as given" in line else "o",
+                ax.plot(*zip(*points), marker="x" if "as given" in line else "o", color=colours(index % colours.N),
                         linestyle="none" if "as given" in line else "-", label=line)
         ax.axhline(1.0, color="black", linewidth=0.8, label="original")
         ax.set(xscale="log", yscale="log", xlabel="cache per token (fraction of the original's)",
@@ -423,9 +425,10 @@ def plot(results: list[dict], path: Path) -> Path:
         ticks = [1 / 8, 1 / 4, 1 / 3, 1 / 2, 3 / 4, 1]
         ax.set_xticks(ticks, ["1/8", "1/4", "1/3", "1/2", "3/4", "1"])
         ax.minorticks_off()
-        ax.legend(fontsize=8)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside, not over, the data
     fig.tight_layout()
     with replacing(path) as tmp:
-        fig.savefig(tmp, dpi=120)
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
