@@ -148,6 +148,19 @@ def character_tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
 
 
+def growing_cache():
+    """A key/value cache for ``kv_cache=``: appends each call's packed keys and values along the positions."""
+    store = {}
+
+    def update(packed, values):
+        for name, new in (("packed", packed), ("values", values)):
+            store[name] = torch.cat([store[name], new], dim=2) if name in store else new
+        return store["packed"], store["values"]
+
+    update.store = store
+    return update
+
+
 def causal_pass_and_cached_steps(module, x: torch.Tensor, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """An attention layer's output on ``x`` in one causal pass, and again through its own ``kv_cache`` hook: the first
     ``prompt`` tokens, then one token at a time (every call's keys and values concatenated), without gradients."""

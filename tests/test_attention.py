@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import growing_cache
 
 from collab_attn import CollaborativeAttention, MultiHeadAttention
 from collab_attn.nn.attention import additive_mask
@@ -117,18 +118,6 @@ def test_mask_alike_for_every_query_is_reduced_to_one_row():
     assert torch.equal(reduced[1, 0, 0] < 0, torch.tensor([False, False, True, True]))
     causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None].expand(2, 1, 4, 4) & padding
     assert additive_mask(causal, False, 4, 4, torch.float32, torch.device("cpu")).shape == (2, 1, 4, 4)
-
-
-def growing_cache():
-    """A key/value cache for ``kv_cache=``: appends each call's packed keys and values along the positions."""
-    store = {}
-
-    def update(packed, values):
-        for name, new in (("packed", packed), ("values", values)):
-            store[name] = torch.cat([store[name], new], dim=2) if name in store else new
-        return store["packed"], store["values"]
-
-    return update
 
 
 def run_blocked(monkeypatch, block, layer, *args, **kwargs):
@@ -432,36 +421,36 @@ def test_tucker_matrices_are_built_once_without_gradients_and_again_when_the_par
     tensor in ``.data`` or a dtype change each give what recomputing gives, and training still reaches the cores."""
     torch.manual_seed(4)
     layer = CollaborativeAttention(32, 4, 8, value_rank=6, tucker_core_size=3, mixing_init="random").eval()
-    x = torch.randn(2, 5, 32)
+    x = torch.randn(2, 5, 32)  # no causal mask: with or without gradients the explicit path, bit for bit
 
     def fresh():  # with gradients on, the matrices are rebuilt on every call
-        return layer(x, is_causal=True)[0].detach()
+        return layer(x)[0].detach()
 
     with torch.no_grad():
-        first = layer(x, is_causal=True)[0]
+        first = layer(x)[0]
         key_matrices, value_matrices = layer.mixing_matrices(), layer.value_mixing_matrices()
     with torch.inference_mode():
         assert layer.mixing_matrices() is key_matrices and layer.value_mixing_matrices() is value_matrices
-        torch.testing.assert_close(layer(x, is_causal=True)[0], first, rtol=0, atol=0)
+        torch.testing.assert_close(layer(x)[0], first, rtol=0, atol=0)
     changes = [
         lambda: torch.optim.SGD(layer.parameters(), lr=0.5).step(),
         lambda: layer.load_state_dict(layer.state_dict() | {"value_core": torch.randn(3, 6, 6)}),
         lambda: setattr(layer.mixing_core, "data", torch.randn(3, 8, 8)),
     ]
     for change in changes:
-        layer(x, is_causal=True)[0].square().sum().backward()  # gradients reach both cores
+        layer(x)[0].square().sum().backward()  # gradients reach both cores
         assert layer.mixing_core.grad.abs().sum() > 0 and layer.value_core.grad.abs().sum() > 0
         change()
         layer.zero_grad()
         with torch.no_grad():
-            after = layer(x, is_causal=True)[0]
+            after = layer(x)[0]
         assert not torch.allclose(after, first)
         torch.testing.assert_close(after, fresh(), rtol=0, atol=0)
         first = after
     layer.double()  # float32 matrices kept would not multiply float64 queries
     with torch.no_grad():
-        doubled = layer(x.double(), is_causal=True)[0]
-    torch.testing.assert_close(doubled, layer(x.double(), is_causal=True)[0].detach(), rtol=0, atol=0)
+        doubled = layer(x.double())[0]
+    torch.testing.assert_close(doubled, layer(x.double())[0].detach(), rtol=0, atol=0)
 
 
 def test_shared_values_refuse_a_bad_value_rank():

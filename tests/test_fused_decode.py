@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import causal_pass_and_cached_steps, with_cache
+from conftest import causal_pass_and_cached_steps, growing_cache, with_cache
 from test_common_model import HEAD_DIM, HEADS, config_of, token_ids
 from test_static_cache import assert_compiled_static_decoding_equals_eager
 from transformers import DynamicCache, GPT2LMHeadModel, StaticCache
@@ -80,10 +80,77 @@ def test_the_fused_path_gives_the_explicit_paths_outputs(tucker, rank, value_ran
 
 def test_shared_keys_wider_than_the_values_stay_explicit(fused_calls):
     """The fused kernels want the keys no wider than the values (the CPU pads narrower ones): wider ones stay on the
-    explicit path."""
+    explicit path, except in a causal prompt (below), which pads both to one width."""
+    padding = torch.ones(2, 5, dtype=torch.long)
     with torch.no_grad():
-        layer(48, 40)(torch.randn(2, 5, 96), is_causal=True)
+        layer(48, 40)(torch.randn(2, 5, 96), attention_mask=padding, is_causal=True)
     assert fused_calls == []
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """The keyword arguments and the query shape of every ``scaled_dot_product_attention`` call."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        calls.append({"query": tuple(query.shape), **kwargs})
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("tucker", [None, 3], ids=["cp", "tucker"])
+@pytest.mark.parametrize("rank, value_rank", [(48, 48), (40, 48), (48, 40), (13, 11)])
+def test_a_causal_prompt_gives_the_causal_mask_to_the_kernel(tucker, rank, value_rank, fused_calls, sdpa_calls):
+    """A causal prompt (issue 67, item 3): no (T, S) mask is handed to the kernel, which is told the pass is causal
+    and so skips the keys a block of rows cannot see; the content logits ride in the product (one column per
+    head), the widths are padded to one multiple of 8. The outputs are the explicit path's."""
+    module, x = layer(rank, value_rank, tucker), torch.randn(3, 9, 96)
+    with torch.no_grad():
+        fused, _ = module(x, is_causal=True)
+        explicit, _ = module(x, is_causal=True, need_weights=True)
+    assert len(fused_calls) == 1 and len(sdpa_calls) == 1
+    call = sdpa_calls[0]
+    assert call["is_causal"] is True and call.get("attn_mask") is None
+    assert call["query"] == (3, 6, 9, -(-max(rank + 6, value_rank) // 8) * 8)
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("bias", ["none", "per key"])
+def test_grouped_attention_told_it_is_causal_equals_the_causal_mask(groups, bias):
+    """``grouped_attend(causal=True)`` against the same call with the causal mask in the bias, with and without
+    weights, for one and two key/value heads and unequal widths."""
+    torch.manual_seed(0)
+    queries, keys, values = torch.randn(2, 4, 7, 5), torch.randn(2, groups, 7, 5), torch.randn(2, groups, 7, 3)
+    per_key = None if bias == "none" else torch.randn(2, 4, 1, 7)
+    causal = attention.additive_mask(None, True, 7, 7, torch.float32, torch.device("cpu"))
+    masked = causal if per_key is None else per_key + causal
+    expected, weights = attention.grouped_attend(queries, keys, values, masked, 0.4, 0.0, True)
+    told, none = attention.grouped_attend(queries, keys, values, per_key, 0.4, 0.0, False, causal=True)
+    told_weights = attention.grouped_attend(queries, keys, values, per_key, 0.4, 0.0, True, causal=True)[1]
+    assert none is None
+    torch.testing.assert_close(told, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(told_weights, weights)
+    with pytest.raises(ValueError, match="no cached positions"):
+        attention.grouped_attend(queries, keys[:, :, :6], values[:, :, :6], None, 0.4, 0.0, False, causal=True)
+
+
+def test_a_prompt_after_cached_positions_or_with_padding_keeps_the_mask(sdpa_calls):
+    """Only a prompt into an empty cache with no other mask is causal from its first row: a chunk after cached
+    positions and a padded prompt hand the mask to the kernel, as before."""
+    module, x = layer(48, 48), torch.randn(2, 8, 96)
+    padding = torch.ones(2, 8, dtype=torch.long)
+    padding[0, :2] = 0
+    with torch.no_grad():
+        whole = module(x, is_causal=True)[0]
+        module(x, attention_mask=padding, is_causal=True)
+        cache = growing_cache()
+        chunks = torch.cat([module(x[:, :5], is_causal=True, kv_cache=cache)[0],
+                            module(x[:, 5:], is_causal=True, kv_cache=cache)[0]], dim=1)
+    assert [call.get("is_causal", False) for call in sdpa_calls] == [True, False, True, False]
+    torch.testing.assert_close(chunks, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_training_keeps_the_explicit_path_and_its_gradients(fused_calls):
@@ -151,3 +218,19 @@ def test_compiled_static_decoding_through_the_fused_path_equals_eager_without_re
     model = copy.deepcopy(gpt2_with_shared_values())
     model.set_attn_implementation("sdpa")
     assert_compiled_static_decoding_equals_eager(model)
+
+
+def test_a_mask_that_is_exactly_causal_counts_as_a_causal_prompt():
+    """transformers' eager attention hands the layers the causal mask where sdpa hands them none: on the CPU both are
+    a causal prompt, and a mask that blocks anything else (padding), or a chunk after cached positions, is not."""
+    below = torch.ones(5, 5, dtype=torch.bool).tril()
+    blocked = torch.finfo(torch.float32).min
+    as_floats = torch.zeros(5, 5).masked_fill(~below, blocked)
+    padded = below.clone()
+    padded[:, 0] = False
+    assert attention.causal_prompt(None, True, 5, 5) and not attention.causal_prompt(None, False, 5, 5)
+    assert attention.causal_prompt(below[None, None].expand(2, 1, 5, 5), False, 5, 5)
+    assert attention.causal_prompt(as_floats[None], False, 5, 5)
+    assert not attention.causal_prompt(padded[None, None], False, 5, 5)
+    assert not attention.causal_prompt(as_floats.masked_fill(~below, -1.0)[None], False, 5, 5)
+    assert not attention.causal_prompt(None, True, 3, 5) and not attention.causal_prompt(None, True, 1, 1)

@@ -221,13 +221,18 @@ def test_generation_without_cache_with_a_dynamic_and_a_static_cache_agree(family
 def test_saves_and_loads_through_the_auto_classes(family, tmp_path):
     model, _ = converted(original(family), 20, 2)
     model.save_pretrained(tmp_path)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    # the same attention implementation: the same computation, bit for bit (the default, sdpa, hands the layers no
+    # mask for an unpadded prompt, which then runs the plain form with the causal mask in the kernel: 1e-6)
+    implementation = model.config._attn_implementation
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation).eval()
     assert loaded.config.collab_layer == "rotary-mla" and loaded.config.collab_rope_pairs == [2, 2]
     for mine, theirs in zip(model.model.layers, loaded.model.layers):
         assert torch.equal(mine.self_attn.rope_bands, theirs.self_attn.rope_bands)
     inputs = {"input_ids": ids(), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    by_default = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
+        torch.testing.assert_close(by_default(**inputs).logits, model(**inputs).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ROTARY)
@@ -313,8 +318,9 @@ def test_the_module_refuses_bands_it_cannot_rotate_and_needs_positions():
 
 def test_inference_runs_the_absorbed_form_training_the_plain_one_and_they_agree(monkeypatch):
     """Without a gradient to keep the layer scores against the packed cache row (``_absorbed_queries``: one key/value
-    head through the fused kernel); with one it expands the nope keys and the values. Same logits, and the plain form
-    trains the up-projections."""
+    head through the fused kernel); with one it expands the nope keys and the values, and so does a causal prompt
+    (a prefill: the per-head scores are narrower than the packed row). Same logits, and the plain form trains the
+    up-projections."""
     model = original("qwen2")  # biased keys: the nope keys' bias drops out of the absorbed form
     small, _ = converted(model, 20, 2)
     calls = []
@@ -322,11 +328,16 @@ def test_inference_runs_the_absorbed_form_training_the_plain_one_and_they_agree(
     monkeypatch.setattr(PartialRotaryLatentAttention, "_absorbed_queries",
                         lambda self, queries: calls.append(queries.shape) or absorbed(self, queries))
     tokens = ids(length=9)
+    padded = torch.ones_like(tokens)
+    padded[0, 0] = 0  # a padded batch: not a causal prompt
     with torch.no_grad():
-        inference = small(tokens).logits
-    assert len(calls) == 2  # both layers
-    trained = small(tokens).logits
+        inference = small(tokens, attention_mask=padded).logits
+        assert len(calls) == 2  # both layers
+        prompt = small(tokens).logits
     assert len(calls) == 2
+    trained = small(tokens, attention_mask=padded).logits
+    assert len(calls) == 2
+    torch.testing.assert_close(small(tokens).logits.detach(), prompt, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(trained.detach(), inference, atol=1e-5, rtol=1e-5)
     trained.square().mean().backward()
     layer = small.model.layers[0].self_attn

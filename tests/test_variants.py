@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import growing_cache
 from transformers import DynamicCache
 
 from collab_attn.nn import (
@@ -64,19 +65,6 @@ def mask_for(masking: str, batch: int, tgt: int, src: int):
     if masking == "float-4d-heads":
         return torch.randn(batch, HEADS, tgt, src, generator=gen), False
     raise ValueError(masking)
-
-
-def growing_cache():
-    """A key/value cache for ``kv_cache=``: appends each call's packed keys and values along the positions."""
-    store = {}
-
-    def update(packed, values):
-        for name, new in (("packed", packed), ("values", values)):
-            store[name] = torch.cat([store[name], new], dim=2) if name in store else new
-        return store["packed"], store["values"]
-
-    update.store = store
-    return update
 
 
 def mha_copy(layer: GroupedQueryAttention) -> MultiHeadAttention:

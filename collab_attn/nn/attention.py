@@ -125,6 +125,7 @@ def grouped_attend(
     scale: float,
     dropout: float,
     need_weights: bool,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``attend`` for query heads that share key/value heads: queries (B, H, T, E), keys (B, G, S, E), values
     (B, G, S, Dv), G dividing H; query head ``h`` reads key/value head ``h // (H / G)``. ``bias`` is broadcastable
@@ -132,11 +133,23 @@ def grouped_attend(
 
     The keys and values are never copied per query head: the ``r = H / G`` query heads of a group are stacked as
     ``r T`` query rows of one head (B, G, r T, E), which ``attend`` then treats as G ordinary heads; only a bias
-    that differs between query rows is tiled to match those rows."""
+    that differs between query rows is tiled to match those rows.
+
+    ``causal=True`` adds the causal mask (query ``t`` sees keys up to ``t``; T == S, see ``causal_prompt``) to
+    ``bias``. Without weights and with a bias that is the same for every query row (None, or per key and head: the
+    content logits) it runs ``_causal_attend``, which skips the keys a block of query rows cannot see."""
     batch, heads, tgt_len, _ = queries.shape
     groups = keys.shape[1]
     if heads % groups:
         raise ValueError(f"{heads} query heads cannot share {groups} key/value heads")
+    if causal and tgt_len != keys.shape[2]:
+        raise ValueError(f"causal=True is for a prompt with no cached positions: {tgt_len} queries, "
+                         f"{keys.shape[2]} keys; pass the causal mask in bias instead")
+    if causal:
+        if not need_weights and (bias is None or bias.dim() < 2 or bias.shape[-2] == 1):
+            return _causal_attend(queries, keys, values, bias, scale, dropout), None
+        causal_bias = additive_mask(None, True, tgt_len, tgt_len, queries.dtype, queries.device)
+        bias = causal_bias if bias is None else (bias + causal_bias).clamp(min=torch.finfo(queries.dtype).min)
     group = heads // groups
     if group == 1:
         context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
@@ -152,6 +165,51 @@ def grouped_attend(
         context, weights = attend(queries, keys, values, bias, scale, dropout, need_weights)
     # (B, r T, G Dv): row j T + t of group g belongs to head g r + j
     return context.reshape(batch, group, tgt_len, groups, -1).permute(0, 2, 3, 1, 4).flatten(2, 3), weights
+
+
+def causal_prompt(attention_mask: torch.Tensor | None, is_causal: bool, tgt_len: int, src_len: int) -> bool:
+    """Whether a pass is a causal prompt with no mask besides the causal one and no position cached before it (a
+    prefill as transformers runs it without padding): ``grouped_attend(..., causal=True)`` then takes it. On the CPU
+    (outside ``torch.compile``) a 3-D or 4-D mask that is exactly the causal one counts too: transformers' eager
+    attention hands the layers that mask where sdpa hands them none, and both then take the same path."""
+    if tgt_len != src_len or tgt_len < 2:
+        return False
+    if attention_mask is None:
+        return is_causal
+    if (attention_mask.dim() not in (3, 4) or attention_mask.shape[-2:] != (tgt_len, src_len)
+            or attention_mask.device.type != "cpu" or torch.compiler.is_compiling()):
+        return False
+    below = torch.ones(tgt_len, src_len, dtype=torch.bool).tril()
+    if attention_mask.dtype == torch.bool:
+        return bool((attention_mask == below).all())
+    blocked = torch.finfo(attention_mask.dtype).min
+    return bool(((attention_mask == 0) == below).all() and (attention_mask.masked_select(~below) <= blocked).all())
+
+
+def _causal_attend(queries, keys, values, bias, scale: float, dropout: float) -> torch.Tensor:
+    """``grouped_attend(..., causal=True)`` through ``scaled_dot_product_attention(is_causal=True)``, whose kernels
+    skip the keys that a block of query rows cannot see (half the scores of a prompt) where an explicit (T, S) mask
+    makes them score every key. A bias per key and head (B | 1, H | 1, 1, S) rides in the product: head ``h``'s
+    queries get a one-hot column ``e_h`` and the keys one column per head holding ``bias_h / scale``. Queries, keys
+    and values are padded with zero columns to one width, a multiple of 8 (the fused kernels want equal widths),
+    which changes no dot product; the key/value heads are expanded to the query heads (a view for one shared head).
+    Returns the context (B, T, H, Dv)."""
+    batch, heads, tgt_len, _ = queries.shape
+    groups, src_len, value_width = keys.shape[1], keys.shape[2], values.shape[-1]
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(batch, heads, 1, src_len)
+        columns = (bias[:, :, 0].transpose(1, 2) / scale).clamp(min=torch.finfo(queries.dtype).min)  # (B, S, H)
+        one_hot = torch.eye(heads, dtype=queries.dtype, device=queries.device)
+        queries = torch.cat([queries, one_hot[None, :, None].expand(batch, heads, tgt_len, heads)], dim=-1)
+        keys = torch.cat([keys, columns[:, None].expand(batch, groups, src_len, heads)], dim=-1)
+    width = -(-max(queries.shape[-1], value_width) // 8) * 8
+    queries, keys, values = (_widen(x, width) for x in (queries, keys, values))
+    if groups == 1:
+        keys, values = keys.expand(batch, heads, src_len, width), values.expand(batch, heads, src_len, width)
+    else:
+        keys, values = (x.repeat_interleave(heads // groups, dim=1) for x in (keys, values))
+    context = F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout, is_causal=True, scale=scale)
+    return context[..., :value_width].transpose(1, 2)
 
 
 def _grouped_bias(bias: torch.Tensor | None, groups: int, group: int, tgt_len: int) -> torch.Tensor | None:
@@ -337,8 +395,10 @@ class CollaborativeAttention(_Attention):
     (experiments/benchmarks/README.md, sections 4 and 10). With shared values (``value_rank``) at inference the
     layer is multi-query attention in disguise: each head's mixing goes into its query, its content logits into the
     mask, and all heads attend over the one shared key/value head through the fused kernel (``grouped_attend``;
-    section 16 there). A decoding step on the CPU in float32 scores through ``cpu_kernels`` instead, and with a value
-    per head sums the values through it too (section 18). A decoding step (one query row, inference) on a GPU
+    section 16 there); a causal prompt into an empty cache hands the kernel no mask but ``is_causal``, so that it
+    skips the keys each block of rows cannot see (the content logits then ride in the product; section 19). A
+    decoding step on the CPU in float32 scores through ``cpu_kernels`` instead, and with a value per head sums the
+    values through it too (section 18). A decoding step (one query row, inference) on a GPU
     takes the Triton kernels of ``triton_kernels`` (the content logits and a padding mask added inside the kernel;
     ``COLLAB_ATTN_TRITON`` switches them). With weights asked for, or a gradient to keep, the explicit path runs.
     """
@@ -455,6 +515,8 @@ class CollaborativeAttention(_Attention):
         )  # keys: (B, S, rank), one per position, shared by all heads
         shared_queries = self.query(query_states)  # (B, T, rank)
         shared_values = self.value_mixing is not None
+        prompt = (shared_values and causal_prompt(attention_mask, is_causal, tgt_len, keys.shape[1])
+                  and not _needs_grad(shared_queries, keys, values))
         triton_step = maybe_triton and triton_kernels.takes_step(tgt_len, (shared_queries, keys, values), mask,
                                                                  self._dropout())
         if maybe_triton and not triton_step and content is not None:
@@ -470,11 +532,13 @@ class CollaborativeAttention(_Attention):
             context, weights = self._through_cpu_kernels(shared_queries, keys, values, _plus(mask, content)), None
         elif not need_weights and not shared_values and _blocks_pay(shared_queries, keys, values, self.num_heads):
             return self._finish(self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2)), None
-        elif not need_weights and shared_values and _fused_pays(shared_queries, keys, values):
+        elif not need_weights and shared_values and (prompt or _fused_pays(shared_queries, keys, values)):
             # every head attends over the one shared key/value head: multi-query attention, its heads stacked as
-            # the query rows of one head through the fused kernel, which reads the cache once (B, T, H, D_v)
+            # the query rows of one head through the fused kernel, which reads the cache once (B, T, H, D_v); a
+            # causal prompt with the causal mask inside the kernel, which then skips the keys a row cannot see
             context, weights = grouped_attend(self._mixed(shared_queries), keys[:, None], values,
-                                              _plus(mask, content), 1.0, self._dropout(), False)
+                                              content if prompt else _plus(mask, content), 1.0, self._dropout(),
+                                              False, prompt)
             context = context.transpose(1, 2)  # (B, H, T, D_v), as the explicit path gives it
         else:
             context, weights = self._explicit(shared_queries, keys, values, _plus(mask, content))
@@ -640,6 +704,10 @@ def _plus(mask: torch.Tensor | None, content: torch.Tensor | None) -> torch.Tens
     if content is None or mask is None:
         return content if mask is None else mask
     return mask + content
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _blocks_pay(queries, keys, values, heads: int) -> bool:

@@ -93,7 +93,8 @@ class RotaryGroupedQueryAttention(GroupedQueryAttention):
         values = self._heads(self.value(keys_from), self.kv_heads)
         if kv_cache is not None:
             keys, values = kv_cache(keys, values)
-        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self._rotated(self._heads(self.query(query_states), self.num_heads), position_embeddings)
-        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights,
+                                          causal)
         return self._finish(context.flatten(2)), weights

@@ -38,7 +38,9 @@ Two exact forms of one function. At inference (no gradient to keep) the layer is
 packed row itself (the kept keys of its group, then the latent); every head attends over that one key/value head
 through the fused kernel (``grouped_attend``), and ``W_uv,g`` maps each head's weighted latent afterwards. The nope
 keys' bias adds ``q_h,nope . b_uk,g`` to a whole softmax row and drops out. No per-head key or value is formed, and
-the cache is read once. While training, the plain form expands the latent into the nope keys and the values.
+the cache is read once. While training, and for a causal prompt into an empty cache (a prefill, as DeepSeek-V2
+serves it: per-head scores are ``head_dim`` wide where absorbed ones are the whole packed row), the plain form
+expands the latent into the nope keys and the values.
 """
 
 from __future__ import annotations
@@ -223,11 +225,11 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
         packed = torch.cat([rope_keys.transpose(1, 2).flatten(2), latent], dim=-1)[:, None]  # (B, 1, S, width)
         if kv_cache is not None:
             packed, _ = kv_cache(packed, packed.new_empty(*packed.shape[:3], 0))
-        mask = self._mask(query_states, attention_mask, is_causal, packed.shape[2])
+        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, packed.shape[2])
         queries = self.head_queries(query_states, position_embeddings)  # (B, H, T, head_dim): kept bands first
         rope_width = 2 * self.rope_pairs * self.kv_heads
         needs_grad = torch.is_grad_enabled() and (queries.requires_grad or packed.requires_grad)
-        if not needs_grad:  # absorbed: one key/value head, the packed row (module doc)
+        if not needs_grad and not causal:  # absorbed: one key/value head, the packed row (module doc)
             absorbed = self._absorbed_queries(queries)
             if not need_weights and triton_kernels.takes_step(queries.shape[2], (absorbed, packed), mask,
                                                               self._dropout()):
@@ -248,7 +250,8 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
             latent = packed[:, 0, :, rope_width:]
             keys = torch.cat([rope_keys, self._groups(self.nope_key(latent))], dim=-1)
             values = self._groups(self.value(latent))
-            context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+            context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights,
+                                              causal)
         return self._finish(context.flatten(2)), weights
 
     def _absorbed_queries(self, queries: torch.Tensor) -> torch.Tensor:

@@ -71,17 +71,18 @@ def rotate_pairs(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def attend_shared_pairs(queries, keys, values, mask, scale: float, dropout: float, need_weights: bool,
-                        shared_values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        shared_values: bool, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every head's queries (B, H, T, 2R) against the rotated shared pairs as cached (B, 1, S, 2R), with grouped
     values (B, G, S, D) or one shared value (B, 1, S, D_v): the context (B, T, H, D) and, when asked, the weights. A
     decoding step goes through the Triton kernels where they apply (the pairs are one shared key of width 2R);
-    otherwise ``grouped_attend``, the keys never copied per head."""
+    otherwise ``grouped_attend`` (``causal``: a causal prompt, as it takes it), the keys never copied per head."""
     if not need_weights and triton_kernels.takes_step(queries.shape[2], (queries, keys, values), mask, dropout):
         context = triton_kernels.step(queries, keys[:, 0], values[:, 0] if shared_values else values, mask,
                                       scale=scale, shared_values=shared_values)[:, None]  # (B, 1, H, D)
         return context, None
     groups = values.shape[1]  # shared values: one group of all heads
-    return grouped_attend(queries, keys.expand(-1, groups, -1, -1), values, mask, scale, dropout, need_weights)
+    return grouped_attend(queries, keys.expand(-1, groups, -1, -1), values, mask, scale, dropout, need_weights,
+                          causal)
 
 
 class RotaryCollaborativeAttention(_SharedKeyValueAttention):
@@ -320,10 +321,10 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         values = values[:, None] if shared_values else self._heads(values, self.kv_heads)
         if kv_cache is not None:
             keys, values = kv_cache(keys, values)
-        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self.head_queries(self._rotated(self.query(query_states), position_embeddings))
         context, weights = attend_shared_pairs(queries, keys, values, mask, self.scale, self._dropout(),
-                                               need_weights, shared_values)
+                                               need_weights, shared_values, causal)
         if shared_values and self.value_core is not None:  # (B, T, H, D_v) -> sum_h context_h N_h: (B, T, D_v)
             context = torch.einsum("bthv,hvw->btw", context, self.value_mixing_matrices())
         elif shared_values:  # (B, T, H, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)

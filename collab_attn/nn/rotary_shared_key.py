@@ -163,10 +163,10 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
         values = values[:, None] if shared_values else self._heads(values, self.kv_heads)
         if kv_cache is not None:
             keys, values = kv_cache(keys, values)
-        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self._rotated(self._heads(self.query(query_states), self.num_heads), position_embeddings)
         context, weights = attend_shared_pairs(queries, keys, values, mask, self.scale, self._dropout(),
-                                               need_weights, shared_values)
+                                               need_weights, shared_values, causal)
         if shared_values:  # (B, T, H, D_v) -> each head's group value (B, T, H, head_dim)
             up = self.value_up.weight.view(self.kv_heads, self.head_dim, -1)
             up = up.repeat_interleave(self.num_heads // self.kv_heads, dim=0)  # (H, head_dim, D_v)

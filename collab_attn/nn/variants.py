@@ -36,6 +36,7 @@ from collab_attn.nn.attention import (
     _Attention,
     additive_mask,
     attend,
+    causal_prompt,
     grouped_attend,
 )
 
@@ -51,6 +52,13 @@ class _SharedKeyValueAttention(_Attention):
         return additive_mask(
             attention_mask, is_causal, query_states.shape[1], src_len, query_states.dtype, query_states.device
         )
+
+    def _mask_or_causal(self, query_states, attention_mask, is_causal, src_len) -> tuple[torch.Tensor | None, bool]:
+        """``(mask, False)``, or ``(None, True)`` for a causal prompt (``causal_prompt``), whose causal mask
+        ``grouped_attend(..., causal=True)`` applies inside the fused kernel."""
+        if causal_prompt(attention_mask, is_causal, query_states.shape[1], src_len):
+            return None, True
+        return self._mask(query_states, attention_mask, is_causal, src_len), False
 
     def cache_width(self) -> int:
         """Numbers the ``kv_cache`` hook is handed per token (keys and values together) for this layer."""
@@ -98,9 +106,10 @@ class GroupedQueryAttention(_SharedKeyValueAttention):
         values = self._heads(self.value(keys_from), self.kv_heads)
         if kv_cache is not None:
             keys, values = kv_cache(keys, values)
-        mask = self._mask(query_states, attention_mask, is_causal, keys.shape[2])
+        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self._heads(self.query(query_states), self.num_heads)
-        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+        context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights,
+                                          causal)
         return self._finish(context.flatten(2)), weights
 
     def cache_width(self) -> int:
@@ -142,7 +151,9 @@ class LatentAttention(_SharedKeyValueAttention):
       itself, and every head attends over the latent (one key/value head, as in MQA); ``W_uv_h`` is applied to
       each head's weighted latent afterwards, before the output projection. No per-head key or value is formed.
     ``absorb`` (a plain attribute, not saved with the weights) picks the form: ``None`` (default) absorbs when a
-    ``kv_cache`` is given (decoding) and runs the plain form otherwise, ``True`` / ``False`` force one.
+    ``kv_cache`` is given (decoding) and runs the plain form otherwise and for a causal prompt into an empty cache
+    (a prefill: per-head scores are ``head_dim`` wide, absorbed ones ``latent_size``, as DeepSeek-V2 serves it),
+    ``True`` / ``False`` force one.
 
     The cache holds the latent alone: packed keys (B, 1, S, latent_size) and empty values (B, 1, S, 0)."""
 
@@ -182,9 +193,10 @@ class LatentAttention(_SharedKeyValueAttention):
         latent = self.latent(keys_from)[:, None]  # (B, 1, S, latent_size)
         if kv_cache is not None:
             latent, _ = kv_cache(latent, latent.new_empty(*latent.shape[:3], 0))
-        mask = self._mask(query_states, attention_mask, is_causal, latent.shape[2])
+        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, latent.shape[2])
         queries = self._heads(self.query(query_states), self.num_heads)  # (B, H, T, head_dim)
-        absorb = kv_cache is not None if self.absorb is None else self.absorb
+        # by default absorbed when decoding from a cache; a prompt scores per head (head_dim, not latent_size, wide)
+        absorb = (kv_cache is not None and not causal) if self.absorb is None else self.absorb
         if absorb:
             w_key, w_value = self._up_projections()
             queries = torch.einsum("bhtd,hdc->bhtc", queries, w_key)  # (B, H, T, latent_size)
@@ -196,13 +208,14 @@ class LatentAttention(_SharedKeyValueAttention):
                 weights = None
             else:
                 context, weights = grouped_attend(
-                    queries, latent, latent, mask, self.scale, self._dropout(), need_weights
+                    queries, latent, latent, mask, self.scale, self._dropout(), need_weights, causal
                 )  # context (B, T, H, latent_size)
             context = torch.einsum("bthc,hdc->bthd", context, w_value)
         else:
             keys = self._heads(self.key(latent[:, 0]), self.num_heads)
             values = self._heads(self.value(latent[:, 0]), self.num_heads)
-            context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
+            context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights,
+                                              causal)
         return self._finish(context.flatten(2)), weights
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
