@@ -171,8 +171,9 @@ def allocate_cache(original, method: str, budget: float, batches, *, steps: int 
     if len(refused) == len(candidates):
         raise ValueError(f"{method} refused every candidate size at budget {budget:g}: "
                          f"{next(iter(refused.values()))}")
-    picks = choose(errors, [k + v if errors[0][c] < math.inf else 10**9 for c, (k, v) in enumerate(candidates)],
-                   int(budget * len(layers)))
+    kept = [c for c in range(len(candidates)) if f"k{candidates[c][0]} v{candidates[c][1]}" not in refused]
+    picks = [kept[p] for p in choose([[row[c] for c in kept] for row in errors], [sum(candidates[c]) for c in kept],
+                                     int(budget * len(layers)))]
     even = 2 * round(budget / 4)
     uniform = (even, int(budget) - even)
     uniform = uniform if uniform in candidates and errors[0][candidates.index(uniform)] < math.inf else None
