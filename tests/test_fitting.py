@@ -102,7 +102,8 @@ def test_the_fit_lowers_the_held_out_kl_and_keeps_the_cache_and_the_shapes(make,
 def test_an_exact_conversion_stays_exact(make, method, rank, options):
     """kv-svd at d_in on GPT-2 and key-svd at kv_heads x head_dim on the Llama are exact at half the cache; cp at
     full rank is exact. Adam would move every weight by about its learning rate: the better of before and after is
-    kept."""
+    kept. (Where the converted layer computes the original's numbers bit for bit, as the rotary cp layer's causal
+    prompt does, the loss and its gradient are zero and nothing moves.)"""
     original, model = converted(make, method, rank, **options)
     with torch.no_grad():
         expected = model(HELD_OUT).logits
@@ -110,7 +111,8 @@ def test_an_exact_conversion_stays_exact(make, method, rank, options):
     with torch.no_grad():
         torch.testing.assert_close(model(HELD_OUT).logits, expected, rtol=0, atol=1e-6)
     assert all(not layer.kept_fit and layer.error_after == layer.error_before < 1e-9 for layer in report.layers)
-    assert all(layer.fitted_error > layer.error_before for layer in report.layers)
+    assert all(layer.fitted_error > layer.error_before or layer.fitted_error == layer.error_before == 0
+               for layer in report.layers)
 
 
 @pytest.mark.parametrize("family", ["bert", "albert", "distilbert"])
