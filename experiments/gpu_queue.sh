@@ -17,7 +17,8 @@
 #      run); then whole models with a static cache and CUDA graphs against their twins on the present path
 #      (benchmarks/decode.py --triton): GPT-2 small keys only at d/4 and cp keys and values at 1/4, batch 32 at
 #      8,192, then batch 1 at 4,096 and 8,192; then SmolLM2-135M's architecture converted at 1/4 (cp, key-svd,
-#      kv-svd), batch 32 at 8,192. Each skipped once its .json exists.
+#      kv-svd), batch 32 at 8,192; then the prompt pass (benchmarks/decode.py --prefill: keys and values at a quarter
+#      of the cache, cp and kv-svd, batches 1 and 8 at 2,048 and 8,192 tokens). Each skipped once its .json exists.
 #   0. tests: the GPU-only tests (python -m pytest -q tests/test_cuda.py; their CPU twins run in CI:
 #      tests/test_device_twins.py), a minute or two; the report goes to experiments/gpu_tests/test_cuda.txt, whose
 #      first line names the version of the sources it tested (a hash of collab_attn/, tests/test_cuda.py and
@@ -62,7 +63,7 @@ JOBS=${GPU_QUEUE_JOBS:-triton tests smollm2 decode glue lm race convert}
 if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
-      triton) echo "triton: python -m pytest -q tests/test_triton_kernels.py once per version of collab_attn/ and the test; benchmarks/decode_kernels.py --device cuda --dtype bfloat16 --context 8192 --batch 1, 32 (Triton rows, a sweep of keys per tile and warps, copy bandwidth); benchmarks/decode.py --device cuda --dtype bfloat16 --caches static --triton: --ranks 192 --cache-fractions 0.25 --race-methods cp at --batches 32 --contexts 8192 and --batches 1 --contexts 4096 8192; --size smollm2 --cache-fractions 0.25 --race-methods cp key-svd kv-svd --batches 32 --contexts 8192";;
+      triton) echo "triton: python -m pytest -q tests/test_triton_kernels.py once per version of collab_attn/ and the test; benchmarks/decode_kernels.py --device cuda --dtype bfloat16 --context 8192 --batch 1, 32 (Triton rows, a sweep of keys per tile and warps, copy bandwidth); benchmarks/decode.py --device cuda --dtype bfloat16 --caches static --triton: --ranks 192 --cache-fractions 0.25 --race-methods cp at --batches 32 --contexts 8192 and --batches 1 --contexts 4096 8192; --size smollm2 --cache-fractions 0.25 --race-methods cp key-svd kv-svd --batches 32 --contexts 8192; benchmarks/decode.py --prefill --device cuda --dtype bfloat16 --contexts 2048 8192 --batches 1 8 --ranks 192 --cache-fractions 0.25 --race-methods cp kv-svd";;
       tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
       smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --long-length 2048 --long-windows 32 --calibration-tokens 65536 --fit-steps 300 --allocate --distill-tokens 204800 --distill-budgets 0.25 --methods cp tucker key-svd kv-svd (fitted, sizes by measurement, distilled from the fitted start at 1/4, into smollm2/gpu_fitted); then --distill-tokens 2048000 --calibration-tokens 262144: every rotary conversion at 1/2 1/4 1/8, without retraining, calibrated, and distilled from the calibrated ones";;
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; cp keys and values at 0.25 (186) and 0.2475 (184) of the cache, --batches 32 --contexts 8192; benchmarks/decode_kernels.py --value-rank 184 --batch 1, 32";;
@@ -105,7 +106,7 @@ run_job() {  # name command...: one job under the deadline, its output in the lo
 
 triton() {
   local out="$ROOT/gpu_tests/test_triton_kernels.txt" sources kernels="$ROOT/benchmarks/decode_kernels_triton_cuda_bfloat16"
-  local models="$ROOT/benchmarks/decode_cuda_bfloat16_triton"
+  local models="$ROOT/benchmarks/decode_cuda_bfloat16_triton" prefill="$ROOT/benchmarks/prefill_causal_kv_cuda_bfloat16"
   sources=$({ find collab_attn -name '*.py' | LC_ALL=C sort; echo tests/conftest.py tests/test_triton_kernels.py; } \
     | xargs cat | sha1sum | cut -c1-12)
   if [ "$DRY" = 1 ]; then
@@ -118,6 +119,8 @@ triton() {
     run_job triton-decode env COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1 "$PYTHON" benchmarks/decode.py --size tiny \
       --threads 1 --ranks 24 --contexts 16 --batches 1 --caches dynamic --repeats 1 --warmup 0 --triton \
       --out "${models}_batch1"
+    run_job triton-prefill "$PYTHON" benchmarks/decode.py --prefill --size tiny --threads 1 --contexts 16 --batches 1 \
+      --ranks 24 --cache-fractions 0.25 --race-methods cp kv-svd --repeats 1 --warmup 0 --out "$prefill"
     return
   fi
   if [ -f "$out" ] && [ "$(head -n 1 "$out")" = "sources $sources" ]; then echo "triton-tests: done before ($out)"; else
@@ -146,6 +149,10 @@ triton() {
   if [ -f "${models}_smollm2.json" ]; then echo "triton-decode-smollm2: done before"; else
     run_job triton-decode-smollm2 "$PYTHON" benchmarks/decode.py "${common[@]}" --size smollm2 --cache-fractions 0.25 \
       --race-methods cp key-svd kv-svd --batches 32 --contexts 8192 --out "${models}_smollm2"
+  fi
+  if [ -f "$prefill.json" ]; then echo "triton-prefill: done before"; else  # a causal prompt (issue 67, item 3)
+    run_job triton-prefill "$PYTHON" benchmarks/decode.py --prefill --device cuda --dtype bfloat16 --contexts 2048 8192 \
+      --batches 1 8 --ranks 192 --cache-fractions 0.25 --race-methods cp kv-svd --repeats 10 --warmup 2 --out "$prefill"
   fi
 }
 

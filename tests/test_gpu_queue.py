@@ -26,6 +26,7 @@ def test_the_queue_lists_its_jobs_in_priority_order():
     assert "--caches dynamic static" in listed and "refit=distill" in listed and "recipe=gpu" in listed
     assert "pytest -q tests/test_cuda.py" in listed
     assert "pytest -q tests/test_triton_kernels.py" in listed and "--triton" in listed  # first: issue 67
+    assert "benchmarks/decode.py --prefill --device cuda" in listed
     assert sorted(job for group in GROUPS.values() for job in group) == sorted(JOBS)  # the dry run covers them all
 
 
@@ -48,7 +49,9 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
     dry = tmp_path / "dry_run"
     if group == "no data":
         assert ran == {"triton-tests": "exit 0", "triton-kernels": "exit 0", "triton-decode": "exit 0",
-                       "tests": "exit 0", "decode": "exit 0", "decode-kernels": "exit 0"}, done.stdout
+                       "triton-prefill": "exit 0", "tests": "exit 0", "decode": "exit 0", "decode-kernels": "exit 0"
+                       }, done.stdout
+        assert "| cp k" in (dry / "benchmarks" / "prefill_causal_kv_cuda_bfloat16.md").read_text()  # a causal prompt
         # the Triton kernels under the interpreter: one layer's step beside the copy, a model beside its twin
         assert (dry / "benchmarks" / "decode_kernels_triton_cuda_bfloat16_batch1.md").is_file()
         assert "| collab D~=24, present path |" in (dry / "benchmarks" / "decode_cuda_bfloat16_triton_batch1.md"
