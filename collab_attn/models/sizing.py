@@ -17,11 +17,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from collab_attn.models.hf import LAYER_KINDS, AttentionSite, Layout, attention_sites, build_layer
-from collab_attn.models.methods.kv_groups import GROUP_METHODS, group_layout
-from collab_attn.models.methods.partial_rope import partial_rope_layout
-from collab_attn.models.methods.prune import kept_head_count
-from collab_attn.models.methods.rotary_key_svd import rotary_key_layout
+from collab_attn.models.hf import LAYER_KINDS, AttentionSite, attention_sites, build_layer
 from collab_attn.nn.variants import cache_numbers_per_token
 
 COSTS = ("cache_bytes", "attention_params")
@@ -65,28 +61,11 @@ class _Skeleton:
 
 def converted_layout(config, method, key_size: int, value_size: int | None, skeleton: _Skeleton | None = None,
                      rope_pairs: int | None = None):
-    """The layout of ``config``'s model converted by ``method`` at these sizes (mixing matrices: a core of the
-    default size, the heads); pruning keeps as many whole heads as fit in the query/key budget of rank
-    ``key_size``, spread evenly over the layers (the costs depend on their number only). ``rope_pairs``: the
-    rotary pairs a partial-RoPE conversion (``kv-svd`` of a rotary model) keeps per key/value group (None: its
-    default)."""
+    """The layout of ``config``'s model converted by ``method`` at these sizes, as the method lays itself out
+    (``ConversionMethod.layout_at``; None where it cannot take them). ``rope_pairs``: the rotary pairs a partial-RoPE
+    conversion (``kv-svd`` of a rotary model) keeps per key/value group (None: its default)."""
     skeleton = skeleton or _Skeleton.of(config)
-    site, layers = skeleton.site, skeleton.layers
-    values = None if value_size is None else [value_size] * layers
-    if method.name in GROUP_METHODS:  # G whole key/value groups: None where key_size is not G x head_dim
-        return group_layout(method, site, layers, key_size)
-    if site.rotary and "rope_pairs" in method.option_names:  # partial RoPE: None where the latent is too wide
-        return partial_rope_layout(method, site, layers, key_size, rope_pairs)
-    if site.rotary and method.rotary_layer == "rotary-shared-key":  # thin rotary keys: None where odd or too wide
-        return rotary_key_layout(method, site, layers, key_size)
-    if not method.needs_importance:
-        tucker_core_size = site.heads if method.mixing == "matrices" else None
-        return Layout(method.name, method.layer, [key_size] * layers, tucker_core_size=tucker_core_size,
-                      value_ranks=values)
-    _, count = kept_head_count([key_size] * layers, [site.heads] * layers, site.head_dim, site.d_in, bias=site.bias)
-    count = min(max(count, layers), site.heads * layers)
-    kept = [count // layers + (layer < count % layers) for layer in range(layers)]
-    return Layout(method.name, method.layer, [h * site.head_dim for h in kept], kept, value_ranks=values)
+    return method.layout_at(skeleton.site, skeleton.layers, key_size, value_size, rope_pairs)
 
 
 def original_size(config) -> ConversionSize:
@@ -113,11 +92,9 @@ def conversion_sizes(config, method, rope_pairs: int | None = None) -> list[Conv
                 method.check_ranks([key_size], site.heads)
             except ValueError:
                 continue
-        if method.name in GROUP_METHODS and group_layout(method, site, skeleton.layers, key_size) is None:
-            continue
         value_size = key_size if method.cuts_values else None
         layout = converted_layout(config, method, key_size, value_size, skeleton, rope_pairs)
-        if layout is None:  # a latent wider than a partial-RoPE conversion can fill
+        if layout is None:  # a size the method cannot take (a latent too wide, not whole key/value groups, ...)
             continue
         specs = layout.specs(site.heads)
         for spec in set(specs) - set(per_spec):

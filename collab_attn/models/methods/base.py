@@ -32,6 +32,16 @@ class CacheSizes:
     options: dict = dataclasses.field(default_factory=dict)
 
 
+def uniform_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,
+                   rope_pairs: int | None = None) -> Layout | None:
+    """Every layer of a model like ``site`` at ``key_size`` (and ``value_size``), as the collaborative and SVD
+    methods convert it; Tucker mixing with a core of as many slices as heads."""
+    tucker_core_size = site.heads if method.mixing == "matrices" else None
+    values = None if value_size is None else [value_size] * layers
+    return Layout(method.name, method.layer, [key_size] * layers, tucker_core_size=tucker_core_size,
+                  value_ranks=values)
+
+
 def even_split(budget: int, kv_heads: int, head_dim: int, rope_pairs: int) -> CacheSizes | None:
     """Rotary keys and shared values of the same width, half the budget each (the keys' width even: it counts the
     shared rotary pairs twice); None below 2 numbers each."""
@@ -71,6 +81,10 @@ class ConversionMethod:
     # kv_heads key/value heads of head_dim holds at most budget numbers per token and layer (None: it cannot get that
     # small); rope_pairs: the rotary pairs a partial-RoPE method keeps per group. None: the races do not size it.
     sizes_within: Callable[[int, int, int, int], CacheSizes | None] | None = None
+    # (method, site, layers, key_size, value_size, rope_pairs) -> the layout of a model of ``layers`` layers like
+    # ``site`` (an ``AttentionSite``) converted at those sizes, None where the method cannot take them: what the sizing
+    # of the races builds to cost a conversion (``layout_at``)
+    sized_layout: Callable[..., Layout | None] = uniform_layout
 
     def __post_init__(self):
         for layer in (self.layer, self.rotary_layer or self.layer):
@@ -113,6 +127,13 @@ class ConversionMethod:
             raise ValueError(f"method={self.name!r} does not convert rotary-position models (Llama, Qwen2, Mistral) "
                              f"yet; the methods that do: {takes}")
         return self.rotary_layer
+
+    def layout_at(self, site, layers: int, key_size: int, value_size: int | None = None,
+                  rope_pairs: int | None = None) -> Layout | None:
+        """The layout of a model of ``layers`` layers like ``site`` converted by this method at these sizes (None where
+        it cannot take them); ``rope_pairs``: the rotary pairs a partial-RoPE method keeps per group (None: its
+        default)."""
+        return self.sized_layout(self, site, layers, key_size, value_size, rope_pairs)
 
     def layout(self, plan: Plan, rotary: bool = False) -> Layout:
         """What the converted model's config records: this method, the layer kind it builds, the plan's sizes."""

@@ -19,8 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
-from collab_attn.models.methods.base import ConversionMethod, even_split, register
-from collab_attn.models.methods.rotary_key_svd import plan_rotary_key_svd
+from collab_attn.models.methods.base import ConversionMethod, even_split, register, uniform_layout
+from collab_attn.models.methods.rotary_key_svd import plan_rotary_key_svd, rotary_key_layout
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
 
@@ -44,8 +44,17 @@ def plan_key_svd(request: Request) -> Plan:
     return Plan(layers, list(request.ranks), SOLVER, calibration=calibration_summary(request))
 
 
+def _sized_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,
+                  rope_pairs: int | None = None):
+    """On rotary models thin rotary keys with grouped values (``rotary_key_layout``), elsewhere a shared key of
+    ``key_size``."""
+    if site.rotary:
+        return rotary_key_layout(method, site, layers, key_size)
+    return uniform_layout(method, site, layers, key_size, value_size)
+
+
 KEY_SVD = register(ConversionMethod(
     NAME, "one key of width rank shared by every head, from an SVD of the stacked key projection (thin keys)",
     plan_key_svd, layer="shared-key", calibrated=True, reports_products_error=False, rotary_layer="rotary-shared-key",
-    rotary_budgets=True, sizes_within=even_split,
+    rotary_budgets=True, sizes_within=even_split, sized_layout=_sized_layout,
 ))

@@ -60,7 +60,8 @@ def groups_at(method: str, rank: int, kv_heads: int, head_dim: int, name: str = 
     )
 
 
-def group_layout(method: ConversionMethod, site: AttentionSite, layers: int, key_size: int) -> Layout | None:
+def group_layout(method: ConversionMethod, site: AttentionSite, layers: int, key_size: int,
+                 value_size: int | None = None, rope_pairs: int | None = None) -> Layout | None:
     """The layout of a model whose every layer is like ``site``, converted by ``method`` at ``key_size`` (None where
     the size is not G x head_dim with a valid G): what ``collab_attn.models.sizing`` builds to cost it."""
     try:
@@ -179,9 +180,10 @@ def _group_sizes(merging: bool):
 MERGE_KV = register(ConversionMethod(
     MERGE, "grouped-query attention: G key/value groups, each the mean of whole source groups (GQA's conversion)",
     plan_merge_kv, layer="gqa", reads_values=True, rotary_layer="rotary-gqa", sizes_within=_group_sizes(True),
+    sized_layout=group_layout,
 ))
 DROP_KV = register(ConversionMethod(
     DROP, "the G key/value groups of largest query/key energy, with their query heads; the others dropped",
     plan_drop_kv, layer="kept-heads", reads_values=True, rotary_layer="rotary-gqa",
-    sizes_within=_group_sizes(False),
+    sizes_within=_group_sizes(False), sized_layout=group_layout,
 ))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from collab_attn.decomposition.rank_selection import query_key_params
+from collab_attn.models.hf import Layout
 from collab_attn.models.importance import HeadImportance
 from collab_attn.models.methods.base import ConversionMethod, register
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request
@@ -87,7 +88,18 @@ def plan_prune(request: Request) -> Plan:
                 pruning=pruning)
 
 
+def kept_heads_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,
+                      rope_pairs: int | None = None) -> Layout:
+    """As many whole heads as fit in the query/key parameters of rank ``key_size`` in every layer, spread evenly over
+    the layers (the costs depend on their number only), at least one per layer."""
+    _, count = kept_head_count([key_size] * layers, [site.heads] * layers, site.head_dim, site.d_in, bias=site.bias)
+    count = min(max(count, layers), site.heads * layers)
+    kept = [count // layers + (layer < count % layers) for layer in range(layers)]
+    values = None if value_size is None else [value_size] * layers
+    return Layout(method.name, method.layer, [h * site.head_dim for h in kept], kept, value_ranks=values)
+
+
 PRUNE = register(ConversionMethod(
     NAME, "head pruning by importance within collaborative attention's query/key parameters at the same rank",
-    plan_prune, layer="kept-heads", needs_importance=True,
+    plan_prune, layer="kept-heads", needs_importance=True, sized_layout=kept_heads_layout,
 ))
