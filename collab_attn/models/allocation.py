@@ -138,9 +138,9 @@ def allocate_cache(original, method: str, budget: float, batches, *, steps: int 
     """Per-layer key and value widths for ``method`` at a mean of ``budget`` numbers per token and layer, chosen by
     the output error each candidate leaves after a short fit (module doc). ``original`` is left as it is;
     ``calibration`` and ``options`` go to every candidate's ``reparametrize``."""
-    import collab_attn
-    from collab_attn.models.conversion import takes_value_rank
+    from collab_attn.models.conversion import reparametrize, takes_value_rank
     from collab_attn.models.families import find_attention
+    from collab_attn.models.fitting import fit_to_original
 
     if not takes_value_rank(original, method):
         raise ValueError(f"method={method!r} has no key/value split to choose on a {original.config.model_type} "
@@ -158,12 +158,12 @@ def allocate_cache(original, method: str, budget: float, batches, *, steps: int 
         model = copy.deepcopy(original)
         sizes = {} if calibration is None else {"calibration": calibration}
         try:
-            collab_attn.reparametrize(model, rank, method=method, value_rank=value_rank, seed=seed, progress=False,
+            reparametrize(model, rank, method=method, value_rank=value_rank, seed=seed, progress=False,
                                       **sizes, **options)
         except ValueError as err:  # a size this method cannot take here (the others still can)
             refused[f"k{rank} v{value_rank}"] = str(err)
             continue
-        report = collab_attn.fit_to_original(model, original, batches, steps=steps, seed=seed, inputs="original",
+        report = fit_to_original(model, original, batches, steps=steps, seed=seed, inputs="original",
                                              progress=False)
         for i, layer in enumerate(report.layers):
             errors[i][c] = layer.error_after
