@@ -158,13 +158,13 @@ def allocate_cache(original, method: str, budget: float, batches, *, steps: int 
         model = copy.deepcopy(original)
         sizes = {} if calibration is None else {"calibration": calibration}
         try:
-            reparametrize(model, rank, method=method, value_rank=value_rank, seed=seed, progress=False,
-                                      **sizes, **options)
+            reparametrize(model, rank, method=method, value_rank=value_rank, seed=seed, progress=False, **sizes,
+                          **options)
         except ValueError as err:  # a size this method cannot take here (the others still can)
             refused[f"k{rank} v{value_rank}"] = str(err)
             continue
         report = fit_to_original(model, original, batches, steps=steps, seed=seed, inputs="original",
-                                             progress=False)
+                                 progress=False)
         for i, layer in enumerate(report.layers):
             errors[i][c] = layer.error_after
         del model
