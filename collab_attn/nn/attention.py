@@ -101,7 +101,7 @@ def attend(
     changes no dot product; training keeps the unfused kernel (with dropout and a backward the padding did not pay).
     """
     batch, heads, tgt_len, width = query.shape
-    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+    needs_grad = _needs_grad(query, key)
     if query.device.type == "cpu" and width < value.shape[-1] and not need_weights and not needs_grad:
         query, key = _widen(query, value.shape[-1]), _widen(key, value.shape[-1])
     if need_weights or (query.shape[-1] != value.shape[-1] and query.device.type != "cpu"):
@@ -707,6 +707,7 @@ def _plus(mask: torch.Tensor | None, content: torch.Tensor | None) -> torch.Tens
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether a gradient flows back into any of ``tensors`` (the fused and blocked paths are for inference)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -716,7 +717,7 @@ def _blocks_pay(queries, keys, values, heads: int) -> bool:
     block sees depend on the data; the compiler fuses the one-piece path instead)."""
     if torch.compiler.is_compiling():
         return False
-    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
+    needs_grad = _needs_grad(queries, keys, values)
     logits = queries.shape[0] * heads * queries.shape[1] * keys.shape[1]
     return keys.device.type == "cpu" and not needs_grad and logits > CPU_LOGITS_BLOCK
 
@@ -726,7 +727,7 @@ def _cpu_kernels_pay(queries, keys, values) -> bool:
     over the values per row, where a prefill's matrix product reuses them, and a prefill's scores are a large product
     that ``bmm`` runs well), on the CPU in float32, without a gradient to keep, on a machine where the kernels
     built."""
-    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
+    needs_grad = _needs_grad(queries, keys, values)
     return (queries.shape[1] == 1 and keys.device.type == "cpu" and not needs_grad
             and all(t.dtype == torch.float32 for t in (queries, keys, values)) and cpu_kernels.available())
 
@@ -739,7 +740,7 @@ def _fused_pays(queries, keys, values) -> bool:
     GPU equal widths that are a multiple of 16 bytes: the mask (the content logits) rules out the flash kernel, and
     the memory-efficient one wants that alignment; otherwise sdpa falls back to its math kernel, which measured
     slower than the explicit path on an H200 (``experiments/benchmarks/README.md``, section 16)."""
-    needs_grad = torch.is_grad_enabled() and (queries.requires_grad or keys.requires_grad or values.requires_grad)
+    needs_grad = _needs_grad(queries, keys, values)
     if needs_grad:
         return False
     if keys.device.type == "cpu":

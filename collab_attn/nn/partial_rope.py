@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from collab_attn.nn import triton_kernels
-from collab_attn.nn.attention import grouped_attend
+from collab_attn.nn.attention import _needs_grad, grouped_attend
 from collab_attn.nn.rotary import bands_as_built, rotate_pairs
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
@@ -228,7 +228,7 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
         mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, packed.shape[2])
         queries = self.head_queries(query_states, position_embeddings)  # (B, H, T, head_dim): kept bands first
         rope_width = 2 * self.rope_pairs * self.kv_heads
-        needs_grad = torch.is_grad_enabled() and (queries.requires_grad or packed.requires_grad)
+        needs_grad = _needs_grad(queries, packed)
         if not needs_grad and not causal:  # absorbed: one key/value head, the packed row (module doc)
             absorbed = self._absorbed_queries(queries)
             if not need_weights and triton_kernels.takes_step(queries.shape[2], (absorbed, packed), mask,
