@@ -48,6 +48,12 @@
 #   5. race: the cache race on the gpu recipe (issue 44), seed by seed (0, 1, 2): at a quarter of the cache
 #      collaborative keys and values (key_size = value_size = 93) and MLA (latent 192), with MQA (1/6) and GQA with
 #      two key/value heads (1/3) beside them (sizes: python scripts/kv_budgets.py --recipe gpu).
+#   5b. rope: the cache race with rotary positions on the gpu recipe (issue 69), seed by seed (0, 1, 2): the
+#      rotary original (a Llama model of nanoGPT's sizes), then at 1/2 GQA with three key/value heads, collaborative
+#      keys and values at 192/192, MLA with a latent of 352 beside its rotary key of 32, TPA at ranks 3/3 (0.547);
+#      at 1/4 collaborative 96/96, MLA 160, MQA (1/6), TPA at ranks 1/1 (0.182); at 1/8 collaborative 48/48 and
+#      MLA 64 (sizes: python scripts/kv_budgets.py --recipe gpu --positions rope), into
+#      experiments/shakespeare_char/rope_race_gpu.
 #   6. convert: the conversion race on the gpu recipe (issue 43), seed by seed (0, 1, 2): the concatenated model
 #      trained and saved (experiments/kv_cache/shakespeare_gpu), then every method at 1/2, 1/4, 1/8 of its cache
 #      (scripts/convert_lm.py recipe=gpu cache_fractions=...), re-trained plainly; convert_lm.py skips finished runs.
@@ -56,10 +62,10 @@
 # $OUT/experiments/... at the end, so the copy-back above puts them where they belong. Logs: $OUT/queue_logs.
 #
 # Settings (environment): PYTHON (python), GPU_QUEUE_DEADLINE (540), GPU_QUEUE_JOBS (which jobs, in order:
-# "triton tests smollm2 decode glue lm race convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT
+# "triton tests smollm2 decode glue lm race rope convert"), GPU_QUEUE_DRY_RUN (1: CPU, tiny sizes, one step per job, results under $OUT
 # only; the tests job runs as it is: without a GPU every test skips).
 set -u
-JOBS=${GPU_QUEUE_JOBS:-triton tests smollm2 decode glue lm race convert}
+JOBS=${GPU_QUEUE_JOBS:-triton tests smollm2 decode glue lm race rope convert}
 if [ "${1:-}" = "--list" ]; then
   for job in $JOBS; do
     case $job in
@@ -70,6 +76,7 @@ if [ "${1:-}" = "--list" ]; then
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
       race) echo "race: scripts/train_lm.py recipe=gpu output_dir=experiments/shakespeare_char/kv_race_gpu seed=0,1,2: collab key_size=value_size=93, mla latent_size=192, mqa, gqa kv_heads=2";;
+      rope) echo "rope: scripts/train_lm.py recipe=gpu positions=rope output_dir=experiments/shakespeare_char/rope_race_gpu seed=0,1,2: concat, gqa kv_heads=3, collab key_size=value_size=192, mla latent_size=352, tpa key_size=3, collab 96/96, mla 160, mqa, tpa key_size=1, collab 48/48, mla 64";;
       convert) echo "convert: scripts/train_lm.py recipe=gpu output_dir=experiments/kv_cache/shakespeare_gpu seed=0,1,2, then scripts/convert_lm.py recipe=gpu cache_fractions=[0.5,0.25,0.125] per seed";;
       *) echo "unknown job $job" >&2; exit 2;;
     esac
@@ -310,6 +317,29 @@ race() {
   done
 }
 
+rope() {
+  if [ ! -f "$LM_DATA" ]; then echo "rope: skipped, no Tiny Shakespeare at $LM_DATA"; return; fi
+  local common=("data.path=$LM_DATA" progress=false checkpoint_every=null "save_models=[]" positions=rope
+                output_dir="$ROOT/shakespeare_char/rope_race_gpu")
+  if [ "$DRY" = 1 ]; then
+    run_job rope "$PYTHON" scripts/train_lm.py "${common[@]}" attention=tpa key_size=1 seed=0 \
+      model.n_layer=1 model.n_head=2 model.n_embd=16 block_size=16 eval_iters=2 trainer.max_steps=1 \
+      trainer.eval_steps=1 trainer.logging_steps=1 trainer.warmup_steps=0 sample_chars=10 threads=1
+    return
+  fi
+  for seed in 0 1 2; do
+    for variant in "attention=concat" "attention=gqa kv_heads=3" "attention=collab key_size=192 value_size=192" \
+                   "attention=mla latent_size=352" "attention=tpa key_size=3" \
+                   "attention=collab key_size=96 value_size=96" "attention=mla latent_size=160" "attention=mqa" \
+                   "attention=tpa key_size=1" "attention=collab key_size=48 value_size=48" \
+                   "attention=mla latent_size=64"; do
+      # shellcheck disable=SC2086  # the variant's settings are separate arguments
+      run_job "rope-$(echo $variant | tr ' =' '_-')-seed$seed" "$PYTHON" scripts/train_lm.py recipe=gpu \
+        "${common[@]}" $variant seed=$seed
+    done
+  done
+}
+
 convert() {
   if [ ! -f "$LM_DATA" ]; then echo "convert: skipped, no Tiny Shakespeare at $LM_DATA"; return; fi
   local out="$ROOT/kv_cache/shakespeare_gpu" recipe=(recipe=gpu) train=() sizes=() width=384
@@ -334,7 +364,7 @@ convert() {
 torch.cuda.is_available())"; } > "$LOGS/environment.txt" 2>&1
 for job in $JOBS; do
   case $job in
-    triton|tests|smollm2|decode|glue|lm|race|convert) $job;;
+    triton|tests|smollm2|decode|glue|lm|race|rope|convert) $job;;
     *) echo "unknown job $job" >&2; exit 2;;
   esac
 done

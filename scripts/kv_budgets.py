@@ -3,6 +3,7 @@
 
     python scripts/kv_budgets.py                       # the cpu recipe: 1/2, 1/4, 1/8 of the cache; 0.75, 0.625 params
     python scripts/kv_budgets.py --recipe gpu --fractions 0.25
+    python scripts/kv_budgets.py --positions rope     # the rotary variants (issue 69), tensor product attention too
 
 Prints two Markdown tables: per target fraction and variant, the key_size closest to it and the ratio reached.
 """
@@ -34,10 +35,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="targets for the cache bytes per token")
     parser.add_argument("--param-fractions", type=fraction, nargs="+", default=[0.75, 0.625],
                         help="targets for the attention parameters")
+    parser.add_argument("--positions", choices=["learned", "rope"], default="learned",
+                        help="rope: the variants as rotary (Llama-architecture) models, tensor product attention too")
     args = parser.parse_args(argv)
     model = OmegaConf.to_container(OmegaConf.load(RECIPES / f"{args.recipe}.yaml"))["model"]
-    sizes = all_sizes(model)
-    print(f"recipe {args.recipe}: {model}\n")
+    sizes = all_sizes(model, positions=args.positions)
+    print(f"recipe {args.recipe}, positions {args.positions}: {model}\n")
     print(table(matched(sizes, args.fractions, "cache_bytes"), "cache_bytes"))
     print()
     print(table(matched(sizes, args.param_fractions, "attention_params"), "attention_params"))

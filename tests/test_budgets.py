@@ -60,3 +60,25 @@ def test_script_prints_both_tables(capsys):
     assert "| 0.625 | mqa | 32 | 512 | 165,120 | 0.625x |" in out
     with pytest.raises(SystemExit):
         script.main(["--fractions", "0"])
+
+
+def test_rotary_sizes_are_what_each_rotary_variant_takes():
+    assert budgets.candidate_sizes("concat", 128, 4, "rope") == [128]  # no narrower rotary heads
+    assert budgets.candidate_sizes("collab-kv", 128, 4, "rope") == list(range(2, 129, 2))  # query/key pairs
+    assert budgets.candidate_sizes("tpa", 128, 4, "rope") == [1, 2, 3]  # rank 4 would cache more than the heads
+    sizes = budgets.all_sizes(CPU, positions="rope")
+    assert "tpa" in sizes and "tpa" not in budgets.all_sizes(CPU)
+    rows = {row.kind: row for row in budgets.matched(sizes, [0.125], "cache_bytes")}
+    assert rows["collab-kv"].sized.key_size == 16 and rows["collab-kv"].ratio == 0.125  # no content logits
+    assert rows["mla"].sized.key_size == 16 and rows["mla"].ratio == 0.125  # 16 + the rotary key of 16
+    assert not rows["tpa"].reached and rows["tpa"].ratio == 4 * 2 * (4 + 32) * 2 / 2048  # ranks 1 and 1
+
+
+@pytest.mark.parametrize("kind, key_size", [("concat", 128), ("collab-kv", 30), ("gqa", 64), ("mla", 48),
+                                           ("tpa", 2)])
+def test_rotary_costs_on_the_meta_device_equal_a_real_model(kind, key_size):
+    values = {"value_size": key_size} if kind == "collab-kv" else {}
+    config = gpt_config(2, 8, **CPU, kind=kind.removesuffix("-kv"), key_size=key_size, positions="rope", **values)
+    real = build_model(config, seed=0)
+    meta = budgets.sized(kind, key_size, CPU, "rope")
+    assert (meta.cache_bytes, meta.attention_params) == (cache_bytes(real), parameter_counts(real)["attention_params"])

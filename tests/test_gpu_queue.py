@@ -14,9 +14,10 @@ from conftest import GLUE_DIR
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "gpu_queue.sh"
 LM_DATA = GLUE_DIR.parents[0] / "tinyshakespeare" / "input.txt"
-JOBS = ["triton", "tests", "smollm2", "decode", "glue", "lm", "race", "convert"]
+JOBS = ["triton", "tests", "smollm2", "decode", "glue", "lm", "race", "rope", "convert"]
 # The dry run in two parts: the jobs that need no data always run; the others need GLUE and Tiny Shakespeare
-GROUPS = {"no data": ["triton", "tests", "decode"], "glue and lm data": ["smollm2", "glue", "lm", "race", "convert"]}
+GROUPS = {"no data": ["triton", "tests", "decode"],
+          "glue and lm data": ["smollm2", "glue", "lm", "race", "rope", "convert"]}
 NEEDS = {"no data": [], "glue and lm data": [GLUE_DIR, LM_DATA]}
 
 
@@ -67,7 +68,7 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
         again = dry_run(tmp_path, ["tests"])  # resumable: the same sources were tested already
         assert f"tests: done before ({dry / 'gpu_tests' / 'test_cuda.txt'})" in again.stdout
     else:
-        assert ran == {"smollm2": "exit 0", "glue": "exit 0", "lm": "exit 0", "race": "exit 0",
+        assert ran == {"smollm2": "exit 0", "glue": "exit 0", "lm": "exit 0", "race": "exit 0", "rope": "exit 0",
                        "convert-train-seed0": "exit 0", "convert-seed0": "exit 0"}, done.stdout
         race = dry / "smollm2" / "gpu"
         assert sorted(p.name for p in (race / "runs").glob("*.json")) == [
@@ -77,6 +78,7 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
         assert list((dry / "minilm_glue" / "runs").glob("rte/minilm/cp-aware-r96/*/results.jsonl"))
         assert (dry / "shakespeare_char" / "gpu" / "runs" / "collab-k8-seed0.json").is_file()
         assert (dry / "shakespeare_char" / "kv_race_gpu" / "runs" / "collab-k6-v6-seed0.json").is_file()
+        assert (dry / "shakespeare_char" / "rope_race_gpu" / "runs" / "rope-tpa-k1-v1-q6-seed0.json").is_file()
         converted = dry / "kv_cache" / "shakespeare_gpu" / "convert" / "seed0" / "runs"
         assert sorted(p.name for p in converted.glob("*.json")) == [
             "cp-k1-v1.json", "cp-k3-v3.json", "cp-k7-v7.json", "kv-svd-k16.json", "kv-svd-k4.json", "kv-svd-k8.json"]

@@ -44,8 +44,9 @@ def test_a_kind_name_is_registered_once():
 def test_a_layout_names_a_registered_kind_and_only_kinds_that_cut_values_take_value_ranks():
     with pytest.raises(ValueError, match="unknown layer kind 'wide'"):
         Layout("cp", "wide", [8])
-    with pytest.raises(ValueError, match=r"value ranks need a layer kind that cuts the values \(\['collaborative', "
-                                         r"'concatenated', 'rotary-collaborative', 'rotary-shared-key'\]\), not 'mla'"):
+    cutting = r"\['collaborative', 'concatenated', 'rotary-collaborative', 'rotary-shared-key', 'rotary-tpa'\]"
+    with pytest.raises(ValueError, match=rf"value ranks need a layer kind that cuts the values \({cutting}\), not "
+                                         "'mla'"):
         Layout("kv-svd", "mla", [8], value_ranks=[8])
 
 

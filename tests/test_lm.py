@@ -357,11 +357,24 @@ def test_wandb_runs_go_online_only_when_a_key_is_set(monkeypatch, tmp_path):
     assert modes == ["offline", "online", "disabled"]
 
 
+ROPE = "positions=rope"
+
+
 @pytest.mark.parametrize("attention, key_size, cached_per_layer, extra", [
     ("gqa", 8, 16, []),     # 2 key/value heads of 4 (of 4 query heads): keys and values, 2 x 8 numbers
     ("mqa", None, 8, []),   # one key/value head of 4: 2 x 4
     ("mla", 6, 6, []),      # one latent of 6
     ("collab", 6, 6 + 4 + 5, ["value_size=5"]),  # shared key of 6, 4 content logits, one shared value of 5
+    # rotary positions (issue 69): Llama models
+    ("concat", None, 32, [ROPE]),                  # Llama's own attention: keys and values of 4 heads of 4
+    ("gqa", 8, 16, [ROPE]),                        # Llama's grouped heads, 2 of 4
+    ("mqa", None, 8, [ROPE]),
+    ("collab", 6, 6 + 5, [ROPE, "value_size=5"]),  # 3 rotating shared pairs (no content bias) and a value of 5
+    ("collab", 4, 4 + 16, [ROPE]),                 # keys only: 2 rotating pairs, every head's value
+    ("mla", 6, 6 + 2, [ROPE]),                     # a latent of 6 and DeepSeek-V2's rotary key of half a head
+    ("mla", 6, 6 + 4, [ROPE, "rope_dim=4"]),
+    ("tpa", 2, (2 + 1) * (4 + 4), [ROPE, "value_size=1", "query_rank=3"]),  # factors of 4 heads + 4 dimensions
+    ("tpa", None, (2 + 2) * (4 + 4), [ROPE]),      # ranks 2 and 2, queries of rank 6
 ])
 def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, attention, key_size,
                                                            cached_per_layer, extra):
@@ -372,12 +385,15 @@ def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, 
     out = tmp_path / "out"
     size = [] if key_size is None else [f"key_size={key_size}"]
     overrides = [*TINY, "model.n_head=4", f"data.path={text_file}", f"output_dir={out}", f"attention={attention}",
-                 *size, *extra, f"save_models=[{attention}-*]"]
+                 *size, *extra, f"save_models=[*{attention}-*]"]
     (record,) = script.run(compose_cfg("train_lm", overrides))
     assert record["attention"] == attention
     assert record["cache_bytes_per_token_bf16"] == cached_per_layer * 2  # one layer
+    rope = ROPE in extra
+    assert record["name"].startswith("rope-") == rope and record.get("positions") == ("rope" if rope else None)
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "models" / record["name"]).eval()
     assert models.cache_bytes(model) == cached_per_layer * 2
+    assert ("Llama" in type(model).__name__) == rope
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     cache = transformers.DynamicCache()
     with torch.no_grad():
@@ -386,7 +402,7 @@ def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, 
                   for s, e in [(0, 4)] + [(i, i + 1) for i in range(4, 9)]]
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
     stored = sum(t[0, :, 0].numel() for layer in cache.layers for t in (layer.keys, layer.values))
-    assert stored == cached_per_layer * model.config.n_layer
+    assert stored == cached_per_layer * model.config.num_hidden_layers
     settings = {"max_new_tokens": 6, "do_sample": False}
     greedy = model.generate(ids[:, :5], **settings)
     assert torch.equal(model.generate(ids[:, :5], use_cache=False, **settings), greedy)
@@ -469,3 +485,73 @@ def test_the_verdicts_table_ranks_each_budget_by_the_paired_rule():
     grid = [run("concat", 16, 0, 1.95, 1184), run("collab", 16, 0, 1.94, 1184)]
     assert summary.verdicts_table(grid).splitlines()[2] == (
         "| 16 | collab 16 (1.9400) | concat 16 (1.9500) | -0.0100, 1 seed: tie | concat 16 | -0.0100, 1 seed: tie |")
+
+
+def test_rotary_models_keep_nanogpts_sizes_and_refuse_what_they_cannot_build():
+    """positions=rope: a Llama model with GPT-2's MLP parameter count, tied embeddings, no position embedding, the
+    residual projections initialized as GPT-2's; each attention option refuses what has no rotary form."""
+    learned = models.build_model(models.gpt_config(65, 64, 4, 4, 128), 0)
+    rope = models.build_model(models.gpt_config(65, 64, 4, 4, 128, positions="rope"), 0)
+    assert type(rope).__name__ == "LlamaForCausalLM" and rope.lm_head.weight is rope.model.embed_tokens.weight
+    mlp = sum(p.numel() for p in rope.model.layers[0].mlp.parameters())
+    gpt2_mlp = sum(p.numel() for p in learned.transformer.h[0].mlp.parameters())
+    assert mlp == 3 * 128 * 344 and abs(mlp / gpt2_mlp - 1) < 0.01
+    positions = learned.transformer.wpe.weight.numel()
+    attention = [models.parameter_counts(m)["attention_params"] for m in (rope, learned)]
+    assert attention[0] == attention[1] - 4 * (3 * 128 + 128)  # Llama's attention has no biases
+    assert abs(models.parameter_counts(rope)["total"] - models.parameter_counts(learned)["total"] + positions) < 5000
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        weight = rope.model.layers[0].get_submodule(name).weight
+        assert float(weight.detach().std()) == pytest.approx(0.02 / 8 ** 0.5, rel=0.1)
+    mla = models.gpt_config(65, 64, 4, 4, 128, kind="mla", key_size=48, positions="rope")
+    layer = models.build_model(mla, 0).model.layers[0].self_attn
+    assert (layer.kv_heads, layer.rope_pairs, layer.rope_key.out_features) == (1, 8, 16)  # one rotary key, shared
+    collab = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="collab", key_size=62, value_size=62,
+                                                  positions="rope"), 0).model.layers[0].self_attn
+    assert collab.pair_bands.tolist() == list(range(16)) + list(range(15))  # 31 pairs over the 16 bands
+    assert not torch.equal(collab.mixing, torch.ones_like(collab.mixing))  # random mixing, as without RoPE
+    for bad, message in [
+        ({"kind": "concat", "key_size": 64}, "full width only"),
+        ({"kind": "collab", "key_size": 7}, "key_size must be even"),
+        ({"kind": "gqa", "key_size": 48}, "kv_heads x 32"),
+        ({"kind": "gqa", "key_size": 64, "rope_dim": 8}, "rope_dim=8 is the decoupled rotary key of attention=mla"),
+        ({"kind": "mla", "key_size": 8, "rope_dim": 5}, "rope_dim must be an even number"),
+        ({"kind": "mla", "key_size": 8, "query_rank": 2}, "query_rank=2 is a size of attention=tpa"),
+        ({"kind": "mqa", "value_size": 4}, "value_size=4 needs attention=collab or attention=tpa"),
+        ({"kind": "concat", "rope_theta": -1.0}, "rope_theta must be positive"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            models.gpt_config(65, 64, 4, 4, 128, positions="rope", **bad)
+    for bad, message in [({"kind": "tpa"}, "attention=tpa rotates its key factors: it needs positions=rope"),
+                         ({"rope_dim": 4}, "rope_dim=4 is a size of rotary models"),
+                         ({"rope_theta": 5e5}, "rope_theta=500000.0 needs positions=rope"),
+                         ({"positions": "alibi"}, "unknown positions 'alibi'")]:
+        with pytest.raises(ValueError, match=message):
+            models.gpt_config(65, 64, 4, 4, 128, **bad)
+
+
+def test_a_rotary_model_with_dropout_drops_where_gpt2_does():
+    """Llama has attention dropout only; a rotary model trained with dropout also drops the embeddings and each
+    block's attention and MLP outputs while training, and computes deterministically in eval mode."""
+    model = models.build_model(models.gpt_config(30, 16, 2, 4, 32, dropout=0.5, positions="rope"), 0)
+    ids = torch.randint(0, 30, (2, 16), generator=torch.Generator().manual_seed(0))
+    hooked = [m for m in model.modules() if m._forward_hooks]
+    assert len(hooked) == 1 + 2 * 2 and model.config.attention_dropout == 0.5
+    model.train()
+    with torch.no_grad():
+        assert not torch.equal(model(ids).logits, model(ids).logits)
+        model.eval()
+        assert torch.equal(model(ids).logits, model(ids).logits)
+    plain = models.build_model(models.gpt_config(30, 16, 2, 4, 32, positions="rope"), 0)
+    assert not any(m._forward_hooks for m in plain.modules())
+
+
+def test_rotary_runs_are_named_and_stored_apart():
+    settings = settings_for("train_lm", "positions=rope", "attention=mla", "latent_size=48")
+    assert runs.name_of(settings, "mla", 48, 1) == "rope-mla-k48-r16-seed1"
+    assert runs.name_of({**settings, "rope_dim": 8}, "mla", 48, 1) == "rope-mla-k48-r8-seed1"
+    assert runs.name_of(settings, "tpa", 2, 0) == "rope-tpa-k2-v2-q6-seed0"
+    assert runs.name_of({**settings, "positions": "learned"}, "mla", 48, 1) == "mla-k48-seed1"
+    assert runs.signature(settings)["positions"] == {"rope_theta": 10000.0}
+    assert "positions" not in runs.signature({**settings, "positions": "learned"})  # stored runs keep theirs
+    assert runs.runs_of(settings_for("train_lm", "positions=rope", "attention=tpa")) == [("tpa", 2, 0)]

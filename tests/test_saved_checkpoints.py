@@ -19,7 +19,7 @@ FOLDERS = sorted(p.name for p in SAVED.iterdir() if p.is_dir())
 KINDS = {"cp": "collaborative", "tucker": "collaborative", "svd": "concatenated", "prune": "kept-heads",
          "key-svd": "shared-key", "kv-svd": "mla", "collab": "collaborative", "concat": "concatenated",
          "gqa": "gqa", "mla": "mla", "llama-cp": "rotary-collaborative", "llama-kv-svd": "rotary-mla",
-         "llama-merge-kv": "rotary-gqa", "llama-key-svd-values": "rotary-shared-key"}
+         "llama-merge-kv": "rotary-gqa", "llama-key-svd-values": "rotary-shared-key", "rope-tpa": "rotary-tpa"}
 
 
 def kind_of(name: str) -> str:
@@ -27,7 +27,7 @@ def kind_of(name: str) -> str:
 
 
 def test_every_layer_kind_has_a_saved_checkpoint():
-    assert len(FOLDERS) == 21
+    assert len(FOLDERS) == 22
     kinds = {kind_of(name) for name in FOLDERS}
     assert kinds == set(LAYER_KINDS)
 

@@ -45,27 +45,33 @@ class Match:
     reached: bool  # within REACH of the target
 
 
-def candidate_sizes(kind: str, n_embd: int, n_head: int) -> list[int]:
-    """Every ``key_size`` a variant takes at this width."""
+def candidate_sizes(kind: str, n_embd: int, n_head: int, positions: str = "learned") -> list[int]:
+    """Every ``key_size`` a variant takes at this width (``positions="rope"``: as a rotary model takes it)."""
     head_dim = n_embd // n_head
+    rope = positions == "rope"
     if kind == "concat":
-        return list(range(n_head, n_embd + 1, n_head))
+        return [n_embd] if rope else list(range(n_head, n_embd + 1, n_head))
     if kind == "mqa":
         return [head_dim]
     if kind == "gqa":
         return [kv * head_dim for kv in range(1, n_head + 1) if n_head % kv == 0]
+    if kind == "tpa":  # ranks, up to where the factors cache more than the heads they make
+        return list(range(1, head_dim * n_head // (head_dim + n_head) + 1))
+    if rope and kind in ("collab", SHARED_VALUES):
+        return list(range(2, n_embd + 1, 2))  # query/key pairs
     return list(range(1, n_embd + 1))  # collab, collab-kv, mla
 
 
-def sized(kind: str, key_size: int, model: dict) -> Sized:
+def sized(kind: str, key_size: int, model: dict, positions: str = "learned") -> Sized:
     """Build the variant on the meta device and read its costs (each variant once per process: the costs depend on
-    its sizes alone)."""
-    return _sized(kind, key_size, tuple(sorted(model.items())))
+    its sizes alone). Tensor product attention's values take the keys' rank, latent attention's rotary key its
+    default width."""
+    return _sized(kind, key_size, tuple(sorted(model.items())), positions)
 
 
 @functools.cache
-def _sized(kind: str, key_size: int, model_items: tuple) -> Sized:
-    model = dict(model_items)
+def _sized(kind: str, key_size: int, model_items: tuple, positions: str) -> Sized:
+    model = dict(model_items, positions=positions)
     if kind == SHARED_VALUES:
         config = gpt_config(2, 8, **model, kind="collab", key_size=key_size, value_size=key_size)
     else:
@@ -75,9 +81,13 @@ def _sized(kind: str, key_size: int, model_items: tuple) -> Sized:
     return Sized(kind, key_size, cache_bytes(built), parameter_counts(built)["attention_params"])
 
 
-def all_sizes(model: dict, kinds: Sequence[str] = VARIANTS) -> dict[str, list[Sized]]:
-    """Every size of every variant for ``model`` (``n_layer``, ``n_head``, ``n_embd``, ``dropout``)."""
-    return {kind: [sized(kind, k, model) for k in candidate_sizes(kind, model["n_embd"], model["n_head"])]
+def all_sizes(model: dict, kinds: Sequence[str] | None = None, positions: str = "learned") -> dict[str, list[Sized]]:
+    """Every size of every variant for ``model`` (``n_layer``, ``n_head``, ``n_embd``, ``dropout``); by default
+    every variant the positions take (tensor product attention needs rotary ones)."""
+    if kinds is None:
+        kinds = [kind for kind in VARIANTS if positions == "rope" or kind != "tpa"]
+    return {kind: [sized(kind, k, model, positions)
+                   for k in candidate_sizes(kind, model["n_embd"], model["n_head"], positions)]
             for kind in kinds}
 
 

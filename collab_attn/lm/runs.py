@@ -25,6 +25,9 @@ from collab_attn.lm.models import (
     KINDS,
     MIXING_INITS,
     MODEL_KEYS,
+    POSITIONS,
+    ROPE_THETA,
+    TPA_QUERY_RANK,
     build_model,
     cache_bytes,
     default_key_size,
@@ -72,16 +75,48 @@ def trainer_fields(settings: dict, progress: bool = True) -> dict:
     return fields
 
 
-def run_name(kind: str, key_size: int, seed: int, mixing_init: str = "random", value_size: int | None = None) -> str:
+def shape_of(settings: dict) -> dict:
+    """What shapes a variant besides its kind and key size: ``gpt_config``'s keywords from the settings."""
+    shape = {"mixing_init": settings.get("mixing_init", "random"), "value_size": settings.get("value_size"),
+             "positions": settings.get("positions", "learned")}
+    for key in ("rope_dim", "query_rank"):
+        if settings.get(key) is not None:
+            shape[key] = settings[key]
+    if settings.get("rope_theta", ROPE_THETA) != ROPE_THETA:
+        shape["rope_theta"] = settings["rope_theta"]
+    return shape
+
+
+def run_name(kind: str, key_size: int, seed: int, mixing_init: str = "random", value_size: int | None = None,
+             positions: str = "learned", rope_dim: int | None = None, query_rank: int | None = None,
+             head_dim: int | None = None, **_theta) -> str:
+    """``<kind>[-ones]-k<key size>[-v<values>]-seed<seed>``; with rotary positions ``rope-`` first, latent attention's
+    rotary key (``-r<rope_dim>``, its default resolved from ``head_dim``) and tensor product attention's value and
+    query ranks (``-v``, ``-q``) always named."""
     mixing = "-ones" if kind == "collab" and mixing_init == "ones" else ""
+    if kind == "tpa":
+        value_size = key_size if value_size is None else value_size
     values = "" if value_size is None else f"-v{value_size}"
-    return f"{kind}{mixing}-k{key_size}{values}-seed{seed}"
+    extra = ""
+    if positions == "rope" and kind == "mla":
+        extra = f"-r{head_dim // 2 if rope_dim is None else rope_dim}"
+    if kind == "tpa":
+        extra = f"-q{TPA_QUERY_RANK if query_rank is None else query_rank}"
+    prefix = "rope-" if positions == "rope" else ""
+    return f"{prefix}{kind}{mixing}-k{key_size}{values}{extra}-seed{seed}"
+
+
+def name_of(settings: dict, kind: str, key_size: int, seed: int) -> str:
+    """The run name of one variant of ``settings``."""
+    head_dim = settings["model"]["n_embd"] // settings["model"]["n_head"]
+    return run_name(kind, key_size, seed, head_dim=head_dim, **shape_of(settings))
 
 
 def signature(settings: dict) -> dict:
     """What must agree for a stored run to be reused: everything that changes a run except its kind, key size,
     mixing and seed (not the output folder, checkpointing, threads, progress bars or bf16 'auto')."""
     trainer = {k: v for k, v in settings["trainer"].items() if k not in ("disable_tqdm", "dataloader_num_workers")}
+    rope = settings.get("positions", "learned") == "rope"
     return {
         "version": RESULT_VERSION,
         "data": Path(settings["data"]["path"]).name,
@@ -89,6 +124,8 @@ def signature(settings: dict) -> dict:
         "block_size": settings["block_size"],
         "eval_iters": settings["eval_iters"],
         "trainer": trainer,
+        # rotary models: Llama's architecture (learned-position runs stored before keep their signature)
+        **({"positions": {"rope_theta": float(settings.get("rope_theta", ROPE_THETA))}} if rope else {}),
     }
 
 
@@ -125,16 +162,16 @@ def train_model(settings: dict, corpus, model, seed: int, checkpoints: Path, pro
 def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progress: bool = True) -> dict:
     """Train one variant (or read its stored result) and return its record."""
     out = Path(settings["output_dir"])
-    mixing = settings.get("mixing_init", "random")
-    values = settings.get("value_size")
-    name = run_name(kind, key_size, seed, mixing, values)
+    shape = shape_of(settings)
+    mixing, values = shape["mixing_init"], shape["value_size"]
+    name = name_of(settings, kind, key_size, seed)
     store = RunStore(out, signature(settings))
     record = store.finished(name)
     if record is not None:
         print(f"{name}: done already (best val loss {record['best_val_loss']:.4f}), skipping", flush=True)
         return record
     config = gpt_config(corpus.vocab_size, settings["block_size"], **settings["model"], kind=kind,
-                        key_size=key_size, mixing_init=mixing, value_size=values)
+                        key_size=key_size, **shape)
     model = build_model(config, seed)
     if torch.cuda.is_available():
         model.cuda()
@@ -146,6 +183,7 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     record = {
         "name": name, "attention": kind, "key_size": key_size, "mixing_init": mixing if kind == "collab" else None,
         **({} if values is None else {"value_size": values}),
+        **({} if shape["positions"] == "learned" else {"positions": "rope", **rotary_sizes(model)}),
         "seed": seed, "recipe": settings.get("recipe_name"), "signature": store.signature,
         "parameters": parameter_counts(model), "cache_bytes_per_token_bf16": cache_bytes(model, 2),
         "best_val_loss": best["val_loss"], "best_step": best["step"], "final_val_loss": curve[-1]["val_loss"],
@@ -164,6 +202,18 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     print(f"{name}: best val loss {record['best_val_loss']:.4f} at step {best['step']}, "
           f"{record['tokens_per_second'] or 0:,.0f} tokens/s", flush=True)
     return record
+
+
+def rotary_sizes(model) -> dict:
+    """The rotary sizes a record of a rotary model keeps: its rope theta, and where they apply latent attention's
+    decoupled rotary key and tensor product attention's ranks, read from the model's config."""
+    config = model.config
+    sizes = {"rope_theta": config.rope_parameters["rope_theta"]}
+    if getattr(config, "collab_rope_pairs", None):
+        sizes["rope_dim"] = 2 * config.collab_rope_pairs[0]
+    if getattr(config, "collab_query_ranks", None):
+        sizes.update(value_size=config.collab_value_ranks[0], query_rank=config.collab_query_ranks[0])
+    return sizes
 
 
 def log_to_tracker(settings: dict, record: dict) -> None:
@@ -232,8 +282,12 @@ def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.Ch
     cli.integer("sample_chars", settings.get("sample_chars", 300), 0)
     if settings.get("bf16", "auto") != "auto":
         cli.boolean("bf16", settings["bf16"])
-    mixing = cli.choice("mixing_init", settings.get("mixing_init", "random"), MIXING_INITS)
-    values = cli.positive_int("value_size", settings.get("value_size"), nullable=True)
+    cli.choice("mixing_init", settings.get("mixing_init", "random"), MIXING_INITS)
+    cli.positive_int("value_size", settings.get("value_size"), nullable=True)
+    cli.choice("positions", settings.get("positions", "learned"), POSITIONS)
+    cli.number("rope_theta", settings.get("rope_theta", ROPE_THETA), 0, None, above=True)
+    cli.integer("rope_dim", settings.get("rope_dim"), 0, nullable=True)
+    cli.positive_int("query_rank", settings.get("query_rank"), nullable=True)
     for pattern in settings.get("save_models") or []:
         if not isinstance(pattern, str):
             raise cli.BadInput(f"save_models must be a list of run names or glob patterns, got {pattern!r}")
@@ -243,8 +297,11 @@ def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.Ch
     corpus = checked_corpus(settings)
     store = RunStore(out, signature(settings))
     for kind, key, seed in runs:
-        gpt_config(2, block, **settings["model"], kind=kind, key_size=key, mixing_init=mixing, value_size=values)
-        store.finished(run_name(kind, key, seed, mixing, values))  # a stored run made with other settings is refused
+        try:
+            gpt_config(2, block, **settings["model"], kind=kind, key_size=key, **shape_of(settings))
+        except ValueError as err:
+            raise cli.BadInput(str(err)) from err
+        store.finished(name_of(settings, kind, key, seed))  # a stored run made with other settings is refused
     return corpus
 
 
@@ -274,8 +331,6 @@ def run_many(settings: dict, runs: Sequence[tuple[str, int, int]], progress: boo
         torch.set_num_threads(int(settings["threads"]))
     records = []
     for number, (kind, key, seed) in enumerate(runs, 1):
-        print(f"[{number}/{len(runs)}] "
-              f"{run_name(kind, key, seed, settings.get('mixing_init', 'random'), settings.get('value_size'))}",
-              flush=True)
+        print(f"[{number}/{len(runs)}] {name_of(settings, kind, key, seed)}", flush=True)
         records.append(train_run(settings, corpus, kind, key, seed, progress))
     return records

@@ -1,7 +1,7 @@
 """Text sampled from a character model with ``generate`` and the key/value cache (nanoGPT's ``sample.py``:
 temperature 0.8, top-k 200, starting from a newline).
 
-A model sees at most ``n_positions`` characters. Past that, nanoGPT crops the context to the last block and
+A model sees at most ``max_position_embeddings`` characters. Past that, nanoGPT crops the context to the last block and
 recomputes; here the text is generated in chunks of half a block: each chunk is one ``generate`` call, with the
 cache, conditioned on the last half block of what came before."""
 
@@ -18,7 +18,7 @@ def sample_text(model, corpus, length: int = 300, seed: int = 0, temperature: fl
     against)."""
     if length <= 0:
         return ""
-    block = model.config.n_positions
+    block = model.config.max_position_embeddings
     chunk = max(1, block // 2)
     device = next(model.parameters()).device
     ids = torch.tensor([corpus.encode(prompt)], device=device)

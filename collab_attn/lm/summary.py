@@ -43,9 +43,30 @@ def read_runs(recipe: Path, runs: str) -> list[dict]:
     return [record for _, record in found]
 
 
+def _rotary(record: dict) -> bool:
+    return record.get("positions") == "rope"
+
+
 def variant(record: dict) -> str:
+    """``collab (values 30)``, ``mla (rotary key 16, rope)``, ``tpa (values 2, queries 6, rope)``: the attention
+    and what shapes it besides its key size."""
     name = "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
-    return name if record.get("value_size") is None else f"{name} (values {record['value_size']})"
+    details = [f"values {record['value_size']}"] if record.get("value_size") is not None else []
+    if record.get("rope_dim") is not None:
+        details.append(f"rotary key {record['rope_dim']}")
+    if record.get("query_rank") is not None:
+        details.append(f"queries {record['query_rank']}")
+    details += ["rope"] if _rotary(record) else []
+    return name if not details else f"{name} ({', '.join(details)})"
+
+
+def family(record: dict) -> str:
+    """One line of the cache plot: the attention, ``collab (values)`` where collaborative heads share their
+    values, `` rope`` with rotary positions."""
+    name = variant({**record, "value_size": None, "rope_dim": None, "query_rank": None, "positions": None})
+    if record["attention"] == "collab" and record.get("value_size") is not None:
+        name = f"{name} (values)"
+    return f"{name} rope" if _rotary(record) else name
 
 
 def _groups(records: Sequence[dict]) -> dict[tuple[str, int], list[dict]]:
@@ -83,9 +104,15 @@ def _still_improving(record: dict) -> bool:
 
 
 def _short_label(record: dict) -> str:
-    """``mqa 32``, ``collab 30/30`` (key and value sizes), ``collab (ones) 16``."""
+    """``mqa 32``, ``collab 30/30`` (key and value sizes), ``collab (ones) 16``; rotary runs ``... rope`` (latent
+    attention with its rotary key ``mla 48+16 rope``, tensor product attention ``tpa 2/2 q6 rope``)."""
     name = "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
-    return f"{name} {record['key_size']}" + ("" if record.get("value_size") is None else f"/{record['value_size']}")
+    label = f"{name} {record['key_size']}" + ("" if record.get("value_size") is None else f"/{record['value_size']}")
+    if record.get("rope_dim") is not None:
+        label += f"+{record['rope_dim']}"
+    if record.get("query_rank") is not None:
+        label += f" q{record['query_rank']}"
+    return f"{label} rope" if _rotary(record) else label
 
 
 def is_race(records: Sequence[dict]) -> bool:
@@ -95,9 +122,11 @@ def is_race(records: Sequence[dict]) -> bool:
 def verdicts_table(records: Sequence[dict]) -> str:
     """Per budget (a race: cache bytes per token; a grid: key size), the best variant by the mean best validation loss,
     the paired rule (``collab_attn.stats``) against the runner-up and against the original (the concatenated runs at
-    the folder's largest key size, on the seeds both have), and the variants it cannot tell from the best."""
+    the folder's largest key size, rotary ones where the folder has rotary runs, on the seeds both have), and the
+    variants it cannot tell from the best."""
     budget = "cache_bytes_per_token_bf16" if is_race(records) else "key_size"
-    concat = [r for r in records if r["attention"] == "concat"]
+    rotary = any(_rotary(r) for r in records)  # a rotary race: its original is the rotary one
+    concat = [r for r in records if r["attention"] == "concat" and _rotary(r) == rotary]
     full = max((r["key_size"] for r in concat), default=None)
     original = {r["seed"]: r["best_val_loss"] for r in concat if r["key_size"] == full}
     lines = [f"| {'cache B/token' if budget != 'key_size' else 'key size'} | best (mean) | runner-up (mean) "
@@ -224,16 +253,15 @@ def plot_cache_race(records: Sequence[dict], path: Path, reference: Sequence[dic
     lines: dict[str, list[tuple[int, float, float]]] = {}
     own = _groups(records)
     reference = [r for r in reference if (variant(r), r["key_size"]) not in own]  # the race's own runs come first
-    for (kind, _), runs in _groups([*records, *reference]).items():
+    for runs in _groups([*records, *reference]).values():
         best, spread = mean_std([r["best_val_loss"] for r in runs])
-        family = "collab (values)" if kind.startswith("collab (values") else kind
-        lines.setdefault(family, []).append((runs[0]["cache_bytes_per_token_bf16"], best, spread))
+        lines.setdefault(family(runs[0]), []).append((runs[0]["cache_bytes_per_token_bf16"], best, spread))
     fig = Figure(figsize=(7, 4.5))
     axes = fig.subplots()
-    for family, points in sorted(lines.items()):
+    for name, points in sorted(lines.items()):
         points.sort()
         axes.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
-                      fmt="o" + line_style(family), capsize=3, label=family)
+                      fmt="o" + line_style(name), capsize=3, label=name)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("key/value cache, bytes per token (bf16, all layers)")
     axes.set_ylabel("best validation loss")

@@ -82,12 +82,15 @@ class Layout:
     value_ranks: list[int] | None = None  # per layer, where the values were cut (shared, or narrower heads)
     rope_pairs: list[int] | None = None  # per layer, the rotary pairs each key/value group keeps (rotary-mla)
     bands: list | None = None  # per layer, its rotary bands (the layer kind's bands_buffer) where it has them
+    query_ranks: list[int] | None = None  # per layer, the rank of a tensor-product layer's queries (rotary-tpa)
 
     def __post_init__(self):
         if self.rope_pairs is not None and len(self.rope_pairs) != len(self.ranks):
             raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.rope_pairs)} rope pair counts")
         if self.bands is not None and len(self.bands) != len(self.ranks):
             raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.bands)} band lists")
+        if self.query_ranks is not None and len(self.query_ranks) != len(self.ranks):
+            raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.query_ranks)} query ranks")
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"unknown layer kind {self.kind!r}; choose one of {tuple(LAYER_KINDS)}")
         if self.value_ranks is not None:
@@ -106,8 +109,9 @@ class Layout:
         values = self.value_ranks or [None] * len(self.ranks)
         rope_pairs = self.rope_pairs or [None] * len(self.ranks)
         bands = self.bands or [None] * len(self.ranks)
-        return [LayerSpec(self.kind, h, r, self.tucker_core_size, self.mixing_init, v, p, b)
-                for r, h, v, p, b in zip(self.ranks, heads, values, rope_pairs, bands)]
+        queries = self.query_ranks or [None] * len(self.ranks)
+        return [LayerSpec(self.kind, h, r, self.tucker_core_size, self.mixing_init, v, p, b, q)
+                for r, h, v, p, b, q in zip(self.ranks, heads, values, rope_pairs, bands, queries)]
 
     def config_fields(self) -> dict:
         """The ``collab_*`` config fields that record this layout (``Layout.of`` reads it back from them)."""
@@ -118,6 +122,7 @@ class Layout:
             "collab_value_ranks": None if self.value_ranks is None else list(self.value_ranks),
             "collab_rope_pairs": None if self.rope_pairs is None else list(self.rope_pairs),
             "collab_bands": None if self.bands is None else list(self.bands),
+            "collab_query_ranks": None if self.query_ranks is None else list(self.query_ranks),
         }
 
     @classmethod
@@ -138,7 +143,8 @@ class Layout:
         return cls(config.collab_method, kind, list(config.collab_ranks), config.collab_heads,
                    config.collab_tucker_core_size, config.collab_mixing_init, config.collab_value_ranks,
                    getattr(config, "collab_rope_pairs", None),  # absent from configs saved before rotary-mla
-                   getattr(config, "collab_bands", None))  # absent before configs recorded the bands
+                   getattr(config, "collab_bands", None),  # absent before configs recorded the bands
+                   getattr(config, "collab_query_ranks", None))  # absent before rotary-tpa
 
 
 @dataclass
@@ -264,6 +270,7 @@ def _collab_config_class(family: Family) -> type:
             "collab_value_ranks": list[int] | None,
             "collab_rope_pairs": list[int] | None,
             "collab_bands": list | None,
+            "collab_query_ranks": list[int] | None,
         },
         "model_type": family.collab_model_type,
         "base_model_tp_plan": without_attention(family.config_class.base_model_tp_plan, family),
@@ -276,6 +283,7 @@ def _collab_config_class(family: Family) -> type:
         "collab_value_ranks": None,
         "collab_rope_pairs": None,  # rotary-mla: the rotary pairs each key/value group keeps, per layer
         "collab_bands": None,  # rotary kinds: each layer's bands (its pair_bands or rope_bands), per layer
+        "collab_query_ranks": None,  # rotary-tpa: the rank of each layer's queries (None: dense queries)
     }
     name = "Collab" + family.config_class.__name__
     cls = strict(type(name, (family.config_class,), namespace))

@@ -48,6 +48,7 @@ from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
 from collab_attn.nn.partial_rope import PartialRotaryLatentAttention, default_rope_pairs
 from collab_attn.nn.rotary import RotaryCollaborativeAttention
 from collab_attn.nn.rotary_shared_key import RotarySharedKeyAttention
+from collab_attn.nn.tpa import TensorProductAttention
 from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention
 
 # Every name under which transformers 5.x hands a self-attention module its key/value cache: models pass it as
@@ -98,7 +99,8 @@ class LayerSpec:
     where it fits) and ``value_rank``: the values' width D_v where they are cut (one shared value, or heads x narrow
     value heads; None: every head keeps its values); ``rope_pairs``: the rotary pairs each key/value group keeps in a
     partial-RoPE latent layer (``rotary-mla``; None elsewhere); ``bands``: the rotary bands its pairs rotate with,
-    the layer's ``bands_buffer`` as a list (None: the layer's default)."""
+    the layer's ``bands_buffer`` as a list (None: the layer's default); ``query_rank``: the rank of a tensor-product
+    layer's queries (``rotary-tpa``; None: dense queries, and None elsewhere)."""
 
     kind: str
     heads: int
@@ -108,6 +110,7 @@ class LayerSpec:
     value_rank: int | None = None
     rope_pairs: int | None = None
     bands: list | None = None
+    query_rank: int | None = None
 
 
 LAYER_KINDS: dict[str, type[ConvertedSelfAttention]] = {}
@@ -429,13 +432,14 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
                  output_bias: bool, kv_heads: int, logit_scale: float, value_rank: int | None = None,
                  is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
                  residual_norm_eps: float | None = None, output_projection: bool = True,
-                 tucker_core_size: int | None = None, pair_bands: list[int] | None = None):
+                 tucker_core_size: int | None = None, pair_bands: list[int] | None = None,
+                 mixing_init: str | None = None):
         block = pairs % num_heads == 0 and tucker_core_size in (None, num_heads)
         RotaryCollaborativeAttention.__init__(
             self, d_model, num_heads, pairs, kv_heads=kv_heads, head_dim=head_dim, dropout=dropout, bias=bias,
             output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
-            mixing_init="concatenate" if block else "ones", value_rank=value_rank, tucker_core_size=tucker_core_size,
-            pair_bands=pair_bands,
+            mixing_init=mixing_init or ("concatenate" if block else "ones"), value_rank=value_rank,
+            tucker_core_size=tucker_core_size, pair_bands=pair_bands,
         )
         self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
@@ -448,7 +452,7 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
         return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
                    value_rank=spec.value_rank, tucker_core_size=spec.tucker_core_size, pair_bands=spec.bands,
-                   **_contract(site)).to(site.weight)
+                   mixing_init=spec.mixing_init, **_contract(site)).to(site.weight)
 
 
 class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttention, kind="rotary-shared-key"):
@@ -544,3 +548,33 @@ class PartialRotaryLatentSelfAttention(ConvertedSelfAttention, PartialRotaryLate
     @classmethod
     def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
         return True  # the value bias is folded into the output bias
+
+
+class TensorProductSelfAttention(ConvertedSelfAttention, TensorProductAttention, kind="rotary-tpa"):
+    """Tensor product attention with rotary positions (``collab_attn.nn.tpa``), for models trained from scratch:
+    ``rank`` = the keys' rank, ``value_rank`` the values' (None: the keys'), ``spec.query_rank`` the queries' (None:
+    dense queries). Takes the model's ``position_embeddings``; caches the key factors ``(batch, 1, tokens, rank
+    (heads + head_dim))``, the rotated dimension factors among them, and the value factors alike."""
+
+    cuts_values = True
+    rotary = True
+
+    def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, dropout: float, bias: bool,
+                 output_bias: bool, logit_scale: float, value_rank: int | None = None, query_rank: int | None = None,
+                 is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
+                 residual_norm_eps: float | None = None, output_projection: bool = True):
+        TensorProductAttention.__init__(
+            self, d_model, num_heads, rank, value_rank=value_rank, query_rank=query_rank, head_dim=head_dim,
+            dropout=dropout, bias=bias, output_bias=output_bias, output_projection=output_projection,
+            logit_scale=logit_scale,
+        )
+        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+
+    @classmethod
+    def build(cls, site: AttentionSite, spec: LayerSpec) -> TensorProductSelfAttention:
+        return cls(site.d_in, spec.heads, spec.rank, output_bias=site.output_bias, value_rank=spec.value_rank,
+                   query_rank=spec.query_rank, **_contract(site)).to(site.weight)
+
+    @classmethod
+    def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
+        return spec.heads != site.heads  # the values keep every head's width: value_rank is their rank

@@ -4,7 +4,8 @@ can check that checkpoints saved by earlier versions of collab_attn load and com
 
 The committed folder was written by collab_attn at commit 504d074 (before layer kinds became classes), except
 the rotary ones: ``llama-cp`` (at 4b0a067) and ``llama-kv-svd``, ``llama-merge-kv``, ``llama-key-svd-values`` (the
-kinds ``rotary-mla``, ``rotary-gqa`` and ``rotary-shared-key``, when they were added). Run again, this script
+kinds ``rotary-mla``, ``rotary-gqa`` and ``rotary-shared-key``, when they were added; ``scratch-rope-tpa``, the kind
+``rotary-tpa``, likewise). Run again, this script
 writes what the current code saves (into the folder given, default the committed one; only the checkpoints named, if
 any):
 
@@ -54,6 +55,7 @@ SCRATCH = {
     "scratch-concat": dict(kind="concat", key_size=8),
     "scratch-gqa": dict(kind="gqa", key_size=8),
     "scratch-mla": dict(kind="mla", key_size=6),
+    "scratch-rope-tpa": dict(kind="tpa", key_size=2, value_size=1, query_rank=3, positions="rope"),
 }
 
 

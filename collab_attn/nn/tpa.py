@@ -1,0 +1,164 @@
+"""Tensor Product Attention (TPA; Zhang et al., 2025, "Tensor Product Attention Is All You Need"), as a plain torch
+module with rotary positions.
+
+Every token's queries, keys and values, each an (H, d_h) matrix over the heads, are sums of rank-one products of a
+head factor ``a_r(x)`` (H numbers) and a dimension factor ``b_r(x)`` (d_h numbers), both linear in the token:
+
+    Q(x_t) = (1 / R_q) sum_r a^q_r(x_t) b^q_r(x_t)^T,   K and V alike with ranks R_k and R_v.
+
+Rotary positions act on each head's d_h dimensions in the same way for every head, so they commute with the head
+factor: ``RoPE(K) = (1 / R_k) sum_r a^k_r RoPE(b^k_r)``. The key factors are rotated once, before the cache; head
+``h`` then attends as in multi-head attention, ``softmax(scale Q_h K_h^T) V_h``, and the heads are concatenated into
+the output projection.
+
+Layout (X = q, k, v; R_X its rank): ``{query,key,value}_heads``: ``nn.Linear(d, R_X H)``, the head factors, rank
+after rank; ``{query,key,value}_dims``: ``nn.Linear(d, R_X d_h)``, the dimension factors. ``query_rank=None``
+keeps dense per-head queries (``query``: ``nn.Linear(d, H d_h)``), the paper's "TPA-KVonly".
+
+The ``kv_cache`` hook receives the factors: keys (batch, 1, seq, R_k (H + d_h)), every head factor then every
+rotated dimension factor, and values (batch, 1, seq, R_v (H + d_h)) in the same order: ``(R_k + R_v)(H + d_h)``
+numbers per token, against ``2 H d_h`` for multi-head attention. The cached factors are expanded into per-head keys
+and values at each call, never stored.
+
+Positions come from the caller as transformers computes them: ``position_embeddings = (cos, sin)``, each (batch,
+seq, head_dim), rotating the pair of dimensions ``(i, i + d_h/2)`` (``rotate_half`` layout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from collab_attn.nn.attention import grouped_attend
+from collab_attn.nn.variants import _SharedKeyValueAttention
+
+
+def _rank(name: str, value, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    if type(value) is not int or value <= 0:
+        raise ValueError(f"{name} must be a positive integer{' or None' if nullable else ''}, got {value!r}")
+
+
+def rotate_dims(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary rotation of the last axis (``rotate_half`` layout): ``x cos + rotate_half(x) sin``."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class TensorProductAttention(_SharedKeyValueAttention):
+    """Tensor product attention with rank ``key_rank`` keys and ``value_rank`` values (default: ``key_rank``) and
+    rank ``query_rank`` queries (None: dense queries); the module docstring has the computation and the layout.
+
+    ``bias``: biases of the factor projections (and of dense queries); ``output_bias`` (default ``bias``) that of the
+    output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
+
+    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
+    kv_cache=None, position_embeddings=None) -> (output, weights or None)``; ``position_embeddings`` is required.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        key_rank: int,
+        *,
+        value_rank: int | None = None,
+        query_rank: int | None = None,
+        head_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = False,
+        output_bias: bool | None = None,
+        output_projection: bool = True,
+        logit_scale: float | None = None,
+    ):
+        output_bias = bias if output_bias is None else output_bias
+        super().__init__(d_model, num_heads, head_dim, None, dropout, output_projection, output_bias)
+        if self.head_dim % 2:
+            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
+                             "must be even")
+        value_rank = key_rank if value_rank is None else value_rank
+        _rank("key_rank", key_rank)
+        _rank("value_rank", value_rank)
+        _rank("query_rank", query_rank, nullable=True)
+        self.key_rank, self.value_rank, self.query_rank = key_rank, value_rank, query_rank
+        if logit_scale is not None:
+            self.scale = logit_scale
+        heads, dims = num_heads, self.head_dim
+        if query_rank is None:
+            self.query = nn.Linear(d_model, heads * dims, bias=bias)
+        else:
+            self.query_heads = nn.Linear(d_model, query_rank * heads, bias=bias)
+            self.query_dims = nn.Linear(d_model, query_rank * dims, bias=bias)
+        self.key_heads = nn.Linear(d_model, key_rank * heads, bias=bias)
+        self.key_dims = nn.Linear(d_model, key_rank * dims, bias=bias)
+        self.value_heads = nn.Linear(d_model, value_rank * heads, bias=bias)
+        self.value_dims = nn.Linear(d_model, value_rank * dims, bias=bias)
+        del self.value  # _Attention's dense value projection: the factors replace it
+
+    def _angles(self, position_embeddings, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_embeddings is None:
+            raise ValueError(f"{type(self).__name__} needs position_embeddings=(cos, sin), each (batch, seq, head_dim) "
+                             "as a transformers rotary embedding computes them; none were given")
+        cos, sin = position_embeddings
+        if cos.shape[-1] != self.head_dim or cos.shape[-2] != length:
+            raise ValueError(f"position_embeddings must be (cos, sin) of shape (batch, {length}, {self.head_dim}), got "
+                             f"{tuple(cos.shape)}")
+        return cos[:, :, None], sin[:, :, None]  # (B, S, 1, d_h): the same rotation for every rank
+
+    def _factors(self, heads: nn.Linear, dims: nn.Linear, x: torch.Tensor, rank: int):
+        """(B, S, R, H) head factors and (B, S, R, d_h) dimension factors of ``x``."""
+        return heads(x).unflatten(-1, (rank, self.num_heads)), dims(x).unflatten(-1, (rank, self.head_dim))
+
+    def _pack(self, head_factors: torch.Tensor, dim_factors: torch.Tensor) -> torch.Tensor:
+        """(B, 1, S, R (H + d_h)): what the cache holds for one token."""
+        return torch.cat([head_factors.flatten(2), dim_factors.flatten(2)], dim=-1)[:, None]
+
+    def _expand(self, packed: torch.Tensor, rank: int) -> torch.Tensor:
+        """(B, H, S, d_h) per-head keys or values from the cached factors, ``(1 / R) sum_r a_r b_r^T``."""
+        packed = packed[:, 0]
+        head_factors = packed[..., : rank * self.num_heads].unflatten(-1, (rank, self.num_heads))
+        dim_factors = packed[..., rank * self.num_heads:].unflatten(-1, (rank, self.head_dim))
+        return torch.einsum("bsrh,bsrd->bhsd", head_factors, dim_factors) / rank
+
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if key_value_states is not None and key_value_states.shape[1] != query_states.shape[1]:
+            raise ValueError("TensorProductAttention rotates keys at the queries' positions: key_value_states must "
+                             f"have as many tokens as the queries ({query_states.shape[1]}), got "
+                             f"{key_value_states.shape[1]}")
+        keys_from = query_states if key_value_states is None else key_value_states
+        cos, sin = self._angles(position_embeddings, query_states.shape[1])
+        key_heads, key_dims = self._factors(self.key_heads, self.key_dims, keys_from, self.key_rank)
+        keys = self._pack(key_heads, rotate_dims(key_dims, cos.to(key_dims.dtype), sin.to(key_dims.dtype)))
+        values = self._pack(*self._factors(self.value_heads, self.value_dims, keys_from, self.value_rank))
+        if kv_cache is not None:
+            keys, values = kv_cache(keys, values)
+        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
+        if self.query_rank is None:
+            queries = self.query(query_states).unflatten(-1, (self.num_heads, self.head_dim))  # (B, T, H, d_h)
+        else:
+            query_heads, query_dims = self._factors(self.query_heads, self.query_dims, query_states, self.query_rank)
+            queries = torch.einsum("btrh,btrd->bthd", query_heads, query_dims) / self.query_rank
+        queries = rotate_dims(queries, cos.to(queries.dtype), sin.to(queries.dtype)).transpose(1, 2)
+        context, weights = grouped_attend(queries, self._expand(keys, self.key_rank),
+                                          self._expand(values, self.value_rank), mask, self.scale, self._dropout(),
+                                          need_weights, causal)
+        return self._finish(context.flatten(2)), weights
+
+    def query_key_params(self) -> int:
+        """Parameters that form the attention scores: the query and key factor projections (or dense queries)."""
+        parts = ("query", "query_heads", "query_dims", "key_heads", "key_dims")
+        return sum(p.numel() for name in parts if hasattr(self, name) for p in getattr(self, name).parameters())
+
+    def cache_width(self) -> int:
+        """Numbers the ``kv_cache`` hook is handed per token: the key and value factors."""
+        return (self.key_rank + self.value_rank) * (self.num_heads + self.head_dim)
