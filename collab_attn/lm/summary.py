@@ -80,8 +80,8 @@ def scratch_table(records: Sequence[dict]) -> str:
     """One row per (attention, key size): best validation loss mean ± std over seeds, and the sizes."""
     lines = [
         "| attention | key size | q/k params | params | KV cache bytes/token (bf16) | best val loss | final val loss "
-        "| seeds | tokens/s | best at the last evaluation |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| seeds | tokens/s | best at the last evaluation | last 10% of steps: val loss change |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for (kind, key), runs in _groups(records).items():
         best, best_std = mean_std([r["best_val_loss"] for r in runs])
@@ -93,9 +93,19 @@ def scratch_table(records: Sequence[dict]) -> str:
             f"| {best:.4f} ± {best_std:.4f} | {final:.4f} ± {final_std:.4f} "
             f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} "
             f"| {statistics.fmean(speed) if speed else float('nan'):,.0f} "
-            f"| {sum(_still_improving(r) for r in runs)} of {len(runs)} |"
+            f"| {sum(_still_improving(r) for r in runs)} of {len(runs)} "
+            f"| {statistics.fmean(late_change(r) for r in runs):+.4f} |"
         )
     return "\n".join(lines)
+
+
+def late_change(record: dict) -> float:
+    """How much the validation loss moved over the last 10% of training: the last evaluation's minus that of the
+    last evaluation at or before 90% of the steps (negative: still falling)."""
+    curve = record["curve"]
+    cut = 0.9 * curve[-1]["step"]
+    before = max((p for p in curve if p["step"] <= cut), key=lambda p: p["step"])
+    return curve[-1]["val_loss"] - before["val_loss"]
 
 
 def _still_improving(record: dict) -> bool:

@@ -27,6 +27,7 @@ silently ignored.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,6 +43,7 @@ from transformers.cache_utils import (
 )
 from transformers.utils.output_capturing import _active_collector  # what the output hooks collect into
 
+from collab_attn.models import products
 from collab_attn.models.families import AttentionSite
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
@@ -142,6 +144,11 @@ class ConvertedSelfAttention(nn.Module):
     # the latest positions a query sees, where the model masks a sliding window (set by ``hf.build_layer`` from the
     # site): only then may the cache hold a sliding-window layer, which drops the positions before the window
     sliding_window: int | None = None
+    # how its products are read back from its weights (``collab_attn.models.products``): the logit forms of its heads
+    # (``layer -> HeadForms | BandForms``) and its heads' value rows (``layer -> Factor``; shared values are read
+    # alike for every kind); None: no reader (a kind no conversion builds)
+    query_key_reader: ClassVar[Callable | None] = None
+    value_reader: ClassVar[Callable | None] = staticmethod(products.head_values)
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -285,6 +292,8 @@ class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention,
     """Collaborative heads (shared query/key projections of width ``rank``, per-head mixing; with ``value_rank``, one
     shared value per token too) in a transformers model."""
 
+    query_key_reader = staticmethod(products.collaborative_forms)
+
     collaborative = True
     cuts_values = True
 
@@ -324,6 +333,8 @@ class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention, kind
     """Concatenated heads of any query/key head size (SVD-truncated heads; ``rank`` = heads x query/key head size)
     and, with a ``value_rank``, narrower value heads, in a transformers model. The query bias is folded into the
     content bias. The logit scale stays the original model's ``logit_scale``."""
+
+    query_key_reader = staticmethod(products.concatenated_forms)
 
     cuts_values = True
     content_bias_kind: ClassVar[bool] = True  # the query bias became the content bias (else: query/key biases kept)
@@ -395,6 +406,9 @@ class GroupedSelfAttention(_VariantSelfAttention, GroupedQueryAttention, kind="g
     """Grouped-query heads (``rank`` = the key width kv_heads x head_dim; one key/value head is multi-query
     attention). Caches ``(batch, kv_heads, tokens, head_dim)`` keys and values."""
 
+    query_key_reader = staticmethod(products.grouped_forms)
+    value_reader = staticmethod(products.grouped_values)
+
     def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, **common):
         if rank % head_dim or num_heads % (rank // head_dim):
             raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
@@ -407,6 +421,9 @@ class LatentSelfAttention(_VariantSelfAttention, LatentAttention, kind="mla"):
     token (``(batch, 1, tokens, latent_size)``, and an empty values tensor that keeps the position count). Always
     has an output projection of its own: the value bias it drops is folded into that projection's bias."""
 
+    query_key_reader = staticmethod(products.latent_forms)
+    value_reader = staticmethod(products.latent_values)
+
     @classmethod
     def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
         return True
@@ -416,12 +433,17 @@ class SharedKeySelfAttention(_VariantSelfAttention, SharedKeyAttention, kind="sh
     """Thin keys (``rank`` = the shared key's width): caches ``(batch, 1, tokens, size)`` keys and ``(batch, heads,
     tokens, head_dim)`` values."""
 
+    query_key_reader = staticmethod(products.shared_key_forms)
+
 
 class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborativeAttention,
                                        kind="rotary-collaborative"):
     """Collaborative heads that keep rotary positions exactly (``collab_attn.nn.rotary``): ``rank`` = 2 x the shared
     query/key pairs, each rotating with its band; grouped values as the source's key/value heads, or shared
     (``value_rank``). Takes the model's ``position_embeddings`` and caches the rotated shared keys."""
+
+    query_key_reader = staticmethod(products.rotary_collaborative_forms)
+    value_reader = staticmethod(products.grouped_values)
 
     collaborative = True
     cuts_values = True
@@ -461,6 +483,9 @@ class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttent
     grouped values as the source's key/value heads, or one shared value of width ``value_rank``. Takes the model's
     ``position_embeddings``; caches the rotated shared key ``(batch, 1, tokens, rank)`` and the values."""
 
+    query_key_reader = staticmethod(products.rotary_shared_key_forms)
+    value_reader = staticmethod(products.rotary_shared_key_values)
+
     cuts_values = True
     rotary = True
     plans_products_error = True  # key-svd's other plans report the error of the keys; this one the logit forms'
@@ -495,6 +520,9 @@ class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAtten
     groups were dropped). Takes the model's ``position_embeddings``; caches ``(batch, kv_heads, tokens, head_dim)``
     rotated keys and values."""
 
+    query_key_reader = staticmethod(products.rotary_grouped_forms)
+    value_reader = staticmethod(products.grouped_values)
+
     rotary = True
 
     def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, dropout: float, bias: bool,
@@ -522,6 +550,9 @@ class PartialRotaryLatentSelfAttention(ConvertedSelfAttention, PartialRotaryLate
     ``position_embeddings``; caches the rotated kept keys ``(batch, kv_heads, tokens, 2 rope_pairs)`` and the latent
     ``(batch, 1, tokens, rank)``. Its output projection always has a bias where the source has a value bias (folded
     into it)."""
+
+    query_key_reader = staticmethod(products.partial_rope_forms)
+    value_reader = staticmethod(products.partial_rope_values)
 
     rotary = True
     plans_products_error = True
@@ -555,6 +586,8 @@ class TensorProductSelfAttention(ConvertedSelfAttention, TensorProductAttention,
     ``rank`` = the keys' rank, ``value_rank`` the values' (None: the keys'), ``spec.query_rank`` the queries' (None:
     dense queries). Takes the model's ``position_embeddings``; caches the key factors ``(batch, 1, tokens, rank
     (heads + head_dim))``, the rotated dimension factors among them, and the value factors alike."""
+
+    value_reader = None  # no conversion builds it: its products are never compared
 
     cuts_values = True
     rotary = True

@@ -22,7 +22,7 @@ from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
 from collab_attn.nn.partial_rope import PartialRotaryLatentAttention
 from collab_attn.nn.rotary import RotaryCollaborativeAttention
 from collab_attn.nn.rotary_shared_key import RotarySharedKeyAttention
-from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention
+from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention  # the readers' types
 
 
 @dataclass
@@ -155,7 +155,7 @@ def band_forms_of(a: torch.Tensor, b: torch.Tensor, scale: float) -> BandForms:
     return BandForms([complex_forms(a_band[:, None] * scale, b_band[:, None]) for a_band, b_band in zip(a, b)])
 
 
-def _rotary_forms(layer: RotaryCollaborativeAttention) -> BandForms:
+def rotary_collaborative_forms(layer: RotaryCollaborativeAttention) -> BandForms:
     """A rotary collaborative layer's forms: per band, its pairs' shared query and key (biases as an input column)
     mixed by each head's complex numbers."""
 
@@ -179,7 +179,7 @@ def _rotary_forms(layer: RotaryCollaborativeAttention) -> BandForms:
     return BandForms(forms)
 
 
-def _rotary_shared_key_forms(layer: RotarySharedKeyAttention) -> BandForms:
+def rotary_shared_key_forms(layer: RotarySharedKeyAttention) -> BandForms:
     """A rotary shared-key layer's forms: per band, each head's own complex query rows of the band's pairs against
     the shared key's (biases as an input column): ``M_hi = sum_{r in band i} q_hr conj(k_r)^T``."""
 
@@ -198,7 +198,7 @@ def _rotary_shared_key_forms(layer: RotarySharedKeyAttention) -> BandForms:
     return BandForms(forms)
 
 
-def _rotary_grouped_forms(layer: RotaryGroupedQueryAttention) -> BandForms:
+def rotary_grouped_forms(layer: RotaryGroupedQueryAttention) -> BandForms:
     """A rotary grouped-query layer's forms: per band, each query head's complex query vector against its group's
     complex key vector (biases as an input column), as an original rotary layer's."""
 
@@ -212,7 +212,7 @@ def _rotary_grouped_forms(layer: RotaryGroupedQueryAttention) -> BandForms:
     return band_forms_of(*band_forms(query, key), layer.scale)
 
 
-def _partial_rope_forms(layer: PartialRotaryLatentAttention) -> BandForms:
+def partial_rope_forms(layer: PartialRotaryLatentAttention) -> BandForms:
     """A partial-RoPE latent layer's forms (the measure: ``collab_attn.models.methods.partial_rope``): per band, a
     kept band is each head's query pair against its group's key pair as complex vectors (it rotates); a dropped band
     is the static real form of the head's two query rows against the two key rows the latent gives back, compared
@@ -283,58 +283,88 @@ def _latent_rows(layer: LatentAttention, up: nn.Linear) -> torch.Tensor:
     return _per_head(up.weight.double() @ layer.latent.weight.double(), layer.num_heads)
 
 
-def query_key_forms(layer: nn.Module) -> HeadForms:
-    """Head h's logit form ``scale Wq_h^T Wk_h`` of a converted layer (any kind in ``collab_attn.nn``), read from its
-    own weights."""
-    heads, scale = layer.num_heads, layer.scale
-    if isinstance(layer, RotaryCollaborativeAttention):
-        return _rotary_forms(layer)
-    if isinstance(layer, RotarySharedKeyAttention):
-        return _rotary_shared_key_forms(layer)
-    if isinstance(layer, PartialRotaryLatentAttention):
-        return _partial_rope_forms(layer)
-    if isinstance(layer, RotaryGroupedQueryAttention):  # before GroupedQueryAttention: it is one
-        return _rotary_grouped_forms(layer)
-    if isinstance(layer, CollaborativeAttention):
-        mixing = layer.mixing if layer.mixing_core is None else layer.mixing_matrices()
-        return HeadForms(Factor(layer.query.weight[None] * scale, mixing), Factor(layer.key.weight[None]))
-    query = Factor(_per_head(layer.query.weight, heads) * scale)
-    if isinstance(layer, MultiHeadAttention):
-        return HeadForms(query, Factor(_per_head(layer.key.weight, heads)))
-    if isinstance(layer, SharedKeyAttention):
-        return HeadForms(query, Factor(layer.key.weight[None]))
-    if isinstance(layer, GroupedQueryAttention):
-        return HeadForms(query, Factor(_grouped(layer.key.weight, layer.kv_heads, heads)))
-    if isinstance(layer, LatentAttention):
-        return HeadForms(query, Factor(_latent_rows(layer, layer.key)))
-    raise TypeError(f"no logit form known for {type(layer).__name__}")
+def query_key_forms(layer: nn.Module) -> HeadForms | BandForms:
+    """Head h's logit form ``scale Wq_h^T Wk_h`` of a converted layer, read from its own weights by the reader its
+    kind names (``ConvertedSelfAttention.query_key_reader``: one of the ``*_forms`` functions below)."""
+    reader = getattr(layer, "query_key_reader", None)
+    if reader is None:
+        raise TypeError(f"no logit form known for {type(layer).__name__}")
+    return reader(layer)
+
+
+def collaborative_forms(layer: CollaborativeAttention) -> HeadForms:
+    """Shared query/key projections, each head's CP mixing vector (or Tucker mixing matrix) on the query side."""
+    mixing = layer.mixing if layer.mixing_core is None else layer.mixing_matrices()
+    return HeadForms(Factor(layer.query.weight[None] * layer.scale, mixing), Factor(layer.key.weight[None]))
+
+
+def _head_queries(layer: nn.Module) -> Factor:
+    return Factor(_per_head(layer.query.weight, layer.num_heads) * layer.scale)
+
+
+def concatenated_forms(layer: MultiHeadAttention) -> HeadForms:
+    """Every head's own query and key."""
+    return HeadForms(_head_queries(layer), Factor(_per_head(layer.key.weight, layer.num_heads)))
+
+
+def shared_key_forms(layer: SharedKeyAttention) -> HeadForms:
+    """Every head's own query against one shared key."""
+    return HeadForms(_head_queries(layer), Factor(layer.key.weight[None]))
+
+
+def grouped_forms(layer: GroupedQueryAttention) -> HeadForms:
+    """Every head's own query against its group's key."""
+    return HeadForms(_head_queries(layer), Factor(_grouped(layer.key.weight, layer.kv_heads, layer.num_heads)))
+
+
+def latent_forms(layer: LatentAttention) -> HeadForms:
+    """Every head's own query against its key up-projection of the shared latent."""
+    return HeadForms(_head_queries(layer), Factor(_latent_rows(layer, layer.key)))
 
 
 def value_forms(layer: nn.Module, output_weight: torch.Tensor | None = None) -> HeadForms:
-    """Head h's map to the model's output ``Wv_h^T Wo_h^T`` of a converted layer, read from its own weights;
-    ``output_weight``: the (d_out, width) weight of the output projection where it lives outside the layer (BERT,
-    RoBERTa)."""
+    """Head h's map to the model's output ``Wv_h^T Wo_h^T`` of a converted layer, read from its own weights (its
+    value rows by the reader its kind names, ``ConvertedSelfAttention.value_reader``); ``output_weight``: the
+    (d_out, width) weight of the output projection where it lives outside the layer (BERT, RoBERTa)."""
     output = layer.output.weight if layer.output is not None else output_weight
     if output is None:
         raise ValueError(f"{type(layer).__name__} has no output projection inside: pass output_weight")
-    heads = layer.num_heads
     if getattr(layer, "value_mixing", None) is not None:  # shared values: (V N_h B^T), one value for all heads
         mixing = layer.value_mixing if getattr(layer, "value_core", None) is None else layer.value_mixing_matrices()
         return HeadForms(Factor(layer.value.weight[None], mixing), Factor(output.T[None]))
-    outputs = Factor(_per_head(output.T, heads))
-    if isinstance(layer, LatentAttention):
-        return HeadForms(Factor(_latent_rows(layer, layer.value)), outputs)
-    if isinstance(layer, PartialRotaryLatentAttention):  # the groups' values from the latent
-        values = layer.value.weight.double() @ layer.latent.weight.double()
-        return HeadForms(Factor(_grouped(values, layer.kv_heads, heads)), outputs)
-    if isinstance(layer, RotarySharedKeyAttention) and layer.value_up is not None:  # group values from the shared one
-        values = layer.value_up.weight.double() @ layer.value.weight.double()
-        return HeadForms(Factor(_grouped(values, layer.kv_heads, heads)), outputs)
-    if isinstance(layer, RotarySharedKeyAttention):
-        return HeadForms(Factor(_grouped(layer.value.weight, layer.kv_heads, heads)), outputs)
-    if isinstance(layer, (GroupedQueryAttention, RotaryCollaborativeAttention)):
-        return HeadForms(Factor(_grouped(layer.value.weight, layer.kv_heads, heads)), outputs)
-    return HeadForms(Factor(_per_head(layer.value.weight, heads)), outputs)
+    reader = getattr(layer, "value_reader", None)
+    if reader is None:
+        raise TypeError(f"no value map known for {type(layer).__name__}")
+    return HeadForms(reader(layer), Factor(_per_head(output.T, layer.num_heads)))
+
+
+def head_values(layer: nn.Module) -> Factor:
+    """Every head's own value rows."""
+    return Factor(_per_head(layer.value.weight, layer.num_heads))
+
+
+def grouped_values(layer: nn.Module) -> Factor:
+    """Each head reads its key/value group's value rows."""
+    return Factor(_grouped(layer.value.weight, layer.kv_heads, layer.num_heads))
+
+
+def latent_values(layer: LatentAttention) -> Factor:
+    """Each head's value up-projection of the shared latent."""
+    return Factor(_latent_rows(layer, layer.value))
+
+
+def partial_rope_values(layer: PartialRotaryLatentAttention) -> Factor:
+    """The groups' values from the latent."""
+    values = layer.value.weight.double() @ layer.latent.weight.double()
+    return Factor(_grouped(values, layer.kv_heads, layer.num_heads))
+
+
+def rotary_shared_key_values(layer: RotarySharedKeyAttention) -> Factor:
+    """The groups' values, expanded from one shared value where the layer has one (``value_up``)."""
+    if layer.value_up is None:
+        return grouped_values(layer)
+    values = layer.value_up.weight.double() @ layer.value.weight.double()
+    return Factor(_grouped(values, layer.kv_heads, layer.num_heads))
 
 
 def content_vectors(layer: nn.Module) -> torch.Tensor:
