@@ -234,3 +234,37 @@ def test_a_mask_that_is_exactly_causal_counts_as_a_causal_prompt():
     assert not attention.causal_prompt(padded[None, None], False, 5, 5)
     assert not attention.causal_prompt(as_floats.masked_fill(~below, -1.0)[None], False, 5, 5)
     assert not attention.causal_prompt(None, True, 3, 5) and not attention.causal_prompt(None, True, 1, 1)
+
+
+def test_the_causal_mask_check_reads_a_mask_once_and_again_when_it_changes(monkeypatch):
+    """Every layer gets the model's one mask: it is read once, and read again once it is changed in place or is
+    another tensor; an inference-mode mask (no version counter) is read every time."""
+    from collab_attn.nn import attention
+
+    reads = []
+    read = attention._reads_causal
+    monkeypatch.setattr(attention, "_reads_causal", lambda *args: reads.append(1) or read(*args))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    assert all(attention.causal_prompt(mask, False, 6, 6) for _ in range(4)) and len(reads) == 1
+    mask[..., 0, 1] = True  # no longer causal
+    assert not attention.causal_prompt(mask, False, 6, 6) and len(reads) == 2
+    assert attention.causal_prompt(mask.clone().tril_(), False, 6, 6) and len(reads) == 3
+    with torch.inference_mode():
+        frozen = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    assert attention.causal_prompt(frozen, False, 6, 6) and attention.causal_prompt(frozen, False, 6, 6)
+    assert len(reads) == 5
+
+
+def test_a_causal_prompt_with_shared_values_never_builds_the_mask(monkeypatch):
+    from collab_attn.nn import attention
+
+    torch.manual_seed(0)
+    layer = attention.CollaborativeAttention(16, 4, 8, value_rank=6, mixing_init="random").eval()
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        expected = layer(x, is_causal=True, need_weights=True)[0]  # weights asked for: the explicit path
+        built = []
+        monkeypatch.setattr(attention, "additive_mask", lambda *a, **k: built.append(a) or None)
+        out = layer(x, is_causal=True)[0]
+    assert not built
+    torch.testing.assert_close(out, expected)

@@ -27,6 +27,7 @@ CPU it does so one batch element and a block of query rows at a time (``Collabor
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +180,29 @@ def causal_prompt(attention_mask: torch.Tensor | None, is_causal: bool, tgt_len:
     if (attention_mask.dim() not in (3, 4) or attention_mask.shape[-2:] != (tgt_len, src_len)
             or attention_mask.device.type != "cpu" or torch.compiler.is_compiling()):
         return False
+    return _is_causal_mask(attention_mask)
+
+
+# The last mask ``_is_causal_mask`` read (a weak reference, its version counter) and the answer: a model hands every
+# layer the same mask, which is read once per forward instead of once per layer.
+_last_mask: tuple = (None, -1, False)
+
+
+def _is_causal_mask(attention_mask: torch.Tensor) -> bool:
+    """Whether a (..., T, T) CPU mask, boolean or additive, is exactly the causal one."""
+    global _last_mask
+    tgt_len, src_len = attention_mask.shape[-2:]
+    if attention_mask.is_inference():  # no version counter to tell a changed mask by
+        return _reads_causal(attention_mask, tgt_len, src_len)
+    seen, version, answer = _last_mask
+    if seen is not None and seen() is attention_mask and attention_mask._version == version:
+        return answer
+    answer = _reads_causal(attention_mask, tgt_len, src_len)
+    _last_mask = (weakref.ref(attention_mask), attention_mask._version, answer)
+    return answer
+
+
+def _reads_causal(attention_mask: torch.Tensor, tgt_len: int, src_len: int) -> bool:
     below = torch.ones(tgt_len, src_len, dtype=torch.bool).tril()
     if attention_mask.dtype == torch.bool:
         return bool((attention_mask == below).all())
@@ -274,7 +298,7 @@ class _Attention(nn.Module):
         return sum(counts.get(part, 0) for part in QUERY_KEY_PARTS)
 
     def _keys_values_mask(self, query_states, key_value_states, attention_mask, is_causal, kv_cache,
-                          scale_content: bool = True):
+                          scale_content: bool = True, build_mask: bool = True):
         """Keys, values, the additive mask over every key the queries attend to, and the content logits (B, H, 1, S)
         (None without content bias); ``_plus(mask, content)`` is the whole bias of the logits.
 
@@ -282,7 +306,7 @@ class _Attention(nn.Module):
         (B, H, S, head_dim; shared values: (B, 1, S, D_v)) and returns those of every position so far (a key/value
         cache's update); the mask then covers the cached positions too, and a causal mask is aligned to the last
         query. ``scale_content=False`` leaves the content logits unscaled (the Triton kernels scale them as they read
-        them)."""
+        them); ``build_mask=False`` returns no mask (a caller that may not need it builds it with ``_mask_over``)."""
         keys_from = query_states if key_value_states is None else key_value_states
         keys = self._key_heads(self.key(keys_from))
         content = None if self.content_bias is None else self.content_bias(keys_from)  # (B, S, H)
@@ -292,9 +316,7 @@ class _Attention(nn.Module):
         if kv_cache is not None:
             packed, values = kv_cache(self._pack(keys, content), values)
             keys, content = self._unpack(packed)
-        mask = additive_mask(
-            attention_mask, is_causal, query_states.shape[1], values.shape[2], query_states.dtype, query_states.device
-        )
+        mask = self._mask_over(query_states, attention_mask, is_causal, values.shape[2]) if build_mask else None
         if content is not None:
             # bq_h . Wk_h y_s does not depend on the query: one logit offset per head and key, (B, H, 1, S). The
             # query bias of head h is exactly this term.
@@ -302,6 +324,11 @@ class _Attention(nn.Module):
             if scale_content:
                 content = content * self.scale
         return keys, values, mask, content
+
+    def _mask_over(self, query_states, attention_mask, is_causal, src_len: int) -> torch.Tensor | None:
+        """The additive mask of the queries over ``src_len`` keys (``additive_mask``)."""
+        return additive_mask(attention_mask, is_causal, query_states.shape[1], src_len, query_states.dtype,
+                             query_states.device)
 
     def _finish(self, context: torch.Tensor) -> torch.Tensor:
         return context if self.output is None else self.output(context)
@@ -510,13 +537,18 @@ class CollaborativeAttention(_Attention):
         # a decoding step that may go through the Triton kernels: they scale the content logits as they read them
         maybe_triton = (not need_weights and tgt_len == 1 and query_states.dtype in triton_kernels.DTYPES
                         and triton_kernels.applies(query_states))
-        keys, values, mask, content = self._keys_values_mask(
-            query_states, key_value_states, attention_mask, is_causal, kv_cache, scale_content=not maybe_triton
+        keys, values, _, content = self._keys_values_mask(
+            query_states, key_value_states, attention_mask, is_causal, kv_cache, scale_content=not maybe_triton,
+            build_mask=False,
         )  # keys: (B, S, rank), one per position, shared by all heads
         shared_queries = self.query(query_states)  # (B, T, rank)
         shared_values = self.value_mixing is not None
-        prompt = (shared_values and causal_prompt(attention_mask, is_causal, tgt_len, keys.shape[1])
+        prompt = (shared_values and not need_weights and causal_prompt(attention_mask, is_causal, tgt_len,
+                                                                        keys.shape[1])
                   and not _needs_grad(shared_queries, keys, values))
+        # a causal prompt (two or more queries: never a decoding step) takes the causal mask inside the fused kernel
+        # below: the (T, S) mask is never made
+        mask = None if prompt else self._mask_over(query_states, attention_mask, is_causal, keys.shape[1])
         triton_step = maybe_triton and triton_kernels.takes_step(tgt_len, (shared_queries, keys, values), mask,
                                                                  self._dropout())
         if maybe_triton and not triton_step and content is not None:
