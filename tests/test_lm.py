@@ -403,6 +403,15 @@ def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, 
     assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-4
     stored = sum(t[0, :, 0].numel() for layer in cache.layers for t in (layer.keys, layer.values))
     assert stored == cached_per_layer * model.config.num_hidden_layers
+    maps = transformers.AutoModelForCausalLM.from_pretrained(out / "models" / record["name"],
+                                                             attn_implementation="eager").eval()  # Llama's weights
+    with torch.no_grad():
+        seen = maps(ids, output_attentions=True, output_hidden_states=True)
+        torch.testing.assert_close(seen.logits, full, atol=1e-5, rtol=1e-5)
+    assert [a.shape for a in seen.attentions] == [(2, 4, 9, 9)] * model.config.num_hidden_layers
+    first = seen.attentions[0]
+    assert torch.allclose(first.sum(-1), torch.ones(2, 4, 9)) and first[0, :, 0, 1:].max() == 0  # causal rows
+    assert len(seen.hidden_states) == model.config.num_hidden_layers + 1
     settings = {"max_new_tokens": 6, "do_sample": False}
     greedy = model.generate(ids[:, :5], **settings)
     assert torch.equal(model.generate(ids[:, :5], use_cache=False, **settings), greedy)

@@ -79,9 +79,9 @@ def _groups(records: Sequence[dict]) -> dict[tuple[str, int], list[dict]]:
 def scratch_table(records: Sequence[dict]) -> str:
     """One row per (attention, key size): best validation loss mean ± std over seeds, and the sizes."""
     lines = [
-        "| attention | key size | q/k params | params | KV cache bytes/token (bf16) | best val loss | final val loss "
-        "| seeds | tokens/s | best at the last evaluation | last 10% of steps: val loss change |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| attention | key size | q/k params | attention params | params | KV cache bytes/token (bf16) | best val loss "
+        "| final val loss | seeds | tokens/s | best at the last evaluation | last 10% of steps: val loss change |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for (kind, key), runs in _groups(records).items():
         best, best_std = mean_std([r["best_val_loss"] for r in runs])
@@ -89,7 +89,7 @@ def scratch_table(records: Sequence[dict]) -> str:
         speed = [r["tokens_per_second"] for r in runs if r.get("tokens_per_second")]
         p, cache = runs[0]["parameters"], runs[0]["cache_bytes_per_token_bf16"]
         lines.append(
-            f"| {kind} | {key} | {p['query_key_params']:,} | {p['total']:,} | {cache:,} "
+            f"| {kind} | {key} | {p['query_key_params']:,} | {p['attention_params']:,} | {p['total']:,} | {cache:,} "
             f"| {best:.4f} ± {best_std:.4f} | {final:.4f} ± {final_std:.4f} "
             f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} "
             f"| {statistics.fmean(speed) if speed else float('nan'):,.0f} "
