@@ -44,8 +44,7 @@ from collab_attn.nn.variants import cache_numbers_per_token
 
 KINDS = ("concat", "collab", "gqa", "mqa", "mla", "tpa")
 POSITIONS = ("learned", "rope")
-# Llama's rotary frequency base, and DeepSeek-V2's decoupled rotary key: half a head (64 of 128).
-ROPE_THETA = 10000.0
+ROPE_THETA = 10000.0  # Llama's rotary frequency base
 TPA_QUERY_RANK = 6  # TPA's paper trains its models with query rank 6 (its "T6")
 # A model built to train from scratch starts its mixing at random or at ones; "concatenate" (block mixing) is how a
 # conversion starts, and is refused here.
@@ -145,7 +144,7 @@ def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_e
         raise ValueError(f"value_size={value_size} needs attention=collab or attention=tpa")
     kv_heads = n_head
     if kind in ("gqa", "mqa"):
-        _scratch_layout_config({}, kind, key_size, head_dim, n_head, n_layer)  # the same checks as without RoPE
+        _check_grouped(kind, key_size, head_dim, n_head)
         kv_heads = key_size // head_dim
     common = dict(
         vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=-(-8 * n_embd // 24) * 8,
@@ -154,13 +153,11 @@ def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_e
         attention_dropout=dropout, hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
-    if kind == "concat":
-        if key_size != n_embd:
-            raise ValueError(f"positions=rope has concatenated heads at their full width only (key_size={n_embd}); "
-                             "narrower query/key heads would drop rotary bands: use attention=collab")
-        return transformers.LlamaConfig(**common)
-    if kind in ("gqa", "mqa"):
-        return transformers.LlamaConfig(**common)
+    if kind == "concat" and key_size != n_embd:
+        raise ValueError(f"positions=rope has concatenated heads at their full width only (key_size={n_embd}); "
+                         "narrower query/key heads would drop rotary bands: use attention=collab")
+    if kind in ("concat", "gqa", "mqa"):
+        return transformers.LlamaConfig(**common)  # Llama's own attention
     layers = [key_size] * n_layer
     if kind == "collab":
         if key_size % 2:
@@ -191,14 +188,20 @@ def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_e
 def _scratch_layout_config(common: dict, kind: str, key_size: int, head_dim: int, n_head: int, n_layer: int):
     """The config of the grouped-query (``gqa``, ``mqa``) or latent (``mla``) variant; ``key_size`` is its cache
     width per token and layer and kind (the keys' width for grouped heads, the latent's for latent attention)."""
+    if kind in ("gqa", "mqa"):
+        _check_grouped(kind, key_size, head_dim, n_head)
+    layer = "mla" if kind == "mla" else "gqa"
+    return _layout_config(common, Layout(layer, layer, [key_size] * n_layer))
+
+
+def _check_grouped(kind: str, key_size: int, head_dim: int, n_head: int) -> None:
+    """A clear error for a key width that is not whole key/value heads dividing the query heads."""
     if kind == "mqa" and key_size != head_dim:
         raise ValueError(f"attention=mqa has one key/value head: key_size must be the head size {head_dim} (or null), "
                          f"got {key_size}")
     if kind == "gqa" and (key_size % head_dim or n_head % (key_size // head_dim)):
         raise ValueError(f"attention=gqa needs key_size = kv_heads x {head_dim} with kv_heads dividing n_head={n_head}"
                          f", got {key_size}")
-    layer = "mla" if kind == "mla" else "gqa"
-    return _layout_config(common, Layout(layer, layer, [key_size] * n_layer))
 
 
 def build_model(config: transformers.PreTrainedConfig, seed: int) -> transformers.PreTrainedModel:
