@@ -484,16 +484,21 @@ def test_the_verdicts_table_ranks_each_budget_by_the_paired_rule():
     race += [run("collab", 14, s, loss, 256, values=14) for s, loss in enumerate((1.98, 2.01, 2.00))]  # mixed: a tie
     lines = summary.verdicts_table(race).splitlines()
     assert lines[0].startswith("| cache B/token | best (mean) | runner-up (mean) |")
-    assert lines[2] == "| 2,048 | concat 128 (1.9050) | - | - | - | - |"
+    # the last column: what a larger cache buys, its best against the best of the next size down
+    down = paired_comparison([1.900, 1.905, 1.910], [1.904, 1.908, 1.914])
+    assert lines[2] == f"| 2,048 | concat 128 (1.9050) | - | - | - | - | vs mqa 32: {down.describe()} |"
     mqa = paired_comparison([1.904, 1.908, 1.914], [1.944, 1.948, 1.941])
     original = paired_comparison([1.904, 1.908, 1.914], [1.900, 1.905, 1.910])
     assert original.verdict == "worse"  # 0.003 to 0.004 behind on every seed, little spread
+    smaller = paired_comparison([1.904, 1.908, 1.914], [1.98, 2.01, 2.00])
     assert lines[3] == (f"| 512 | mqa 32 (1.9087) | collab 30/30 (1.9443) | {mqa.describe()} | none (ahead of all) "
-                        f"| {original.describe()} |")
+                        f"| {original.describe()} | vs collab 14/14: {smaller.describe()} |")
     assert lines[4].startswith("| 256 | collab 14/14 (1.9967) | mla 32 (2.0267) |") and "| mla 32 |" in lines[4]
+    assert lines[4].endswith(" | - |")  # nothing smaller
     grid = [run("concat", 16, 0, 1.95, 1184), run("collab", 16, 0, 1.94, 1184)]
     assert summary.verdicts_table(grid).splitlines()[2] == (
-        "| 16 | collab 16 (1.9400) | concat 16 (1.9500) | -0.0100, 1 seed: tie | concat 16 | -0.0100, 1 seed: tie |")
+        "| 16 | collab 16 (1.9400) | concat 16 (1.9500) | -0.0100, 1 seed: tie | concat 16 | -0.0100, 1 seed: tie "
+        "| - |")
 
 
 def test_rotary_models_keep_nanogpts_sizes_and_refuse_what_they_cannot_build():
@@ -564,3 +569,21 @@ def test_rotary_runs_are_named_and_stored_apart():
     assert runs.signature(settings)["positions"] == {"rope_theta": 10000.0}
     assert "positions" not in runs.signature({**settings, "positions": "learned"})  # stored runs keep theirs
     assert runs.runs_of(settings_for("train_lm", "positions=rope", "attention=tpa")) == [("tpa", 2, 0)]
+
+
+def test_a_rotary_race_is_labelled_and_measured_against_its_rotary_original():
+    def run(kind, key, seed, loss, cache, rope=True, **sizes):
+        return {"attention": kind, "key_size": key, "seed": seed, "best_val_loss": loss,
+                "cache_bytes_per_token_bf16": cache, **({"positions": "rope"} if rope else {}), **sizes}
+
+    race = [run("concat", 128, s, 1.68 + s / 100, 2048) for s in range(3)]
+    race += [run("concat", 128, s, 2.21 + s / 200, 2048, rope=False) for s in range(3)]  # learned positions
+    race += [run("mla", 48, s, 1.71 + s / 90, 512, rope_dim=16) for s in range(3)]
+    race += [run("tpa", 1, s, 1.75 + s / 80, 576, value_size=1, query_rank=6) for s in range(3)]
+    assert summary.variant(race[6]) == "mla (rotary key 16, rope)" and summary.family(race[6]) == "mla rope"
+    assert summary.variant(race[9]) == "tpa (values 1, queries 6, rope)" and summary.family(race[9]) == "tpa rope"
+    assert summary.variant(race[3]) == "concat" and summary._short_label(race[6]) == "mla 48+16 rope"
+    lines = summary.verdicts_table(race).splitlines()
+    assert lines[2].startswith("| 2,048 | concat 128 rope (1.6900) | concat 128 (2.2150) |")
+    original = paired_comparison([1.75, 1.7625, 1.775], [1.68, 1.69, 1.70])
+    assert lines[3].startswith("| 576 | tpa 1/1 q6 rope (1.7625) |") and f"| {original.describe()} |" in lines[3]

@@ -140,13 +140,19 @@ def verdicts_table(records: Sequence[dict]) -> str:
     full = max((r["key_size"] for r in concat), default=None)
     original = {r["seed"]: r["best_val_loss"] for r in concat if r["key_size"] == full}
     lines = [f"| {'cache B/token' if budget != 'key_size' else 'key size'} | best (mean) | runner-up (mean) "
-             "| best - runner-up [95% interval], verdict | tied with the best | best - original, verdict |",
-             "|---:|---|---|---|---|---|"]
-    for value in sorted({r[budget] for r in records}, reverse=True):
+             "| best - runner-up [95% interval], verdict | tied with the best | best - original, verdict "
+             "| best - the best one size down, verdict |",
+             "|---:|---|---|---|---|---|---|"]
+    sizes = sorted({r[budget] for r in records}, reverse=True)
+    bests = {}
+    for value in sizes:
         values: dict[str, dict[int, float]] = {}
         for runs in _groups([r for r in records if r[budget] == value]).values():
             values[_short_label(runs[0])] = {r["seed"]: r["best_val_loss"] for r in runs}
         ranking = rank(values, resolution=LOSS_RESOLUTION)
+        bests[value] = (ranking, values)
+    for value, smaller in zip(sizes, [*sizes[1:], None]):
+        ranking, values = bests[value]
         best = ranking.order[0]
         second = "-" if ranking.runner_up is None else f"{ranking.order[1]} ({ranking.means[ranking.order[1]]:.4f})"
         versus = "-" if ranking.runner_up is None else ranking.runner_up.describe()
@@ -154,7 +160,13 @@ def verdicts_table(records: Sequence[dict]) -> str:
         against = "-"
         if original and values[best] != original:
             against = compare_on_shared_seeds(values[best], original, resolution=LOSS_RESOLUTION).describe()
-        lines.append(f"| {value:,} | {best} ({ranking.means[best]:.4f}) | {second} | {versus} | {tied} | {against} |")
+        down = "-"
+        if smaller is not None:  # what the larger cache buys: its best against the best of the next size down
+            lower, lower_values = bests[smaller]
+            down = (f"vs {lower.order[0]}: " + compare_on_shared_seeds(
+                values[best], lower_values[lower.order[0]], resolution=LOSS_RESOLUTION).describe())
+        lines.append(f"| {value:,} | {best} ({ranking.means[best]:.4f}) | {second} | {versus} | {tied} | {against} "
+                     f"| {down} |")
     return "\n".join(lines)
 
 
