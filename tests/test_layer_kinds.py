@@ -12,7 +12,7 @@ from collab_attn.models.hf import Layout, attention_sites, build_layers
 from collab_attn.models.layers import LAYER_KINDS, ConvertedSelfAttention, KeptHeadsSelfAttention, LayerSpec
 from collab_attn.models.methods import METHODS, ConversionMethod
 from collab_attn.models.methods.prune import plan_prune
-from collab_attn.models.plan import LayerPlan, Plan
+from collab_attn.models.plan import LayerPlan, Plan, Sizes
 
 
 def gpt2():
@@ -83,7 +83,7 @@ def first_heads_kind(monkeypatch):
                      "key.weight": weights.w_key[kept].flatten(0, 1),
                      "query.bias": weights.b_query[kept].flatten(), "key.bias": weights.b_key[kept].flatten()}
             layers.append(LayerPlan(state, relative_error=float("nan"), kept_heads=kept))
-        return Plan(layers, list(request.ranks), "first", heads=[len(k) for k in keep])
+        return Plan(layers, Sizes(list(request.ranks), heads=[len(k) for k in keep]), "first")
 
     method = ConversionMethod("first-heads", "the first heads of each layer", plan_first_heads, layer="first-heads",
                               reports_products_error=False)

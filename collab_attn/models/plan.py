@@ -112,24 +112,35 @@ class Pruning:
 
 
 @dataclass
-class Plan:
-    """A method's plan: per layer, what to install, and the sizes the converted model's config records (the method
-    adds its name and the layer kind it builds: ``layout``)."""
+class Sizes:
+    """The sizes a converted model's config records, per layer where they vary (a ``Layout`` without the method and
+    the layer kind, which the method adds)."""
 
-    layers: list[LayerPlan]
     ranks: list[int]
-    solver: str
-    heads: list[int] | None = None  # per layer, where pruning changed the head count
+    heads: list[int] | None = None  # where pruning changed the head count
     tucker_core_size: int | None = None
     value_ranks: list[int] | None = None
-    calibration: dict | None = None  # Calibration.summary() of an activation-aware fit
-    rank_selection: RankSelection | None = None  # when a budget chose the ranks
-    pruning: Pruning | None = None
-    rope_pairs: list[int] | None = None  # per layer, the rotary pairs each key/value group keeps (rotary-mla)
+    rope_pairs: list[int] | None = None  # the rotary pairs each key/value group keeps (rotary-mla)
 
     def layout(self, method: str, kind: str) -> Layout:
         return Layout(method, kind, list(self.ranks), self.heads, self.tucker_core_size,
                       value_ranks=self.value_ranks, rope_pairs=self.rope_pairs)
+
+
+@dataclass
+class Plan:
+    """A method's plan: per layer, what to install; the sizes the converted model's config records; how it was
+    planned (the solver, and what the report says of a calibration, a budget's choice of ranks or a pruning)."""
+
+    layers: list[LayerPlan]
+    sizes: Sizes
+    solver: str
+    calibration: dict | None = None  # Calibration.summary() of an activation-aware fit
+    rank_selection: RankSelection | None = None  # when a budget chose the ranks
+    pruning: Pruning | None = None
+
+    def layout(self, method: str, kind: str) -> Layout:
+        return self.sizes.layout(method, kind)
 
 
 @dataclass

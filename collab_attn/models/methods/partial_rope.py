@@ -41,7 +41,7 @@ from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.rotary import with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, Sizes, ValueWeights
 from collab_attn.nn.partial_rope import default_rope_pairs, dimension_order
 
 
@@ -169,5 +169,5 @@ def plan_partial_rope(request: Request, method: str) -> Plan:
     progress = tqdm(request.weights, desc=f"{method} (partial RoPE, {rope_pairs} pairs)", disable=not request.progress)
     layers = [_plan_layer(layer, values, rank, rope_pairs, index, input_whitening(request, index, layer, values=True))
               for index, (layer, values, rank) in enumerate(zip(progress, request.values, request.ranks))]
-    return Plan(layers, list(request.ranks), SOLVER, rope_pairs=[rope_pairs] * len(layers),
+    return Plan(layers, Sizes(list(request.ranks), rope_pairs=[rope_pairs] * len(layers)), SOLVER,
                 calibration=calibration_summary(request))

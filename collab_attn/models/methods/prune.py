@@ -14,7 +14,7 @@ from collab_attn.decomposition.rank_selection import query_key_params
 from collab_attn.models.hf import Layout
 from collab_attn.models.importance import HeadImportance
 from collab_attn.models.methods.base import ConversionMethod, register
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request, Sizes
 
 NAME = "prune"
 
@@ -84,8 +84,8 @@ def plan_prune(request: Request) -> Plan:
             kept_heads=kept, seconds=shared + time.perf_counter() - start,
         ))
     pruning = Pruning(keep, [s.tolist() for s in scores], budget)
-    return Plan(layers, [len(k) * first.head_dim for k in keep], "importance", heads=[len(k) for k in keep],
-                pruning=pruning)
+    sizes = Sizes([len(k) * first.head_dim for k in keep], heads=[len(k) for k in keep])
+    return Plan(layers, sizes, "importance", pruning=pruning)
 
 
 def kept_heads_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,
