@@ -3,31 +3,52 @@
 # of 32, d = 128) at a context of 256 with batch 3 (nanoGPT's 768 tokens a step), 2,000 steps, seeds 0-2.
 # Sizes: python scripts/kv_budgets.py --positions rope. Resumable: a finished run is skipped, an interrupted one
 # continues from its last checkpoint.
-#   bash experiments/shakespeare_char/rope_race.sh          # every run, one after the other
-#   bash experiments/shakespeare_char/rope_race.sh 0 2      # worker 0 of 2 (every other run), beside worker 1
+#   bash experiments/shakespeare_char/rope_race.sh                 # the race, every run one after the other
+#   bash experiments/shakespeare_char/rope_race.sh race 0 2        # worker 0 of 2 (every other run), beside worker 1
+#   bash experiments/shakespeare_char/rope_race.sh extra 0 2       # what explains its gaps (below)
+#   bash experiments/shakespeare_char/rope_race.sh long 0 2        # seed 0 of three rows at 4,000 steps
 # Then: python scripts/summarize_lm.py experiments/shakespeare_char
 set -euo pipefail
-worker=${1:-0}
-workers=${2:-1}
-O="output_dir=experiments/shakespeare_char/rope_race block_size=256 trainer.per_device_train_batch_size=3
-eval_iters=100 trainer.eval_steps=200 threads=1 progress=false save_models=[]"
+set_name=${1:-race}
+worker=${2:-0}
+workers=${3:-1}
+C="block_size=256 trainer.per_device_train_batch_size=3 eval_iters=100 threads=1 progress=false save_models=[]"
+O="output_dir=experiments/shakespeare_char/rope_race $C trainer.eval_steps=200"
 R="$O positions=rope"
-runs=(
-  "$R attention=concat"                                   # 1: the original, rotary
-  "$O attention=concat"                                   # 1: the original, learned positions (GPT-2)
-  "$R attention=gqa kv_heads=2"                           # 1/2
-  "$R attention=collab key_size=64 value_size=64"         # 1/2
-  "$R attention=mla latent_size=112"                      # 1/2 (rotary key 16)
-  "$R attention=tpa key_size=2"                           # 0.5625 (ranks 2 and 2: its closest to 1/2)
-  "$R attention=mqa"                                      # 1/4
-  "$R attention=collab key_size=32 value_size=32"         # 1/4
-  "$R attention=mla latent_size=48"                       # 1/4 (rotary key 16)
-  "$R attention=tpa key_size=1"                           # 0.281 (ranks 1 and 1: its closest to 1/4)
-  "$R attention=collab key_size=16 value_size=16"         # 1/8
-  "$R attention=mla latent_size=16"                       # 1/8 (rotary key 16)
-)
+seeds="0 1 2"
+case $set_name in
+  race) runs=(
+    "$R attention=concat"                                   # 1: the original, rotary
+    "$O attention=concat"                                   # 1: the original, learned positions (GPT-2)
+    "$R attention=gqa kv_heads=2"                           # 1/2
+    "$R attention=collab key_size=64 value_size=64"         # 1/2
+    "$R attention=mla latent_size=112"                      # 1/2 (rotary key 16)
+    "$R attention=tpa key_size=2"                           # 0.5625 (ranks 2 and 2: its closest to 1/2)
+    "$R attention=mqa"                                      # 1/4
+    "$R attention=collab key_size=32 value_size=32"         # 1/4
+    "$R attention=mla latent_size=48"                       # 1/4 (rotary key 16)
+    "$R attention=tpa key_size=1"                           # 0.281 (ranks 1 and 1: its closest to 1/4)
+    "$R attention=collab key_size=16 value_size=16"         # 1/8
+    "$R attention=mla latent_size=16"                       # 1/8 (rotary key 16)
+  );;
+  # the rotary original at the cpu recipe itself (context 64, batch 12), against kv_race's learned-position original
+  # (the same settings); collaborative keys and values at 1/4 with the 64 numbers per layer split otherwise
+  extra) runs=(
+    "output_dir=experiments/shakespeare_char/rope_cpu threads=1 progress=false save_models=[] positions=rope
+attention=concat"
+    "$R attention=collab key_size=48 value_size=16"
+    "$R attention=collab key_size=16 value_size=48"
+  );;
+  # twice the steps, seed 0: how much longer training moves the 1/4 row
+  long)
+    seeds="0"
+    L="output_dir=experiments/shakespeare_char/rope_race_long $C trainer.max_steps=4000 trainer.eval_steps=400
+positions=rope"
+    runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab key_size=32 value_size=32");;
+  *) echo "unknown run set $set_name: race, extra or long" >&2; exit 2;;
+esac
 i=0
-for seed in 0 1 2; do
+for seed in $seeds; do
   for run in "${runs[@]}"; do
     if (( i % workers == worker )); then
       # shellcheck disable=SC2086
