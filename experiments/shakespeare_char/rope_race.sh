@@ -6,7 +6,7 @@
 #   bash experiments/shakespeare_char/rope_race.sh                 # the race, every run one after the other
 #   bash experiments/shakespeare_char/rope_race.sh race 0 2        # worker 0 of 2 (every other run), beside worker 1
 #   bash experiments/shakespeare_char/rope_race.sh extra 0 2       # what explains its gaps (below)
-#   bash experiments/shakespeare_char/rope_race.sh long 0 2        # seed 0 of three rows at 4,000 steps
+#   bash experiments/shakespeare_char/rope_race.sh long 0 2        # three rows at 4,000 steps
 # Then: python scripts/summarize_lm.py experiments/shakespeare_char
 set -euo pipefail
 set_name=${1:-race}
@@ -39,9 +39,9 @@ attention=concat"
     "$R attention=collab key_size=48 value_size=16"
     "$R attention=collab key_size=16 value_size=48"
   );;
-  # twice the steps, seed 0: how much longer training moves the 1/4 row
+  # twice the steps: how much longer training moves the original and the 1/4 row
   long)
-    seeds="0"
+    seeds="0 1 2"
     L="output_dir=experiments/shakespeare_char/rope_race_long $C trainer.max_steps=4000 trainer.eval_steps=400
 positions=rope"
     runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab key_size=32 value_size=32");;
