@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from collab_attn.nn.attention import grouped_attend
-from collab_attn.nn.rotary import rotate_pairs
+from collab_attn.nn.rotary import check_rotary_head_dim, rotate_pairs
 from collab_attn.nn.variants import GroupedQueryAttention
 
 
@@ -52,9 +52,7 @@ class RotaryGroupedQueryAttention(GroupedQueryAttention):
     ):
         super().__init__(d_model, num_heads, kv_heads, head_dim=head_dim, kv_dim=kv_dim, dropout=dropout, bias=bias,
                          output_projection=output_projection)
-        if self.head_dim % 2:
-            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
-                             "must be even")
+        check_rotary_head_dim(self.head_dim)
         output_bias = bias if output_bias is None else output_bias
         if output_projection and output_bias != bias:
             self.output = nn.Linear(num_heads * self.head_dim, d_model, bias=output_bias)

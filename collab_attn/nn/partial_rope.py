@@ -53,7 +53,7 @@ from torch import nn
 
 from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import _needs_grad, grouped_attend
-from collab_attn.nn.rotary import bands_as_built, rotate_pairs
+from collab_attn.nn.rotary import bands_as_built, check_rotary_head_dim, rotate_pairs
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
 
@@ -112,9 +112,7 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
     ):
         output_bias = bias if output_bias is None else output_bias
         super().__init__(d_model, num_heads, head_dim, None, dropout, output_projection, output_bias)
-        if self.head_dim % 2:
-            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
-                             "must be even")
+        check_rotary_head_dim(self.head_dim)
         bands = self.head_dim // 2
         if type(rope_pairs) is not int or not 0 <= rope_pairs <= bands:
             raise ValueError(f"rope_pairs must be an integer in 0..{bands} (head_dim {self.head_dim} has {bands} "

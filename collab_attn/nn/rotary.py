@@ -48,6 +48,12 @@ from collab_attn.nn.variants import _SharedKeyValueAttention
 ROTARY_MIXING_INITS = ("concatenate", "ones", "random")
 
 
+def check_rotary_head_dim(head_dim: int) -> None:
+    """Rotary positions pair a head's dimensions ``i`` and ``i + head_dim / 2``: refuse an odd head size."""
+    if head_dim % 2:
+        raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({head_dim}) must be even")
+
+
 def default_pair_bands(pairs: int, head_dim: int) -> list[int]:
     """The bands ``pairs`` shared pairs rotate with when none are given: pair ``r`` with band ``r mod head_dim/2``
     (at ``pairs = heads x head_dim / 2``, head ``h``'s own block of pairs holds every band once)."""
@@ -129,9 +135,7 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
     ):
         output_bias = bias if output_bias is None else output_bias
         super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, output_bias)
-        if self.head_dim % 2:
-            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
-                             "must be even")
+        check_rotary_head_dim(self.head_dim)
         if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs <= 0:
             raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
         kv_heads = num_heads if kv_heads is None else kv_heads

@@ -40,6 +40,7 @@ from collab_attn.nn.rotary import (
     RotaryCollaborativeAttention,
     attend_shared_pairs,
     bands_as_built,
+    check_rotary_head_dim,
     default_pair_bands,
     rotate_pairs,
 )
@@ -83,9 +84,7 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
     ):
         output_bias = bias if output_bias is None else output_bias
         super().__init__(d_model, num_heads, head_dim, None, dropout, output_projection, output_bias)
-        if self.head_dim % 2:
-            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
-                             "must be even")
+        check_rotary_head_dim(self.head_dim)
         if type(pairs) is not int or pairs <= 0:
             raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
         kv_heads = num_heads if kv_heads is None else kv_heads

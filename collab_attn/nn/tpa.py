@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from collab_attn.nn.attention import grouped_attend
+from collab_attn.nn.rotary import check_rotary_head_dim
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
 
@@ -74,9 +75,7 @@ class TensorProductAttention(_SharedKeyValueAttention):
     ):
         output_bias = bias if output_bias is None else output_bias
         super().__init__(d_model, num_heads, head_dim, None, dropout, output_projection, output_bias)
-        if self.head_dim % 2:
-            raise ValueError(f"rotary positions pair dimensions i and i + head_dim/2: head_dim ({self.head_dim}) "
-                             "must be even")
+        check_rotary_head_dim(self.head_dim)
         value_rank = key_rank if value_rank is None else value_rank
         _rank("key_rank", key_rank)
         _rank("value_rank", value_rank)
