@@ -89,10 +89,11 @@ def shape_of(settings: dict) -> dict:
 
 def run_name(kind: str, key_size: int, seed: int, mixing_init: str = "random", value_size: int | None = None,
              positions: str = "learned", rope_dim: int | None = None, query_rank: int | None = None,
-             head_dim: int | None = None, **_theta) -> str:
+             head_dim: int | None = None, rope_theta: float | None = None) -> str:
     """``<kind>[-ones]-k<key size>[-v<values>]-seed<seed>``; with rotary positions ``rope-`` first, latent attention's
     rotary key (``-r<rope_dim>``, its default resolved from ``head_dim``) and tensor product attention's value and
-    query ranks (``-v``, ``-q``) always named."""
+    query ranks (``-v``, ``-q``) always named. ``rope_theta`` is not in the name: the run's signature records it, so
+    a stored run made with another theta is refused rather than reused."""
     mixing = "-ones" if kind == "collab" and mixing_init == "ones" else ""
     if kind == "tpa":
         value_size = key_size if value_size is None else value_size
