@@ -134,7 +134,7 @@ def variants_of(args) -> dict[str, Layout | None]:
     method (``--race-methods``) at the size that caches at most that fraction (``collab_attn.models.sizing``)."""
     config = transformers.GPT2Config(**gpt2_sizes(args.size))
     variants = {"original": None} | {
-        f"collab D~={rank}": Layout("cp", "collaborative", [rank] * config.n_layer) for rank in args.ranks}
+        f"collab D~={rank}": Layout.uniform("cp", "collaborative", config.n_layer, rank=rank) for rank in args.ranks}
     original = original_size(config)
     for method in args.race_methods:
         sizes = conversion_sizes(config, METHODS[method])

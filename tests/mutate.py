@@ -91,7 +91,7 @@ MUTATIONS = {
         ["tests/test_run_store.py::test_a_run_made_with_other_settings_is_refused_naming_what_differs"],
     ),
     "a rank of 0 accepted": (
-        "collab_attn/models/plan.py",
+        "collab_attn/models/conversion.py",
         "or not 0 < value <= full_rank:",
         "or not 0 <= value <= full_rank:",
         ["tests/test_reparam.py::test_bad_rank_is_explained_and_leaves_the_model_alone"],

@@ -54,9 +54,8 @@ def small_layer():
     from collab_attn.models.layers import CollaborativeSelfAttention
 
     torch.manual_seed(0)
-    return CollaborativeSelfAttention(
-        16, 2, 8, head_dim=8, dropout=0.0, bias=True, output_projection=True, is_causal=True, layer_idx=0
-    ).eval()
+    layer = CollaborativeSelfAttention(16, 2, 8, head_dim=8, dropout=0.0, bias=True, output_projection=True)
+    return layer.attach(is_causal=True, layer_idx=0).eval()
 
 
 def test_one_cache_under_two_names_is_one_cache():

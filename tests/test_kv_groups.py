@@ -349,7 +349,7 @@ def test_the_rotary_grouped_module_needs_positions_and_an_even_head_dim():
 def test_build_layers_shapes_the_kinds_for_dropped_groups():
     model = rotary_model("qwen2")
     _, sites = attention_sites(model)
-    layers = build_layers(sites, Layout("drop-kv", "rotary-gqa", [HEAD_DIM] * 2, [2, 2]))
+    layers = build_layers(sites, Layout("drop-kv", "rotary-gqa", {"rank": [HEAD_DIM] * 2, "heads": [2, 2]}))
     layer = layers[0].new
     assert (layer.num_heads, layer.kv_heads, layer.query.weight.shape, layer.key.weight.shape) == (
         2, 1, (2 * HEAD_DIM, D), (HEAD_DIM, D))

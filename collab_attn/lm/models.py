@@ -109,13 +109,13 @@ def gpt_config(
     if kind == "concat":
         if key_size % n_head:
             raise ValueError(f"concatenated heads need key_size a multiple of n_head={n_head}, got {key_size}")
-        return _layout_config(common, Layout("concatenated", "concatenated", [key_size] * n_layer))
+        return _layout_config(common, Layout.uniform("concatenated", "concatenated", n_layer, rank=key_size))
     if kind in ("gqa", "mqa", "mla"):
         return _scratch_layout_config(common, kind, key_size, n_embd // n_head, n_head, n_layer)
     if mixing_init not in MIXING_INITS:
         raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
-    values = None if value_size is None else [int(value_size)] * n_layer
-    layout = Layout("collaborative", "collaborative", [key_size] * n_layer, mixing_init=mixing_init, value_ranks=values)
+    layout = Layout.uniform("collaborative", "collaborative", n_layer, rank=key_size, mixing_init=mixing_init,
+                            value_rank=None if value_size is None else int(value_size))
     return _layout_config(common, layout)
 
 
@@ -158,7 +158,6 @@ def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_e
                          "narrower query/key heads would drop rotary bands: use attention=collab")
     if kind in ("concat", "gqa", "mqa"):
         return transformers.LlamaConfig(**common)  # Llama's own attention
-    layers = [key_size] * n_layer
     if kind == "collab":
         if key_size % 2:
             raise ValueError(f"rotary collaborative heads share key_size / 2 query/key pairs: key_size must be even, "
@@ -167,21 +166,21 @@ def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_e
             raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {MIXING_INITS}")
         if value_size is not None and not 0 < int(value_size) <= n_embd:
             raise ValueError(f"value_size must be in 1..n_embd={n_embd}, got {value_size}")
-        values = None if value_size is None else [int(value_size)] * n_layer
-        layout = Layout("rotary-collaborative", "rotary-collaborative", layers, mixing_init=mixing_init,
-                        value_ranks=values)
+        layout = Layout.uniform("rotary-collaborative", "rotary-collaborative", n_layer, rank=key_size,
+                                mixing_init=mixing_init, value_rank=None if value_size is None else int(value_size))
         return _layout_config(common, layout, "llama")
     if kind == "mla":
         rope_dim = head_dim // 2 if rope_dim is None else int(rope_dim)
         if rope_dim % 2 or not 0 <= rope_dim <= head_dim:
             raise ValueError(f"rope_dim must be an even number of a head's {head_dim} dimensions, got {rope_dim}")
-        layout = Layout("rotary-mla", "rotary-mla", layers, rope_pairs=[rope_dim // 2] * n_layer)
+        layout = Layout.uniform("rotary-mla", "rotary-mla", n_layer, rank=key_size, rope_pairs=rope_dim // 2)
         return _layout_config({**common, "num_key_value_heads": 1}, layout, "llama")  # one decoupled rotary key
     query_rank = TPA_QUERY_RANK if query_rank is None else int(query_rank)
-    values = [key_size if value_size is None else int(value_size)] * n_layer
-    if min(query_rank, values[0]) <= 0:
-        raise ValueError(f"query_rank and value_size must be positive, got {query_rank} and {values[0]}")
-    layout = Layout("rotary-tpa", "rotary-tpa", layers, value_ranks=values, query_ranks=[query_rank] * n_layer)
+    value_rank = key_size if value_size is None else int(value_size)
+    if min(query_rank, value_rank) <= 0:
+        raise ValueError(f"query_rank and value_size must be positive, got {query_rank} and {value_rank}")
+    layout = Layout.uniform("rotary-tpa", "rotary-tpa", n_layer, rank=key_size, value_rank=value_rank,
+                            query_rank=query_rank)
     return _layout_config(common, layout, "llama")
 
 
@@ -191,7 +190,7 @@ def _scratch_layout_config(common: dict, kind: str, key_size: int, head_dim: int
     if kind in ("gqa", "mqa"):
         _check_grouped(kind, key_size, head_dim, n_head)
     layer = "mla" if kind == "mla" else "gqa"
-    return _layout_config(common, Layout(layer, layer, [key_size] * n_layer))
+    return _layout_config(common, Layout.uniform(layer, layer, n_layer, rank=key_size))
 
 
 def _check_grouped(kind: str, key_size: int, head_dim: int, n_head: int) -> None:

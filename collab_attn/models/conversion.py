@@ -17,7 +17,6 @@ collab_attn`` (``collab_attn.models.hf``), whatever the method.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +40,7 @@ from collab_attn.models.hf import (
 )
 from collab_attn.models.methods import METHODS, PAPER_METHOD, ConversionMethod, get_method
 from collab_attn.models.methods.rotary import rotary_forms
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights, per_layer_ranks
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import (
     band_forms_of,
     original_forms,
@@ -68,6 +67,25 @@ def _layer_weights(site: AttentionSite) -> LayerWeights:
                          "weights), so there is nothing to decompose and no relative error; fix or retrain the "
                          "checkpoint first")
     return weights
+
+
+def per_layer_ranks(rank: int | Sequence[int], num_layers: int, full_rank: int) -> list[int]:
+    """One rank per layer from an int or a list, each in [1, full_rank]."""
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        ranks = [rank] * num_layers
+    elif isinstance(rank, Sequence) and not isinstance(rank, str):
+        ranks = list(rank)
+    else:
+        raise ValueError(f"rank must be an integer or a list of integers (one per attention layer), got {rank!r}")
+    if len(ranks) != num_layers:
+        raise ValueError(f"got {len(ranks)} ranks but the model has {num_layers} attention layers")
+    for layer, value in enumerate(ranks):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= full_rank:
+            raise ValueError(
+                f"rank {value!r} for layer {layer} is invalid: it must be an integer in [1, {full_rank}] "
+                f"(heads x head_dim; {full_rank} is exact)"
+            )
+    return ranks
 
 
 def _check_ranks(method: ConversionMethod, rank, num_layers: int, full_rank: int, rotary: bool = False):
@@ -244,7 +262,7 @@ def _apply(model: nn.Module, sites: list[AttentionSite], request: Request, plan:
         ))
     bands = [_bands(entry.new) for entry in built]
     if any(b is not None for b in bands):  # recorded in the config: a model built from it has the layers' shape
-        layout = dataclasses.replace(layout, bands=bands)
+        layout = layout.with_sizes(bands=bands)
     put_layers(model, built, layout)  # only once every layer holds what was fitted
     report.model_params_after = _count(model)
     return report

@@ -5,11 +5,10 @@ defines a config class with its own ``model_type`` (``collab_attn_bert``, ...) a
 that family (``CollabBertModel``, ``CollabBertForSequenceClassification``, ...), each a subclass of the transformers
 class it mirrors whose self-attention modules are converted layers (``collab_attn.models.layers``). The config
 records the ``Layout``: the conversion method (``collab_method``), the kind of layer it built (``collab_layer``, a
-key of ``LAYER_KINDS``) and the per-layer sizes (``collab_ranks``: the query/key width per layer; ``collab_heads``:
-heads per layer where pruning removed some; ``collab_value_ranks``: the values' width per layer where they were cut;
-``collab_tucker_core_size``; ``collab_mixing_init`` for a model built from a config to train from scratch:
-``"ones"`` or ``"random"``; ``collab_rope_pairs``: the rotary pairs each key/value group keeps, per layer, in a
-partial-RoPE latent layer), from which the model class rebuilds the layers. Importing ``collab_attn`` registers them
+key of ``LAYER_KINDS``) and the layers' sizes, one config field each (``collab_attn.models.layers.SIZES``:
+``collab_ranks``, the query/key width per layer; ``collab_heads``, heads per layer where pruning removed some;
+``collab_value_ranks``, the values' width per layer where they were cut; and the sizes of particular kinds),
+from which the model class rebuilds the layers. Importing ``collab_attn`` registers them
 with the Auto classes, so ``AutoModel*.from_pretrained`` loads a converted checkpoint of any method. Without
 ``collab_attn`` the Auto classes refuse the unknown ``collab_attn_*`` model type instead of building a different
 model.
@@ -38,7 +37,7 @@ from collab_attn.models.families import (  # noqa: F401  (re-exported: the HF la
     find_attention,
     is_collaborative,
 )
-from collab_attn.models.layers import LAYER_KINDS, ConvertedSelfAttention, LayerSpec  # noqa: F401
+from collab_attn.models.layers import LAYER_KINDS, SIZES, ConvertedSelfAttention, LayerSpec  # noqa: F401
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -67,63 +66,70 @@ OLD_METHOD_KINDS = {"cp": "collaborative", "tucker": "collaborative", "svd": "co
                     "key-svd": "shared-key", "kv-svd": "mla"}
 
 
-@dataclass(frozen=True)
+@dataclass
 class Layout:
     """What a converted model's config records, and from which its layers are rebuilt: the conversion ``method``
     (or, for a model built from a config, its layer kind), the ``kind`` of layer it built (a key of
-    ``LAYER_KINDS``) and the per-layer sizes."""
+    ``LAYER_KINDS``) and its ``sizes``: per layer, under the names of its kind's spec (``LayerSpec``; ``SIZES``
+    gives each one's config field). ``rank`` is always there; ``heads`` where pruning changed them (else each
+    site's); a size left out (or None) is the layer's default."""
 
     method: str
     kind: str
-    ranks: list[int]
-    heads: list[int] | None = None  # per layer, where pruning changed the head count
-    tucker_core_size: int | None = None
-    mixing_init: str | None = None  # models built from a config to train from scratch: "ones" or "random"
-    value_ranks: list[int] | None = None  # per layer, where the values were cut (shared, or narrower heads)
-    rope_pairs: list[int] | None = None  # per layer, the rotary pairs each key/value group keeps (rotary-mla)
-    bands: list | None = None  # per layer, its rotary bands (the layer kind's bands_buffer) where it has them
-    query_ranks: list[int] | None = None  # per layer, the rank of a tensor-product layer's queries (rotary-tpa)
+    sizes: dict[str, list]
+
+    @classmethod
+    def uniform(cls, method: str, kind: str, layers: int, **sizes) -> Layout:
+        """Every one of ``layers`` layers at the same sizes (None: the default)."""
+        return cls(method, kind, {name: [value] * layers for name, value in sizes.items() if value is not None})
 
     def __post_init__(self):
-        if self.rope_pairs is not None and len(self.rope_pairs) != len(self.ranks):
-            raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.rope_pairs)} rope pair counts")
-        if self.bands is not None and len(self.bands) != len(self.ranks):
-            raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.bands)} band lists")
-        if self.query_ranks is not None and len(self.query_ranks) != len(self.ranks):
-            raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.query_ranks)} query ranks")
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"unknown layer kind {self.kind!r}; choose one of {tuple(LAYER_KINDS)}")
-        if self.value_ranks is not None:
-            if not LAYER_KINDS[self.kind].cuts_values:
-                cutting = [name for name, cls in LAYER_KINDS.items() if cls.cuts_values]
-                raise ValueError(f"value ranks need a layer kind that cuts the values ({cutting}), not "
-                                 f"{self.kind!r}")
-            if len(self.value_ranks) != len(self.ranks):
-                raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(self.value_ranks)} value ranks")
+        self.sizes = {name: list(values) for name, values in self.sizes.items()
+                      if values is not None and any(value is not None for value in values)}
+        takes = LAYER_KINDS[self.kind].Spec.size_names()
+        unknown = [name for name in self.sizes if name not in takes]
+        if unknown:
+            also = [kind for kind, cls in LAYER_KINDS.items() if set(unknown) <= set(cls.Spec.size_names())]
+            raise ValueError(f"layer kind {self.kind!r} takes no {', '.join(unknown)} (its sizes: {', '.join(takes)})"
+                             + (f"; the kinds that do: {also}" if also else ""))
+        if "rank" not in self.sizes:
+            raise ValueError("a layout needs the rank of every layer (sizes['rank'])")
+        for name, values in self.sizes.items():
+            if len(values) != len(self.ranks):
+                raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(values)} values of {name}")
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.sizes["rank"]
+
+    @property
+    def value_ranks(self) -> list[int] | None:
+        return self.sizes.get("value_rank")
+
+    def with_sizes(self, **sizes) -> Layout:
+        """The same layout with these sizes (per layer) replaced or added."""
+        return Layout(self.method, self.kind, {**self.sizes, **sizes})
 
     def specs(self, default_heads: int) -> list[LayerSpec]:
-        """One ``LayerSpec`` per layer (``heads``: where pruning left them unchanged)."""
-        heads = self.heads or [default_heads] * len(self.ranks)
-        if len(heads) != len(self.ranks):
-            raise ValueError(f"the layout has {len(self.ranks)} ranks but {len(heads)} head counts")
-        values = self.value_ranks or [None] * len(self.ranks)
-        rope_pairs = self.rope_pairs or [None] * len(self.ranks)
-        bands = self.bands or [None] * len(self.ranks)
-        queries = self.query_ranks or [None] * len(self.ranks)
-        return [LayerSpec(self.kind, h, r, self.tucker_core_size, self.mixing_init, v, p, b, q)
-                for r, h, v, p, b, q in zip(self.ranks, heads, values, rope_pairs, bands, queries)]
+        """One spec of the kind per layer (``heads``: ``default_heads`` where pruning left them unchanged)."""
+        sizes = {"heads": [default_heads] * len(self.ranks), **self.sizes}
+        spec = LAYER_KINDS[self.kind].Spec
+        return [spec(self.kind, **{name: values[layer] for name, values in sizes.items()})
+                for layer in range(len(self.ranks))]
 
     def config_fields(self) -> dict:
         """The ``collab_*`` config fields that record this layout (``Layout.of`` reads it back from them)."""
-        return {
-            "collab_method": self.method, "collab_layer": self.kind, "collab_ranks": list(self.ranks),
-            "collab_heads": None if self.heads is None else list(self.heads),
-            "collab_tucker_core_size": self.tucker_core_size, "collab_mixing_init": self.mixing_init,
-            "collab_value_ranks": None if self.value_ranks is None else list(self.value_ranks),
-            "collab_rope_pairs": None if self.rope_pairs is None else list(self.rope_pairs),
-            "collab_bands": None if self.bands is None else list(self.bands),
-            "collab_query_ranks": None if self.query_ranks is None else list(self.query_ranks),
-        }
+        fields = {"collab_method": self.method, "collab_layer": self.kind}
+        for name, size in SIZES.items():
+            values = self.sizes.get(name)
+            if values is not None and not size.per_layer:
+                if any(value != values[0] for value in values):
+                    raise ValueError(f"{name} is recorded once per model, but the layout gives its layers {values}")
+                values = values[0]
+            fields[size.config] = values
+        return fields
 
     @classmethod
     def of(cls, config) -> Layout:
@@ -140,11 +146,12 @@ class Layout:
             if kind is None:
                 raise ValueError(f"the config records neither collab_layer nor a known collab_method "
                                  f"({config.collab_method!r}): it was not saved by collab_attn")
-        return cls(config.collab_method, kind, list(config.collab_ranks), config.collab_heads,
-                   config.collab_tucker_core_size, config.collab_mixing_init, config.collab_value_ranks,
-                   getattr(config, "collab_rope_pairs", None),  # absent from configs saved before rotary-mla
-                   getattr(config, "collab_bands", None),  # absent before configs recorded the bands
-                   getattr(config, "collab_query_ranks", None))  # absent before rotary-tpa
+        layers, sizes = len(config.collab_ranks), {}
+        for name, size in SIZES.items():
+            value = getattr(config, size.config, None)  # configs saved before a size existed lack its field
+            if value is not None:
+                sizes[name] = list(value) if size.per_layer else [value] * layers
+        return cls(config.collab_method, kind, sizes)
 
 
 @dataclass
@@ -164,9 +171,10 @@ class InstalledLayer:
 def build_layer(site: AttentionSite, spec: LayerSpec) -> ConvertedSelfAttention:
     """An empty converted layer of ``spec.kind`` shaped by ``spec`` to replace the module at ``site``, with the
     site's sliding window (which cache layers it may write into)."""
-    layer = LAYER_KINDS[spec.kind].build(site, spec)
-    layer.sliding_window = site.sliding_window
-    return layer
+    kind = LAYER_KINDS[spec.kind]
+    if not isinstance(spec, kind.Spec):
+        raise TypeError(f"a {spec.kind!r} layer is built from a {kind.Spec.__name__}, got a {type(spec).__name__}")
+    return kind.build(site, spec)
 
 
 def install_layers(model: nn.Module, layout: Layout) -> list[InstalledLayer]:
@@ -209,14 +217,14 @@ def _retag(model: nn.Module, layout: Layout) -> None:
 
     for module in model.modules():
         if isinstance(module, transformers.PreTrainedModel):
-            config = module.config
+            config, family = module.config, family_of(module.config)
             if not is_collaborative(config):
-                config.__class__ = _COLLAB_CONFIGS[family_of(config).model_type]
+                config.__class__ = _COLLAB_CONFIGS[family.model_type]
                 vars(config).pop("model_type", None)  # a loaded config may shadow the class's model_type
             for field, value in layout.config_fields().items():
                 setattr(config, field, value)
             if getattr(module, "_tp_plan", None):
-                module._tp_plan = without_attention(module._tp_plan, family_of(config))
+                module._tp_plan = without_attention(module._tp_plan, family)
             if type(module) in _COLLAB_MODELS:
                 module.__class__ = _COLLAB_MODELS[type(module)]
                 # transformers keys the output recorders (output_attentions=True) by class: a plain dict keyed by
@@ -263,27 +271,13 @@ def _collab_config_class(family: Family) -> type:
             "install the range collab-attn declares (pip install -e .)"
         )
     namespace = {
-        "__annotations__": {
-            "collab_method": str, "collab_layer": str | None, "collab_ranks": list[int] | None,
-            "collab_heads": list[int] | None,
-            "collab_tucker_core_size": int | None, "collab_mixing_init": str | None,
-            "collab_value_ranks": list[int] | None,
-            "collab_rope_pairs": list[int] | None,
-            "collab_bands": list | None,
-            "collab_query_ranks": list[int] | None,
-        },
+        "__annotations__": {"collab_method": str, "collab_layer": str | None,
+                            **{size.config: size.type for size in SIZES.values()}},
         "model_type": family.collab_model_type,
         "base_model_tp_plan": without_attention(family.config_class.base_model_tp_plan, family),
         "collab_method": "collaborative",  # the layer kind a CP conversion builds
         "collab_layer": None,  # None in checkpoints saved before configs recorded it (``Layout.of``)
-        "collab_ranks": None,
-        "collab_heads": None,
-        "collab_tucker_core_size": None,
-        "collab_mixing_init": None,
-        "collab_value_ranks": None,
-        "collab_rope_pairs": None,  # rotary-mla: the rotary pairs each key/value group keeps, per layer
-        "collab_bands": None,  # rotary kinds: each layer's bands (its pair_bands or rope_bands), per layer
-        "collab_query_ranks": None,  # rotary-tpa: the rank of each layer's queries (None: dense queries)
+        **{size.config: None for size in SIZES.values()},  # the sizes of the layers (``Layout``)
     }
     name = "Collab" + family.config_class.__name__
     cls = strict(type(name, (family.config_class,), namespace))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -93,57 +93,95 @@ def _pop_caches(kwargs: dict) -> dict:
 
 
 @dataclass(frozen=True)
+class Size:
+    """How a converted model's config records one size: its field, and whether once per layer (a list) or once per
+    model."""
+
+    config: str
+    type: object
+    per_layer: bool = True
+
+
+# Every size a layer kind may take, by its one name (a field of the kind's spec; a key of a plan's and a layout's
+# sizes; docs/extending.md has the table), and the config field that records it. A kind with a new size adds it here.
+SIZES = {
+    "heads": Size("collab_heads", list[int] | None),
+    "rank": Size("collab_ranks", list[int] | None),
+    "value_rank": Size("collab_value_ranks", list[int] | None),
+    "tucker_core_size": Size("collab_tucker_core_size", int | None, per_layer=False),
+    "mixing_init": Size("collab_mixing_init", str | None, per_layer=False),
+    "rope_pairs": Size("collab_rope_pairs", list[int] | None),
+    "bands": Size("collab_bands", list | None),
+    "query_rank": Size("collab_query_ranks", list[int] | None),
+}
+
+
+@dataclass(frozen=True)
 class LayerSpec:
-    """The shape of one converted layer, in the sizes' one names (docs/extending.md): its ``kind`` (a key of
-    ``LAYER_KINDS``), ``heads``, ``rank`` (the query/key width D~: shared by collaborative heads, heads x query/key
-    head size of concatenated ones, the shared key's or the latent's width, kv_heads x head_dim of grouped heads),
-    the ``tucker_core_size``, the ``mixing_init`` of a collaborative layer built from a config (None: block mixing
-    where it fits) and ``value_rank``: the values' width D_v where they are cut (one shared value, or heads x narrow
-    value heads; None: every head keeps its values); ``rope_pairs``: the rotary pairs each key/value group keeps in a
-    partial-RoPE latent layer (``rotary-mla``; None elsewhere); ``bands``: the rotary bands its pairs rotate with,
-    the layer's ``bands_buffer`` as a list (None: the layer's default); ``query_rank``: the rank of a tensor-product
-    layer's queries (``rotary-tpa``; None: dense queries, and None elsewhere)."""
+    """The shape of one converted layer: its ``kind`` (a key of ``LAYER_KINDS``), ``heads`` and ``rank``, the
+    query/key width D~ (shared by collaborative heads, heads x query/key head size of concatenated ones, the shared
+    key's or the latent's width, kv_heads x head_dim of grouped heads). A kind with more sizes declares them in a
+    subclass beside its class (its ``Spec``), each under its one name in ``SIZES``."""
 
     kind: str
     heads: int
     rank: int
+
+    @classmethod
+    def size_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.name != "kind")
+
+    def values_cut(self) -> bool:
+        """Whether the layer's values are narrower than its heads' (a ``value_rank``)."""
+        return False
+
+
+@dataclass(frozen=True)
+class ValueCutSpec(LayerSpec):
+    """A layer whose values may be cut: ``value_rank``, the values' width D_v (one shared value, or heads x narrow
+    value heads; None: every head keeps its values)."""
+
+    value_rank: int | None = None
+
+    def values_cut(self) -> bool:
+        return self.value_rank is not None
+
+
+@dataclass(frozen=True)
+class CollaborativeSpec(ValueCutSpec):
+    """Collaborative heads: the ``tucker_core_size`` of Tucker mixing (None: one mixing vector per head) and the
+    ``mixing_init`` of a layer built from a config (None: block mixing where it fits)."""
+
     tucker_core_size: int | None = None
     mixing_init: str | None = None
-    value_rank: int | None = None
-    rope_pairs: int | None = None
-    bands: list | None = None
-    query_rank: int | None = None
 
 
 LAYER_KINDS: dict[str, type[ConvertedSelfAttention]] = {}
 
 
-def _contract(site: AttentionSite) -> dict:
-    """The keywords every converted layer takes from the site it replaces."""
-    return dict(
-        head_dim=site.head_dim, dropout=site.dropout, bias=site.bias, output_projection=site.output_inside,
-        logit_scale=site.logit_scale, is_causal=site.is_causal, layer_idx=site.layer_idx,
-        output_dropout=site.output_dropout, residual_norm_eps=site.residual_norm_eps,
-    )
+def _module_arguments(site: AttentionSite) -> dict:
+    """The keywords of the attention module (``collab_attn.nn``) that every converted layer takes from the site it
+    replaces."""
+    return dict(head_dim=site.head_dim, dropout=site.dropout, bias=site.bias, output_projection=site.output_inside,
+                logit_scale=site.logit_scale)
 
 
 class ConvertedSelfAttention(nn.Module):
-    """What every converted layer adds to its attention module: the transformers call contract, and its place in
-    ``LAYER_KINDS`` (a subclass names its kind: ``class X(ConvertedSelfAttention, ..., kind="name")``)."""
+    """What every converted layer adds to its attention module (``collab_attn.nn``): the transformers call contract
+    (``attach``), and its place in ``LAYER_KINDS`` (a subclass names its kind: ``class X(ConvertedSelfAttention, ...,
+    kind="name")``) with its sizes (``Spec``). Built as its attention module is, then attached to a site."""
 
     kind: ClassVar[str]
+    Spec: ClassVar[type[LayerSpec]] = LayerSpec  # its sizes
     collaborative: ClassVar[bool] = False  # shared query/key projections with per-head mixing
-    cuts_values: ClassVar[bool] = False  # takes a ``value_rank``
+    cuts_values: ClassVar[bool] = False  # takes a ``value_rank`` (set from its ``Spec``)
     rotary: ClassVar[bool] = False  # takes the model's rotary ``position_embeddings`` (refused by the others)
     # its plans' relative_error is always the query/key products error, checked against the installed layer even
     # where the method's other plans report another error (kv-svd on rotary models: the per-band forms)
     plans_products_error: ClassVar[bool] = False
     # the buffer holding the rotary bands its pairs rotate with: part of its shape, recorded in the model's config
-    # (``LayerSpec.bands``) so that a model built from the config is this layer, weights aside
+    # (its spec's ``bands``) so that a model built from the config is this layer, weights aside
     bands_buffer: ClassVar[str | None] = None
-    # the latest positions a query sees, where the model masks a sliding window (set by ``hf.build_layer`` from the
-    # site): only then may the cache hold a sliding-window layer, which drops the positions before the window
-    sliding_window: int | None = None
     # how its products are read back from its weights (``collab_attn.models.products``): the logit forms of its heads
     # (``layer -> HeadForms | BandForms``) and its heads' value rows (``layer -> Factor``; shared values are read
     # alike for every kind); None: no reader (a kind no conversion builds)
@@ -155,8 +193,34 @@ class ConvertedSelfAttention(nn.Module):
         if kind is not None:
             if kind in LAYER_KINDS:
                 raise ValueError(f"a layer kind named {kind!r} is registered already ({LAYER_KINDS[kind].__name__})")
+            unnamed = [name for name in cls.Spec.size_names() if name not in SIZES]
+            if unnamed:
+                raise ValueError(f"layer kind {kind!r} (its spec): the sizes {unnamed} have no config field; add "
+                                 "them to collab_attn.models.layers.SIZES")
             cls.kind = kind
+            cls.cuts_values = "value_rank" in cls.Spec.size_names()
             LAYER_KINDS[kind] = cls
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)  # the attention module's own arguments
+        self.attach()
+
+    def attach(self, *, is_causal: bool = False, layer_idx: int | None = None, output_dropout: float | None = None,
+               residual_norm_eps: float | None = None, sliding_window: int | None = None) -> ConvertedSelfAttention:
+        """The call contract of the module it replaces: causal or not, its place in the cache (``layer_idx``),
+        GPT-2's dropout after the output projection (``output_dropout``), ALBERT's residual LayerNorm
+        (``residual_norm_eps``) and, where the model masks a sliding window, its width (only then may the cache hold
+        a sliding-window layer, which drops the positions before the window)."""
+        self.is_causal, self.layer_idx, self.sliding_window = is_causal, layer_idx, sliding_window
+        self.output_dropout = None if output_dropout is None else nn.Dropout(output_dropout)
+        self.LayerNorm = None if residual_norm_eps is None else nn.LayerNorm(self.d_model, eps=residual_norm_eps)
+        return self
+
+    def attached(self, site: AttentionSite) -> ConvertedSelfAttention:
+        """Attached to ``site`` (``attach``), on its device and in its dtype."""
+        return self.attach(is_causal=site.is_causal, layer_idx=site.layer_idx, output_dropout=site.output_dropout,
+                           residual_norm_eps=site.residual_norm_eps,
+                           sliding_window=site.sliding_window).to(site.weight)
 
     @classmethod
     def build(cls, site: AttentionSite, spec: LayerSpec) -> ConvertedSelfAttention:
@@ -167,20 +231,7 @@ class ConvertedSelfAttention(nn.Module):
     def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
         """Whether, where the model keeps the output projection beside the attention module, the layer needs a new
         one: it reads another width (fewer heads, cut values) or another bias."""
-        return spec.heads != site.heads or spec.value_rank is not None
-
-    def _init_contract(
-        self,
-        d_model: int,
-        is_causal: bool,
-        layer_idx: int | None,
-        output_dropout: float | None,
-        residual_norm_eps: float | None,
-    ):
-        self.is_causal = is_causal
-        self.layer_idx = layer_idx
-        self.output_dropout = None if output_dropout is None else nn.Dropout(output_dropout)
-        self.LayerNorm = None if residual_norm_eps is None else nn.LayerNorm(d_model, eps=residual_norm_eps)
+        return spec.heads != site.heads or spec.values_cut()
 
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, **kwargs):
         if encoder_hidden_states is not None:
@@ -292,41 +343,15 @@ class CollaborativeSelfAttention(ConvertedSelfAttention, CollaborativeAttention,
     """Collaborative heads (shared query/key projections of width ``rank``, per-head mixing; with ``value_rank``, one
     shared value per token too) in a transformers model."""
 
+    Spec = CollaborativeSpec
     query_key_reader = staticmethod(products.collaborative_forms)
-
     collaborative = True
-    cuts_values = True
-
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        rank: int,
-        *,
-        head_dim: int,
-        dropout: float,
-        bias: bool,
-        output_projection: bool,
-        tucker_core_size: int | None = None,
-        mixing_init: str | None = None,
-        logit_scale: float | None = None,
-        value_rank: int | None = None,
-        is_causal: bool = False,
-        layer_idx: int | None = None,
-        output_dropout: float | None = None,
-        residual_norm_eps: float | None = None,
-    ):
-        CollaborativeAttention.__init__(
-            self, d_model, num_heads, rank, head_dim=head_dim, dropout=dropout, bias=bias,
-            output_projection=output_projection, tucker_core_size=tucker_core_size, logit_scale=logit_scale,
-            mixing_init=mixing_init or ("concatenate" if rank % num_heads == 0 else "ones"), value_rank=value_rank,
-        )
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
     @classmethod
-    def build(cls, site: AttentionSite, spec: LayerSpec) -> CollaborativeSelfAttention:
-        return cls(site.d_in, spec.heads, spec.rank, tucker_core_size=spec.tucker_core_size,
-                   mixing_init=spec.mixing_init, value_rank=spec.value_rank, **_contract(site)).to(site.weight)
+    def build(cls, site: AttentionSite, spec: CollaborativeSpec) -> CollaborativeSelfAttention:
+        mixing_init = spec.mixing_init or ("concatenate" if spec.rank % spec.heads == 0 else "ones")
+        return cls(site.d_in, spec.heads, spec.rank, tucker_core_size=spec.tucker_core_size, mixing_init=mixing_init,
+                   value_rank=spec.value_rank, **_module_arguments(site)).attached(site)
 
 
 class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention, kind="concatenated"):
@@ -334,50 +359,24 @@ class ConcatenatedSelfAttention(ConvertedSelfAttention, MultiHeadAttention, kind
     and, with a ``value_rank``, narrower value heads, in a transformers model. The query bias is folded into the
     content bias. The logit scale stays the original model's ``logit_scale``."""
 
+    Spec = ValueCutSpec
     query_key_reader = staticmethod(products.concatenated_forms)
-
-    cuts_values = True
     content_bias_kind: ClassVar[bool] = True  # the query bias became the content bias (else: query/key biases kept)
-
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        query_key_head_dim: int,
-        *,
-        head_dim: int,
-        dropout: float,
-        bias: bool,
-        query_key_bias: bool,
-        content_bias: bool,
-        logit_scale: float,
-        output_projection: bool,
-        is_causal: bool = False,
-        layer_idx: int | None = None,
-        output_dropout: float | None = None,
-        residual_norm_eps: float | None = None,
-    ):
-        MultiHeadAttention.__init__(
-            self, d_model, num_heads, head_dim=head_dim, query_key_head_dim=query_key_head_dim, dropout=dropout,
-            bias=bias, query_key_bias=query_key_bias, content_bias=content_bias, logit_scale=logit_scale,
-            output_projection=output_projection,
-        )
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
     @classmethod
     def build(cls, site: AttentionSite, spec: LayerSpec) -> ConcatenatedSelfAttention:
-        common = _contract(site)
-        if spec.value_rank is not None:  # narrow value heads
+        common = _module_arguments(site)
+        if spec.values_cut():  # narrow value heads
             common["head_dim"] = spec.value_rank // spec.heads
-        return cls(site.d_in, spec.heads, spec.rank // spec.heads,
+        return cls(site.d_in, spec.heads, query_key_head_dim=spec.rank // spec.heads,
                    query_key_bias=site.bias and not cls.content_bias_kind,
-                   content_bias=site.bias and cls.content_bias_kind, **common).to(site.weight)
+                   content_bias=site.bias and cls.content_bias_kind, **common).attached(site)
 
 
 class KeptHeadsSelfAttention(ConcatenatedSelfAttention, kind="kept-heads"):
     """Some of the original heads (pruning), with their query/key biases, values and output columns."""
 
-    cuts_values = False
+    Spec = LayerSpec
     content_bias_kind = False
 
 
@@ -386,20 +385,22 @@ class _VariantSelfAttention(ConvertedSelfAttention):
     the variant's module built for ``rank`` (the shared key's or the latent's width; grouped heads: kv heads), the
     original model's logit scale, the call contract."""
 
-    def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, dropout: float, bias: bool,
-                 output_projection: bool, is_causal: bool = False, layer_idx: int | None = None,
-                 output_dropout: float | None = None, residual_norm_eps: float | None = None,
-                 logit_scale: float | None = None):
-        variant = next(base for base in type(self).__mro__
-                       if base in (GroupedQueryAttention, LatentAttention, SharedKeyAttention))
-        variant.__init__(self, d_model, num_heads, rank, head_dim=head_dim, dropout=dropout, bias=bias,
-                         output_projection=output_projection)
-        self.scale = self.scale if logit_scale is None else logit_scale
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
+    @classmethod
+    def _size(cls, site: AttentionSite, spec: LayerSpec) -> int:
+        """The variant module's third argument."""
+        return spec.rank
 
     @classmethod
     def build(cls, site: AttentionSite, spec: LayerSpec) -> _VariantSelfAttention:
-        return cls(site.d_in, spec.heads, spec.rank, **_contract(site)).to(site.weight)
+        return cls(site.d_in, spec.heads, cls._size(site, spec), **_module_arguments(site)).attached(site)
+
+
+def _kv_heads(heads: int, rank: int, head_dim: int) -> int:
+    """The key/value heads of grouped-query heads whose key width is ``rank``."""
+    if rank < head_dim or rank % head_dim or heads % (rank // head_dim):
+        raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
+                         f"dividing {heads} heads, got {rank}")
+    return rank // head_dim
 
 
 class GroupedSelfAttention(_VariantSelfAttention, GroupedQueryAttention, kind="gqa"):
@@ -409,11 +410,9 @@ class GroupedSelfAttention(_VariantSelfAttention, GroupedQueryAttention, kind="g
     query_key_reader = staticmethod(products.grouped_forms)
     value_reader = staticmethod(products.grouped_values)
 
-    def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, **common):
-        if rank % head_dim or num_heads % (rank // head_dim):
-            raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
-                             f"dividing {num_heads} heads, got {rank}")
-        super().__init__(d_model, num_heads, rank // head_dim, head_dim=head_dim, **common)
+    @classmethod
+    def _size(cls, site: AttentionSite, spec: LayerSpec) -> int:
+        return _kv_heads(spec.heads, spec.rank, site.head_dim)
 
 
 class LatentSelfAttention(_VariantSelfAttention, LatentAttention, kind="mla"):
@@ -436,45 +435,57 @@ class SharedKeySelfAttention(_VariantSelfAttention, SharedKeyAttention, kind="sh
     query_key_reader = staticmethod(products.shared_key_forms)
 
 
+def _rotary_arguments(site: AttentionSite, output_bias: bool) -> dict:
+    """The keywords of a rotary attention module (``collab_attn.nn``) from the site it replaces: its key/value heads
+    and whether its output projection has a bias."""
+    return dict(_module_arguments(site), kv_heads=site.kv_heads, output_bias=output_bias)
+
+
+def _pairs(spec: LayerSpec, what: str) -> int:
+    """The rotary pairs of a width that counts each pair twice (real and imaginary parts)."""
+    if spec.rank % 2:
+        raise ValueError(f"{what} counts its pairs twice (real and imaginary parts): the rank must be even, got "
+                         f"{spec.rank}")
+    return spec.rank // 2
+
+
+@dataclass(frozen=True)
+class RotaryCollaborativeSpec(CollaborativeSpec):
+    """Rotary collaborative heads: besides a collaborative layer's sizes, the ``bands`` its pairs rotate with (its
+    ``pair_bands``; None: the layer's default)."""
+
+    bands: list | None = None
+
+
 class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborativeAttention,
                                        kind="rotary-collaborative"):
     """Collaborative heads that keep rotary positions exactly (``collab_attn.nn.rotary``): ``rank`` = 2 x the shared
     query/key pairs, each rotating with its band; grouped values as the source's key/value heads, or shared
     (``value_rank``). Takes the model's ``position_embeddings`` and caches the rotated shared keys."""
 
+    Spec = RotaryCollaborativeSpec
     query_key_reader = staticmethod(products.rotary_collaborative_forms)
     value_reader = staticmethod(products.grouped_values)
-
     collaborative = True
-    cuts_values = True
     rotary = True
     bands_buffer = "pair_bands"
 
-    def __init__(self, d_model: int, num_heads: int, pairs: int, *, head_dim: int, dropout: float, bias: bool,
-                 output_bias: bool, kv_heads: int, logit_scale: float, value_rank: int | None = None,
-                 is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
-                 residual_norm_eps: float | None = None, output_projection: bool = True,
-                 tucker_core_size: int | None = None, pair_bands: list[int] | None = None,
-                 mixing_init: str | None = None):
-        block = pairs % num_heads == 0 and tucker_core_size in (None, num_heads)
-        RotaryCollaborativeAttention.__init__(
-            self, d_model, num_heads, pairs, kv_heads=kv_heads, head_dim=head_dim, dropout=dropout, bias=bias,
-            output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
-            mixing_init=mixing_init or ("concatenate" if block else "ones"), value_rank=value_rank,
-            tucker_core_size=tucker_core_size, pair_bands=pair_bands,
-        )
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
-
     @classmethod
-    def build(cls, site: AttentionSite, spec: LayerSpec) -> RotaryCollaborativeSelfAttention:
-        if spec.rank % 2:
-            raise ValueError(f"a rotary layer's rank counts query/key pairs twice (real and imaginary parts): it must "
-                             f"be even, got {spec.rank}")
+    def build(cls, site: AttentionSite, spec: RotaryCollaborativeSpec) -> RotaryCollaborativeSelfAttention:
+        pairs = _pairs(spec, "a rotary layer's rank")
+        block = pairs % spec.heads == 0 and spec.tucker_core_size in (None, spec.heads)
         # shared values fold the value bias into the output bias: Qwen2's output projection gains one
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
-        return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
-                   value_rank=spec.value_rank, tucker_core_size=spec.tucker_core_size, pair_bands=spec.bands,
-                   mixing_init=spec.mixing_init, **_contract(site)).to(site.weight)
+        return cls(site.d_in, spec.heads, pairs, value_rank=spec.value_rank, tucker_core_size=spec.tucker_core_size,
+                   pair_bands=spec.bands, mixing_init=spec.mixing_init or ("concatenate" if block else "ones"),
+                   **_rotary_arguments(site, output_bias)).attached(site)
+
+
+@dataclass(frozen=True)
+class RotarySharedKeySpec(ValueCutSpec):
+    """A rotary shared key: ``bands``, the bands its pairs rotate with (its ``pair_bands``; None: the default)."""
+
+    bands: list | None = None
 
 
 class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttention, kind="rotary-shared-key"):
@@ -483,35 +494,20 @@ class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttent
     grouped values as the source's key/value heads, or one shared value of width ``value_rank``. Takes the model's
     ``position_embeddings``; caches the rotated shared key ``(batch, 1, tokens, rank)`` and the values."""
 
+    Spec = RotarySharedKeySpec
     query_key_reader = staticmethod(products.rotary_shared_key_forms)
     value_reader = staticmethod(products.rotary_shared_key_values)
-
-    cuts_values = True
     rotary = True
     plans_products_error = True  # key-svd's other plans report the error of the keys; this one the logit forms'
     bands_buffer = "pair_bands"
 
-    def __init__(self, d_model: int, num_heads: int, pairs: int, *, head_dim: int, dropout: float, bias: bool,
-                 output_bias: bool, kv_heads: int, logit_scale: float, value_rank: int | None = None,
-                 is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
-                 residual_norm_eps: float | None = None, output_projection: bool = True,
-                 pair_bands: list[int] | None = None):
-        RotarySharedKeyAttention.__init__(
-            self, d_model, num_heads, pairs, kv_heads=kv_heads, head_dim=head_dim, dropout=dropout, bias=bias,
-            output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
-            value_rank=value_rank, pair_bands=pair_bands,
-        )
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
-
     @classmethod
-    def build(cls, site: AttentionSite, spec: LayerSpec) -> RotarySharedKeySelfAttention:
-        if spec.rank % 2:
-            raise ValueError(f"a rotary shared key's width counts its pairs twice (real and imaginary parts): the "
-                             f"rank must be even, got {spec.rank}")
+    def build(cls, site: AttentionSite, spec: RotarySharedKeySpec) -> RotarySharedKeySelfAttention:
+        pairs = _pairs(spec, "a rotary shared key's width")
         # shared values fold the value bias into the output bias: Qwen2's output projection gains one
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
-        return cls(site.d_in, spec.heads, spec.rank // 2, kv_heads=site.kv_heads, output_bias=output_bias,
-                   value_rank=spec.value_rank, pair_bands=spec.bands, **_contract(site)).to(site.weight)
+        return cls(site.d_in, spec.heads, pairs, value_rank=spec.value_rank, pair_bands=spec.bands,
+                   **_rotary_arguments(site, output_bias)).attached(site)
 
 
 class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAttention, kind="rotary-gqa"):
@@ -522,91 +518,72 @@ class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAtten
 
     query_key_reader = staticmethod(products.rotary_grouped_forms)
     value_reader = staticmethod(products.grouped_values)
-
     rotary = True
-
-    def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, dropout: float, bias: bool,
-                 output_bias: bool, logit_scale: float, output_projection: bool = True, is_causal: bool = True,
-                 layer_idx: int | None = None, output_dropout: float | None = None,
-                 residual_norm_eps: float | None = None):
-        if rank < head_dim or rank % head_dim or num_heads % (rank // head_dim):
-            raise ValueError(f"grouped-query heads need a key width kv_heads x head_dim ({head_dim}) with kv_heads "
-                             f"dividing {num_heads} heads, got {rank}")
-        RotaryGroupedQueryAttention.__init__(
-            self, d_model, num_heads, rank // head_dim, head_dim=head_dim, dropout=dropout, bias=bias,
-            output_bias=output_bias, output_projection=output_projection, logit_scale=logit_scale,
-        )
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
 
     @classmethod
     def build(cls, site: AttentionSite, spec: LayerSpec) -> RotaryGroupedSelfAttention:
-        return cls(site.d_in, spec.heads, spec.rank, output_bias=site.output_bias, **_contract(site)).to(site.weight)
+        common = _rotary_arguments(site, site.output_bias)
+        common["kv_heads"] = _kv_heads(spec.heads, spec.rank, site.head_dim)
+        return cls(site.d_in, spec.heads, **common).attached(site)
+
+
+@dataclass(frozen=True)
+class PartialRotaryLatentSpec(LayerSpec):
+    """MHA2MLA's latent attention: ``rope_pairs``, the rotary pairs each key/value group keeps (None:
+    ``default_rope_pairs``), and the ``bands`` they rotate with (its ``rope_bands``; None: the first ones)."""
+
+    rope_pairs: int | None = None
+    bands: list | None = None
 
 
 class PartialRotaryLatentSelfAttention(ConvertedSelfAttention, PartialRotaryLatentAttention, kind="rotary-mla"):
     """MHA2MLA's latent attention on a rotary model (``collab_attn.nn.partial_rope``): ``rank`` = the latent width
-    D_c, ``spec.rope_pairs`` = the rotary pairs each key/value group keeps (None: ``default_rope_pairs``; their
-    bands are the layer's ``rope_bands`` buffer, saved with the weights). Takes the model's
-    ``position_embeddings``; caches the rotated kept keys ``(batch, kv_heads, tokens, 2 rope_pairs)`` and the latent
-    ``(batch, 1, tokens, rank)``. Its output projection always has a bias where the source has a value bias (folded
-    into it)."""
+    D_c, ``spec.rope_pairs`` = the rotary pairs each key/value group keeps (their bands are the layer's
+    ``rope_bands`` buffer, saved with the weights). Takes the model's ``position_embeddings``; caches the rotated
+    kept keys ``(batch, kv_heads, tokens, 2 rope_pairs)`` and the latent ``(batch, 1, tokens, rank)``. Its output
+    projection always has a bias where the source has a value bias (folded into it)."""
 
+    Spec = PartialRotaryLatentSpec
     query_key_reader = staticmethod(products.partial_rope_forms)
     value_reader = staticmethod(products.partial_rope_values)
-
     rotary = True
     plans_products_error = True
     bands_buffer = "rope_bands"
 
-    def __init__(self, d_model: int, num_heads: int, latent_size: int, *, rope_pairs: int, kv_heads: int,
-                 head_dim: int, dropout: float, bias: bool, output_bias: bool, logit_scale: float,
-                 is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
-                 residual_norm_eps: float | None = None, output_projection: bool = True,
-                 rope_bands: list[list[int]] | None = None):
-        PartialRotaryLatentAttention.__init__(
-            self, d_model, num_heads, latent_size, rope_pairs, kv_heads=kv_heads, head_dim=head_dim,
-            dropout=dropout, bias=bias, output_bias=output_bias, output_projection=output_projection,
-            logit_scale=logit_scale, rope_bands=rope_bands,
-        )
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
-
     @classmethod
-    def build(cls, site: AttentionSite, spec: LayerSpec) -> PartialRotaryLatentSelfAttention:
+    def build(cls, site: AttentionSite, spec: PartialRotaryLatentSpec) -> PartialRotaryLatentSelfAttention:
         rope_pairs = default_rope_pairs(site.head_dim) if spec.rope_pairs is None else spec.rope_pairs
-        return cls(site.d_in, spec.heads, spec.rank, rope_pairs=rope_pairs, kv_heads=site.kv_heads,
-                   output_bias=site.output_bias or site.bias, rope_bands=spec.bands, **_contract(site)).to(site.weight)
+        return cls(site.d_in, spec.heads, spec.rank, rope_pairs, rope_bands=spec.bands,
+                   **_rotary_arguments(site, site.output_bias or site.bias)).attached(site)
 
     @classmethod
     def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
         return True  # the value bias is folded into the output bias
 
 
+@dataclass(frozen=True)
+class TensorProductSpec(ValueCutSpec):
+    """Tensor product attention: ``rank`` the keys' rank, ``value_rank`` the values' (None: the keys'),
+    ``query_rank`` the queries' (None: dense queries)."""
+
+    query_rank: int | None = None
+
+
 class TensorProductSelfAttention(ConvertedSelfAttention, TensorProductAttention, kind="rotary-tpa"):
     """Tensor product attention with rotary positions (``collab_attn.nn.tpa``), for models trained from scratch:
-    ``rank`` = the keys' rank, ``value_rank`` the values' (None: the keys'), ``spec.query_rank`` the queries' (None:
-    dense queries). Takes the model's ``position_embeddings``; caches the key factors ``(batch, 1, tokens, rank
-    (heads + head_dim))``, the rotated dimension factors among them, and the value factors alike."""
+    sizes as its ``TensorProductSpec``. Takes the model's ``position_embeddings``; caches the key factors ``(batch,
+    1, tokens, rank (heads + head_dim))``, the rotated dimension factors among them, and the value factors alike."""
 
+    Spec = TensorProductSpec
     value_reader = None  # no conversion builds it: its products are never compared
-
-    cuts_values = True
     rotary = True
 
-    def __init__(self, d_model: int, num_heads: int, rank: int, *, head_dim: int, dropout: float, bias: bool,
-                 output_bias: bool, logit_scale: float, value_rank: int | None = None, query_rank: int | None = None,
-                 is_causal: bool = True, layer_idx: int | None = None, output_dropout: float | None = None,
-                 residual_norm_eps: float | None = None, output_projection: bool = True):
-        TensorProductAttention.__init__(
-            self, d_model, num_heads, rank, value_rank=value_rank, query_rank=query_rank, head_dim=head_dim,
-            dropout=dropout, bias=bias, output_bias=output_bias, output_projection=output_projection,
-            logit_scale=logit_scale,
-        )
-        self._init_contract(d_model, is_causal, layer_idx, output_dropout, residual_norm_eps)
-
     @classmethod
-    def build(cls, site: AttentionSite, spec: LayerSpec) -> TensorProductSelfAttention:
-        return cls(site.d_in, spec.heads, spec.rank, output_bias=site.output_bias, value_rank=spec.value_rank,
-                   query_rank=spec.query_rank, **_contract(site)).to(site.weight)
+    def build(cls, site: AttentionSite, spec: TensorProductSpec) -> TensorProductSelfAttention:
+        common = _rotary_arguments(site, site.output_bias)
+        common.pop("kv_heads")
+        return cls(site.d_in, spec.heads, spec.rank, value_rank=spec.value_rank, query_rank=spec.query_rank,
+                   **common).attached(site)
 
     @classmethod
     def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:

@@ -8,7 +8,6 @@ the plan and applies it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,35 +111,21 @@ class Pruning:
 
 
 @dataclass
-class Sizes:
-    """The sizes a converted model's config records, per layer where they vary (a ``Layout`` without the method and
-    the layer kind, which the method adds)."""
-
-    ranks: list[int]
-    heads: list[int] | None = None  # where pruning changed the head count
-    tucker_core_size: int | None = None
-    value_ranks: list[int] | None = None
-    rope_pairs: list[int] | None = None  # the rotary pairs each key/value group keeps (rotary-mla)
-
-    def layout(self, method: str, kind: str) -> Layout:
-        return Layout(method, kind, list(self.ranks), self.heads, self.tucker_core_size,
-                      value_ranks=self.value_ranks, rope_pairs=self.rope_pairs)
-
-
-@dataclass
 class Plan:
-    """A method's plan: per layer, what to install; the sizes the converted model's config records; how it was
-    planned (the solver, and what the report says of a calibration, a budget's choice of ranks or a pruning)."""
+    """A method's plan: per layer, what to install; the ``sizes`` of the layers, per layer by the names of the spec
+    of the kind the method builds (``collab_attn.models.layers.SIZES``: ``rank`` always; None or left out: the
+    kind's default), which the converted model's config records; how it was planned (the solver, and what the report
+    says of a calibration, a budget's choice of ranks or a pruning)."""
 
     layers: list[LayerPlan]
-    sizes: Sizes
+    sizes: dict[str, list | None]
     solver: str
     calibration: dict | None = None  # Calibration.summary() of an activation-aware fit
     rank_selection: RankSelection | None = None  # when a budget chose the ranks
     pruning: Pruning | None = None
 
     def layout(self, method: str, kind: str) -> Layout:
-        return self.sizes.layout(method, kind)
+        return Layout(method, kind, self.sizes)
 
 
 @dataclass
@@ -161,22 +146,3 @@ class Request:
     device: torch.device | str | None = None  # where decompositions run (None: where the weights are)
     progress: bool = True
     rotary: bool = False  # rotary positions: the keys may be grouped ((kv_heads, head_dim, d_in) weights)
-
-
-def per_layer_ranks(rank: int | Sequence[int], num_layers: int, full_rank: int) -> list[int]:
-    """One rank per layer from an int or a list, each in [1, full_rank]."""
-    if isinstance(rank, int) and not isinstance(rank, bool):
-        ranks = [rank] * num_layers
-    elif isinstance(rank, Sequence) and not isinstance(rank, str):
-        ranks = list(rank)
-    else:
-        raise ValueError(f"rank must be an integer or a list of integers (one per attention layer), got {rank!r}")
-    if len(ranks) != num_layers:
-        raise ValueError(f"got {len(ranks)} ranks but the model has {num_layers} attention layers")
-    for layer, value in enumerate(ranks):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= full_rank:
-            raise ValueError(
-                f"rank {value!r} for layer {layer} is invalid: it must be an integer in [1, {full_rank}] "
-                f"(heads x head_dim; {full_rank} is exact)"
-            )
-    return ranks

@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import TYPE_CHECKING, ClassVar, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels, triton_kernels
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 MIXING_INITS = ("concatenate", "ones", "random")
 
@@ -253,18 +257,40 @@ def _grouped_bias(bias: torch.Tensor | None, groups: int, group: int, tgt_len: i
 QUERY_KEY_PARTS = ("query", "key", "mixing", "mixing_core", "content_bias")  # what forms the attention scores
 
 
+class AttentionArguments(TypedDict, total=False):
+    """The keywords every attention module of ``collab_attn.nn`` takes besides its sizes, with ``_Attention``'s
+    defaults: ``head_dim`` (each head's value width; None: ``d_model / num_heads``), ``kv_dim`` (the width of
+    ``key_value_states`` the keys and values are read from; None: ``d_model``; refused by the modules that read them
+    at ``d_model``'s width only), ``dropout`` (on the attention weights, in training), ``bias`` (of the
+    projections), ``output_bias`` (of the output projection; None: ``bias``), ``output_projection`` (False: the
+    caller applies its own) and ``logit_scale`` (what the logits are multiplied by; None: ``1 / sqrt(head_dim)``)."""
+
+    head_dim: int | None
+    kv_dim: int | None
+    dropout: float
+    bias: bool
+    output_bias: bool | None
+    output_projection: bool
+    logit_scale: float | None
+
+
 class _Attention(nn.Module):
-    """What both attention modules share: sizes, masks, the output projection, parameter counts."""
+    """What every attention module shares: sizes, masks, the output projection, parameter counts."""
+
+    takes_kv_dim: ClassVar[bool] = True  # reads keys and values from states of another width (``kv_dim``)
 
     def __init__(
         self,
         d_model: int,
         num_heads: int,
-        head_dim: int | None,
-        kv_dim: int | None,
-        dropout: float,
-        output_projection: bool,
-        bias: bool,
+        *,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        output_bias: bool | None = None,
+        output_projection: bool = True,
+        logit_scale: float | None = None,
     ):
         super().__init__()
         if num_heads <= 0 or d_model <= 0:
@@ -273,14 +299,24 @@ class _Attention(nn.Module):
             if d_model % num_heads:
                 raise ValueError(f"d_model ({d_model}) is not a multiple of num_heads ({num_heads}); pass head_dim")
             head_dim = d_model // num_heads
+        if kv_dim is not None and not self.takes_kv_dim:
+            raise ValueError(f"{type(self).__name__} reads its keys and values from states of d_model's width: "
+                             f"kv_dim must be None, got {kv_dim}")
         self.d_model = d_model
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.kv_dim = kv_dim or d_model
         self.dropout = dropout
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.projection_bias = bias
+        self.output_bias = bias if output_bias is None else output_bias
+        self.scale = 1.0 / math.sqrt(head_dim) if logit_scale is None else logit_scale
         self.value = nn.Linear(self.kv_dim, num_heads * head_dim, bias=bias)
-        self.output = nn.Linear(num_heads * head_dim, d_model, bias=bias) if output_projection else None
+        self.output = nn.Linear(num_heads * head_dim, d_model, bias=self.output_bias) if output_projection else None
+
+    def cache_width(self) -> int:
+        """Numbers the ``kv_cache`` hook is handed per token (keys and values together) for this layer: what a
+        key/value cache holds per token (``cache_numbers_per_token``)."""
+        raise NotImplementedError
 
     def parameter_counts(self) -> dict[str, int]:
         """Number of parameters per component (query, key, value, output, ...) and their total."""
@@ -354,23 +390,20 @@ class MultiHeadAttention(_Attention):
         d_model: int,
         num_heads: int,
         *,
-        head_dim: int | None = None,
         query_key_head_dim: int | None = None,
-        kv_dim: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
         query_key_bias: bool | None = None,
         content_bias: bool = False,
-        logit_scale: float | None = None,
-        output_projection: bool = True,
+        **common: Unpack[AttentionArguments],
     ):
-        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        super().__init__(d_model, num_heads, **common)
+        bias = self.projection_bias
         query_key_head_dim = self.head_dim if query_key_head_dim is None else query_key_head_dim
         if not isinstance(query_key_head_dim, int) or query_key_head_dim <= 0:
             raise ValueError(f"query_key_head_dim must be a positive integer, got {query_key_head_dim!r}")
         query_key_bias = (bias and not content_bias) if query_key_bias is None else query_key_bias
         self.query_key_head_dim = query_key_head_dim
-        self.scale = 1.0 / math.sqrt(query_key_head_dim) if logit_scale is None else logit_scale
+        if common.get("logit_scale") is None:
+            self.scale = 1.0 / math.sqrt(query_key_head_dim)
         self.query = nn.Linear(d_model, num_heads * query_key_head_dim, bias=query_key_bias)
         self.key = nn.Linear(self.kv_dim, num_heads * query_key_head_dim, bias=query_key_bias)
         self.content_bias = nn.Linear(self.kv_dim, num_heads, bias=False) if content_bias else None
@@ -405,6 +438,11 @@ class MultiHeadAttention(_Attention):
             return packed, None
         return packed[..., :-1], packed[..., -1].transpose(1, 2)
 
+    def cache_width(self) -> int:
+        """Each head's key and value, and its content logit where it has a content bias."""
+        heads = self.num_heads
+        return heads * (self.query_key_head_dim + self.head_dim) + (heads if self.content_bias is not None else 0)
+
 
 class CollaborativeAttention(_Attention):
     """Collaborative multi-head attention: shared key/query projections of width ``rank``, per-head mixing.
@@ -436,29 +474,24 @@ class CollaborativeAttention(_Attention):
         num_heads: int,
         rank: int,
         *,
-        head_dim: int | None = None,
-        kv_dim: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_projection: bool = True,
         mixing_init: str = "concatenate",
         tucker_core_size: int | None = None,
-        logit_scale: float | None = None,
         value_rank: int | None = None,
+        **common: Unpack[AttentionArguments],
     ):
-        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        super().__init__(d_model, num_heads, **common)
+        bias = self.projection_bias
         if value_rank is not None:
             if not isinstance(value_rank, int) or isinstance(value_rank, bool) or value_rank <= 0:
                 raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
             # one value per token for all heads, mixed per head on its way to the output projection
             self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
             self.value_mixing, self.value_core = _head_mixing(num_heads, value_rank, tucker_core_size)
-            self.output = nn.Linear(value_rank, d_model, bias=bias) if output_projection else None
+            if self.output is not None:
+                self.output = nn.Linear(value_rank, d_model, bias=self.output_bias)
         else:
             self.value_mixing = self.value_core = None
         self.value_rank = value_rank
-        if logit_scale is not None:
-            self.scale = logit_scale
         if not isinstance(rank, int) or rank <= 0:
             raise ValueError(f"rank must be a positive integer, got {rank!r}")
         if mixing_init not in MIXING_INITS:
@@ -633,6 +666,13 @@ class CollaborativeAttention(_Attention):
         if self.content_bias is None:
             return packed, None
         return packed[..., : self.rank], packed[..., self.rank :]
+
+    def cache_width(self) -> int:
+        """The shared key, one content logit per head where there is a content bias, and the values: each head's, or
+        the one shared value (``value_rank``)."""
+        content = self.num_heads if self.content_bias is not None else 0
+        values = self.num_heads * self.head_dim if self.value_rank is None else self.value_rank
+        return self.rank + content + values
 
     def _in_cpu_blocks(self, shared_queries, keys, values, mask, content) -> torch.Tensor:
         """The explicit path's context, (B, T, H, head_dim), one batch element and as many query rows at a time as

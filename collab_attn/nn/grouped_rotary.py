@@ -16,14 +16,16 @@ The ``kv_cache`` hook receives the keys already rotated and the values, (batch, 
 
 from __future__ import annotations
 
-import math
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from collab_attn.nn.attention import grouped_attend
+from collab_attn.nn.attention import AttentionArguments, grouped_attend
 from collab_attn.nn.rotary import check_rotary_head_dim, rotate_pairs
 from collab_attn.nn.variants import GroupedQueryAttention
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class RotaryGroupedQueryAttention(GroupedQueryAttention):
@@ -36,27 +38,9 @@ class RotaryGroupedQueryAttention(GroupedQueryAttention):
     kv_cache=None, position_embeddings=None) -> (output, weights or None)``; ``position_embeddings`` is required
     (the keys sit at the queries' positions, or at those of ``key_value_states`` when its length is the same)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        kv_heads: int,
-        *,
-        head_dim: int | None = None,
-        kv_dim: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_bias: bool | None = None,
-        output_projection: bool = True,
-        logit_scale: float | None = None,
-    ):
-        super().__init__(d_model, num_heads, kv_heads, head_dim=head_dim, kv_dim=kv_dim, dropout=dropout, bias=bias,
-                         output_projection=output_projection)
+    def __init__(self, d_model: int, num_heads: int, kv_heads: int, **common: Unpack[AttentionArguments]):
+        super().__init__(d_model, num_heads, kv_heads, **common)
         check_rotary_head_dim(self.head_dim)
-        output_bias = bias if output_bias is None else output_bias
-        if output_projection and output_bias != bias:
-            self.output = nn.Linear(num_heads * self.head_dim, d_model, bias=output_bias)
-        self.scale = 1.0 / math.sqrt(self.head_dim) if logit_scale is None else logit_scale
 
     def _rotated(self, heads: torch.Tensor, position_embeddings) -> torch.Tensor:
         """Heads (B, heads, S, head_dim) rotated at the positions of ``position_embeddings`` = (cos, sin), each

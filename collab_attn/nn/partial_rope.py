@@ -45,16 +45,19 @@ expands the latent into the nope keys and the values.
 
 from __future__ import annotations
 
-import math
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from collab_attn.nn import triton_kernels
-from collab_attn.nn.attention import _needs_grad, grouped_attend
+from collab_attn.nn.attention import AttentionArguments, _needs_grad, grouped_attend
 from collab_attn.nn.rotary import bands_as_built, check_rotary_head_dim, rotate_pairs
 from collab_attn.nn.variants import _SharedKeyValueAttention
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def _linear(d_in: int, d_out: int, bias: bool) -> nn.Linear:
@@ -94,6 +97,8 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
     the queries'.
     """
 
+    takes_kv_dim = False  # reads keys and values at d_model's width
+
     def __init__(
         self,
         d_model: int,
@@ -102,30 +107,21 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
         rope_pairs: int,
         *,
         kv_heads: int | None = None,
-        head_dim: int | None = None,
         rope_bands: torch.Tensor | list[list[int]] | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_bias: bool | None = None,
-        output_projection: bool = True,
-        logit_scale: float | None = None,
+        **common: Unpack[AttentionArguments],
     ):
-        output_bias = bias if output_bias is None else output_bias
-        super().__init__(d_model, num_heads, head_dim, None, dropout, output_projection, output_bias)
+        super().__init__(d_model, num_heads, **common)
         check_rotary_head_dim(self.head_dim)
+        bias = self.projection_bias
         bands = self.head_dim // 2
         if type(rope_pairs) is not int or not 0 <= rope_pairs <= bands:
             raise ValueError(f"rope_pairs must be an integer in 0..{bands} (head_dim {self.head_dim} has {bands} "
                              f"rotary bands), got {rope_pairs!r}")
         if type(latent_size) is not int or latent_size <= 0:
             raise ValueError(f"latent_size must be a positive integer, got {latent_size!r}")
-        kv_heads = num_heads if kv_heads is None else kv_heads
-        if type(kv_heads) is not int or kv_heads <= 0 or num_heads % kv_heads:
-            raise ValueError(f"kv_heads must be a positive divisor of num_heads ({num_heads}), got {kv_heads!r}")
-        self.kv_heads = kv_heads
+        self.kv_heads = kv_heads = self._kv_heads(kv_heads)
         self.rope_pairs = rope_pairs
         self.latent_size = latent_size
-        self.scale = 1.0 / math.sqrt(self.head_dim) if logit_scale is None else logit_scale
         nope = self.head_dim - 2 * rope_pairs
         self.query = nn.Linear(d_model, num_heads * self.head_dim, bias=bias)
         self.rope_key = _linear(d_model, kv_heads * 2 * rope_pairs, bias)

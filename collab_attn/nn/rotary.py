@@ -36,14 +36,17 @@ rotated, (batch, 1, seq, 2R), and the values, (batch, kv_heads, seq, head_dim) o
 
 from __future__ import annotations
 
-import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from collab_attn.nn import triton_kernels
-from collab_attn.nn.attention import _head_mixing, _init_head_mixing, grouped_attend
+from collab_attn.nn.attention import AttentionArguments, _head_mixing, _init_head_mixing, grouped_attend
 from collab_attn.nn.variants import _SharedKeyValueAttention
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 ROTARY_MIXING_INITS = ("concatenate", "ones", "random")
 
@@ -121,26 +124,18 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         pairs: int,
         *,
         kv_heads: int | None = None,
-        head_dim: int | None = None,
-        kv_dim: int | None = None,
         pair_bands: torch.Tensor | list[int] | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_bias: bool | None = None,
-        output_projection: bool = True,
-        logit_scale: float | None = None,
         mixing_init: str = "concatenate",
         value_rank: int | None = None,
         tucker_core_size: int | None = None,
+        **common: Unpack[AttentionArguments],
     ):
-        output_bias = bias if output_bias is None else output_bias
-        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, output_bias)
+        super().__init__(d_model, num_heads, **common)
         check_rotary_head_dim(self.head_dim)
+        bias = self.projection_bias
         if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs <= 0:
             raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
-        kv_heads = num_heads if kv_heads is None else kv_heads
-        if not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
-            raise ValueError(f"kv_heads must be a positive divisor of num_heads ({num_heads}), got {kv_heads!r}")
+        kv_heads = self._kv_heads(kv_heads)
         if mixing_init not in ROTARY_MIXING_INITS:
             raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {ROTARY_MIXING_INITS}")
         if tucker_core_size is not None and (not isinstance(tucker_core_size, int)
@@ -158,7 +153,6 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         self.rank = 2 * pairs  # the shared query/key width in numbers, as ``CollaborativeAttention.rank``
         self.kv_heads = kv_heads
         self.mixing_init = mixing_init
-        self.scale = 1.0 / math.sqrt(self.head_dim) if logit_scale is None else logit_scale
         self.query = nn.Linear(d_model, 2 * pairs, bias=bias)
         self.key = nn.Linear(self.kv_dim, 2 * pairs, bias=bias)
         self.tucker_core_size = tucker_core_size
@@ -183,8 +177,8 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
                 raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
             self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
             self.value_mixing, self.value_core = _head_mixing(num_heads, value_rank, tucker_core_size)
-            if output_projection:
-                self.output = nn.Linear(value_rank, d_model, bias=output_bias)
+            if self.output is not None:
+                self.output = nn.Linear(value_rank, d_model, bias=self.output_bias)
         else:
             self.value = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)
             self.value_mixing = self.value_core = None

@@ -31,11 +31,12 @@ head_dim`` (or ``2R + D_v``) numbers per token and layer.
 
 from __future__ import annotations
 
-import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from collab_attn.nn.attention import AttentionArguments
 from collab_attn.nn.rotary import (
     RotaryCollaborativeAttention,
     attend_shared_pairs,
@@ -45,6 +46,9 @@ from collab_attn.nn.rotary import (
     rotate_pairs,
 )
 from collab_attn.nn.variants import _SharedKeyValueAttention
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class RotarySharedKeyAttention(_SharedKeyValueAttention):
@@ -62,6 +66,8 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
     the queries'.
     """
 
+    takes_kv_dim = False  # reads keys and values at d_model's width
+
     # the pair bookkeeping is the rotary collaborative layer's: the same buffer, checked the same way
     _check_bands = RotaryCollaborativeAttention._check_bands
     _checked_bands = RotaryCollaborativeAttention._checked_bands
@@ -73,30 +79,22 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
         pairs: int,
         *,
         kv_heads: int | None = None,
-        head_dim: int | None = None,
         pair_bands: torch.Tensor | list[int] | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_bias: bool | None = None,
-        output_projection: bool = True,
-        logit_scale: float | None = None,
         value_rank: int | None = None,
+        **common: Unpack[AttentionArguments],
     ):
-        output_bias = bias if output_bias is None else output_bias
-        super().__init__(d_model, num_heads, head_dim, None, dropout, output_projection, output_bias)
+        super().__init__(d_model, num_heads, **common)
         check_rotary_head_dim(self.head_dim)
+        bias = self.projection_bias
         if type(pairs) is not int or pairs <= 0:
             raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
-        kv_heads = num_heads if kv_heads is None else kv_heads
-        if type(kv_heads) is not int or kv_heads <= 0 or num_heads % kv_heads:
-            raise ValueError(f"kv_heads must be a positive divisor of num_heads ({num_heads}), got {kv_heads!r}")
+        kv_heads = self._kv_heads(kv_heads)
         if value_rank is not None and (type(value_rank) is not int or value_rank <= 0):
             raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
         self.pairs = pairs
         self.rank = 2 * pairs  # the shared key's width in numbers
         self.kv_heads = kv_heads
         self.value_rank = value_rank
-        self.scale = 1.0 / math.sqrt(self.head_dim) if logit_scale is None else logit_scale
         self.query = nn.Linear(d_model, num_heads * 2 * pairs, bias=bias)
         self.key = nn.Linear(d_model, 2 * pairs, bias=bias)
         grouped = kv_heads * self.head_dim

@@ -26,12 +26,17 @@ seq, head_dim), rotating the pair of dimensions ``(i, i + d_h/2)`` (``rotate_hal
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from collab_attn.nn.attention import grouped_attend
+from collab_attn.nn.attention import AttentionArguments, grouped_attend
 from collab_attn.nn.rotary import check_rotary_head_dim
 from collab_attn.nn.variants import _SharedKeyValueAttention
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def _rank(name: str, value, nullable: bool = False) -> None:
@@ -58,6 +63,8 @@ class TensorProductAttention(_SharedKeyValueAttention):
     kv_cache=None, position_embeddings=None) -> (output, weights or None)``; ``position_embeddings`` is required.
     """
 
+    takes_kv_dim = False  # reads keys and values at d_model's width
+
     def __init__(
         self,
         d_model: int,
@@ -66,23 +73,16 @@ class TensorProductAttention(_SharedKeyValueAttention):
         *,
         value_rank: int | None = None,
         query_rank: int | None = None,
-        head_dim: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = False,
-        output_bias: bool | None = None,
-        output_projection: bool = True,
-        logit_scale: float | None = None,
+        bias: bool = False,  # TPA's paper has no biases
+        **common: Unpack[AttentionArguments],
     ):
-        output_bias = bias if output_bias is None else output_bias
-        super().__init__(d_model, num_heads, head_dim, None, dropout, output_projection, output_bias)
+        super().__init__(d_model, num_heads, bias=bias, **common)
         check_rotary_head_dim(self.head_dim)
         value_rank = key_rank if value_rank is None else value_rank
         _rank("key_rank", key_rank)
         _rank("value_rank", value_rank)
         _rank("query_rank", query_rank, nullable=True)
         self.key_rank, self.value_rank, self.query_rank = key_rank, value_rank, query_rank
-        if logit_scale is not None:
-            self.scale = logit_scale
         heads, dims = num_heads, self.head_dim
         if query_rank is None:
             self.query = nn.Linear(d_model, heads * dims, bias=bias)

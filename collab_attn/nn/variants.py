@@ -26,13 +26,14 @@ What each hands the ``kv_cache`` hook ``(packed_keys, values) -> (all_packed_key
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import (
-    CollaborativeAttention,
-    MultiHeadAttention,
+    AttentionArguments,
     _Attention,
     additive_mask,
     attend,
@@ -40,9 +41,19 @@ from collab_attn.nn.attention import (
     grouped_attend,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 class _SharedKeyValueAttention(_Attention):
     """What the variants share beyond ``_Attention``: splitting heads and the mask over every key attended to."""
+
+    def _kv_heads(self, kv_heads: int | None) -> int:
+        """``kv_heads`` checked: a positive divisor of the query heads (None: one per query head)."""
+        kv_heads = self.num_heads if kv_heads is None else kv_heads
+        if type(kv_heads) is not int or kv_heads <= 0 or self.num_heads % kv_heads:
+            raise ValueError(f"kv_heads must be a positive divisor of num_heads ({self.num_heads}), got {kv_heads!r}")
+        return kv_heads
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         """(B, S, heads * width) -> (B, heads, S, width)."""
@@ -60,10 +71,6 @@ class _SharedKeyValueAttention(_Attention):
             return None, True
         return self._mask(query_states, attention_mask, is_causal, src_len), False
 
-    def cache_width(self) -> int:
-        """Numbers the ``kv_cache`` hook is handed per token (keys and values together) for this layer."""
-        raise NotImplementedError
-
 
 class GroupedQueryAttention(_SharedKeyValueAttention):
     """Grouped-query attention: ``num_heads`` query heads, ``kv_heads`` key/value heads of ``head_dim`` each.
@@ -77,17 +84,11 @@ class GroupedQueryAttention(_SharedKeyValueAttention):
         d_model: int,
         num_heads: int,
         kv_heads: int,
-        *,
-        head_dim: int | None = None,
-        kv_dim: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_projection: bool = True,
+        **common: Unpack[AttentionArguments],
     ):
-        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
-        if not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
-            raise ValueError(f"kv_heads must be a positive divisor of num_heads ({num_heads}), got {kv_heads!r}")
-        self.kv_heads = kv_heads
+        super().__init__(d_model, num_heads, **common)
+        bias = self.projection_bias
+        self.kv_heads = self._kv_heads(kv_heads)
         self.query = nn.Linear(d_model, num_heads * self.head_dim, bias=bias)
         self.key = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)
         self.value = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)  # narrower than _Attention's
@@ -119,21 +120,8 @@ class GroupedQueryAttention(_SharedKeyValueAttention):
 class MultiQueryAttention(GroupedQueryAttention):
     """Multi-query attention: every query head shares one key head and one value head (``kv_heads = 1``)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        *,
-        head_dim: int | None = None,
-        kv_dim: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_projection: bool = True,
-    ):
-        super().__init__(
-            d_model, num_heads, 1, head_dim=head_dim, kv_dim=kv_dim, dropout=dropout, bias=bias,
-            output_projection=output_projection,
-        )
+    def __init__(self, d_model: int, num_heads: int, **common: Unpack[AttentionArguments]):
+        super().__init__(d_model, num_heads, 1, **common)
 
 
 class LatentAttention(_SharedKeyValueAttention):
@@ -162,14 +150,10 @@ class LatentAttention(_SharedKeyValueAttention):
         d_model: int,
         num_heads: int,
         latent_size: int,
-        *,
-        head_dim: int | None = None,
-        kv_dim: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_projection: bool = True,
+        **common: Unpack[AttentionArguments],
     ):
-        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        super().__init__(d_model, num_heads, **common)
+        bias = self.projection_bias
         if not isinstance(latent_size, int) or latent_size <= 0:
             raise ValueError(f"latent_size must be a positive integer, got {latent_size!r}")
         self.latent_size = latent_size
@@ -239,14 +223,10 @@ class SharedKeyAttention(_SharedKeyValueAttention):
         d_model: int,
         num_heads: int,
         key_size: int,
-        *,
-        head_dim: int | None = None,
-        kv_dim: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = True,
-        output_projection: bool = True,
+        **common: Unpack[AttentionArguments],
     ):
-        super().__init__(d_model, num_heads, head_dim, kv_dim, dropout, output_projection, bias)
+        super().__init__(d_model, num_heads, **common)
+        bias = self.projection_bias
         if not isinstance(key_size, int) or key_size <= 0:
             raise ValueError(f"key_size must be a positive integer, got {key_size!r}")
         self.key_size = key_size
@@ -283,16 +263,10 @@ class SharedKeyAttention(_SharedKeyValueAttention):
 
 def cache_numbers_per_token(module: nn.Module) -> int:
     """Numbers the module hands its ``kv_cache`` hook per token (packed keys and values together), i.e. what a
-    key/value cache holds per token for this layer: GQA ``2 kv_heads head_dim``, MQA ``2 head_dim``, MLA
-    ``latent_size``, shared key ``key_size + H head_dim``; concatenated heads ``H (query_key_head_dim + head_dim)``
-    (``+ H`` with content bias); collaborative heads ``rank + H head_dim`` (``+ H`` with content bias),
-    ``rank + value_rank`` (``+ H``) when they share the values too."""
-    if isinstance(module, _SharedKeyValueAttention):
-        return module.cache_width()
-    if not isinstance(module, (MultiHeadAttention, CollaborativeAttention)):
-        raise TypeError(f"no cache layout known for {type(module).__name__}")
-    heads, values = module.num_heads, module.num_heads * module.head_dim
-    content = heads if module.content_bias is not None else 0
-    if isinstance(module, MultiHeadAttention):
-        return heads * module.query_key_head_dim + content + values
-    return module.rank + content + (values if module.value_rank is None else module.value_rank)
+    key/value cache holds per token for this layer (each module's ``cache_width``): GQA ``2 kv_heads head_dim``, MQA
+    ``2 head_dim``, MLA ``latent_size``, shared key ``key_size + H head_dim``; concatenated heads ``H
+    (query_key_head_dim + head_dim)`` (``+ H`` with content bias); collaborative heads ``rank + H head_dim`` (``+ H``
+    with content bias), ``rank + value_rank`` (``+ H``) when they share the values too."""
+    if not isinstance(module, _Attention):
+        raise TypeError(f"no cache layout known for {type(module).__name__}: not an attention module of collab_attn.nn")
+    return module.cache_width()

@@ -37,9 +37,8 @@ def uniform_layout(method: ConversionMethod, site, layers: int, key_size: int, v
     """Every layer of a model like ``site`` at ``key_size`` (and ``value_size``), as the collaborative and SVD
     methods convert it; Tucker mixing with a core of as many slices as heads."""
     tucker_core_size = site.heads if method.mixing == "matrices" else None
-    values = None if value_size is None else [value_size] * layers
-    return Layout(method.name, method.layer, [key_size] * layers, tucker_core_size=tucker_core_size,
-                  value_ranks=values)
+    return Layout.uniform(method.name, method.layer, layers, rank=key_size, tucker_core_size=tucker_core_size,
+                          value_rank=value_size)
 
 
 def even_split(budget: int, kv_heads: int, head_dim: int, rope_pairs: int) -> CacheSizes | None:

@@ -19,7 +19,7 @@ from collab_attn.decomposition.cp_als import DEFAULT_N_ITER_MAX, DEFAULT_TOL, He
 from collab_attn.decomposition.decompose import SOLVERS, decompose_heads
 from collab_attn.decomposition.rank_selection import RankSelection, select_ranks
 from collab_attn.decomposition.whitening import whitening_pair
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, Sizes, ValueWeights
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 
 INITS = ("svd", "random")
 
@@ -165,5 +165,5 @@ def plan_decomposition(request: Request, decomposition: str, tucker_core_size: i
             planned.state |= value_state
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
-    sizes = Sizes(ranks, tucker_core_size=tucker_core_size, value_ranks=request.value_ranks)
+    sizes = {"rank": ranks, "tucker_core_size": [tucker_core_size] * len(ranks), "value_rank": request.value_ranks}
     return Plan(layers, sizes, options.solver, calibration=calibration, rank_selection=selection)

@@ -22,7 +22,7 @@ from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.methods.base import ConversionMethod, even_split, register, uniform_layout
 from collab_attn.models.methods.rotary_key_svd import plan_rotary_key_svd, rotary_key_layout
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
-from collab_attn.models.plan import LayerPlan, Plan, Request, Sizes
+from collab_attn.models.plan import LayerPlan, Plan, Request
 
 NAME = "key-svd"
 
@@ -41,7 +41,7 @@ def plan_key_svd(request: Request) -> Plan:
         if layer.b_query is not None:
             state["query.bias"] = torch.einsum("hdr,hd->hr", per_head, layer.b_query).flatten()
         layers.append(LayerPlan(state, fit.relative_error, fit.weighted_error, seconds=time.perf_counter() - start))
-    return Plan(layers, Sizes(list(request.ranks)), SOLVER, calibration=calibration_summary(request))
+    return Plan(layers, {"rank": list(request.ranks)}, SOLVER, calibration=calibration_summary(request))
 
 
 def _sized_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,

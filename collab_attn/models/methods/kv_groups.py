@@ -34,7 +34,7 @@ from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register
 from collab_attn.models.methods.rotary import rotary_forms
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request, Sizes, ValueWeights
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request, ValueWeights
 from collab_attn.models.products import band_forms_of, original_forms, original_value_forms, relative_error
 
 MERGE, DROP = "merge-kv", "drop-kv"
@@ -69,7 +69,7 @@ def group_layout(method: ConversionMethod, site: AttentionSite, layers: int, key
     except ValueError:
         return None
     heads = None if method.name == MERGE else [groups * (site.heads // site.kv_heads)] * layers
-    return Layout(method.name, method.layer_for(site.rotary), [key_size] * layers, heads)
+    return Layout(method.name, method.layer_for(site.rotary), {"rank": [key_size] * layers, "heads": heads})
 
 
 def logit_forms(layer: LayerWeights, rotary: bool):
@@ -122,7 +122,7 @@ def plan_merge_kv(request: Request) -> Plan:
             value_error=relative_error(value_maps, original_value_forms(values.w_value, values.w_output)),
             seconds=time.perf_counter() - start,
         ))
-    return Plan(layers, Sizes(list(request.ranks)), "mean-pooling")
+    return Plan(layers, {"rank": list(request.ranks)}, "mean-pooling")
 
 
 def _rows(tensor: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
@@ -163,7 +163,7 @@ def plan_drop_kv(request: Request) -> Plan:
         kept_groups.append(kept)
         energies.append(group_energy.tolist())
         query_key_params += sum(t.numel() for name, t in state.items() if name.startswith(("query.", "key.")))
-    return Plan(layers, Sizes(list(request.ranks), heads=[len(p.kept_heads) for p in layers]), "logit-energy",
+    return Plan(layers, {"rank": list(request.ranks), "heads": [len(p.kept_heads) for p in layers]}, "logit-energy",
                 pruning=Pruning(kept_groups, energies, query_key_params))
 
 

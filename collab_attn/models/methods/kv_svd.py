@@ -25,7 +25,7 @@ from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register, uniform_layout
 from collab_attn.models.methods.partial_rope import partial_rope_layout, plan_partial_rope
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
-from collab_attn.models.plan import LayerPlan, Plan, Request, Sizes
+from collab_attn.models.plan import LayerPlan, Plan, Request
 
 NAME = "kv-svd"
 
@@ -64,7 +64,7 @@ def plan_kv_svd(request: Request) -> Plan:
             state |= {"query.bias": layer.b_query.flatten(), "latent.bias": fit.down.new_zeros(rank)}
         # the values were fitted jointly with the keys: no value error of their own
         layers.append(LayerPlan(state, fit.relative_error, fit.weighted_error, seconds=time.perf_counter() - start))
-    return Plan(layers, Sizes(list(request.ranks)), SOLVER, calibration=calibration_summary(request))
+    return Plan(layers, {"rank": list(request.ranks)}, SOLVER, calibration=calibration_summary(request))
 
 
 def kv_svd_sizes(budget: int, kv_heads: int, head_dim: int, rope_pairs: int) -> CacheSizes | None:

@@ -41,7 +41,7 @@ from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.rotary import with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, Sizes, ValueWeights
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.nn.partial_rope import default_rope_pairs, dimension_order
 
 
@@ -58,7 +58,7 @@ def partial_rope_layout(method, site: AttentionSite, layers: int, latent_size: i
     pairs = default_rope_pairs(site.head_dim) if rope_pairs is None else rope_pairs
     if latent_size > max_latent_size(site.d_in, site.kv_heads, site.head_dim, pairs):
         return None
-    return Layout(method.name, method.layer_for(True), [latent_size] * layers, rope_pairs=[pairs] * layers)
+    return Layout.uniform(method.name, method.layer_for(True), layers, rank=latent_size, rope_pairs=pairs)
 
 
 def pair_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -169,5 +169,5 @@ def plan_partial_rope(request: Request, method: str) -> Plan:
     progress = tqdm(request.weights, desc=f"{method} (partial RoPE, {rope_pairs} pairs)", disable=not request.progress)
     layers = [_plan_layer(layer, values, rank, rope_pairs, index, input_whitening(request, index, layer, values=True))
               for index, (layer, values, rank) in enumerate(zip(progress, request.values, request.ranks))]
-    return Plan(layers, Sizes(list(request.ranks), rope_pairs=[rope_pairs] * len(layers)), SOLVER,
+    return Plan(layers, {"rank": list(request.ranks), "rope_pairs": [rope_pairs] * len(layers)}, SOLVER,
                 calibration=calibration_summary(request))

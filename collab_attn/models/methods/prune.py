@@ -14,7 +14,7 @@ from collab_attn.decomposition.rank_selection import query_key_params
 from collab_attn.models.hf import Layout
 from collab_attn.models.importance import HeadImportance
 from collab_attn.models.methods.base import ConversionMethod, register
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request, Sizes
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request
 
 NAME = "prune"
 
@@ -84,7 +84,7 @@ def plan_prune(request: Request) -> Plan:
             kept_heads=kept, seconds=shared + time.perf_counter() - start,
         ))
     pruning = Pruning(keep, [s.tolist() for s in scores], budget)
-    sizes = Sizes([len(k) * first.head_dim for k in keep], heads=[len(k) for k in keep])
+    sizes = {"rank": [len(k) * first.head_dim for k in keep], "heads": [len(k) for k in keep]}
     return Plan(layers, sizes, "importance", pruning=pruning)
 
 
@@ -96,7 +96,8 @@ def kept_heads_layout(method: ConversionMethod, site, layers: int, key_size: int
     count = min(max(count, layers), site.heads * layers)
     kept = [count // layers + (layer < count % layers) for layer in range(layers)]
     values = None if value_size is None else [value_size] * layers
-    return Layout(method.name, method.layer, [h * site.head_dim for h in kept], kept, value_ranks=values)
+    return Layout(method.name, method.layer, {"rank": [h * site.head_dim for h in kept], "heads": kept,
+                                              "value_rank": values})  # refused: heads keep their values
 
 
 PRUNE = register(ConversionMethod(

@@ -34,7 +34,7 @@ from collab_attn.decomposition.rotary_tucker import rotary_tucker
 from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.models.methods.decomposition import DecompositionOptions, shared_values
 from collab_attn.models.methods.subspace import calibration_summary
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, Sizes
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request
 
 
 def with_bias_column(weights: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -131,5 +131,6 @@ def plan_rotary(request: Request, method: str) -> Plan:
             planned.state |= value_state
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
-    sizes = Sizes(list(ranks), tucker_core_size=heads if tucker else None, value_ranks=request.value_ranks)
+    sizes = {"rank": list(ranks), "tucker_core_size": [heads if tucker else None] * len(ranks),
+             "value_rank": request.value_ranks}
     return Plan(layers, sizes, "complex-hooi" if tucker else "complex-als", calibration=calibration_summary(request))

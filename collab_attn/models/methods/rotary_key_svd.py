@@ -36,7 +36,7 @@ from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.rotary import budget_pairs, rotary_forms, rotary_whitening, with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, Sizes, ValueWeights
+from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import Factor, HeadForms, original_value_forms, relative_error
 
 
@@ -53,7 +53,7 @@ def rotary_key_layout(method, site: AttentionSite, layers: int, key_size: int) -
     (``kv_heads x head_dim``): what the sizing of the cache race asks."""
     if key_size % 2 or key_size > site.kv_heads * site.head_dim:
         return None
-    return Layout(method.name, method.layer_for(True), [key_size] * layers)
+    return Layout.uniform(method.name, method.layer_for(True), layers, rank=key_size)
 
 
 def shared_value_state(values: ValueWeights, kv_heads: int, value_rank: int, whitening=None) -> tuple[dict, float]:
@@ -124,5 +124,5 @@ def plan_rotary_key_svd(request: Request, method: str) -> Plan:
     progress = tqdm(range(len(request.weights)), desc=f"{method} (rotary, per band)", disable=not request.progress)
     layers = [_plan_layer(request, index, allocation[index]) for index in progress]
     ranks = request.ranks or [2 * sum(pairs) for pairs in allocation]
-    return Plan(layers, Sizes(list(ranks), value_ranks=request.value_ranks), SOLVER,
+    return Plan(layers, {"rank": list(ranks), "value_rank": request.value_ranks}, SOLVER,
                 calibration=calibration_summary(request))

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import truncate_head_products
 from collab_attn.models.methods.base import ConversionMethod, register
-from collab_attn.models.plan import LayerPlan, Plan, Request, Sizes, ValueWeights
+from collab_attn.models.plan import LayerPlan, Plan, Request, ValueWeights
 
 NAME = "svd"
 
@@ -53,7 +53,7 @@ def plan_svd(request: Request) -> Plan:
             planned.state |= value_state
         planned.seconds = time.perf_counter() - start
         layers.append(planned)
-    return Plan(layers, Sizes(list(request.ranks), value_ranks=request.value_ranks), NAME)
+    return Plan(layers, {"rank": list(request.ranks), "value_rank": request.value_ranks}, NAME)
 
 
 SVD = register(ConversionMethod(
