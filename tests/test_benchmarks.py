@@ -506,6 +506,31 @@ def test_decode_kernels_call_faster_or_slower_only_outside_the_spread(tmp_path, 
         tie, ["20.000", "12.000-30.000", "1.82x", "tie"], faster, slower, tie] + [slower, faster] * CPU_KERNELS
 
 
+def test_tpa_decode_times_the_factored_step_against_the_expanded_heads_and_the_original(tmp_path, capsys, monkeypatch):
+    """The two TPA paths agree; scripted step times (the three take turns step by step): each row's ratio is its
+    median over the original's, faster or slower only outside the original's range."""
+    bench = load("tpa_decode")
+    result = bench.main(["--contexts", "16", "--repeats", "2", "--warmup", "0", "--threads", "1",
+                         "--out", str(tmp_path / "real")])
+    assert [row["variant"] for row in result["rows"]] == [bench.ORIGINAL, "TPA factored (the layer's step)",
+                                                          "TPA expanded heads"]
+    assert all(row["max_abs_difference"] < 1e-4 for row in result["rows"][1:])
+    scripted = iter([10e-3, 4e-3, 30e-3, 12e-3, 5e-3, 11e-3])  # step 1: original, factored, expanded; step 2
+    monkeypatch.setattr(bench, "timed", lambda fn, device: next(scripted))
+    result = bench.main(["--contexts", "16", "--repeats", "2", "--warmup", "0", "--threads", "1",
+                         "--out", str(tmp_path / "scripted")])
+    assert [(round(row["vs_original"], 3), row["verdict"]) for row in result["rows"]] == [
+        (1.0, "-"), (0.409, "faster"), (1.864, "tie")]
+    assert (round(result["rows"][1]["vs_expanded"], 3), result["rows"][1]["verdict_vs_expanded"]) == (0.22, "faster")
+    _, rows = markdown_table((tmp_path / "scripted.md").read_text())
+    assert [cells[2:7] for cells in rows] == [["11.000", "10.000-12.000", "1.00x", "-", ""],
+                                              ["4.500", "4.000-5.000", "0.41x", "faster", "0.22x, faster"],
+                                              ["20.500", "11.000-30.000", "1.86x", "tie", ""]]
+    with pytest.raises(SystemExit):
+        bench.main(["--contexts", "16", "--out", str(tmp_path / "scripted")])  # never overwritten
+    assert "already there" in capsys.readouterr().err
+
+
 def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tmp_path, monkeypatch):
     from collab_attn.lm.models import build_model, cache_bytes, gpt_config
 

@@ -84,6 +84,35 @@ def test_the_cache_holds_the_factors_and_decoding_from_it_equals_recomputation()
     assert cache_numbers_per_token(layer) == layer.cache_width() == (2 + 3) * (HEADS + HEAD_DIM)
 
 
+@pytest.mark.parametrize("query_rank", [2, None])
+def test_a_decoding_step_scores_against_the_factors_as_the_expanded_heads_do(query_rank):
+    layer = module(query_rank)
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    cos, sin = rotary(torch.arange(6)[None].expand(2, -1))
+    stored = []
+
+    def cache(keys, values):
+        stored.append((keys, values))
+        return tuple(torch.cat(parts, dim=2) for parts in zip(*stored))
+
+    layer(x[:, :5], is_causal=True, kv_cache=cache, position_embeddings=(cos[:, :5], sin[:, :5]))
+    padding = torch.ones(2, 6)
+    padding[0, 1] = 0  # batch row 0 does not see position 1
+    out, weights = layer(x[:, 5:], attention_mask=padding, kv_cache=cache, need_weights=True,
+                         position_embeddings=(cos[:, 5:], sin[:, 5:]))
+    if query_rank is None:
+        q = layer.query(x).view(2, 6, HEADS, HEAD_DIM).transpose(1, 2)
+    else:
+        q = heads_of(layer.query_heads, layer.query_dims, x, 2)
+    q, k = apply_rotary_pos_emb(q, heads_of(layer.key_heads, layer.key_dims, x, 2), cos, sin)
+    v = heads_of(layer.value_heads, layer.value_dims, x, 3)
+    logits = (q[:, :, 5:] @ k.transpose(-1, -2)) / HEAD_DIM ** 0.5
+    expected = logits.masked_fill(padding[:, None, None] == 0, float("-inf")).softmax(-1)
+    torch.testing.assert_close(weights, expected)
+    assert weights[0, :, 0, 1].abs().max() < 1e-12 and weights[1, :, 0, 1].min() > 0
+    torch.testing.assert_close(out, layer.output((expected @ v).transpose(1, 2).flatten(2)))
+
+
 def test_parameters_and_refusals():
     layer = module(query_rank=None)
     assert not hasattr(layer, "value") and not hasattr(layer, "query_heads")

@@ -17,8 +17,10 @@ keeps dense per-head queries (``query``: ``nn.Linear(d, H d_h)``), the paper's "
 
 The ``kv_cache`` hook receives the factors: keys (batch, 1, seq, R_k (H + d_h)), every head factor then every
 rotated dimension factor, and values (batch, 1, seq, R_v (H + d_h)) in the same order: ``(R_k + R_v)(H + d_h)``
-numbers per token, against ``2 H d_h`` for multi-head attention. The cached factors are expanded into per-head keys
-and values at each call, never stored.
+numbers per token, against ``2 H d_h`` for multi-head attention. A prompt expands the factors into per-head keys and
+values (never stored) and attends through the fused kernel; a decoding step (one query row) scores against the
+factors themselves, as the paper decodes, ``q_h . K_h(s) = (1 / R_k) sum_r a^k_r(s)_h (q_h . b^k_r(s))``, and sums
+the values alike, so that no per-head key or value of any cached position is ever formed.
 
 Positions come from the caller as transformers computes them: ``position_embeddings = (cos, sin)``, each (batch,
 seq, head_dim), rotating the pair of dimensions ``(i, i + d_h/2)`` (``rotate_half`` layout).
@@ -29,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from collab_attn.nn.attention import AttentionArguments, grouped_attend
@@ -113,12 +116,29 @@ class TensorProductAttention(_SharedKeyValueAttention):
         """(B, 1, S, R (H + d_h)): what the cache holds for one token."""
         return torch.cat([head_factors.flatten(2), dim_factors.flatten(2)], dim=-1)[:, None]
 
-    def _expand(self, packed: torch.Tensor, rank: int) -> torch.Tensor:
-        """(B, H, S, d_h) per-head keys or values from the cached factors, ``(1 / R) sum_r a_r b_r^T``."""
+    def _unpack(self, packed: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (B, S, R, H) head factors and (B, S, R, d_h) dimension factors a cache holds (``_pack``)."""
         packed = packed[:, 0]
         head_factors = packed[..., : rank * self.num_heads].unflatten(-1, (rank, self.num_heads))
-        dim_factors = packed[..., rank * self.num_heads:].unflatten(-1, (rank, self.head_dim))
-        return torch.einsum("bsrh,bsrd->bhsd", head_factors, dim_factors) / rank
+        return head_factors, packed[..., rank * self.num_heads:].unflatten(-1, (rank, self.head_dim))
+
+    def _expand(self, packed: torch.Tensor, rank: int) -> torch.Tensor:
+        """(B, H, S, d_h) per-head keys or values from the cached factors, ``(1 / R) sum_r a_r b_r^T``."""
+        return torch.einsum("bsrh,bsrd->bhsd", *self._unpack(packed, rank)) / rank
+
+    def _factored_step(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor | None, need_weights: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of (B, H, T, d_h) queries over the cached factors without expanding them (the module doc):
+        the context (B, T, H, d_h) and, when asked, the weights (B, H, T, S)."""
+        key_heads, key_dims = self._unpack(keys, self.key_rank)
+        value_heads, value_dims = self._unpack(values, self.value_rank)
+        per_rank = torch.einsum("bhtd,bsrd->bhtsr", queries, key_dims)
+        logits = torch.einsum("bhtsr,bsrh->bhts", per_rank, key_heads) * (self.scale / self.key_rank)
+        weights = (logits if mask is None else logits + mask).softmax(dim=-1)
+        dropped = F.dropout(weights, p=self._dropout())
+        per_rank = torch.einsum("bhts,bsrh->bthsr", dropped, value_heads)
+        context = torch.einsum("bthsr,bsrd->bthd", per_rank, value_dims) / self.value_rank
+        return context, weights if need_weights else None
 
     def forward(
         self,
@@ -148,6 +168,9 @@ class TensorProductAttention(_SharedKeyValueAttention):
             query_heads, query_dims = self._factors(self.query_heads, self.query_dims, query_states, self.query_rank)
             queries = torch.einsum("btrh,btrd->bthd", query_heads, query_dims) / self.query_rank
         queries = rotate_dims(queries, cos.to(queries.dtype), sin.to(queries.dtype)).transpose(1, 2)
+        if queries.shape[2] == 1:  # a decoding step: scored against the factors
+            context, weights = self._factored_step(queries, keys, values, mask, need_weights)
+            return self._finish(context.flatten(2)), weights
         context, weights = grouped_attend(queries, self._expand(keys, self.key_rank),
                                           self._expand(values, self.value_rank), mask, self.scale, self._dropout(),
                                           need_weights, causal)
