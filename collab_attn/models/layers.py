@@ -159,11 +159,11 @@ class CollaborativeSpec(ValueCutSpec):
 LAYER_KINDS: dict[str, type[ConvertedSelfAttention]] = {}
 
 
-def _module_arguments(site: AttentionSite) -> dict:
+def _module_arguments(site: AttentionSite, **extra) -> dict:
     """The keywords of the attention module (``collab_attn.nn``) that every converted layer takes from the site it
-    replaces."""
+    replaces, and ``extra`` ones (a rotary module's key/value heads and output bias)."""
     return dict(head_dim=site.head_dim, dropout=site.dropout, bias=site.bias, output_projection=site.output_inside,
-                logit_scale=site.logit_scale)
+                logit_scale=site.logit_scale, **extra)
 
 
 class ConvertedSelfAttention(nn.Module):
@@ -435,12 +435,6 @@ class SharedKeySelfAttention(_VariantSelfAttention, SharedKeyAttention, kind="sh
     query_key_reader = staticmethod(products.shared_key_forms)
 
 
-def _rotary_arguments(site: AttentionSite, output_bias: bool) -> dict:
-    """The keywords of a rotary attention module (``collab_attn.nn``) from the site it replaces: its key/value heads
-    and whether its output projection has a bias."""
-    return dict(_module_arguments(site), kv_heads=site.kv_heads, output_bias=output_bias)
-
-
 def _pairs(spec: LayerSpec, what: str) -> int:
     """The rotary pairs of a width that counts each pair twice (real and imaginary parts)."""
     if spec.rank % 2:
@@ -478,7 +472,7 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
         return cls(site.d_in, spec.heads, pairs, value_rank=spec.value_rank, tucker_core_size=spec.tucker_core_size,
                    pair_bands=spec.bands, mixing_init=spec.mixing_init or ("concatenate" if block else "ones"),
-                   **_rotary_arguments(site, output_bias)).attached(site)
+                   **_module_arguments(site, kv_heads=site.kv_heads, output_bias=output_bias)).attached(site)
 
 
 @dataclass(frozen=True)
@@ -507,7 +501,7 @@ class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttent
         # shared values fold the value bias into the output bias: Qwen2's output projection gains one
         output_bias = site.output_bias or (spec.value_rank is not None and site.bias)
         return cls(site.d_in, spec.heads, pairs, value_rank=spec.value_rank, pair_bands=spec.bands,
-                   **_rotary_arguments(site, output_bias)).attached(site)
+                   **_module_arguments(site, kv_heads=site.kv_heads, output_bias=output_bias)).attached(site)
 
 
 class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAttention, kind="rotary-gqa"):
@@ -522,9 +516,8 @@ class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAtten
 
     @classmethod
     def build(cls, site: AttentionSite, spec: LayerSpec) -> RotaryGroupedSelfAttention:
-        common = _rotary_arguments(site, site.output_bias)
-        common["kv_heads"] = _kv_heads(spec.heads, spec.rank, site.head_dim)
-        return cls(site.d_in, spec.heads, **common).attached(site)
+        return cls(site.d_in, spec.heads, _kv_heads(spec.heads, spec.rank, site.head_dim),
+                   **_module_arguments(site, output_bias=site.output_bias)).attached(site)
 
 
 @dataclass(frozen=True)
@@ -554,7 +547,8 @@ class PartialRotaryLatentSelfAttention(ConvertedSelfAttention, PartialRotaryLate
     def build(cls, site: AttentionSite, spec: PartialRotaryLatentSpec) -> PartialRotaryLatentSelfAttention:
         rope_pairs = default_rope_pairs(site.head_dim) if spec.rope_pairs is None else spec.rope_pairs
         return cls(site.d_in, spec.heads, spec.rank, rope_pairs, rope_bands=spec.bands,
-                   **_rotary_arguments(site, site.output_bias or site.bias)).attached(site)
+                   **_module_arguments(site, kv_heads=site.kv_heads,
+                                       output_bias=site.output_bias or site.bias)).attached(site)
 
     @classmethod
     def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
@@ -580,10 +574,8 @@ class TensorProductSelfAttention(ConvertedSelfAttention, TensorProductAttention,
 
     @classmethod
     def build(cls, site: AttentionSite, spec: TensorProductSpec) -> TensorProductSelfAttention:
-        common = _rotary_arguments(site, site.output_bias)
-        common.pop("kv_heads")
         return cls(site.d_in, spec.heads, spec.rank, value_rank=spec.value_rank, query_rank=spec.query_rank,
-                   **common).attached(site)
+                   **_module_arguments(site, output_bias=site.output_bias)).attached(site)
 
     @classmethod
     def replaces_outer_output(cls, site: AttentionSite, spec: LayerSpec) -> bool:
