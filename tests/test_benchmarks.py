@@ -529,6 +529,12 @@ def test_tpa_decode_times_the_factored_step_against_the_expanded_heads_and_the_o
     with pytest.raises(SystemExit):
         bench.main(["--contexts", "16", "--out", str(tmp_path / "scripted")])  # never overwritten
     assert "already there" in capsys.readouterr().err
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        bench.main(["--ranks", "0", "2", "--out", str(tmp_path / "bad")])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("--batch, --contexts, --ranks and --repeats must be positive")
+    assert not list(tmp_path.glob("bad*"))
 
 
 def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tmp_path, monkeypatch):
