@@ -275,6 +275,22 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     assert "kept" in readme.read_text()
 
 
+def test_long_enough_compares_the_last_tenth_of_training_with_the_spread_over_seeds():
+    """The issue's criterion: the last 10% of the steps (the last evaluation against the last one at or before 90%)
+    moved the validation loss, averaged over seeds, by less than the standard deviation of the best loss."""
+    def run(losses, steps=(0, 80, 90, 100)):
+        return {"curve": [{"step": s, "val_loss": v} for s, v in zip(steps, losses, strict=True)],
+                "best_val_loss": min(losses)}
+
+    settled = [run([4.0, 2.0, 1.50, 1.49]), run([4.0, 2.1, 1.60, 1.59])]  # moved 0.01, spread 0.071
+    assert summary.late_change(settled[0]) == pytest.approx(-0.01)
+    assert summary.long_enough(settled) == "yes"
+    falling = [run([4.0, 2.0, 1.60, 1.50]), run([4.0, 2.1, 1.65, 1.55])]  # moved 0.10, spread 0.035
+    assert summary.long_enough(falling) == "no"
+    assert summary.late_change(run([4.0, 2.0, 1.6, 1.5], steps=(0, 85, 95, 100))) == pytest.approx(-0.5)  # from 85
+    assert summary.long_enough(settled[:1]) == "one seed"
+
+
 def test_learning_curves_are_means_over_seeds(tmp_path, monkeypatch):
     """``plot_curves`` on made-up runs: per (attention, key size) the mean validation loss over seeds at the steps
     every seed has (step 0 left out), colour by key size and style by attention; on the right the best losses'

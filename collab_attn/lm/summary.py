@@ -80,8 +80,9 @@ def scratch_table(records: Sequence[dict]) -> str:
     """One row per (attention, key size): best validation loss mean ± std over seeds, and the sizes."""
     lines = [
         "| attention | key size | q/k params | attention params | params | KV cache bytes/token (bf16) | best val loss "
-        "| final val loss | seeds | tokens/s | best at the last evaluation | last 10% of steps: val loss change |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| final val loss | seeds | tokens/s | best at the last evaluation | last 10% of steps: val loss change "
+        "| long enough |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for (kind, key), runs in _groups(records).items():
         best, best_std = mean_std([r["best_val_loss"] for r in runs])
@@ -94,9 +95,19 @@ def scratch_table(records: Sequence[dict]) -> str:
             f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} "
             f"| {statistics.fmean(speed) if speed else float('nan'):,.0f} "
             f"| {sum(_still_improving(r) for r in runs)} of {len(runs)} "
-            f"| {statistics.fmean(late_change(r) for r in runs):+.4f} |"
+            f"| {statistics.fmean(late_change(r) for r in runs):+.4f} | {long_enough(runs)} |"
         )
     return "\n".join(lines)
+
+
+def long_enough(runs: Sequence[dict]) -> str:
+    """``yes`` when the last 10% of training moved the validation loss (the mean over seeds of ``late_change``) by
+    less than the spread of the best validation loss over the seeds (its standard deviation), ``no`` otherwise;
+    ``one seed`` when there is no spread to compare with."""
+    if len(runs) < 2:
+        return "one seed"
+    moved = abs(statistics.fmean(late_change(r) for r in runs))
+    return "yes" if moved < mean_std([r["best_val_loss"] for r in runs])[1] else "no"
 
 
 def late_change(record: dict) -> float:
