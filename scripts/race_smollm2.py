@@ -78,7 +78,8 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
                                         calibration_tokens=calibrated[method], allocate=True)]
     if args.fit_steps:  # each calibrated conversion also fitted; the distilled ones start from the fitted conversion
         def fitted(entry):
-            return dataclasses.replace(entry, fit_steps=args.fit_steps, fit_target=args.fit_target)
+            return dataclasses.replace(entry, fit_steps=args.fit_steps, fit_target=args.fit_target,
+                                       fit_solve_output=args.fit_solve_output)
 
         entries = [fitted(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
             fitted(e) for e in entries if e.calibration_tokens and not e.distill_tokens]
@@ -127,6 +128,9 @@ def main(argv=None) -> None:
                         help="what --fit-steps fits each layer to: the original layer on the converted inputs "
                              "(layer), on the original's inputs (prefix), or the original's residual stream after "
                              "the attention (residual; runs named -fitted<N><target> unless layer)")
+    parser.add_argument("--fit-solve-output", action="store_true",
+                        help="--fit-steps also solves each layer's output projection by least squares, before and "
+                             "after the steps (fit_to_original(solve_output=True); runs named -fitted<N>-ls)")
     parser.add_argument("--pairs-by-budget", action="store_true",
                         help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
                              "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
@@ -163,6 +167,8 @@ def main(argv=None) -> None:
     if args.allocation_steps < 1 or args.allocation_tokens < 1:
         parser.error(f"--allocation-steps and --allocation-tokens must be at least 1, got {args.allocation_steps} "
                      f"and {args.allocation_tokens}")
+    if args.fit_solve_output and not args.fit_steps:
+        parser.error("--fit-solve-output solves the output projections in the fit: give --fit-steps")
     if args.fit_target != "layer" and not args.fit_steps:
         parser.error(f"--fit-target {args.fit_target} needs --fit-steps (it says what the fit fits to)")
     if args.fit_steps < 0 or (args.fit_steps and not args.calibration_tokens):
@@ -255,7 +261,9 @@ def main(argv=None) -> None:
                   f"{args.fit_steps} Adam steps (batch {args.batch}) to give the original's attention output on the "
                   "same calibration tokens, with the inputs the converted model gives it (collab_attn.fit_to_original)"
                   + ("." if args.fit_target == "layer" else f"; -fitted{args.fit_steps}{args.fit_target}: target "
-                     f"{args.fit_target}.") if args.fit_steps else "")
+                     f"{args.fit_target}.")
+                  + (" -fitted<N>-ls: each layer's output projection also solved by least squares before and after "
+                     "the steps." if args.fit_solve_output else "") if args.fit_steps else "")
     distilled += (f" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
                   f"collab_attn.allocate_cache ({args.allocation_steps} steps per candidate and layer on the first "
                   f"{args.allocation_tokens} calibration tokens)." if args.allocate else "")

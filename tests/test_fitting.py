@@ -276,3 +276,89 @@ def test_bad_targets_and_inputs_say_what_to_pass():
         collab_attn.fit_to_original(model, original, FIT, steps=3, inputs="both")
     with pytest.raises(ValueError, match="use target='layer' with inputs='original'"):
         collab_attn.fit_to_original(model, original, FIT, steps=3, target="residual", inputs="original")
+
+
+def _projection_least_squares(model, original, batches):
+    """Per converted layer of the fitted ``model``: its output projection's weight and bias as they are, and as the
+    least-squares fit on ``batches`` of the original layer's output (on the inputs the converted model gives the
+    layer) from what the projection reads; computed apart from the fit, with ``torch.linalg.lstsq``."""
+    names = [n for n, m in model.named_modules() if isinstance(m, ConvertedSelfAttention)]
+    reads, wants = {n: [] for n in names}, {n: [] for n in names}
+
+    def hook(name):
+        def forward(module, args, kwargs, output):
+            wants[name].append(original.get_submodule(name)(*args, **kwargs)[0].reshape(-1, output[0].shape[-1]))
+        return forward
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n), with_kwargs=True) for n in names]
+    handles += [model.get_submodule(n).output.register_forward_hook(
+        lambda m, args, out, n=n: reads[n].append(args[0].reshape(-1, args[0].shape[-1]))) for n in names]
+    with torch.no_grad():
+        for batch in batches:
+            model(**batch, use_cache=False)  # the original's layer is called with the converted one's arguments
+    for handle in handles:
+        handle.remove()
+    result = []
+    for name in names:
+        projection = model.get_submodule(name).output
+        inputs, weights = torch.cat(reads[name]).double(), projection.weight
+        if projection.bias is not None:
+            inputs = torch.cat([inputs, inputs.new_ones(len(inputs), 1)], dim=1)
+            weights = torch.cat([weights, projection.bias[:, None]], dim=1)
+        solution = torch.linalg.lstsq(inputs, torch.cat(wants[name]).double()).solution.T
+        result.append((weights.detach().double(), solution))
+    return result
+
+
+@pytest.mark.parametrize("make, method, rank, options", [(gpt2, "cp", 20, {"value_rank": 20}),
+                                                         (llama, "key-svd", 12, {"value_rank": 12}),
+                                                         (llama, "kv-svd", 20, {"rope_pairs": 1})],
+                         ids=["gpt2-cp", "llama-key-svd", "llama-kv-svd"])
+def test_solve_output_leaves_each_output_projection_at_its_least_squares_optimum(make, method, rank, options):
+    """``solve_output=True``: after the steps each layer's output projection is the least-squares fit of the
+    original's output from what the projection reads (the layers before it fitted already, so their inputs are
+    the ones it was fitted on; GPT-2's projection with its bias, the Llama's without); without it Adam's projection
+    is not; the held-out KL falls."""
+    original, model = converted(make, method, rank, **options)
+    plain = copy.deepcopy(model)
+    before = kl(original, model)
+    report = collab_attn.fit_to_original(model, original, FIT, steps=STEPS, solve_output=True, progress=False)
+    assert report.solve_output and report.to_dict()["solve_output"] and "output solved" in report.table()
+    assert kl(original, model) < 0.99 * before and all(layer.kept_fit for layer in report.layers)
+    for weights, optimum in _projection_least_squares(model, original, FIT):
+        torch.testing.assert_close(weights, optimum, rtol=1e-4, atol=1e-5 * float(optimum.abs().max()))
+    collab_attn.fit_to_original(plain, original, FIT, steps=STEPS, progress=False)
+    (weights, optimum), _ = _projection_least_squares(plain, original, FIT)
+    assert (weights - optimum).abs().max() > 1e-3 * optimum.abs().max()
+
+
+def test_solve_output_keeps_an_exact_conversion_exact_and_takes_bert_s_projection_beside_the_module():
+    """At full rank the solve finds the original's projection again (nothing to gain: the weights kept); BERT's
+    projection is the one beside the attention module; ALBERT adds its residual LayerNorm after the projection,
+    which no least-squares solve of the projection fits: refused before anything moves, as is a non-boolean."""
+    original, model = converted(llama, "cp", 48)
+    with torch.no_grad():
+        expected = model(HELD_OUT).logits
+    report = collab_attn.fit_to_original(model, original, FIT, steps=2, solve_output=True, progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(HELD_OUT).logits, expected, rtol=0, atol=1e-6)
+    assert all(layer.error_after < 1e-9 for layer in report.layers)
+
+    batches = [random_batch(lengths=(9, 6, 4), seed=s) for s in range(3)]
+    batches = [{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]} for b in batches]
+    for family in ("bert", "albert"):
+        original = small_model(family, initializer_range=0.2)
+        model = copy.deepcopy(original)
+        collab_attn.reparametrize(model, 12, method="cp", value_rank=12, progress=False)
+        if family == "bert":
+            report = collab_attn.fit_to_original(model, original, batches, steps=STEPS, learning_rate=1e-2,
+                                                 solve_output=True, progress=False)
+            assert all(layer.kept_fit and layer.error_after < 0.9 * layer.error_before for layer in report.layers)
+            continue
+        kept = {key: value.clone() for key, value in model.state_dict().items()}
+        with pytest.raises(NotImplementedError, match="something follows it.*pass False"):
+            collab_attn.fit_to_original(model, original, batches, steps=3, solve_output=True, progress=False)
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(value, kept[key], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="solve_output must be True or False, got 'yes'"):
+        collab_attn.fit_to_original(model, original, batches, steps=3, solve_output="yes")

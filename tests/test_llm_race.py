@@ -264,7 +264,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
 
     args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=30, fit_target="layer", allocate=False)
+                           fit_steps=30, fit_target="layer", fit_solve_output=False, allocate=False)
     names = [entry.name for entry in script().race_entries(args, 3, 64, [race.Entry("key-svd", 192, 96)])]
     assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
                      "key-svd-k192-v96", "kv-svd-k72-rope_pairs4-calibrated64-fitted30-distilled100",
@@ -281,6 +281,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     (["--pairs-by-budget", "--methods", "kv-svd", "--budgets", "2"], "--budgets must lie in (0, 1]"),
     (["--allocate"], "--allocate measures candidate sizes on the calibration tokens"),
     (["--fit-target", "residual"], "--fit-target residual needs --fit-steps"),
+    (["--fit-solve-output"], "--fit-solve-output solves the output projections in the fit: give --fit-steps"),
     (["--long-length", "128"], "--long-length must exceed --length (256)"),
     (["--allocate", "--calibration-tokens", "64", "--allocation-steps", "0"], "--allocation-steps and"),
 ])
@@ -394,7 +395,7 @@ def test_fit_targets_and_allocations_are_named_and_sized_for_what_they_do():
 
     args = SimpleNamespace(methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
                            distill_tokens=0, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=30, fit_target="residual", allocate=True)
+                           fit_steps=30, fit_target="residual", fit_solve_output=False, allocate=True)
     names = [entry.name for entry in script().race_entries(args, 3, 64, [])]
     assert names == ["original", "key-svd-k96-v96", "kv-svd-k168-rope_pairs4", "key-svd-k96-v96-calibrated64",
                      "kv-svd-k168-rope_pairs4-calibrated64", "key-svd-kalloc192-calibrated64",
@@ -402,6 +403,9 @@ def test_fit_targets_and_allocations_are_named_and_sized_for_what_they_do():
                      "kv-svd-k168-rope_pairs4-calibrated64-fitted30residual",
                      "key-svd-kalloc192-calibrated64-fitted30residual"]
     assert race.entries_at("kv-svd", 0.5, 4, allocate=True) == []
+    args.allocate, args.fit_target, args.fit_solve_output = False, "layer", True  # the output projections solved too
+    assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
+        "key-svd-k96-v96-calibrated64-fitted30-ls", "kv-svd-k168-rope_pairs4-calibrated64-fitted30-ls"]
 
 
 def test_an_allocated_entry_measures_its_sizes_once_and_caches_them(tmp_path, monkeypatch):

@@ -52,6 +52,7 @@ class Entry:
     calibration_sample: int = 0  # which block of that many fitting tokens (0: the first)
     fit_steps: int = 0  # steps per layer of ``fit_to_original`` on the calibration tokens after the conversion
     fit_target: str = "layer"  # what ``fit_to_original`` fits each layer to (its ``target``)
+    fit_solve_output: bool = False  # its output projections solved by least squares too (``solve_output``)
 
     @property
     def name(self) -> str:
@@ -63,7 +64,8 @@ class Entry:
         sample = f"s{self.calibration_sample}" if self.calibration_sample else ""
         calibrated = f"-calibrated{self.calibration_tokens}{sample}" if self.calibration_tokens else ""
         target = "" if self.fit_target == "layer" else self.fit_target  # "-fitted100": the layer target
-        fitted = f"-fitted{self.fit_steps}{target}" if self.fit_steps else ""
+        solved = "-ls" if self.fit_solve_output else ""  # "-fitted100-ls": the output projections solved too
+        fitted = f"-fitted{self.fit_steps}{target}{solved}" if self.fit_steps else ""
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         return f"{self.method}{sizes}{extra}{calibrated}{fitted}{distilled}"
 
@@ -134,6 +136,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         print(f"{entry.name}: done before ({path})", flush=True)
         return json.loads(path.read_text())
     start = time.perf_counter()
+    if entry.fit_solve_output and not entry.fit_steps:
+        raise ValueError(f"{entry.name} solves the output projections of a fit it does not make: give it fit_steps")
     if entry.fit_steps and not (entry.calibration_tokens and calibration_rows is not None):
         raise ValueError(f"{entry.name} is fitted on its calibration tokens: give it calibration_tokens and pass "
                          "run_entry(..., calibration_rows=...)")
@@ -161,7 +165,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     convert_seconds = time.perf_counter() - start
     if entry.fit_steps:
         fit = collab_attn.fit_to_original(model, original, fitting_batches(), steps=entry.fit_steps,
-                                          target=entry.fit_target)
+                                          target=entry.fit_target, solve_output=entry.fit_solve_output)
         print(fit.table(), flush=True)
     training = None
     if entry.distill_tokens:
@@ -205,7 +209,7 @@ def _allocation(entry: Entry, original, out_dir: Path, batches: list[dict], cali
     if tokens is not None:
         batches = batches[:max(1, -(-tokens // batches[0]["input_ids"].numel()))]
     measured = sum(b["input_ids"].numel() for b in batches)
-    base = dataclasses.replace(entry, fit_steps=0, fit_target="layer", distill_tokens=0)
+    base = dataclasses.replace(entry, fit_steps=0, fit_target="layer", fit_solve_output=False, distill_tokens=0)
     path = out_dir / "allocations" / f"{base.name}-steps{steps}-tokens{measured}.json"
     if path.is_file():
         return Allocation.from_dict(json.loads(path.read_text()))
@@ -408,6 +412,7 @@ def plot(results: list[dict], path: Path) -> Path:
             calibrated = " calibrated" if r["entry"].get("calibration_tokens") else ""
             calibrated += f" fitted {r['entry']['fit_steps']}" if r["entry"].get("fit_steps") else ""
             calibrated += f" ({r['entry']['fit_target']})" if r["entry"].get("fit_target", "layer") != "layer" else ""
+            calibrated += " + output solved" if r["entry"].get("fit_solve_output") else ""
             return r["entry"]["method"] + spread + calibrated + (f" distilled {tokens}" if tokens else "") + given
 
         lines = sorted({line_of(r) for r in results if r["entry"]["method"] != "none"})

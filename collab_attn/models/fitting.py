@@ -14,6 +14,11 @@ step, cosine decay) to minimise ``||conv(X) - Y||^2 / ||Y||^2`` over the non-pad
   it, before or after a norm, in every family here): each layer also corrects the drift the converted layers before
   it left in the stream.
 
+``solve_output=True`` also sets the layer's output projection (the last linear map of its output: the module's own,
+or BERT's beside it) to its least-squares optimum on all the fitting tokens, before the Adam steps and after them:
+the output is linear in that projection's weight and bias, so given the rest of the layer the solve is exact
+(normal equations in float64, a ridge of ``1e-8`` of the mean diagonal for rank-deficient inputs).
+
 ``inputs="original"`` instead gives every converted layer the inputs the *original* model gives it (the layers are
 then fitted independently of each other, and only ``target="layer"`` applies): what ``collab_attn.allocate_cache``
 measures candidate sizes with, each layer on the same inputs whatever the other layers are. The output is
@@ -76,6 +81,7 @@ class FitReport:
     learning_rate: float
     tokens: int  # non-padding fitting tokens per pass
     target: str = "layer"  # what each layer was fitted to (``TARGETS``)
+    solve_output: bool = False  # the output projection solved by least squares before and after the steps
     layers: list[LayerFit] = field(default_factory=list)
     capture_seconds: float = 0.0  # the first passes of both models (before the layers' own seconds)
     cpu_seconds: float = 0.0  # processor time of the whole fit (this process, all its threads)
@@ -87,7 +93,8 @@ class FitReport:
 
     def to_dict(self) -> dict:
         return {"steps": self.steps, "learning_rate": self.learning_rate, "tokens": self.tokens,
-                "target": self.target, "seconds": self.seconds, "capture_seconds": self.capture_seconds,
+                "target": self.target, "solve_output": self.solve_output, "seconds": self.seconds,
+                "capture_seconds": self.capture_seconds,
                 "cpu_seconds": self.cpu_seconds,
                 "layers": [asdict(layer) for layer in self.layers]}
 
@@ -102,7 +109,8 @@ class FitReport:
             rows.append(f"| {layer.name} | {layer.error_before:.4f} | {layer.error_after:.4f} | "
                         f"{layer.fitted_error:.4f} | {'yes' if layer.kept_fit else 'no'} | {layer.seconds:.2f} |")
         count = len(self.layers)
-        rows.append(f"| mean ({self.steps} steps, {self.tokens:,} tokens, target {self.target}) | "
+        solved = ", output solved" if self.solve_output else ""
+        rows.append(f"| mean ({self.steps} steps, {self.tokens:,} tokens, target {self.target}{solved}) | "
                     f"{sum(x.error_before for x in self.layers) / count:.4f} | "
                     f"{sum(x.error_after for x in self.layers) / count:.4f} | "
                     f"{sum(x.fitted_error for x in self.layers) / count:.4f} | "
@@ -146,7 +154,9 @@ def _structural(config) -> dict:
     return {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG and not k.startswith("collab_")}
 
 
-def _check_arguments(steps, learning_rate, target, inputs) -> None:
+def _check_arguments(steps, learning_rate, target, inputs, solve_output) -> None:
+    if not isinstance(solve_output, bool):
+        raise ValueError(f"solve_output must be True or False, got {solve_output!r}")
     if type(steps) is not int or steps < 1:
         raise ValueError(f"steps must be a positive number of optimizer steps per layer, got {steps!r}")
     if target not in TARGETS:
@@ -341,6 +351,45 @@ def _error(layer: _Output, items: list) -> float:
     return num / max(den, 1e-300)
 
 
+def _projection(layer: _Output) -> nn.Linear:
+    """The last linear map of the layer's output: BERT's projection beside the module, else the module's own."""
+    projection = layer.outer if layer.outer is not None else getattr(layer.attention, "output", None)
+    if not isinstance(projection, nn.Linear):
+        raise ValueError("solve_output=True needs an output projection (nn.Linear) at the end of each converted "
+                         f"layer; {type(layer.attention).__name__} has {type(projection).__name__}: pass "
+                         "solve_output=False")
+    return projection
+
+
+@torch.no_grad()
+def _solve_output(layer: _Output, items: list) -> None:
+    """Set the output projection to the least-squares fit of the targets from its inputs on every fitting token."""
+    projection = _projection(layer)
+    captured = []
+    handle = projection.register_forward_hook(lambda module, args, output: captured.append((args[0], output)))
+    gram = cross = None
+    try:
+        for call, hidden, target, mask in items:
+            captured.clear()
+            output = layer(call, hidden)
+            if len(captured) != 1 or captured[0][1].shape != output.shape or not torch.equal(captured[0][1], output):
+                raise NotImplementedError(f"{type(layer.attention).__name__}'s output is not its output projection's "
+                                          "(something follows it): solve_output=True cannot solve it; pass False")
+            inputs = captured[0][0].reshape(-1, projection.in_features).double()
+            if projection.bias is not None:
+                inputs = torch.cat([inputs, inputs.new_ones(len(inputs), 1)], dim=1)
+            weighted = inputs * mask.reshape(-1, 1).double()
+            part = (weighted.T @ inputs, weighted.T @ target.reshape(len(inputs), -1).double())
+            gram, cross = part if gram is None else (gram + part[0], cross + part[1])
+    finally:
+        handle.remove()
+    ridge = 1e-8 * gram.diagonal().mean().clamp_min(1e-300)
+    solution = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype), cross).T
+    projection.weight.copy_(solution[:, :projection.in_features])
+    if projection.bias is not None:
+        projection.bias.copy_(solution[:, projection.in_features])
+
+
 def _train(layer: _Output, params: list[nn.Parameter], items: list, steps: int, learning_rate: float,
            generator: torch.Generator, progress) -> None:
     optimizer = torch.optim.Adam(params, lr=learning_rate)
@@ -369,6 +418,7 @@ def fit_to_original(
     seed: int = 0,
     target: str = "layer",
     inputs: str = "converted",
+    solve_output: bool = False,
     progress: bool = True,
 ) -> FitReport:
     """Train each converted attention layer of ``converted`` (in place, in order) to give the output of
@@ -381,8 +431,9 @@ def fit_to_original(
     ``"residual"`` (see the module doc); ``inputs``: ``"converted"`` (each layer on the inputs the converted layers
     before it give it) or ``"original"`` (on the original's, each layer independently). Both models are run in eval
     mode (no dropout) and left in the mode they were in. Returns a ``FitReport``: per layer the relative output error
-    before and after (the weights kept)."""
-    _check_arguments(steps, learning_rate, target, inputs)
+    before and after (the weights kept). ``solve_output``: the output projection also solved by least squares
+    before and after the steps (see the module doc)."""
+    _check_arguments(steps, learning_rate, target, inputs, solve_output)
     names = _check_source(converted, original)
     device = next(converted.parameters()).device
     batches = _batches(original, batches, device)
@@ -393,7 +444,7 @@ def fit_to_original(
     cpu = time.process_time()
     try:
         report = _fit(converted, original, family, names, batches, steps, learning_rate, seed, target, inputs,
-                      progress)
+                      solve_output, progress)
         report.cpu_seconds = time.process_time() - cpu
         return report
     finally:
@@ -402,7 +453,7 @@ def fit_to_original(
 
 
 def _fit(converted, original, family, names, batches, steps, learning_rate, seed, target, inputs,
-         progress) -> FitReport:
+         solve_output, progress) -> FitReport:
     start = time.perf_counter()
     block_names = list(dict.fromkeys(_block_of(converted, name) for name in names))
     blocks = {name: converted.get_submodule(name) for name in block_names}
@@ -417,7 +468,7 @@ def _fit(converted, original, family, names, batches, steps, learning_rate, seed
     else:
         arguments = _capture_attention(original, names, batches)
     masks = [batch.get("attention_mask", torch.ones_like(batch["input_ids"])).to(state[0].dtype) for batch in batches]
-    report = FitReport(steps, float(learning_rate), int(sum(mask.sum() for mask in masks)), target,
+    report = FitReport(steps, float(learning_rate), int(sum(mask.sum() for mask in masks)), target, solve_output,
                        capture_seconds=time.perf_counter() - start)
     generator = torch.Generator().manual_seed(seed)
     sequence = [name for name, _ in calls[0]]
@@ -450,9 +501,13 @@ def _fit(converted, original, family, names, batches, steps, learning_rate, seed
         params = [p for p in layer.parameters() if p.requires_grad]
         saved = [p.detach().clone() for p in params]
         before = _error(layer, fitted)
+        if solve_output:
+            _solve_output(layer, fitted)
         bar = tqdm(range(steps), desc=f"fit {name}", disable=not progress, leave=False)
         with torch.enable_grad():  # also when called under torch.no_grad()
             _train(layer, params, fitted, steps, learning_rate, generator, bar)
+        if solve_output:
+            _solve_output(layer, fitted)
         after = _error(layer, fitted)
         kept = after < before
         if not kept:
