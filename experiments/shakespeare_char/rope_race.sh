@@ -9,6 +9,7 @@
 #   bash experiments/shakespeare_char/rope_race.sh long 0 2        # three rows at 4,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longer 0 2      # the same three at 8,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longer-rest 0 2 # 1/2 and 1/8 at 8,000 steps
+#   bash experiments/shakespeare_char/rope_race.sh longer-peers 0 2 # MLA at 1/2 and 1/4, TPA near 1/4, at 8,000 steps
 # Then: python scripts/summarize_lm.py experiments/shakespeare_char
 set -euo pipefail
 set_name=${1:-race}
@@ -48,16 +49,18 @@ attention=concat"
 positions=rope"
     runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab key_size=32 value_size=32");;
   # four times the steps: until the last 10% of training moves the loss by less than the spread over seeds
-  longer|longer-rest)
+  longer|longer-rest|longer-peers)
     L="output_dir=experiments/shakespeare_char/rope_race_8000 $C trainer.max_steps=8000 trainer.eval_steps=400
 positions=rope"
     if [[ $set_name == longer ]]; then
       runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab key_size=32 value_size=32")
-    else
+    elif [[ $set_name == longer-rest ]]; then
       runs=("$L attention=gqa kv_heads=2" "$L attention=collab key_size=64 value_size=64"
             "$L attention=mla latent_size=16" "$L attention=collab key_size=16 value_size=16")
+    else
+      runs=("$L attention=mla latent_size=48" "$L attention=mla latent_size=112" "$L attention=tpa key_size=1")
     fi;;
-  *) echo "unknown run set $set_name: race, extra, long, longer or longer-rest" >&2; exit 2;;
+  *) echo "unknown run set $set_name: race, extra, long, longer, longer-rest or longer-peers" >&2; exit 2;;
 esac
 i=0
 for seed in $seeds; do
