@@ -9,7 +9,7 @@
 #   bash experiments/shakespeare_char/rope_race.sh long 0 2        # three rows at 4,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longer 0 2      # the same three at 8,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longer-rest 0 2 # 1/2 and 1/8 at 8,000 steps
-#   bash experiments/shakespeare_char/rope_race.sh longer-peers 0 2 # MLA at 1/2 and 1/4, TPA near 1/4, at 8,000 steps
+#   bash experiments/shakespeare_char/rope_race.sh longer-peers 0 2 # MLA at 1/2 and 1/4 at 8,000 steps
 # Then: python scripts/summarize_lm.py experiments/shakespeare_char
 set -euo pipefail
 set_name=${1:-race}
@@ -58,7 +58,7 @@ positions=rope"
       runs=("$L attention=gqa kv_heads=2" "$L attention=collab key_size=64 value_size=64"
             "$L attention=mla latent_size=16" "$L attention=collab key_size=16 value_size=16")
     else
-      runs=("$L attention=mla latent_size=48" "$L attention=mla latent_size=112" "$L attention=tpa key_size=1")
+      runs=("$L attention=mla latent_size=48" "$L attention=mla latent_size=112")
     fi;;
   *) echo "unknown run set $set_name: race, extra, long, longer, longer-rest or longer-peers" >&2; exit 2;;
 esac
