@@ -9,6 +9,7 @@ from collab_attn.models import hf as _hf  # noqa: F401  (registers the Auto clas
 from collab_attn.models import scratch as _scratch  # noqa: F401  (registers the from-scratch classifier)
 from collab_attn.models.allocation import Allocation, allocate_cache
 from collab_attn.models.conversion import ReparamReport, reparametrize
+from collab_attn.models.end_to_end import EndToEndFit, fit_end_to_end
 from collab_attn.models.fitting import FitReport, fit_to_original
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 
@@ -21,6 +22,8 @@ __all__ = [
     "reparametrize",
     "FitReport",
     "fit_to_original",
+    "EndToEndFit",
+    "fit_end_to_end",
     "Allocation",
     "allocate_cache",
 ]

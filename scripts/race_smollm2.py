@@ -81,8 +81,13 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
             return dataclasses.replace(entry, fit_steps=args.fit_steps, fit_target=args.fit_target,
                                        fit_solve_output=args.fit_solve_output)
 
+        def end_to_end(entry):
+            return dataclasses.replace(fitted(entry), e2e_steps=args.e2e_steps,
+                                       e2e_learning_rate=args.e2e_learning_rate)
+
         entries = [fitted(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
-            fitted(e) for e in entries if e.calibration_tokens and not e.distill_tokens]
+            fitted(e) for e in entries if e.calibration_tokens and not e.distill_tokens] + [
+            end_to_end(e) for e in entries if args.e2e_steps and e.calibration_tokens and not e.distill_tokens]
     return [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
             for e in entries]
 
@@ -131,6 +136,14 @@ def main(argv=None) -> None:
     parser.add_argument("--fit-solve-output", action="store_true",
                         help="--fit-steps also solves each layer's output projection by least squares, before and "
                              "after the steps (fit_to_original(solve_output=True); runs named -fitted<N>-ls)")
+    parser.add_argument("--e2e-steps", type=int, default=0,
+                        help="also every fitted conversion then fitted end to end: all its converted attention "
+                             "layers at once trained this many Adam steps so that the model's next-token "
+                             "distributions match the original's on the calibration tokens (KL; nothing else "
+                             "moves; collab_attn.fit_end_to_end; runs named -fitted<N>-e2e<M>; needs --fit-steps)")
+    parser.add_argument("--e2e-learning-rate", type=float, default=1e-4,
+                        help="--e2e-steps: its initial learning rate (cosine decay; runs named -e2e<M>lr<rate> "
+                             "unless 1e-4)")
     parser.add_argument("--pairs-by-budget", action="store_true",
                         help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
                              "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
@@ -174,6 +187,11 @@ def main(argv=None) -> None:
     if args.fit_steps < 0 or (args.fit_steps and not args.calibration_tokens):
         parser.error(f"--fit-steps must be 0 (no fit) or positive, with --calibration-tokens (the fitting tokens); "
                      f"got {args.fit_steps}")
+    if args.e2e_steps < 0 or (args.e2e_steps and not args.fit_steps):
+        parser.error(f"--e2e-steps must be 0 (none) or positive, with --fit-steps (it starts from the fitted "
+                     f"conversion); got {args.e2e_steps}")
+    if not args.e2e_learning_rate > 0:
+        parser.error(f"--e2e-learning-rate must be positive, got {args.e2e_learning_rate}")
     if args.calibration_sample < 0 or (args.calibration_sample and not args.calibration_tokens):
         parser.error(f"--calibration-sample must be 0 or positive, with --calibration-tokens; got "
                      f"{args.calibration_sample}")
@@ -264,6 +282,11 @@ def main(argv=None) -> None:
                      f"{args.fit_target}.")
                   + (" -fitted<N>-ls: each layer's output projection also solved by least squares before and after "
                      "the steps." if args.fit_solve_output else "") if args.fit_steps else "")
+    distilled += (f" -e2e{args.e2e_steps} rows: then all the converted attention layers at once trained "
+                  f"{args.e2e_steps} Adam steps (learning rate {args.e2e_learning_rate:g}, batch {args.batch}) so "
+                  "that the model's next-token distributions match the original's on the same calibration tokens "
+                  "(collab_attn.fit_end_to_end: KL; the MLPs, norms and embeddings keep the original's weights)."
+                  if args.e2e_steps else "")
     distilled += (f" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
                   f"collab_attn.allocate_cache ({args.allocation_steps} steps per candidate and layer on the first "
                   f"{args.allocation_tokens} calibration tokens)." if args.allocate else "")

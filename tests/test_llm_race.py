@@ -264,13 +264,17 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
 
     args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=30, fit_target="layer", fit_solve_output=False, allocate=False)
+                           fit_steps=30, fit_target="layer", fit_solve_output=False, allocate=False, e2e_steps=0)
     names = [entry.name for entry in script().race_entries(args, 3, 64, [race.Entry("key-svd", 192, 96)])]
     assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
                      "key-svd-k192-v96", "kv-svd-k72-rope_pairs4-calibrated64-fitted30-distilled100",
                      "kv-svd-k264-rope_pairs4-calibrated64", "kv-svd-k72-rope_pairs4-calibrated64",
                      "key-svd-k192-v96-calibrated64", "kv-svd-k264-rope_pairs4-calibrated64-fitted30",
                      "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
+    args.e2e_steps, args.e2e_learning_rate = 8, 3e-4  # then each fitted one fitted end to end as well
+    assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
+        "kv-svd-k264-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003",
+        "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -282,6 +286,9 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     (["--allocate"], "--allocate measures candidate sizes on the calibration tokens"),
     (["--fit-target", "residual"], "--fit-target residual needs --fit-steps"),
     (["--fit-solve-output"], "--fit-solve-output solves the output projections in the fit: give --fit-steps"),
+    (["--e2e-steps", "5", "--calibration-tokens", "64"], "--e2e-steps must be 0 (none) or positive, with --fit-steps"),
+    (["--e2e-steps", "5", "--calibration-tokens", "64", "--fit-steps", "3", "--e2e-learning-rate", "0"],
+     "--e2e-learning-rate must be positive"),
     (["--long-length", "128"], "--long-length must exceed --length (256)"),
     (["--allocate", "--calibration-tokens", "64", "--allocation-steps", "0"], "--allocation-steps and"),
 ])
@@ -348,6 +355,14 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     assert fitted["cache_numbers"] == plain["cache_numbers"] == 24
     for domain in heldout.DOMAINS:
         assert fitted["domains"][domain]["kl"] < plain["domains"][domain]["kl"]
+    both = race.Entry("key-svd", 12, 12, **common, fit_steps=20, e2e_steps=30, e2e_learning_rate=3e-3)
+    assert both.name == "key-svd-k12-v12-calibrated128-fitted20-e2e30lr0.003"
+    end_to_end = race.run_entry(both, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                                calibration_rows=lambda: fitting)
+    assert end_to_end["end_to_end"]["steps"] == 30 and end_to_end["end_to_end"]["kept_fit"]
+    assert fitted["end_to_end"] is None and end_to_end["cache_numbers"] == 24
+    for domain in heldout.DOMAINS:
+        assert end_to_end["domains"][domain]["kl"] < fitted["domains"][domain]["kl"]
 
 
 def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path):
@@ -395,7 +410,7 @@ def test_fit_targets_and_allocations_are_named_and_sized_for_what_they_do():
 
     args = SimpleNamespace(methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
                            distill_tokens=0, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=30, fit_target="residual", fit_solve_output=False, allocate=True)
+                           fit_steps=30, fit_target="residual", fit_solve_output=False, allocate=True, e2e_steps=0)
     names = [entry.name for entry in script().race_entries(args, 3, 64, [])]
     assert names == ["original", "key-svd-k96-v96", "kv-svd-k168-rope_pairs4", "key-svd-k96-v96-calibrated64",
                      "kv-svd-k168-rope_pairs4-calibrated64", "key-svd-kalloc192-calibrated64",

@@ -53,6 +53,8 @@ class Entry:
     fit_steps: int = 0  # steps per layer of ``fit_to_original`` on the calibration tokens after the conversion
     fit_target: str = "layer"  # what ``fit_to_original`` fits each layer to (its ``target``)
     fit_solve_output: bool = False  # its output projections solved by least squares too (``solve_output``)
+    e2e_steps: int = 0  # then steps of ``fit_end_to_end`` on the calibration tokens (all the attention layers at once)
+    e2e_learning_rate: float = 1e-4
 
     @property
     def name(self) -> str:
@@ -66,8 +68,10 @@ class Entry:
         target = "" if self.fit_target == "layer" else self.fit_target  # "-fitted100": the layer target
         solved = "-ls" if self.fit_solve_output else ""  # "-fitted100-ls": the output projections solved too
         fitted = f"-fitted{self.fit_steps}{target}{solved}" if self.fit_steps else ""
+        rate = "" if self.e2e_learning_rate == 1e-4 else f"lr{self.e2e_learning_rate:g}"
+        e2e = f"-e2e{self.e2e_steps}{rate}" if self.e2e_steps else ""  # "-e2e64lr0.0003"
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
-        return f"{self.method}{sizes}{extra}{calibrated}{fitted}{distilled}"
+        return f"{self.method}{sizes}{extra}{calibrated}{fitted}{e2e}{distilled}"
 
 
 def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,
@@ -124,9 +128,10 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     """Convert a copy of ``original`` as ``entry`` says (activation-aware with ``calibration()``, a callable giving
     the original's ``Calibration``, when the entry asks for it), fit its converted layers to the original's
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
-    callable giving the calibration windows, ``batch`` per step) when it asks for that, distil it on ``fit_rows()``
-    (a callable giving the fitting windows) when it asks for it, measure it, write ``runs/<name>.json``; a finished
-    run is read back instead. An ``"alloc:B"`` rank first chooses the layers' key and value widths
+    callable giving the calibration windows, ``batch`` per step) when it asks for that, then all of them at once to
+    the original's output (``collab_attn.fit_end_to_end``, ``entry.e2e_steps``) on the same windows when it asks for
+    that, distil it on ``fit_rows()`` (a callable giving the fitting windows) when it asks for it, measure it, write
+    ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"`` rank first chooses the layers' key and value widths
     (``collab_attn.allocate_cache``, ``allocation_steps`` per candidate and layer, on the first
     ``allocation_tokens`` of the calibration windows, default all)."""
     import collab_attn
@@ -138,7 +143,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     start = time.perf_counter()
     if entry.fit_solve_output and not entry.fit_steps:
         raise ValueError(f"{entry.name} solves the output projections of a fit it does not make: give it fit_steps")
-    if entry.fit_steps and not (entry.calibration_tokens and calibration_rows is not None):
+    if (entry.fit_steps or entry.e2e_steps) and not (entry.calibration_tokens and calibration_rows is not None):
         raise ValueError(f"{entry.name} is fitted on its calibration tokens: give it calibration_tokens and pass "
                          "run_entry(..., calibration_rows=...)")
     def fitting_batches():
@@ -167,6 +172,11 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         fit = collab_attn.fit_to_original(model, original, fitting_batches(), steps=entry.fit_steps,
                                           target=entry.fit_target, solve_output=entry.fit_solve_output)
         print(fit.table(), flush=True)
+    e2e = None
+    if entry.e2e_steps:
+        e2e = collab_attn.fit_end_to_end(model, original, fitting_batches(), steps=entry.e2e_steps,
+                                         learning_rate=entry.e2e_learning_rate)
+        print(e2e.table(), flush=True)
     training = None
     if entry.distill_tokens:
         from collab_attn.llm.distill import distill
@@ -182,7 +192,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     result = {"name": entry.name, "entry": asdict(entry), "cache_numbers": cache,
               "cache_fraction": cache / original_cache, "convert_seconds": convert_seconds,
               "mean_layer_error": None if report is None else report.mean_relative_error, "training": training,
-              "fit": None if fit is None else fit.to_dict(),
+              "fit": None if fit is None else fit.to_dict(), "end_to_end": None if e2e is None else e2e.to_dict(),
               "allocation": None if allocation is None else allocation.to_dict(), "domains": {}}
     total = sum(len(r) for r in rows.values())
     tokens = batch * min(w.shape[1] for w in rows.values())  # longer windows go fewer at a time
@@ -413,6 +423,7 @@ def plot(results: list[dict], path: Path) -> Path:
             calibrated += f" fitted {r['entry']['fit_steps']}" if r["entry"].get("fit_steps") else ""
             calibrated += f" ({r['entry']['fit_target']})" if r["entry"].get("fit_target", "layer") != "layer" else ""
             calibrated += " + output solved" if r["entry"].get("fit_solve_output") else ""
+            calibrated += f" + end to end {r['entry']['e2e_steps']}" if r["entry"].get("e2e_steps") else ""
             return r["entry"]["method"] + spread + calibrated + (f" distilled {tokens}" if tokens else "") + given
 
         lines = sorted({line_of(r) for r in results if r["entry"]["method"] != "none"})

@@ -1,0 +1,187 @@
+"""Fitting the converted attention layers end to end (docs/design.md, "Fitting converted layers to what the original
+computes"): after a conversion (and, usually, after ``fit_to_original``'s layer-by-layer fit), the weights of every
+converted attention layer together are trained so that the whole converted model gives the original's output on the
+fitting tokens. Nothing else moves: the embeddings, the MLPs, the norms and the head keep the original's weights, and
+the cache layout and sizes stay as the conversion left them.
+
+The loss, averaged over the non-padding tokens of a batch: ``KL(p_original || p_converted)`` of the next-token (or
+class) distributions where the model outputs ``logits``, else ``||h_converted - h_original||^2 / ||h_original||^2``
+of its last hidden states. Adam, one of the given batches per step in a seeded random order, cosine decay. The loss
+on all the fitting tokens is measured before and after; when it did not fall the weights before are put back, so an
+exact conversion stays exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from collab_attn.models.families import family_of
+from collab_attn.models.fitting import _batches, _check_source, _forward_kwargs
+
+DEFAULT_LEARNING_RATE = 1e-4
+
+
+@dataclass
+class EndToEndFit:
+    """What ``fit_end_to_end`` did: the loss on all the fitting tokens before and after (of the weights kept:
+    ``loss_after <= loss_before``), the loss the trained weights reached (``fitted_loss``; kept only when lower),
+    the trained parameters, the loss every few steps, and its time."""
+
+    steps: int
+    learning_rate: float
+    tokens: int  # non-padding fitting tokens per pass
+    loss: str  # "kl" (nats per token) or "relative squared error" (of the last hidden states)
+    parameters: int  # trained parameters: the converted attention layers'
+    loss_before: float = math.nan
+    loss_after: float = math.nan
+    fitted_loss: float = math.nan
+    kept_fit: bool = False
+    history: list[tuple[int, float]] = field(default_factory=list)  # (step, the batch's loss)
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        return "\n".join([
+            "| end-to-end fit | loss before | after | fit reached | kept fit | seconds |",
+            "|---|---:|---:|---:|:---:|---:|",
+            f"| {self.steps} steps, {self.tokens:,} tokens, {self.parameters:,} parameters ({self.loss}) | "
+            f"{self.loss_before:.4f} | {self.loss_after:.4f} | {self.fitted_loss:.4f} | "
+            f"{'yes' if self.kept_fit else 'no'} | {self.seconds:.1f} |"])
+
+
+def fit_end_to_end(
+    converted: nn.Module,
+    original: nn.Module,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    steps: int,
+    *,
+    learning_rate: float = DEFAULT_LEARNING_RATE,
+    seed: int = 0,
+    progress: bool = True,
+) -> EndToEndFit:
+    """Train the converted attention layers of ``converted`` (in place, all together) so that the model's output
+    matches ``original``'s on ``batches``; see the module doc. ``batches``: tokenized batches as
+    ``collect_calibration`` and ``fit_to_original`` take them, one per optimizer step; ``steps``: Adam steps in all,
+    ``learning_rate`` the initial rate (cosine decay to 0). Both models run in eval mode (no dropout) and are left in
+    the mode they were in; ``original`` is not changed."""
+    if type(steps) is not int or steps < 1:
+        raise ValueError(f"steps must be a positive number of optimizer steps, got {steps!r}")
+    if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
+        raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
+    names = _check_source(converted, original)
+    device = next(converted.parameters()).device
+    batches = _batches(original, batches, device)
+    params = _attention_parameters(converted, original, names)
+    flags = {p: p.requires_grad for p in converted.parameters()}
+    modes = [(m, m.training) for m in (converted, original)]
+    start, cpu = time.perf_counter(), time.process_time()
+    converted.eval()
+    original.eval()
+    try:
+        for p in converted.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        with torch.no_grad():
+            targets = [_output(original, batch) for batch in batches]
+        loss_name = "kl" if targets[0][0] == "logits" else "relative squared error"
+        fit = EndToEndFit(steps, float(learning_rate), int(sum(_mask(b).sum() for b in batches)), loss_name,
+                          sum(p.numel() for p in params))
+        fit.loss_before = _mean_loss(converted, batches, targets)
+        saved = [p.detach().clone() for p in params]
+        with torch.enable_grad():
+            _train(converted, params, batches, targets, steps, learning_rate, seed, fit, progress)
+        fit.fitted_loss = _mean_loss(converted, batches, targets)
+        fit.kept_fit = fit.fitted_loss < fit.loss_before
+        if not fit.kept_fit:
+            with torch.no_grad():
+                for param, value in zip(params, saved):
+                    param.copy_(value)
+        fit.loss_after = fit.fitted_loss if fit.kept_fit else fit.loss_before
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+        for model, mode in modes:
+            model.train(mode)
+    fit.seconds, fit.cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    return fit
+
+
+def _attention_parameters(converted: nn.Module, original: nn.Module, names: list[str]) -> list[nn.Parameter]:
+    """Every parameter of the converted attention layers, with the output projection the model keeps beside a layer
+    (BERT, RoBERTa) counted as part of it."""
+    family = family_of(original.config)
+    modules = [converted.get_submodule(name) for name in names]
+    if family.output is None:
+        modules += [converted.get_submodule(family.output_projection_name(name)) for name in names]
+    params = list(dict.fromkeys(p for module in modules for p in module.parameters()))
+    if not params:
+        raise ValueError("converted's attention layers have no parameters to fit")
+    return params
+
+
+def _mask(batch: dict) -> torch.Tensor:
+    return batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+
+
+def _output(model: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
+    """What the model outputs on a batch: its logits (as log-probabilities) or its last hidden states."""
+    out = model(**batch, **_forward_kwargs(model))
+    logits = getattr(out, "logits", None)
+    if logits is not None:
+        return "logits", logits.float().log_softmax(-1)
+    return "hidden", out.last_hidden_state.float()
+
+
+def _loss(converted: nn.Module, batch: dict, target: tuple[str, torch.Tensor]) -> torch.Tensor:
+    kind, reference = target
+    _, output = _output(converted, batch)
+    mask = _mask(batch).to(output.dtype)
+    if kind == "logits":
+        kl = (reference.exp() * (reference - output)).sum(-1)  # per token, or per sequence (a classifier's logits)
+        return (kl * mask).sum() / mask.sum().clamp_min(1) if kl.shape == mask.shape else kl.mean()
+    mask = mask.unsqueeze(-1)
+    return ((output - reference).square() * mask).sum() / (reference.square() * mask).sum().clamp_min(1e-30)
+
+
+@torch.no_grad()
+def _mean_loss(converted: nn.Module, batches: list[dict], targets: list) -> float:
+    weights = [float(_mask(b).sum()) for b in batches]
+    losses = [float(_loss(converted, b, t)) for b, t in zip(batches, targets)]
+    return sum(w * x for w, x in zip(weights, losses)) / sum(weights)
+
+
+def _train(model, params, batches, targets, steps, learning_rate, seed, fit, progress) -> None:
+    optimizer = torch.optim.Adam(params, lr=learning_rate)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+    generator = torch.Generator().manual_seed(seed)
+    every = max(1, steps // 20)
+    order: list[int] = []
+    bar = tqdm(range(steps), desc="end-to-end fit", disable=not progress)
+    for step in bar:
+        if not order:
+            order = torch.randperm(len(batches), generator=generator).tolist()
+        k = order.pop()
+        loss = _loss(model, batches[k], targets[k])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        value = loss.item()
+        bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+        if step % every == 0 or step == steps - 1:
+            fit.history.append((step + 1, value))

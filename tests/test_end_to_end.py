@@ -1,0 +1,96 @@
+"""``collab_attn.fit_end_to_end``: all the converted attention layers at once trained so that the converted model's
+output matches the original's (collab_attn/models/end_to_end.py). On the tiny GPT-2 and grouped-head Llama of
+test_fitting, converted at half the cache after the layer-by-layer fit: the held-out KL falls, only the attention
+layers move, the cache stays; an exact conversion stays exact; a base encoder is fitted on its hidden states with
+padding left out; bad arguments are refused."""
+
+import copy
+
+import pytest
+import torch
+from conftest import random_batch, small_model
+from test_fitting import HELD_OUT, converted, gpt2, ids, kl, llama
+
+import collab_attn
+from collab_attn.llm.race import cache_numbers_per_token
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+FIT = [{"input_ids": ids(seed)} for seed in range(16)]  # enough fitting tokens that the fit carries to HELD_OUT
+
+CASES = [(gpt2, "key-svd", 12, {}), (gpt2, "cp", 20, {"value_rank": 20}), (llama, "kv-svd", 20, {"rope_pairs": 1}),
+         (llama, "key-svd", 12, {"value_rank": 12})]
+
+
+@pytest.mark.parametrize("make, method, rank, options", CASES,
+                         ids=[f"{make.__name__}-{method}" for make, method, _, _ in CASES])
+def test_the_end_to_end_fit_lowers_the_held_out_kl_after_the_layer_fit(make, method, rank, options):
+    original, model = converted(make, method, rank, **options)
+    collab_attn.fit_to_original(model, original, FIT, steps=20, progress=False)
+    cache = cache_numbers_per_token(model)
+    before = kl(original, model)
+    attention = {"attn", "self_attn"}
+    others = {name: p.clone() for name, p in model.named_parameters() if not attention & set(name.split("."))}
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    fit = collab_attn.fit_end_to_end(model, original, FIT, steps=40, learning_rate=3e-3, progress=False)
+    after = kl(original, model)
+    assert after < 0.95 * before, (before, after)
+    assert fit.kept_fit and fit.loss_after == fit.fitted_loss < 0.9 * fit.loss_before and fit.loss == "kl"
+    assert fit.tokens == 16 * 8 * 24 and len(fit.history) >= 20 and fit.history[-1][0] == 40
+    assert fit.parameters == sum(p.numel() for name, p in model.named_parameters() if name not in others)
+    for name, p in model.named_parameters():
+        if name in others:
+            torch.testing.assert_close(p, others[name], rtol=0, atol=0)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    assert cache_numbers_per_token(model) == cache
+    assert "| 40 steps, 3,072 tokens" in fit.table() and '"kept_fit": true' in fit.to_json()
+
+
+@pytest.mark.parametrize("make, method, rank", [(gpt2, "kv-svd", 48), (llama, "key-svd", 24)],
+                         ids=["gpt2-kv-svd", "llama-key-svd"])
+def test_an_exact_conversion_stays_exact(make, method, rank):
+    """At these sizes the conversions are exact: the fitting loss is at rounding level, the steps cannot lower it
+    by much and the weights before are kept when they do not."""
+    original, model = converted(make, method, rank)
+    with torch.no_grad():
+        expected = model(HELD_OUT).logits
+    fit = collab_attn.fit_end_to_end(model, original, FIT[:4], steps=5, learning_rate=1e-2, progress=False)
+    assert fit.loss_before < 1e-7 and fit.fitted_loss > fit.loss_before and not fit.kept_fit
+    with torch.no_grad():
+        torch.testing.assert_close(model(HELD_OUT).logits, expected, rtol=0, atol=0)
+
+
+def test_a_base_encoder_is_fitted_on_its_hidden_states_without_the_padding():
+    """BERT without a head has no logits: the relative squared error of its last hidden states, over the
+    non-padding tokens (the padding positions may do anything)."""
+    original = small_model("bert", initializer_range=0.2)
+    model = copy.deepcopy(original)
+    collab_attn.reparametrize(model, 12, method="cp", value_rank=12, progress=False)
+    batches = [random_batch(lengths=ls, seed=s) for s, ls in enumerate([(11, 7, 3), (9, 9, 5), (4, 10, 8)] * 3)]
+    fit = collab_attn.fit_end_to_end(model, original, batches, steps=30, learning_rate=3e-3, progress=False)
+    assert fit.loss == "relative squared error" and fit.tokens == 3 * (21 + 23 + 22)
+    assert fit.kept_fit and fit.loss_after < 0.8 * fit.loss_before
+    held_out = random_batch(lengths=(12, 6), seed=50)
+    with torch.no_grad():
+        ours, theirs = (m(**held_out).last_hidden_state for m in (model, original))
+    mask = held_out["attention_mask"].bool()
+    error = (ours - theirs)[mask].square().sum() / theirs[mask].square().sum()
+    assert error < 0.9 * fit.loss_before
+
+
+def test_bad_arguments_say_what_to_pass():
+    original, model = converted(gpt2, "kv-svd", 24)
+    kept = {key: value.clone() for key, value in model.state_dict().items()}
+    fit = collab_attn.fit_end_to_end
+    for steps in (0, -2, 1.5, None):
+        with pytest.raises(ValueError, match="steps must be a positive number"):
+            fit(model, original, FIT, steps=steps)
+    with pytest.raises(ValueError, match="learning_rate must be a positive number"):
+        fit(model, original, FIT, steps=3, learning_rate=float("nan"))
+    with pytest.raises(ValueError, match="no fitting tokens"):
+        fit(model, original, [], steps=3)
+    with pytest.raises(ValueError, match="original must be the model before the conversion"):
+        fit(model, model, FIT, steps=3)
+    with pytest.raises(ValueError, match="original is a llama model but converted was made from a gpt2 model"):
+        fit(model, llama(), FIT, steps=3)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, kept[key], rtol=0, atol=0)
