@@ -131,8 +131,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     callable giving the calibration windows, ``batch`` per step) when it asks for that, then all of them at once to
     the original's output (``collab_attn.fit_end_to_end``, ``entry.e2e_steps``) on the same windows when it asks for
     that, distil it on ``fit_rows()`` (a callable giving the fitting windows) when it asks for it, measure it, write
-    ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"`` rank first chooses the layers' key and value widths
-    (``collab_attn.allocate_cache``, ``allocation_steps`` per candidate and layer, on the first
+    ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"`` rank first chooses the layers' key
+    and value widths (``collab_attn.allocate_cache``, ``allocation_steps`` per candidate and layer, on the first
     ``allocation_tokens`` of the calibration windows, default all)."""
     import collab_attn
 
