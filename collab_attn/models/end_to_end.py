@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from collab_attn.models.families import family_of
-from collab_attn.models.fitting import _batches, _check_source, _forward_kwargs
+from collab_attn.models.fitting import _batches, _check_source, _forward_kwargs, cosine_adam
 
 DEFAULT_LEARNING_RATE = 1e-4
 
@@ -166,8 +166,7 @@ def _mean_loss(converted: nn.Module, batches: list[dict], targets: list) -> floa
 
 
 def _train(model, params, batches, targets, steps, learning_rate, seed, fit, progress) -> None:
-    optimizer = torch.optim.Adam(params, lr=learning_rate)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+    optimizer, schedule = cosine_adam(params, learning_rate, steps)
     generator = torch.Generator().manual_seed(seed)
     every = max(1, steps // 20)
     order: list[int] = []

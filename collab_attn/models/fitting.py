@@ -389,10 +389,16 @@ def _solve_output(layer: _Output, items: list) -> None:
         projection.bias.copy_(solution[:, projection.in_features])
 
 
+def cosine_adam(params: list[nn.Parameter], learning_rate: float, steps: int):
+    """Adam at ``learning_rate``, decayed to 0 over ``steps`` on a cosine: the fits' optimizer and its schedule."""
+    optimizer = torch.optim.Adam(params, lr=learning_rate)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+
+
 def _train(layer: _Output, params: list[nn.Parameter], items: list, steps: int, learning_rate: float,
            generator: torch.Generator, progress) -> None:
-    optimizer = torch.optim.Adam(params, lr=learning_rate)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+    optimizer, schedule = cosine_adam(params, learning_rate, steps)
     order: list[int] = []
     for _ in progress:
         if not order:
