@@ -8,12 +8,15 @@
     python scripts/reparametrize.py collab.calibration=../shared/data/glue/SST-2/train.tsv   # activation-aware
     python scripts/reparametrize.py model=path/to/gpt2-checkpoint collab.rank=192            # a decoder
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100   # + fitted to the original
+    python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32  # + e2e
 
 The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
 labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
 ``collab=none`` converts nothing. ``collab.fit_steps`` (with ``collab.calibration``) then trains each converted
 attention layer that many steps to give the original's attention output on the calibration texts
-(``collab_attn.fit_to_original``); its per-layer report is printed and saved under ``fit``.
+(``collab_attn.fit_to_original``); its per-layer report is printed and saved under ``fit``. ``collab.e2e_steps``
+then trains all the converted layers together that many steps to give the original model's output on the same texts
+(``collab_attn.fit_end_to_end``); its report is saved under ``end_to_end``.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
@@ -44,6 +47,7 @@ from collab_attn.models.checkpoints import (
     checked_model,
     load_model_and_tokenizer,
 )
+from collab_attn.models.end_to_end import fit_end_to_end
 from collab_attn.models.families import family_of
 from collab_attn.models.fitting import fit_to_original
 from collab_attn.models.hf import forward_inputs
@@ -162,6 +166,11 @@ def run(cfg: DictConfig) -> dict:
         fit = fit_to_original(model, original, fit_batches(tokenizer, method, settings["seed"]),
                               steps=method.fit_steps, seed=settings["seed"])
         print(fit.table())
+    end_to_end = None
+    if method.e2e_steps:  # then all of them together, to give the original's output
+        end_to_end = fit_end_to_end(model, original, fit_batches(tokenizer, method, settings["seed"]),
+                                    steps=method.e2e_steps, seed=settings["seed"])
+        print(end_to_end.table())
 
     if is_decoder(model):
         comparison = compare_generation(
@@ -195,6 +204,7 @@ def run(cfg: DictConfig) -> dict:
         "rank": method.rank_request, "seed": settings["seed"], "config": settings,
     }
     result["fit"] = None if fit is None else fit.to_dict()
+    result["end_to_end"] = None if end_to_end is None else end_to_end.to_dict()
 
     with atomic_directory(settings["output_dir"], settings["overwrite"]) as folder:
         model.save_pretrained(folder)

@@ -214,6 +214,15 @@ def test_fit_steps_in_the_method_settings():
     with pytest.raises(ValueError, match="collab.fit_steps=50: scripts/visualize.py does not fit"):
         settings.refuse_fit("scripts/visualize.py")
     MethodSettings.from_config({**group, "fit_steps": None}).refuse_fit("scripts/visualize.py")
+    both = MethodSettings.from_config({**group, "e2e_steps": 32})  # collab.e2e_steps: the same rules
+    assert both.e2e_steps == 32 and both.to_group()["e2e_steps"] == 32 and settings.to_group()["e2e_steps"] is None
+    assert MethodSettings.from_config({**group, "e2e_steps": 0}).e2e_steps is None
+    with pytest.raises(ValueError, match="collab.e2e_steps=5 fits the converted layers on the calibration texts"):
+        MethodSettings.from_config({"method": "cp", "rank": 8, "e2e_steps": 5})
+    with pytest.raises(ValueError, match="collab.e2e_steps must be a number of optimizer steps"):
+        MethodSettings.from_config({**group, "e2e_steps": 2.5})
+    with pytest.raises(ValueError, match="collab.e2e_steps=32: scripts/visualize.py does not fit"):
+        MethodSettings.from_config({**group, "fit_steps": None, "e2e_steps": 32}).refuse_fit("scripts/visualize.py")
 
 
 @pytest.mark.parametrize("make, method, rank, options", [(gpt2, "cp", 20, {"value_rank": 20}),

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import transformers
 from conftest import GLUE_DIR
 
+import collab_attn
 from collab_attn.llm import distill, heldout, race
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,12 +358,25 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
         assert fitted["domains"][domain]["kl"] < plain["domains"][domain]["kl"]
     both = race.Entry("key-svd", 12, 12, **common, fit_steps=20, e2e_steps=30, e2e_learning_rate=3e-3)
     assert both.name == "key-svd-k12-v12-calibrated128-fitted20-e2e30lr0.003"
+    # the layer fit is kept and read back by every run that starts from it (no second fit), exactly as it was
+    assert race.fitted_state_path(both, tmp_path) == race.fitted_state_path(entry, tmp_path)
+    assert race.fitted_state_path(entry, tmp_path).is_file()
+    monkeypatch.setattr(collab_attn, "fit_to_original", lambda *a, **k: pytest.fail("the layer fit was made again"))
+    (tmp_path / "runs" / f"{entry.name}.json").unlink()
+    again = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                           calibration_rows=lambda: fitting)
+    assert again["fit"] == fitted["fit"] and again["domains"] == fitted["domains"]
     end_to_end = race.run_entry(both, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
                                 calibration_rows=lambda: fitting)
     assert end_to_end["end_to_end"]["steps"] == 30 and end_to_end["end_to_end"]["kept_fit"]
     assert fitted["end_to_end"] is None and end_to_end["cache_numbers"] == 24
     for domain in heldout.DOMAINS:
         assert end_to_end["domains"][domain]["kl"] < fitted["domains"][domain]["kl"]
+    other = race.Entry("key-svd", 8, 8, **common, fit_steps=20)  # another conversion's fit is refused
+    race.fitted_state_path(entry, tmp_path).rename(race.fitted_state_path(other, tmp_path))
+    with pytest.raises(ValueError, match="written by another conversion; delete it"):
+        race.run_entry(other, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                       calibration_rows=lambda: fitting)
 
 
 def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path):

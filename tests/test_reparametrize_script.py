@@ -53,7 +53,7 @@ def test_default_config_composes_and_resolves():
     assert dict(cfg.collab) == {
         "method": "cp", "rank": 192, "value_rank": None, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL,
         "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": 512,
-        "calibration_max_length": 128, "fit_steps": None,
+        "calibration_max_length": 128, "fit_steps": None, "e2e_steps": None,
     }
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["output_dir"].startswith("outputs/reparametrized/cp-")
@@ -244,6 +244,16 @@ def test_fit_steps_fit_the_converted_layers_on_the_calibration_texts(tmp_path):
         errors = [(AutoModelForCausalLM.from_pretrained(tmp_path / name)(ids).logits - original(ids).logits).norm()
                   for name in ("plain", "fitted")]
     assert errors[1] < errors[0]
+    # collab.e2e_steps: then all the layers together, to the original's output; kept only where it lowers the loss
+    both = script.run(config_for_decoder(checkpoint, tmp_path / "both", *common, "collab.fit_steps=30",
+                                         "collab.e2e_steps=40"))
+    assert fitted["end_to_end"] is None and both["config"]["collab"]["e2e_steps"] == 40
+    report = both["end_to_end"]
+    assert report["steps"] == 40 and report["kept_fit"] and report["loss_after"] < report["loss_before"]
+    assert [x["error_after"] for x in both["fit"]["layers"]] == pytest.approx([x["error_after"] for x in layers])
+    with torch.no_grad():
+        error = (AutoModelForCausalLM.from_pretrained(tmp_path / "both")(ids).logits - original(ids).logits).norm()
+    assert error < errors[1]
 
 
 def test_tucker_with_per_layer_ranks(tmp_path):
@@ -293,6 +303,8 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path):
         (["collab.calibration=/no/texts.txt"], FileNotFoundError, "collab.calibration=/no/texts.txt: no such file"),
         (["collab.fit_steps=10"], ValueError, "collab.fit_steps=10 fits the converted layers on the calibration texts"),
         (["collab.fit_steps=-1"], ValueError, r"collab.fit_steps must be a number of steps per layer \(0 or null"),
+        (["collab.e2e_steps=10"], ValueError, "collab.e2e_steps=10 fits the converted layers on the calibration"),
+        (["collab.e2e_steps=-1"], ValueError, r"collab.e2e_steps must be a number of optimizer steps \(0 or null"),
         (["+collab.importance_data=x.tsv"], ValueError, "unknown key collab.importance_data"),
         (["model=/no/such/checkpoint"], FileNotFoundError, "no checkpoint at /no/such/checkpoint"),
         (["model=./missing-checkpoint"], FileNotFoundError, "no checkpoint at"),

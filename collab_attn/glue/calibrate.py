@@ -2,8 +2,8 @@
 train.tsv/dev.tsv (its task's text fields), or ``task`` (the task's training texts, which the GLUE pipeline passes
 in). ``load_texts`` reads a file, ``check_calibration`` checks the source before any work, ``calibrate`` samples
 the texts and collects the attention layers' input statistics, ``fit_batches`` tokenizes the same texts for
-``collab.fit_steps`` (``collab_attn.fit_to_original``). The GLUE pipeline and the scripts that convert a
-model (``scripts/reparametrize.py``, ``scripts/visualize.py``) use it."""
+``collab.fit_steps`` and ``collab.e2e_steps`` (``collab_attn.fit_to_original``, ``collab_attn.fit_end_to_end``). The
+GLUE pipeline and the scripts that convert a model (``scripts/reparametrize.py``, ``scripts/visualize.py``) use it."""
 
 from __future__ import annotations
 
@@ -76,10 +76,11 @@ def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=No
 
 def fit_batches(tokenizer, method: MethodSettings, seed: int) -> list[dict]:
     """The texts of ``collab.calibration`` (a file; the same sample ``calibrate`` draws), tokenized in batches of 16
-    for ``collab.fit_steps``: the fitting tokens of ``collab_attn.fit_to_original``."""
+    for ``collab.fit_steps`` and ``collab.e2e_steps``: the fitting tokens of ``collab_attn.fit_to_original`` and
+    ``collab_attn.fit_end_to_end``."""
     settings = method.calibration
     if settings is None or settings.from_task:
-        raise ValueError("collab.fit_steps fits on the texts of collab.calibration: set it to a text file or a GLUE "
-                         "train.tsv/dev.tsv")
+        raise ValueError("collab.fit_steps and collab.e2e_steps fit on the texts of collab.calibration: set it to a "
+                         "text file or a GLUE train.tsv/dev.tsv")
     texts = load_texts(settings.source, seed=seed, limit=settings.samples)
     return list(text_batches(tokenizer, texts, max_length=settings.max_length))

@@ -169,9 +169,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         report = collab_attn.reparametrize(model, rank, method=entry.method, **sizes, **entry.options)
     convert_seconds = time.perf_counter() - start
     if entry.fit_steps:
-        fit = collab_attn.fit_to_original(model, original, fitting_batches(), steps=entry.fit_steps,
-                                          target=entry.fit_target, solve_output=entry.fit_solve_output)
-        print(fit.table(), flush=True)
+        fit = _layer_fit(entry, model, original, fitting_batches, out_dir)
     e2e = None
     if entry.e2e_steps:
         e2e = collab_attn.fit_end_to_end(model, original, fitting_batches(), steps=entry.e2e_steps,
@@ -192,7 +190,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     result = {"name": entry.name, "entry": asdict(entry), "cache_numbers": cache,
               "cache_fraction": cache / original_cache, "convert_seconds": convert_seconds,
               "mean_layer_error": None if report is None else report.mean_relative_error, "training": training,
-              "fit": None if fit is None else fit.to_dict(), "end_to_end": None if e2e is None else e2e.to_dict(),
+              "fit": fit, "end_to_end": None if e2e is None else e2e.to_dict(),
               "allocation": None if allocation is None else allocation.to_dict(), "domains": {}}
     total = sum(len(r) for r in rows.values())
     tokens = batch * min(w.shape[1] for w in rows.values())  # longer windows go fewer at a time
@@ -207,6 +205,43 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     print(f"{entry.name}: " + ", ".join(f"{d} ppl {m['perplexity']:.2f} KL {m['kl']:.3f} top-1 {m['top1']:.3f}"
                                         for d, m in result["domains"].items()), flush=True)
     return result
+
+
+def fitted_state_path(entry: Entry, out_dir: Path) -> Path:
+    """Where ``run_entry`` keeps the weights of ``entry``'s layer fit (the conversion after ``fit_to_original``,
+    before any end-to-end fit or distillation), so that every run that starts from that fit reads it back."""
+    start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, distill_tokens=0)
+    return out_dir / "checkpoints" / f"{start.name}.layer-fit.pt"
+
+
+def _layer_fit(entry: Entry, model, original, fitting_batches, out_dir: Path) -> dict:
+    """Fit ``model``'s converted layers as ``entry`` says (``collab_attn.fit_to_original``), or read back the same
+    fit made by an earlier run; return its report as a dict. Only the tensors that differ from the original's are
+    kept (the converted attention layers)."""
+    import collab_attn
+
+    path = fitted_state_path(entry, out_dir)
+    if path.is_file():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        current = model.state_dict()
+        wrong = [key for key, value in saved["state"].items()
+                 if key not in current or current[key].shape != value.shape]
+        if wrong:
+            raise ValueError(f"{path} holds tensors that {entry.name}'s conversion does not have, or not in that "
+                             f"shape ({', '.join(wrong[:3])}): it was written by another conversion; delete it")
+        model.load_state_dict(saved["state"], strict=False)
+        print(f"{entry.name}: layer fit read back from {path}", flush=True)
+        return saved["fit"]
+    fit = collab_attn.fit_to_original(model, original, fitting_batches(), steps=entry.fit_steps,
+                                      target=entry.fit_target, solve_output=entry.fit_solve_output)
+    print(fit.table(), flush=True)
+    reference = original.state_dict()
+    state = {key: value for key, value in model.state_dict().items()
+             if key not in reference or not torch.equal(value, reference[key])}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp:
+        torch.save({"state": state, "fit": fit.to_dict()}, tmp)
+    return fit.to_dict()
 
 
 def _allocation(entry: Entry, original, out_dir: Path, batches: list[dict], calibration, steps: int,

@@ -115,6 +115,7 @@ def group_keys(method: ConversionMethod) -> dict:
         fields = {**_defaults(CalibrationSettings), "source": None}
         keys.update({key: fields[field] for key, field in CALIBRATION_KEYS.items()})
         keys["fit_steps"] = None  # fit_to_original on the calibration texts after the conversion (null or 0: off)
+        keys["e2e_steps"] = None  # then fit_end_to_end on the same texts (null or 0: off)
     if method.needs_importance:
         fields = _defaults(ImportanceSettings)
         keys.update({key: fields[field] for key, field in IMPORTANCE_KEYS.items()})
@@ -139,6 +140,9 @@ class MethodSettings:
     # after the conversion, each converted layer trained this many steps to give the original's attention output on
     # the calibration texts (collab_attn.fit_to_original); None: no fit (0 in a config means the same)
     fit_steps: int | None = None
+    # then all the converted layers together trained this many steps to give the original's output on the same texts
+    # (collab_attn.fit_end_to_end); None: no end-to-end fit
+    e2e_steps: int | None = None
 
     @classmethod
     def from_config(cls, collab: Mapping) -> MethodSettings:
@@ -180,12 +184,14 @@ class MethodSettings:
         importance = None
         if method.needs_importance:
             importance = ImportanceSettings(**{f: given[k] for k, f in IMPORTANCE_KEYS.items() if k in given})
-        fit_steps = given.get("fit_steps")
-        if fit_steps is not None and not (type(fit_steps) is int and fit_steps >= 0):
-            raise ValueError(f"collab.fit_steps must be a number of steps per layer (0 or null: no fit), got "
-                             f"{fit_steps!r}")
+        steps = {}
+        for key, what in (("fit_steps", "steps per layer"), ("e2e_steps", "optimizer steps")):
+            value = given.get(key)
+            if value is not None and not (type(value) is int and value >= 0):
+                raise ValueError(f"collab.{key} must be a number of {what} (0 or null: no fit), got {value!r}")
+            steps[key] = value or None
         return cls(name, collab.get("rank"), collab.get("budget"), options, collab.get("value_rank"), calibration,
-                   importance, fit_steps or None)
+                   importance, **steps)
 
     def __post_init__(self):
         if self.method == NO_CONVERSION:
@@ -214,6 +220,13 @@ class MethodSettings:
             if self.calibration is None:
                 raise ValueError(f"collab.fit_steps={self.fit_steps} fits the converted layers on the calibration "
                                  "texts: set collab.calibration too (a text file or a GLUE train.tsv/dev.tsv)")
+        if self.e2e_steps is not None:
+            if not (type(self.e2e_steps) is int and self.e2e_steps > 0):
+                raise ValueError(f"collab.e2e_steps must be a positive number of optimizer steps or null, got "
+                                 f"{self.e2e_steps!r}")
+            if self.calibration is None:
+                raise ValueError(f"collab.e2e_steps={self.e2e_steps} fits the converted layers on the calibration "
+                                 "texts: set collab.calibration too (a text file or a GLUE train.tsv/dev.tsv)")
         value = self.value_rank
         if value is not None:
             is_int = type(value) is int and value > 0
@@ -237,8 +250,9 @@ class MethodSettings:
         for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
             if settings is not None:
                 group.update({key: getattr(settings, field) for key, field in keys.items()})
-        if self.fit_steps is not None:
-            group["fit_steps"] = self.fit_steps
+        for key in ("fit_steps", "e2e_steps"):
+            if getattr(self, key) is not None:
+                group[key] = getattr(self, key)
         return group
 
     # ----------------------------------------------------------------------------------------------------------
@@ -292,12 +306,13 @@ class MethodSettings:
         return {"rank": self.rank_request, "method": self.method, **shared, **dataclasses.asdict(self.options)}
 
     def refuse_fit(self, entry_point: str) -> None:
-        """For an entry point that does not run ``fit_to_original``: refuse ``collab.fit_steps`` rather than ignore
-        it."""
-        if self.fit_steps:
-            raise ValueError(f"collab.fit_steps={self.fit_steps}: {entry_point} does not fit the converted layers to "
-                             "the original; convert with scripts/reparametrize.py (which does), or set "
-                             "collab.fit_steps=null")
+        """For an entry point that does not fit the converted layers to the original: refuse ``collab.fit_steps``
+        and ``collab.e2e_steps`` rather than ignore them."""
+        for key in ("fit_steps", "e2e_steps"):
+            if getattr(self, key):
+                raise ValueError(f"collab.{key}={getattr(self, key)}: {entry_point} does not fit the converted layers "
+                                 f"to the original; convert with scripts/reparametrize.py (which does), or set "
+                                 f"collab.{key}=null")
 
     def check_calibration_source(self, task_allowed: bool) -> None:
         """The calibration texts exist: a file, or ``task`` where the caller has a task (the GLUE pipeline)."""
