@@ -476,3 +476,32 @@ def test_an_allocated_entry_measures_its_sizes_once_and_caches_them(tmp_path, mo
     assert race.measured_domains([run]) == ["wikipedia", "shakespeare", "wikipedia 48"]
     summary = race.summary_markdown([run, fitted], "cmd", "setup")
     assert "## wikipedia 48" in summary and "kalloc24" in summary
+
+
+def test_two_runs_are_compared_window_by_window(tmp_path, capsys):
+    """scripts/compare_runs.py: the window bootstrap of one run against another, per domain; bad files refused."""
+    from collab_attn.stats import window_bootstrap
+
+    spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "scripts" / "compare_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    better, worse, same = fake_run("cp", 3.0), fake_run("kv-svd", 3.3), fake_run("kv-svd", 3.0)
+    for name, run in (("better", better), ("worse", worse), ("same", same)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    assert module.main([str(tmp_path / "better.json"), str(tmp_path / "worse.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    low, high = window_bootstrap(better["domains"]["wikipedia"]["windows"],
+                                 worse["domains"]["wikipedia"]["windows"]).interval
+    interval = f"[{1 + low:.3g}x, {1 + high:.3g}x] ahead (8 windows)"
+    assert f"| wikipedia | {math.exp(-0.3):.3g}x | {interval} | one sample | **ahead** |" in lines
+    assert sum("**ahead**" in line for line in lines) == len(heldout.DOMAINS)
+    module.main([str(tmp_path / "worse.json"), str(tmp_path / "better.json")])
+    assert capsys.readouterr().out.count("**behind**") == len(heldout.DOMAINS)
+    module.main([str(tmp_path / "same.json"), str(tmp_path / "better.json")])
+    assert capsys.readouterr().out.count("| tie |") == len(heldout.DOMAINS)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    for argv, message in (([str(tmp_path / "no.json"), str(tmp_path / "better.json")], "no such run file"),
+                          ([str(tmp_path / "bad.json"), str(tmp_path / "better.json")], "not a run file")):
+        with pytest.raises(SystemExit) as exit_:
+            module.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -133,7 +133,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     that, distil it on ``fit_rows()`` (a callable giving the fitting windows) when it asks for it, measure it, write
     ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"`` rank first chooses the layers' key
     and value widths (``collab_attn.allocate_cache``, ``allocation_steps`` per candidate and layer, on the first
-    ``allocation_tokens`` of the calibration windows, default all)."""
+    ``allocation_tokens`` of the calibration windows, default all). A layer fit's weights are kept
+    (``fitted_state_path``) and read back by every later run that starts from the same fit."""
     import collab_attn
 
     path = out_dir / "runs" / f"{entry.name}.json"
@@ -349,6 +350,20 @@ def _versus(a: dict[int, dict], b: dict[int, dict], domain: str) -> list[str]:
         verdict = "tie"
     return [_ratio(ratio), "no per-window data" if by_windows is None else _interval(by_windows, True),
             "one sample" if by_samples is None else _interval(by_samples, False), verdict]
+
+
+def comparison_markdown(a: dict, b: dict) -> list[str]:
+    """Run ``a`` against run ``b`` (two result files of ``run_entry``) on every domain both were measured on: a
+    Markdown table with the same cells as the summary's verdicts (the window bootstrap where both kept per-window
+    sums)."""
+    domains = [d for d in measured_domains([a, b]) if d in a["domains"] and d in b["domains"]]
+    if not domains:
+        raise ValueError(f"{a['name']} and {b['name']} share no evaluation domain: nothing to compare")
+    lines = [f"{a['name']} against {b['name']}:", "", "| domain | perplexity a / b | held-out windows | "
+             "calibration samples | verdict |", "|---|---:|---|---|---|"]
+    for domain in domains:  # one run each: paired by window only
+        lines.append("| " + " | ".join([domain, *_versus({0: a}, {0: b}, domain)]) + " |")
+    return lines
 
 
 def verdicts_markdown(results: list[dict], peer: str | None = "kv-svd") -> list[str]:

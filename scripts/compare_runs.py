@@ -1,0 +1,46 @@
+"""Two runs of the SmolLM2 race (``runs/<name>.json`` of scripts/race_smollm2.py) side by side: per evaluation domain,
+the perplexity ratio and the paired bootstrap over the held-out windows both were measured on
+(``collab_attn.stats.window_bootstrap``), with its verdict.
+
+    cd experiments/smollm2/fitted/runs
+    python ../../../../scripts/compare_runs.py key-svd-k96-v96-calibrated16384-fitted600-e2e32.json \
+        key-svd-k96-v96-calibrated16384-fitted600.json
+
+Prints a Markdown table ("ahead": the first run has the lower perplexity, by more than the interval). Bad input exits
+with status 2 and one ``error: ...`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from collab_attn import cli
+from collab_attn.llm.race import comparison_markdown
+
+
+def read_run(path: Path) -> dict:
+    if not path.is_file():
+        raise cli.Missing(f"{path}: no such run file; pass two runs/<name>.json files of scripts/race_smollm2.py")
+    try:
+        run = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise cli.BadInput(f"{path}: not a JSON run file ({err})") from err
+    if not isinstance(run, dict) or not {"name", "entry", "domains"} <= set(run):
+        raise cli.BadInput(f"{path}: not a run file of scripts/race_smollm2.py (it needs name, entry and domains)")
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path, help="the run to judge")
+    parser.add_argument("b", type=Path, help="the run it is judged against")
+    args = parser.parse_args(argv)
+    lines = cli.exit_on_bad_input(lambda: comparison_markdown(read_run(args.a), read_run(args.b)))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
