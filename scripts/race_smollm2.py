@@ -77,15 +77,17 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
                     for e in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim,
                                         calibration_tokens=calibrated[method], allocate=True)]
     if args.fit_steps:  # each calibrated conversion also fitted; the distilled ones start from the fitted conversion
+        # (fitted end to end too with --e2e-steps)
         def fitted(entry):
             return dataclasses.replace(entry, fit_steps=args.fit_steps, fit_target=args.fit_target,
                                        fit_solve_output=args.fit_solve_output)
 
         def end_to_end(entry):
             return dataclasses.replace(fitted(entry), e2e_steps=args.e2e_steps,
-                                       e2e_learning_rate=args.e2e_learning_rate)
+                                       e2e_learning_rate=args.e2e_learning_rate, e2e_tokens=args.e2e_tokens)
 
-        entries = [fitted(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
+        start = end_to_end if args.e2e_steps else fitted  # where the distilled ones start
+        entries = [start(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
             fitted(e) for e in entries if e.calibration_tokens and not e.distill_tokens] + [
             end_to_end(e) for e in entries if args.e2e_steps and e.calibration_tokens and not e.distill_tokens]
     return [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
@@ -140,10 +142,15 @@ def main(argv=None) -> None:
                         help="also every fitted conversion then fitted end to end: all its converted attention "
                              "layers at once trained this many Adam steps so that the model's next-token "
                              "distributions match the original's on the calibration tokens (KL; nothing else "
-                             "moves; collab_attn.fit_end_to_end; runs named -fitted<N>-e2e<M>; needs --fit-steps)")
+                             "moves; collab_attn.fit_end_to_end; runs named -fitted<N>-e2e<M>; needs --fit-steps); "
+                             "the distilled ones then start from it")
     parser.add_argument("--e2e-learning-rate", type=float, default=1e-4,
                         help="--e2e-steps: its initial learning rate (cosine decay; runs named -e2e<M>lr<rate> "
                              "unless 1e-4)")
+    parser.add_argument("--e2e-tokens", type=int, default=0,
+                        help="--e2e-steps on the first this many fitting tokens instead of the calibration tokens "
+                             "(half from each domain; they start with the calibration tokens of sample 0; runs named "
+                             "-e2e<M>on<tokens>; default 0: the calibration tokens)")
     parser.add_argument("--pairs-by-budget", action="store_true",
                         help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
                              "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
@@ -190,6 +197,9 @@ def main(argv=None) -> None:
     if args.e2e_steps < 0 or (args.e2e_steps and not args.fit_steps):
         parser.error(f"--e2e-steps must be 0 (none) or positive, with --fit-steps (it starts from the fitted "
                      f"conversion); got {args.e2e_steps}")
+    if args.e2e_tokens < 0 or (args.e2e_tokens and not args.e2e_steps):
+        parser.error(f"--e2e-tokens must be 0 (the calibration tokens) or positive, with --e2e-steps; got "
+                     f"{args.e2e_tokens}")
     if not args.e2e_learning_rate > 0:
         parser.error(f"--e2e-learning-rate must be positive, got {args.e2e_learning_rate}")
     if args.calibration_sample < 0 or (args.calibration_sample and not args.calibration_tokens):
@@ -239,11 +249,10 @@ def main(argv=None) -> None:
     entries = race_entries(args, kv_heads, head_dim, extra)
     fitting = {}
 
-    def fit_rows():
-        if "rows" not in fitting:
-            fitting["rows"] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length,
-                                          args.distill_tokens)
-        return fitting["rows"]
+    def fit_rows(tokens):
+        if tokens not in fitting:
+            fitting[tokens] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length, tokens)
+        return fitting[tokens]
 
     def calibration_rows():
         if "calibration_rows" not in fitting:
@@ -270,7 +279,7 @@ def main(argv=None) -> None:
             else f"`{args.model}` (float32)")
     distilled = (f" Distilled rows: {args.distill_tokens} fitting tokens (RTE and MRPC train sentences, the first 90% "
                  f"of Tiny Shakespeare), one pass, batch {args.batch}"
-                 + (", from the calibrated conversion." if args.calibration_tokens else ".")
+                 + (", from the conversion its name gives before -distilled." if args.calibration_tokens else ".")
                  if args.distill_tokens else "")
     distilled += (f" Calibrated rows: the rotary keys and the shared values (cp, key-svd) or the latent (kv-svd) "
                   f"fitted to the attention inputs of {args.calibration_tokens} fitting tokens."
@@ -284,8 +293,10 @@ def main(argv=None) -> None:
                      "the steps." if args.fit_solve_output else "") if args.fit_steps else "")
     distilled += (f" -e2e{args.e2e_steps} rows: then all the converted attention layers at once trained "
                   f"{args.e2e_steps} Adam steps (learning rate {args.e2e_learning_rate:g}, batch {args.batch}) so "
-                  "that the model's next-token distributions match the original's on the same calibration tokens "
-                  "(collab_attn.fit_end_to_end: KL; the MLPs, norms and embeddings keep the original's weights)."
+                  "that the model's next-token distributions match the original's on "
+                  + (f"the first {args.e2e_tokens} fitting tokens (-e2e<M>on{args.e2e_tokens})" if args.e2e_tokens
+                     else "the same calibration tokens")
+                  + " (collab_attn.fit_end_to_end: KL; the MLPs, norms and embeddings keep the original's weights)."
                   if args.e2e_steps else "")
     distilled += (f" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
                   f"collab_attn.allocate_cache ({args.allocation_steps} steps per candidate and layer on the first "

@@ -272,10 +272,14 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
                      "kv-svd-k264-rope_pairs4-calibrated64", "kv-svd-k72-rope_pairs4-calibrated64",
                      "key-svd-k192-v96-calibrated64", "kv-svd-k264-rope_pairs4-calibrated64-fitted30",
                      "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
-    args.e2e_steps, args.e2e_learning_rate = 8, 3e-4  # then each fitted one fitted end to end as well
+    args.e2e_steps, args.e2e_learning_rate, args.e2e_tokens = 8, 3e-4, 0  # then each fitted one end to end too
     assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
         "kv-svd-k264-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003",
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003"]
+    args.e2e_tokens = 1024  # on fitting tokens of its own; the distilled ones start from the end-to-end fit
+    names = [entry.name for entry in script().race_entries(args, 3, 64, [])]
+    assert names[-1] == "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024"
+    assert "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024-distilled100" in names
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -290,6 +294,10 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     (["--e2e-steps", "5", "--calibration-tokens", "64"], "--e2e-steps must be 0 (none) or positive, with --fit-steps"),
     (["--e2e-steps", "5", "--calibration-tokens", "64", "--fit-steps", "3", "--e2e-learning-rate", "0"],
      "--e2e-learning-rate must be positive"),
+    (["--e2e-tokens", "4096", "--calibration-tokens", "64", "--fit-steps", "3"],
+     "--e2e-tokens must be 0 (the calibration tokens) or positive, with --e2e-steps"),
+    (["--e2e-tokens", "-1", "--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2"],
+     "--e2e-tokens must be 0"),
     (["--long-length", "128"], "--long-length must exceed --length (256)"),
     (["--allocate", "--calibration-tokens", "64", "--allocation-steps", "0"], "--allocation-steps and"),
 ])
@@ -372,6 +380,34 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     assert fitted["end_to_end"] is None and end_to_end["cache_numbers"] == 24
     for domain in heldout.DOMAINS:
         assert end_to_end["domains"][domain]["kl"] < fitted["domains"][domain]["kl"]
+    # the end-to-end fit on fitting tokens of its own (fit_rows), from the same layer fit
+    fresh = dataclasses.replace(both, e2e_tokens=480)
+    assert fresh.name == "key-svd-k12-v12-calibrated128-fitted20-e2e30lr0.003on480"
+    assert race.fitted_state_path(fresh, tmp_path) == race.fitted_state_path(entry, tmp_path)
+    with pytest.raises(ValueError, match="trains on fitting text beyond the calibration tokens: pass"):
+        race.run_entry(fresh, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                       calibration_rows=lambda: fitting)
+    with pytest.raises(ValueError, match="names the tokens of an end-to-end fit the entry does not make"):
+        dataclasses.replace(entry, e2e_tokens=480)
+    asked = []
+
+    def fit_rows(tokens):
+        asked.append(tokens)
+        return rows(count=tokens // 24, length=24, seed=7)
+
+    on_fresh = race.run_entry(fresh, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                              calibration_rows=lambda: fitting, fit_rows=fit_rows)
+    assert asked == [480] and on_fresh["end_to_end"]["tokens"] == 480 and on_fresh["fit"] == fitted["fit"]
+    assert on_fresh["end_to_end"]["kept_fit"] and on_fresh["entry"]["e2e_tokens"] == 480
+    assert on_fresh["end_to_end"]["loss_before"] != end_to_end["end_to_end"]["loss_before"]  # on other tokens
+    # the end-to-end fit is kept too, and read back by a run that starts from it
+    assert race.fitted_state_path(fresh, tmp_path, "end-to-end").is_file()
+    assert race.fitted_state_path(dataclasses.replace(fresh, distill_tokens=64), tmp_path, "end-to-end") == (
+        race.fitted_state_path(fresh, tmp_path, "end-to-end"))
+    monkeypatch.setattr(collab_attn, "fit_end_to_end", lambda *a, **k: pytest.fail("the end-to-end fit again"))
+    (tmp_path / "runs" / f"{fresh.name}.json").unlink()
+    assert race.run_entry(fresh, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                          calibration_rows=lambda: fitting, fit_rows=fit_rows)["domains"] == on_fresh["domains"]
     other = race.Entry("key-svd", 8, 8, **common, fit_steps=20)  # another conversion's fit is refused
     race.fitted_state_path(entry, tmp_path).rename(race.fitted_state_path(other, tmp_path))
     with pytest.raises(ValueError, match="written by another conversion; delete it"):

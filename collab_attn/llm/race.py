@@ -55,6 +55,12 @@ class Entry:
     fit_solve_output: bool = False  # its output projections solved by least squares too (``solve_output``)
     e2e_steps: int = 0  # then steps of ``fit_end_to_end`` on the calibration tokens (all the attention layers at once)
     e2e_learning_rate: float = 1e-4
+    e2e_tokens: int = 0  # its fitting tokens: the first this many of the fitting text (0: the calibration tokens)
+
+    def __post_init__(self):
+        if self.e2e_tokens and not self.e2e_steps:
+            raise ValueError(f"e2e_tokens={self.e2e_tokens} names the tokens of an end-to-end fit the entry does not "
+                             "make: give it e2e_steps too")
 
     @property
     def name(self) -> str:
@@ -69,7 +75,8 @@ class Entry:
         solved = "-ls" if self.fit_solve_output else ""  # "-fitted100-ls": the output projections solved too
         fitted = f"-fitted{self.fit_steps}{target}{solved}" if self.fit_steps else ""
         rate = "" if self.e2e_learning_rate == 1e-4 else f"lr{self.e2e_learning_rate:g}"
-        e2e = f"-e2e{self.e2e_steps}{rate}" if self.e2e_steps else ""  # "-e2e64lr0.0003"
+        tokens = f"on{self.e2e_tokens}" if self.e2e_tokens else ""
+        e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         return f"{self.method}{sizes}{extra}{calibrated}{fitted}{e2e}{distilled}"
 
@@ -130,11 +137,13 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
     callable giving the calibration windows, ``batch`` per step) when it asks for that, then all of them at once to
     the original's output (``collab_attn.fit_end_to_end``, ``entry.e2e_steps``) on the same windows when it asks for
-    that, distil it on ``fit_rows()`` (a callable giving the fitting windows) when it asks for it, measure it, write
-    ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"`` rank first chooses the layers' key
-    and value widths (``collab_attn.allocate_cache``, ``allocation_steps`` per candidate and layer, on the first
-    ``allocation_tokens`` of the calibration windows, default all). A layer fit's weights are kept
-    (``fitted_state_path``) and read back by every later run that starts from the same fit."""
+    that (or on ``fit_rows(entry.e2e_tokens)`` when it names its tokens), distil it on
+    ``fit_rows(entry.distill_tokens)`` (``fit_rows(tokens)``: the first ``tokens`` fitting tokens as windows) when
+    it asks for it, measure it, write ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"``
+    rank first chooses the layers' key and value widths (``collab_attn.allocate_cache``, ``allocation_steps`` per
+    candidate and layer, on the first ``allocation_tokens`` of the calibration windows, default all). A layer fit's
+    weights, and an end-to-end fit's, are kept (``fitted_state_path``) and read back by every later run that starts
+    from the same fit."""
     import collab_attn
 
     path = out_dir / "runs" / f"{entry.name}.json"
@@ -147,8 +156,12 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     if (entry.fit_steps or entry.e2e_steps) and not (entry.calibration_tokens and calibration_rows is not None):
         raise ValueError(f"{entry.name} is fitted on its calibration tokens: give it calibration_tokens and pass "
                          "run_entry(..., calibration_rows=...)")
-    def fitting_batches():
-        windows = calibration_rows()
+    if (entry.distill_tokens or entry.e2e_tokens) and fit_rows is None:
+        raise ValueError(f"{entry.name} trains on fitting text beyond the calibration tokens: pass "
+                         "run_entry(..., fit_rows=...)")
+
+    def fitting_batches(windows=None):
+        windows = calibration_rows() if windows is None else windows
         return [{"input_ids": windows[i:i + batch]} for i in range(0, len(windows), batch)]
 
     model, report, fit, allocation = original, None, None, None
@@ -173,14 +186,13 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         fit = _layer_fit(entry, model, original, fitting_batches, out_dir)
     e2e = None
     if entry.e2e_steps:
-        e2e = collab_attn.fit_end_to_end(model, original, fitting_batches(), steps=entry.e2e_steps,
-                                         learning_rate=entry.e2e_learning_rate)
-        print(e2e.table(), flush=True)
+        e2e = _end_to_end_fit(entry, model, original, lambda: fitting_batches(
+            fit_rows(entry.e2e_tokens).to(model.device) if entry.e2e_tokens else None), out_dir)
     training = None
     if entry.distill_tokens:
         from collab_attn.llm.distill import distill
 
-        fitting = fit_rows()
+        fitting = fit_rows(entry.distill_tokens)
         run = distill(model, original, fitting, out_dir / "checkpoints" / entry.name, batch)
         training = {"tokens": int(fitting.numel()), "windows": len(fitting), "seconds": run.seconds,
                     "history": run.history}
@@ -191,7 +203,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     result = {"name": entry.name, "entry": asdict(entry), "cache_numbers": cache,
               "cache_fraction": cache / original_cache, "convert_seconds": convert_seconds,
               "mean_layer_error": None if report is None else report.mean_relative_error, "training": training,
-              "fit": fit, "end_to_end": None if e2e is None else e2e.to_dict(),
+              "fit": fit, "end_to_end": e2e,
               "allocation": None if allocation is None else allocation.to_dict(), "domains": {}}
     total = sum(len(r) for r in rows.values())
     tokens = batch * min(w.shape[1] for w in rows.values())  # longer windows go fewer at a time
@@ -208,41 +220,70 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     return result
 
 
-def fitted_state_path(entry: Entry, out_dir: Path) -> Path:
-    """Where ``run_entry`` keeps the weights of ``entry``'s layer fit (the conversion after ``fit_to_original``,
-    before any end-to-end fit or distillation), so that every run that starts from that fit reads it back."""
-    start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, distill_tokens=0)
-    return out_dir / "checkpoints" / f"{start.name}.layer-fit.pt"
+def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path:
+    """Where ``run_entry`` keeps the weights of ``entry``'s fit, so that every run that starts from it reads it back:
+    ``stage="layer"``, the conversion after ``fit_to_original`` (before any end-to-end fit or distillation);
+    ``"end-to-end"``, after ``fit_end_to_end`` too (before any distillation)."""
+    if stage == "layer":
+        start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, distill_tokens=0)
+    elif stage == "end-to-end":
+        start = dataclasses.replace(entry, distill_tokens=0)
+    else:
+        raise ValueError(f"stage must be 'layer' or 'end-to-end', got {stage!r}")
+    return out_dir / "checkpoints" / f"{start.name}.{stage}-fit.pt"
 
 
 def _layer_fit(entry: Entry, model, original, fitting_batches, out_dir: Path) -> dict:
     """Fit ``model``'s converted layers as ``entry`` says (``collab_attn.fit_to_original``), or read back the same
-    fit made by an earlier run; return its report as a dict. Only the tensors that differ from the original's are
-    kept (the converted attention layers)."""
+    fit made by an earlier run; return its report as a dict."""
     import collab_attn
 
-    path = fitted_state_path(entry, out_dir)
+    def fit():
+        report = collab_attn.fit_to_original(model, original, fitting_batches(), steps=entry.fit_steps,
+                                             target=entry.fit_target, solve_output=entry.fit_solve_output)
+        print(report.table(), flush=True)
+        return report.to_dict()
+
+    return _kept(fitted_state_path(entry, out_dir), entry.name, model, original, fit)
+
+
+def _end_to_end_fit(entry: Entry, model, original, batches, out_dir: Path) -> dict:
+    """Fit ``model``'s converted layers end to end as ``entry`` says (``collab_attn.fit_end_to_end`` on
+    ``batches()``), or read back the same fit made by an earlier run; return its report as a dict."""
+    import collab_attn
+
+    def fit():
+        report = collab_attn.fit_end_to_end(model, original, batches(), steps=entry.e2e_steps,
+                                            learning_rate=entry.e2e_learning_rate)
+        print(report.table(), flush=True)
+        return report.to_dict()
+
+    return _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original, fit)
+
+
+def _kept(path: Path, name: str, model, original, fit) -> dict:
+    """``fit()`` (which fits ``model`` in place and returns its report), its weights kept at ``path``; or, when
+    ``path`` holds them from an earlier run, those weights and report read back instead. Only the tensors that differ
+    from the original's are kept (the converted attention layers)."""
     if path.is_file():
         saved = torch.load(path, map_location="cpu", weights_only=True)
         current = model.state_dict()
         wrong = [key for key, value in saved["state"].items()
                  if key not in current or current[key].shape != value.shape]
         if wrong:
-            raise ValueError(f"{path} holds tensors that {entry.name}'s conversion does not have, or not in that "
+            raise ValueError(f"{path} holds tensors that {name}'s conversion does not have, or not in that "
                              f"shape ({', '.join(wrong[:3])}): it was written by another conversion; delete it")
         model.load_state_dict(saved["state"], strict=False)
-        print(f"{entry.name}: layer fit read back from {path}", flush=True)
+        print(f"{name}: fit read back from {path}", flush=True)
         return saved["fit"]
-    fit = collab_attn.fit_to_original(model, original, fitting_batches(), steps=entry.fit_steps,
-                                      target=entry.fit_target, solve_output=entry.fit_solve_output)
-    print(fit.table(), flush=True)
+    report = fit()
     reference = original.state_dict()
     state = {key: value for key, value in model.state_dict().items()
              if key not in reference or not torch.equal(value, reference[key])}
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as tmp:
-        torch.save({"state": state, "fit": fit.to_dict()}, tmp)
-    return fit.to_dict()
+        torch.save({"state": state, "fit": report}, tmp)
+    return report
 
 
 def _allocation(entry: Entry, original, out_dir: Path, batches: list[dict], calibration, steps: int,
