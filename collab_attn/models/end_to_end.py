@@ -105,11 +105,11 @@ def fit_end_to_end(
             kind, _ = _output(original, batches[0])
         fit = EndToEndFit(steps, float(learning_rate), int(sum(_mask(b).sum() for b in batches)),
                           "kl" if kind == "logits" else "relative squared error", sum(p.numel() for p in params))
-        fit.loss_before = _mean_loss(converted, original, batches)
+        fit.loss_before = _mean_loss(converted, original, batches, "loss before", progress)
         saved = [p.detach().clone() for p in params]
         with torch.enable_grad():
             _train(converted, original, params, batches, steps, learning_rate, seed, fit, progress)
-        fit.fitted_loss = _mean_loss(converted, original, batches)
+        fit.fitted_loss = _mean_loss(converted, original, batches, "loss after", progress)
         fit.kept_fit = fit.fitted_loss < fit.loss_before
         if not fit.kept_fit:
             with torch.no_grad():
@@ -164,9 +164,10 @@ def _loss(converted: nn.Module, original: nn.Module, batch: dict) -> torch.Tenso
 
 
 @torch.no_grad()
-def _mean_loss(converted: nn.Module, original: nn.Module, batches: list[dict]) -> float:
+def _mean_loss(converted: nn.Module, original: nn.Module, batches: list[dict], what: str, progress: bool) -> float:
     weights = [float(_mask(b).sum()) for b in batches]
-    losses = [float(_loss(converted, original, b)) for b in batches]
+    losses = [float(_loss(converted, original, b))
+              for b in tqdm(batches, desc=f"end-to-end fit: {what}", unit="batch", disable=not progress)]
     return sum(w * x for w, x in zip(weights, losses)) / sum(weights)
 
 
