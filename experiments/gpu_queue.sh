@@ -30,9 +30,10 @@
 #      original on 2,048,000 fitting tokens starting from the calibrated conversions; 128 held-out windows of 512
 #      tokens per domain; resumable run by run (and within a distillation, every 25 steps). Before it (issue 65):
 #      cp, tucker, key-svd and kv-svd calibrated on 65,536 tokens and fitted to the original's attention outputs
-#      (fit_to_original, 300 steps per layer) and then end to end (fit_end_to_end, 32 steps), cp/tucker/key-svd
+#      (fit_to_original, 300 steps per layer) and then end to end (fit_end_to_end, 64 steps, one pass over the
+#      first 262,144 fitting tokens: fresh text beat passes over the calibration tokens on the CPU), cp/tucker/key-svd
 #      also with their sizes chosen by measurement (--allocate), with 32 windows of 2,048 tokens per domain besides,
-#      and at 1/4 each distilled on 204,800 tokens from its fitted start, into smollm2/gpu_fitted.
+#      and at 1/4 each distilled on 204,800 tokens from its end-to-end start, into smollm2/gpu_fitted.
 #   2. decode: benchmarks/decode.py in bfloat16, original and D~ = d/2, d/4, d/8 (issue 45): batches 1 8 32 64 at
 #      contexts 1024 4096 8192 with dynamic caches, then dynamic against static (compiled, CUDA graphs) caches at
 #      batches 1 and 32, context 4096 (every shape compiles once per model); keys and values at a quarter of the
@@ -71,7 +72,7 @@ if [ "${1:-}" = "--list" ]; then
     case $job in
       triton) echo "triton: python -m pytest -q tests/test_triton_kernels.py once per version of collab_attn/ and the test; benchmarks/decode_kernels.py --device cuda --dtype bfloat16 --context 8192 --batch 1, 32 (Triton rows, a sweep of keys per tile and warps, copy bandwidth); benchmarks/decode.py --device cuda --dtype bfloat16 --caches static --triton: --ranks 192 --cache-fractions 0.25 --race-methods cp at --batches 32 --contexts 8192 and --batches 1 --contexts 4096 8192; --size smollm2 --cache-fractions 0.25 --race-methods cp key-svd kv-svd --batches 32 --contexts 8192; benchmarks/decode.py --prefill --device cuda --dtype bfloat16 --contexts 2048 8192 --batches 1 8 --ranks 192 --cache-fractions 0.25 --race-methods cp kv-svd";;
       tests) echo "tests: python -m pytest -q tests/test_cuda.py, once per version of collab_attn/ and the GPU tests";;
-      smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --long-length 2048 --long-windows 32 --calibration-tokens 65536 --fit-steps 300 --e2e-steps 32 --allocate --distill-tokens 204800 --distill-budgets 0.25 --methods cp tucker key-svd kv-svd (fitted, then end to end, sizes by measurement, distilled from the fitted start at 1/4, into smollm2/gpu_fitted); then --distill-tokens 2048000 --calibration-tokens 262144: every rotary conversion at 1/2 1/4 1/8, without retraining, calibrated, and distilled from the calibrated ones";;
+      smollm2) echo "smollm2: scripts/race_smollm2.py --device cuda --windows 128 --length 512 --long-length 2048 --long-windows 32 --calibration-tokens 65536 --fit-steps 300 --e2e-steps 64 --e2e-tokens 262144 --allocate --distill-tokens 204800 --distill-budgets 0.25 --methods cp tucker key-svd kv-svd (fitted, then end to end on fresh text, sizes by measurement, distilled from the end-to-end start at 1/4, into smollm2/gpu_fitted); then --distill-tokens 2048000 --calibration-tokens 262144: every rotary conversion at 1/2 1/4 1/8, without retraining, calibrated, and distilled from the calibrated ones";;
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; cp keys and values at 0.25 (186) and 0.2475 (184) of the cache, --batches 32 --contexts 8192; benchmarks/decode_kernels.py --value-rank 184 --batch 1, 32";;
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab key_size=192,96,48 seed=0";;
@@ -206,15 +207,15 @@ EOF
       "--shakespeare=$LM_DATA"
     run_job smollm2 "$PYTHON" scripts/race_smollm2.py --model "$tiny" --out "$out"_fitted --budgets 0.5 --methods cp \
       kv-svd --windows 2 --length 16 --long-length 32 --long-windows 2 --batch 2 --calibration-tokens 64 \
-      --fit-steps 1 --e2e-steps 1 --allocate --allocation-steps 1 --allocation-tokens 32 --threads 1 "--glue-dir=$GLUE_DIR" \
+      --fit-steps 1 --e2e-steps 1 --e2e-tokens 64 --allocate --allocation-steps 1 --allocation-tokens 32 --threads 1 "--glue-dir=$GLUE_DIR" \
       "--shakespeare=$LM_DATA"
     return
   fi
   # fitted to the original's attention outputs first (issue 65): every method calibrated and fitted the same way
   # (layer by layer, then end to end), and the keys/values sized by measurement; then the long distillation
   run_job smollm2 "$PYTHON" scripts/race_smollm2.py --out "$out"_fitted --device cuda --windows 128 --length 512 \
-    --long-length 2048 --long-windows 32 --batch 8 --calibration-tokens 65536 --fit-steps 300 --e2e-steps 32 \
-    --allocate --distill-tokens 204800 --distill-budgets 0.25 --methods cp tucker key-svd kv-svd "--glue-dir=$GLUE_DIR" \
+    --long-length 2048 --long-windows 32 --batch 8 --calibration-tokens 65536 --fit-steps 300 --e2e-steps 64 \
+    --e2e-tokens 262144 --allocate --distill-tokens 204800 --distill-budgets 0.25 --methods cp tucker key-svd kv-svd "--glue-dir=$GLUE_DIR" \
     "--shakespeare=$LM_DATA"
   run_job smollm2 "$PYTHON" scripts/race_smollm2.py --out "$out" --device cuda --windows 128 --length 512 --batch 8 \
     --distill-tokens 2048000 --calibration-tokens 262144 "--glue-dir=$GLUE_DIR" "--shakespeare=$LM_DATA"
