@@ -402,6 +402,8 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     assert on_fresh["end_to_end"]["loss_before"] != end_to_end["end_to_end"]["loss_before"]  # on other tokens
     # the end-to-end fit is kept too, and read back by a run that starts from it
     assert race.fitted_state_path(fresh, tmp_path, "end-to-end").is_file()
+    with pytest.raises(ValueError, match="stage must be 'layer' or 'end-to-end'"):
+        race.fitted_state_path(fresh, tmp_path, "distilled")
     assert race.fitted_state_path(dataclasses.replace(fresh, distill_tokens=64), tmp_path, "end-to-end") == (
         race.fitted_state_path(fresh, tmp_path, "end-to-end"))
     monkeypatch.setattr(collab_attn, "fit_end_to_end", lambda *a, **k: pytest.fail("the end-to-end fit again"))

@@ -13,7 +13,7 @@ exact conversion stays exact.
 The original's output is computed batch by batch when a step or a measurement needs it, never held for all the
 fitting tokens at once: a language model's next-token distributions take 4 bytes per token and vocabulary entry
 (3.2 GB for SmolLM2's 49,152 at 16,384 tokens), so holding them capped the fit at a few passes over a small set. Each
-step runs the original once more instead (about a quarter of a step's time); the fit takes any number of tokens.
+step runs the original once more instead, and the fit takes any number of tokens.
 """
 
 from __future__ import annotations
