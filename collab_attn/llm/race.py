@@ -183,11 +183,15 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         report = collab_attn.reparametrize(model, rank, method=entry.method, **sizes, **entry.options)
     convert_seconds = time.perf_counter() - start
     if entry.fit_steps:
-        fit = _layer_fit(entry, model, original, fitting_batches, out_dir)
+        fit = _kept(fitted_state_path(entry, out_dir), entry.name, model, original, lambda: collab_attn.fit_to_original(
+            model, original, fitting_batches(), steps=entry.fit_steps, target=entry.fit_target,
+            solve_output=entry.fit_solve_output))
     e2e = None
     if entry.e2e_steps:
-        e2e = _end_to_end_fit(entry, model, original, lambda: fitting_batches(
-            fit_rows(entry.e2e_tokens).to(model.device) if entry.e2e_tokens else None), out_dir)
+        e2e = _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original,
+                    lambda: collab_attn.fit_end_to_end(model, original, fitting_batches(
+                        fit_rows(entry.e2e_tokens).to(model.device) if entry.e2e_tokens else None),
+                        steps=entry.e2e_steps, learning_rate=entry.e2e_learning_rate))
     training = None
     if entry.distill_tokens:
         from collab_attn.llm.distill import distill
@@ -233,38 +237,11 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     return out_dir / "checkpoints" / f"{start.name}.{stage}-fit.pt"
 
 
-def _layer_fit(entry: Entry, model, original, fitting_batches, out_dir: Path) -> dict:
-    """Fit ``model``'s converted layers as ``entry`` says (``collab_attn.fit_to_original``), or read back the same
-    fit made by an earlier run; return its report as a dict."""
-    import collab_attn
-
-    def fit():
-        report = collab_attn.fit_to_original(model, original, fitting_batches(), steps=entry.fit_steps,
-                                             target=entry.fit_target, solve_output=entry.fit_solve_output)
-        print(report.table(), flush=True)
-        return report.to_dict()
-
-    return _kept(fitted_state_path(entry, out_dir), entry.name, model, original, fit)
-
-
-def _end_to_end_fit(entry: Entry, model, original, batches, out_dir: Path) -> dict:
-    """Fit ``model``'s converted layers end to end as ``entry`` says (``collab_attn.fit_end_to_end`` on
-    ``batches()``), or read back the same fit made by an earlier run; return its report as a dict."""
-    import collab_attn
-
-    def fit():
-        report = collab_attn.fit_end_to_end(model, original, batches(), steps=entry.e2e_steps,
-                                            learning_rate=entry.e2e_learning_rate)
-        print(report.table(), flush=True)
-        return report.to_dict()
-
-    return _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original, fit)
-
-
 def _kept(path: Path, name: str, model, original, fit) -> dict:
-    """``fit()`` (which fits ``model`` in place and returns its report), its weights kept at ``path``; or, when
-    ``path`` holds them from an earlier run, those weights and report read back instead. Only the tensors that differ
-    from the original's are kept (the converted attention layers)."""
+    """``fit()`` (which fits ``model`` in place and returns its report: ``fit_to_original``'s or
+    ``fit_end_to_end``'s), its weights kept at ``path``, its report printed and returned as a dict; or, when ``path``
+    holds them from an earlier run, those weights and that dict read back instead. Only the tensors that differ from
+    the original's are kept (the converted attention layers)."""
     if path.is_file():
         saved = torch.load(path, map_location="cpu", weights_only=True)
         current = model.state_dict()
@@ -277,6 +254,8 @@ def _kept(path: Path, name: str, model, original, fit) -> dict:
         print(f"{name}: fit read back from {path}", flush=True)
         return saved["fit"]
     report = fit()
+    print(report.table(), flush=True)
+    report = report.to_dict()
     reference = original.state_dict()
     state = {key: value for key, value in model.state_dict().items()
              if key not in reference or not torch.equal(value, reference[key])}

@@ -101,15 +101,14 @@ def fit_end_to_end(
             p.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
-        with torch.no_grad():
-            kind, _ = _output(original, batches[0])
+        kind, loss_before = _mean_loss(converted, original, batches, "loss before", progress)
         fit = EndToEndFit(steps, float(learning_rate), int(sum(_mask(b).sum() for b in batches)),
-                          "kl" if kind == "logits" else "relative squared error", sum(p.numel() for p in params))
-        fit.loss_before = _mean_loss(converted, original, batches, "loss before", progress)
+                          "kl" if kind == "logits" else "relative squared error", sum(p.numel() for p in params),
+                          loss_before)
         saved = [p.detach().clone() for p in params]
         with torch.enable_grad():
             _train(converted, original, params, batches, steps, learning_rate, seed, fit, progress)
-        fit.fitted_loss = _mean_loss(converted, original, batches, "loss after", progress)
+        _, fit.fitted_loss = _mean_loss(converted, original, batches, "loss after", progress)
         fit.kept_fit = fit.fitted_loss < fit.loss_before
         if not fit.kept_fit:
             with torch.no_grad():
@@ -151,24 +150,27 @@ def _output(model: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
     return "hidden", out.last_hidden_state.float()
 
 
-def _loss(converted: nn.Module, original: nn.Module, batch: dict) -> torch.Tensor:
+def _loss(converted: nn.Module, original: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
+    """What the original outputs on ``batch`` ("logits" or "hidden"), and the converted model's loss against it."""
     with torch.no_grad():
         kind, reference = _output(original, batch)
     _, output = _output(converted, batch)
     mask = _mask(batch).to(output.dtype)
     if kind == "logits":
         kl = (reference.exp() * (reference - output)).sum(-1)  # per token, or per sequence (a classifier's logits)
-        return (kl * mask).sum() / mask.sum().clamp_min(1) if kl.shape == mask.shape else kl.mean()
+        return kind, (kl * mask).sum() / mask.sum().clamp_min(1) if kl.shape == mask.shape else kl.mean()
     mask = mask.unsqueeze(-1)
-    return ((output - reference).square() * mask).sum() / (reference.square() * mask).sum().clamp_min(1e-30)
+    return kind, ((output - reference).square() * mask).sum() / (reference.square() * mask).sum().clamp_min(1e-30)
 
 
 @torch.no_grad()
-def _mean_loss(converted: nn.Module, original: nn.Module, batches: list[dict], what: str, progress: bool) -> float:
+def _mean_loss(converted: nn.Module, original: nn.Module, batches: list[dict], what: str,
+               progress: bool) -> tuple[str, float]:
+    """What the original outputs, and the loss over all ``batches`` weighted by their non-padding tokens."""
     weights = [float(_mask(b).sum()) for b in batches]
-    losses = [float(_loss(converted, original, b))
+    losses = [_loss(converted, original, b)
               for b in tqdm(batches, desc=f"end-to-end fit: {what}", unit="batch", disable=not progress)]
-    return sum(w * x for w, x in zip(weights, losses)) / sum(weights)
+    return losses[0][0], sum(w * float(x) for w, (_, x) in zip(weights, losses)) / sum(weights)
 
 
 def _train(model, original, params, batches, steps, learning_rate, seed, fit, progress) -> None:
@@ -181,7 +183,7 @@ def _train(model, original, params, batches, steps, learning_rate, seed, fit, pr
         if not order:
             order = torch.randperm(len(batches), generator=generator).tolist()
         k = order.pop()
-        loss = _loss(model, original, batches[k])
+        _, loss = _loss(model, original, batches[k])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
