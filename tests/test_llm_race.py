@@ -289,7 +289,7 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
     fitted = dataclasses.replace(base, fit_steps=100)
     long_fit = dataclasses.replace(base, fit_steps=600, fit_target="residual", e2e_steps=64, e2e_tokens=1024)
     entries = [dataclasses.asdict(e) for e in (race.Entry("none"), base, fitted, long_fit)]
-    text = script().rows_described(entries, 4, 25, 8192)
+    text = script().rows_described(entries, 4)
     for meaning in ("Calibrated rows (-calibrated<T>", "Fitted rows (-fitted<N>): then each converted attention "
                     "layer trained N Adam steps (batch 4)", "-fitted<N>residual: target residual", "-e2e<M> rows",
                     "with -e2e<M>on<T> on the first T fitting tokens"):
@@ -297,7 +297,8 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
     assert "600" not in text and "100" not in text  # the step counts are in the names of the rows, which differ
     for absent in ("Distilled", "-ls", "-kalloc"):
         assert absent not in text
-    assert script().rows_described(entries[:1], 4, 25, 8192) == ""
+    assert script().rows_described(entries[:1], 4) == ""
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--calibration-sample", "-1", "--calibration-tokens", "64"], "--calibration-sample must be 0 or positive"),
