@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from collab_attn.cli import ArgumentParser  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.llm.heldout import DOMAINS, texts, windows  # noqa: E402
-from collab_attn.llm.race import Entry, entries_at, load_runs, plot, run_entry, summary_markdown  # noqa: E402,F401
+from collab_attn.llm.race import Entry, entries_at, load_runs, measured_domains, plot, run_entry, summary_markdown  # noqa: E402,F401
 
 METHODS = ("cp", "tucker", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 CALIBRATED = ("cp", "tucker", "key-svd", "kv-svd")  # fitted to the attention inputs with --calibration-tokens
@@ -315,9 +315,8 @@ def main(argv=None) -> None:
             else f"`{args.model}` (float32)")
     results = load_runs(args.out)
     distilled = rows_described([run["entry"] for run in results], args.batch)
-    long = (f" Also {args.long_windows} windows of {args.long_length} tokens per domain "
-            f"('<domain> {args.long_length}')."
-            if args.long_length else "")
+    long = "".join(f" Also '{domain}': the same text in windows of {domain.rsplit(' ', 1)[1]} tokens, on the rows "
+                   "measured on them." for domain in measured_domains(results) if domain not in DOMAINS)
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
              "(wikipedia: QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for "
              f"every model.{long} The command above is the last one run into this folder; every row's settings "
