@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -92,6 +93,16 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
             end_to_end(e) for e in entries if args.e2e_steps and e.calibration_tokens and not e.distill_tokens]
     return [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
             for e in entries]
+
+
+def rows_matching(entries: list[Entry], pattern: re.Pattern) -> list[Entry]:
+    """The original and the entries whose run name ``pattern`` finds (``--rows``); a pattern that finds none is an
+    error, not an empty race."""
+    chosen = [e for e in entries if e.method == "none" or pattern.search(e.name)]
+    if not any(e.method != "none" for e in chosen):
+        raise ValueError(f"--rows {pattern.pattern!r} matches none of this command's rows: "
+                         f"{', '.join(e.name for e in entries if e.method != 'none')}")
+    return chosen
 
 
 def rows_described(entries: list[dict], batch: int) -> str:
@@ -204,6 +215,10 @@ def main(argv=None) -> None:
                         help="also these conversions, as given (e.g. key-svd:192:144: exact keys, values cut), "
                              "without retraining (and calibrated, with --calibration-tokens); their budget is the "
                              "whole cache")
+    parser.add_argument("--rows", default=None, metavar="REGEX",
+                        help="run only the rows this command asks for whose name matches this regular expression "
+                             "(re.search; e.g. 'fitted100$'), besides the original; the summary lists every run "
+                             "of the folder")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
@@ -241,6 +256,11 @@ def main(argv=None) -> None:
     if args.calibration_sample < 0 or (args.calibration_sample and not args.calibration_tokens):
         parser.error(f"--calibration-sample must be 0 or positive, with --calibration-tokens; got "
                      f"{args.calibration_sample}")
+    if args.rows is not None:
+        try:
+            args.rows = re.compile(args.rows)
+        except re.error as error:
+            parser.error(f"--rows {args.rows!r} is not a regular expression ({error}); e.g. 'fitted100$'")
     args.distill_budgets = args.budgets if args.distill_budgets is None else args.distill_budgets
     if set(args.distill_budgets) - set(args.budgets):
         parser.error(f"--distill-budgets {args.distill_budgets} must be among --budgets {args.budgets}")
@@ -283,6 +303,11 @@ def main(argv=None) -> None:
                                                                           args.shakespeare),
                                                          args.long_length, args.long_windows) for domain in DOMAINS}
     entries = race_entries(args, kv_heads, head_dim, extra)
+    if args.rows is not None:
+        try:
+            entries = rows_matching(entries, args.rows)
+        except ValueError as error:
+            parser.error(str(error))
     fitting = {}
 
     def fit_rows(tokens):

@@ -561,3 +561,27 @@ def test_two_runs_are_compared_window_by_window(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             module.main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_rows_runs_only_the_rows_it_names_besides_the_original():
+    import re
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(methods=["key-svd", "kv-svd"], budgets=[0.5, 0.25], distill_budgets=[0.5, 0.25],
+                           rope_pairs=4, distill_tokens=0, calibration_tokens=64, calibration_sample=0,
+                           pairs_by_budget=False, fit_steps=30, fit_target="layer", fit_solve_output=False,
+                           allocate=False, e2e_steps=0)
+    entries = script().race_entries(args, 3, 64, [])
+    names = [e.name for e in script().rows_matching(entries, re.compile("fitted30$"))]
+    assert names == ["original", "key-svd-k96-v96-calibrated64-fitted30", "kv-svd-k168-rope_pairs4-calibrated64-fitted30",
+                     "key-svd-k48-v48-calibrated64-fitted30", "kv-svd-k72-rope_pairs4-calibrated64-fitted30"]
+    assert len(entries) == 13  # the plain and calibrated rows too, without --rows
+    with pytest.raises(ValueError, match="'fitted600' matches none of this command's rows: key-svd-k96-v96, "):
+        script().rows_matching(entries, re.compile("fitted600"))
+
+
+def test_rows_must_be_a_regular_expression(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        script().main(["--out", str(tmp_path / "race"), "--rows", "fitted(100"])
+    assert stop.value.code == 2 and "--rows 'fitted(100' is not a regular expression" in capsys.readouterr().err
+    assert not (tmp_path / "race").exists()
