@@ -13,6 +13,7 @@ from test_fitting import HELD_OUT, converted, gpt2, ids, kl, llama
 
 import collab_attn
 from collab_attn.llm.race import cache_numbers_per_token
+from collab_attn.models.end_to_end import _loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIT = [{"input_ids": ids(seed)} for seed in range(16)]  # enough fitting tokens that the fit carries to HELD_OUT
@@ -59,6 +60,30 @@ def test_an_exact_conversion_stays_exact(make, method, rank):
         torch.testing.assert_close(model(HELD_OUT).logits, expected, rtol=0, atol=0)
 
 
+def test_checking_on_fewer_batches_measures_only_them_and_trains_the_same():
+    """``check_batches`` moves the measurements that decide whether the fit is kept, not the steps: the same weights
+    come out, and the losses before and after are those of the first batches only."""
+    original, model = converted(llama, "key-svd", 12, value_rank=12)
+    collab_attn.fit_to_original(model, original, FIT, steps=5, progress=False)
+    checked = copy.deepcopy(model)
+    start = copy.deepcopy(model)
+    full = collab_attn.fit_end_to_end(model, original, FIT, steps=12, learning_rate=3e-3, progress=False)
+    part = collab_attn.fit_end_to_end(checked, original, FIT, steps=12, learning_rate=3e-3, check_batches=3,
+                                      progress=False)
+    for ours, theirs in zip(checked.parameters(), model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert full.kept_fit and part.kept_fit and part.history == full.history
+    assert (part.tokens, part.check_tokens, full.check_tokens) == (16 * 8 * 24, 3 * 8 * 24, 16 * 8 * 24)
+
+    def mean_kl(model, batches):
+        with torch.no_grad():
+            return sum(_loss(model, original, b)[1].item() for b in batches) / len(batches)
+
+    assert part.loss_before == pytest.approx(mean_kl(start, FIT[:3]), rel=1e-5)
+    assert part.fitted_loss == pytest.approx(mean_kl(checked, FIT[:3]), rel=1e-5)
+    assert full.loss_before == pytest.approx(mean_kl(start, FIT), rel=1e-5) != part.loss_before
+
+
 def test_a_base_encoder_is_fitted_on_its_hidden_states_without_the_padding():
     """BERT without a head has no logits: the relative squared error of its last hidden states, over the
     non-padding tokens (the padding positions may do anything)."""
@@ -88,6 +113,11 @@ def test_bad_arguments_say_what_to_pass():
         fit(model, original, FIT, steps=3, learning_rate=float("nan"))
     with pytest.raises(ValueError, match="no fitting tokens"):
         fit(model, original, [], steps=3)
+    for check in (0, 2.5):
+        with pytest.raises(ValueError, match="check_batches must be a positive number of batches"):
+            fit(model, original, FIT, steps=3, check_batches=check)
+    with pytest.raises(ValueError, match="check_batches=17 is more than the 16 batches given: pass at most 16"):
+        fit(model, original, FIT, steps=3, check_batches=17)
     with pytest.raises(ValueError, match="original must be the model before the conversion"):
         fit(model, model, FIT, steps=3)
     with pytest.raises(ValueError, match="original is a llama model but converted was made from a gpt2 model"):

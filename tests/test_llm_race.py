@@ -273,6 +273,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
                      "key-svd-k192-v96-calibrated64", "kv-svd-k264-rope_pairs4-calibrated64-fitted30",
                      "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
     args.e2e_steps, args.e2e_learning_rate, args.e2e_tokens = 8, 3e-4, 0  # then each fitted one end to end too
+    args.e2e_check_tokens = 0
     assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
         "kv-svd-k264-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003",
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003"]
@@ -280,6 +281,11 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     names = [entry.name for entry in script().race_entries(args, 3, 64, [])]
     assert names[-1] == "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024"
     assert "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024-distilled100" in names
+    args.e2e_check_tokens = 512  # judged on the first 512 of them
+    assert script().race_entries(args, 3, 64, [])[-1].name == (
+        "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024check512")
+    with pytest.raises(ValueError, match="e2e_check_tokens=512 names the tokens of an end-to-end fit the entry does"):
+        race.Entry("key-svd", 96, 96, calibration_tokens=64, fit_steps=3, e2e_check_tokens=512)
 
 
 def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_command():
@@ -287,14 +293,16 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
 
     base = race.Entry("key-svd", 96, 96, calibration_tokens=64)
     fitted = dataclasses.replace(base, fit_steps=100)
-    long_fit = dataclasses.replace(base, fit_steps=600, fit_target="residual", e2e_steps=64, e2e_tokens=1024)
+    long_fit = dataclasses.replace(base, fit_steps=600, fit_target="residual", e2e_steps=64, e2e_tokens=1024,
+                                   e2e_check_tokens=256)
     entries = [dataclasses.asdict(e) for e in (race.Entry("none"), base, fitted, long_fit)]
     text = script().rows_described(entries, 4)
     for meaning in ("Calibrated rows (-calibrated<T>", "Fitted rows (-fitted<N>): then each converted attention "
                     "layer trained N Adam steps (batch 4)", "-fitted<N>residual: target residual", "-e2e<M> rows",
-                    "with -e2e<M>on<T> on the first T fitting tokens"):
+                    "with -e2e<M>on<T> on the first T fitting tokens", "...check<C>: its loss before and after"):
         assert meaning in text
     assert "600" not in text and "100" not in text  # the step counts are in the names of the rows, which differ
+    assert "check<C>" not in script().rows_described(entries[:3], 4)
     for absent in ("Distilled", "-ls", "-kalloc"):
         assert absent not in text
     assert script().rows_described(entries[:1], 4) == ""
@@ -317,6 +325,8 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
     (["--e2e-tokens", "-1", "--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2"],
      "--e2e-tokens must be 0"),
     (["--long-length", "128"], "--long-length must exceed --length (256)"),
+    (["--e2e-check-tokens", "512", "--calibration-tokens", "64", "--fit-steps", "3"],
+     "--e2e-check-tokens must be 0 (all the fitting tokens) or positive, with --e2e-steps"),
     (["--allocate", "--calibration-tokens", "64", "--allocation-steps", "0"], "--allocation-steps and"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
@@ -418,6 +428,17 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     assert asked == [480] and on_fresh["end_to_end"]["tokens"] == 480 and on_fresh["fit"] == fitted["fit"]
     assert on_fresh["end_to_end"]["kept_fit"] and on_fresh["entry"]["e2e_tokens"] == 480
     assert on_fresh["end_to_end"]["loss_before"] != end_to_end["end_to_end"]["loss_before"]  # on other tokens
+    # judged on the first two batches (100 tokens: 2 batches of 4 x 24) of them: the same steps, the same weights
+    checked = race.run_entry(dataclasses.replace(fresh, e2e_check_tokens=100), original, None, windows, tmp_path,
+                             original_cache=48, calibration=calibration, calibration_rows=lambda: fitting,
+                             fit_rows=fit_rows)
+    assert (checked["end_to_end"]["tokens"], checked["end_to_end"]["check_tokens"]) == (480, 192)
+    assert checked["name"].endswith("-e2e30lr0.003on480check100") and checked["end_to_end"]["kept_fit"]
+    kept = [torch.load(race.fitted_state_path(e, tmp_path, "end-to-end"), weights_only=True)["state"]
+            for e in (fresh, dataclasses.replace(fresh, e2e_check_tokens=100))]
+    assert kept[0].keys() == kept[1].keys()
+    for key in kept[0]:
+        torch.testing.assert_close(kept[1][key], kept[0][key], rtol=0, atol=0)
     # the end-to-end fit is kept too, and read back by a run that starts from it
     assert race.fitted_state_path(fresh, tmp_path, "end-to-end").is_file()
     with pytest.raises(ValueError, match="stage must be 'layer' or 'end-to-end'"):

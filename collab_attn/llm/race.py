@@ -56,11 +56,13 @@ class Entry:
     e2e_steps: int = 0  # then steps of ``fit_end_to_end`` on the calibration tokens (all the attention layers at once)
     e2e_learning_rate: float = 1e-4
     e2e_tokens: int = 0  # its fitting tokens: the first this many of the fitting text (0: the calibration tokens)
+    e2e_check_tokens: int = 0  # its loss before and after (keep or not) on the first this many of them (0: all)
 
     def __post_init__(self):
-        if self.e2e_tokens and not self.e2e_steps:
-            raise ValueError(f"e2e_tokens={self.e2e_tokens} names the tokens of an end-to-end fit the entry does not "
-                             "make: give it e2e_steps too")
+        for key in ("e2e_tokens", "e2e_check_tokens"):
+            if getattr(self, key) and not self.e2e_steps:
+                raise ValueError(f"{key}={getattr(self, key)} names the tokens of an end-to-end fit the entry does "
+                                 "not make: give it e2e_steps too")
 
     @property
     def name(self) -> str:
@@ -76,6 +78,7 @@ class Entry:
         fitted = f"-fitted{self.fit_steps}{target}{solved}" if self.fit_steps else ""
         rate = "" if self.e2e_learning_rate == 1e-4 else f"lr{self.e2e_learning_rate:g}"
         tokens = f"on{self.e2e_tokens}" if self.e2e_tokens else ""
+        tokens += f"check{self.e2e_check_tokens}" if self.e2e_check_tokens else ""  # "-e2e256on262144check16384"
         e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         return f"{self.method}{sizes}{extra}{calibrated}{fitted}{e2e}{distilled}"
@@ -137,7 +140,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
     callable giving the calibration windows, ``batch`` per step) when it asks for that, then all of them at once to
     the original's output (``collab_attn.fit_end_to_end``, ``entry.e2e_steps``) on the same windows when it asks for
-    that (or on ``fit_rows(entry.e2e_tokens)`` when it names its tokens), distil it on
+    that (or on ``fit_rows(entry.e2e_tokens)`` when it names its tokens; judged on the first
+    ``entry.e2e_check_tokens`` of them when it names those), distil it on
     ``fit_rows(entry.distill_tokens)`` (``fit_rows(tokens)``: the first ``tokens`` fitting tokens as windows) when
     it asks for it, measure it, write ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"``
     rank first chooses the layers' key and value widths (``collab_attn.allocate_cache``, ``allocation_steps`` per
@@ -188,10 +192,13 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
             solve_output=entry.fit_solve_output))
     e2e = None
     if entry.e2e_steps:
-        e2e = _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original,
-                    lambda: collab_attn.fit_end_to_end(model, original, fitting_batches(
-                        fit_rows(entry.e2e_tokens).to(model.device) if entry.e2e_tokens else None),
-                        steps=entry.e2e_steps, learning_rate=entry.e2e_learning_rate))
+        def end_to_end():
+            batches = fitting_batches(fit_rows(entry.e2e_tokens).to(model.device) if entry.e2e_tokens else None)
+            check = -(-entry.e2e_check_tokens // batches[0]["input_ids"].numel()) if entry.e2e_check_tokens else None
+            return collab_attn.fit_end_to_end(model, original, batches, steps=entry.e2e_steps,
+                                              learning_rate=entry.e2e_learning_rate, check_batches=check)
+
+        e2e = _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original, end_to_end)
     training = None
     if entry.distill_tokens:
         from collab_attn.llm.distill import distill
@@ -229,7 +236,8 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     ``stage="layer"``, the conversion after ``fit_to_original`` (before any end-to-end fit or distillation);
     ``"end-to-end"``, after ``fit_end_to_end`` too (before any distillation)."""
     if stage == "layer":
-        start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, distill_tokens=0)
+        start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
+                                    distill_tokens=0)
     elif stage == "end-to-end":
         start = dataclasses.replace(entry, distill_tokens=0)
     else:

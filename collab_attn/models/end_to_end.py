@@ -7,8 +7,10 @@ the cache layout and sizes stay as the conversion left them.
 The loss, averaged over the non-padding tokens of a batch: ``KL(p_original || p_converted)`` of the next-token (or
 class) distributions where the model outputs ``logits``, else ``||h_converted - h_original||^2 / ||h_original||^2``
 of its last hidden states. Adam, one of the given batches per step in a seeded random order, cosine decay. The loss
-on all the fitting tokens is measured before and after; when it did not fall the weights before are put back, so an
-exact conversion stays exact.
+on all the fitting tokens (or on the first ``check_batches`` of them) is measured before and after; when it did not
+fall the weights before are put back, so an exact conversion stays exact. Each measurement runs both models over the
+batches it reads: over all of them it costs as much as a third of the steps of one pass, so a fit over many fresh
+tokens judges itself on a part of them.
 
 The original's output is computed batch by batch when a step or a measurement needs it, never held for all the
 fitting tokens at once: a language model's next-token distributions take 4 bytes per token and vocabulary entry
@@ -43,6 +45,7 @@ class EndToEndFit:
     steps: int
     learning_rate: float
     tokens: int  # non-padding fitting tokens per pass
+    check_tokens: int  # the non-padding tokens of the batches the loss before and after is measured on
     loss: str  # "kl" (nats per token) or "relative squared error" (of the last hidden states)
     parameters: int  # trained parameters: the converted attention layers'
     loss_before: float = math.nan
@@ -76,20 +79,29 @@ def fit_end_to_end(
     *,
     learning_rate: float = DEFAULT_LEARNING_RATE,
     seed: int = 0,
+    check_batches: int | None = None,
     progress: bool = True,
 ) -> EndToEndFit:
     """Train the converted attention layers of ``converted`` (in place, all together) so that the model's output
     matches ``original``'s on ``batches``; see the module doc. ``batches``: tokenized batches as
     ``collect_calibration`` and ``fit_to_original`` take them, one per optimizer step; ``steps``: Adam steps in all,
     ``learning_rate`` the initial rate (cosine decay to 0). Both models run in eval mode (no dropout) and are left in
-    the mode they were in; ``original`` is not changed."""
+    the mode they were in; ``original`` is not changed. ``check_batches``: the loss before and after, which decides
+    whether the fit is kept, on the first this many batches (default: all of them)."""
     if type(steps) is not int or steps < 1:
         raise ValueError(f"steps must be a positive number of optimizer steps, got {steps!r}")
+    if check_batches is not None and (type(check_batches) is not int or check_batches < 1):
+        raise ValueError(f"check_batches must be a positive number of batches (or None: all of them), got "
+                         f"{check_batches!r}")
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
     names = _check_source(converted, original)
     device = next(converted.parameters()).device
     batches = _batches(original, batches, device)
+    if check_batches is not None and check_batches > len(batches):
+        raise ValueError(f"check_batches={check_batches} is more than the {len(batches)} batches given: pass at most "
+                         f"{len(batches)}, or None to measure on all of them")
+    checked = batches[:check_batches]
     params = _attention_parameters(converted, original, names)
     flags = {p: p.requires_grad for p in converted.parameters()}
     modes = [(m, m.training) for m in (converted, original)]
@@ -101,14 +113,14 @@ def fit_end_to_end(
             p.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
-        kind, loss_before = _mean_loss(converted, original, batches, "loss before", progress)
-        fit = EndToEndFit(steps, float(learning_rate), int(sum(_mask(b).sum() for b in batches)),
+        kind, loss_before = _mean_loss(converted, original, checked, "loss before", progress)
+        fit = EndToEndFit(steps, float(learning_rate), _tokens(batches), _tokens(checked),
                           "kl" if kind == "logits" else "relative squared error", sum(p.numel() for p in params),
                           loss_before)
         saved = [p.detach().clone() for p in params]
         with torch.enable_grad():
             _train(converted, original, params, batches, steps, learning_rate, seed, fit, progress)
-        _, fit.fitted_loss = _mean_loss(converted, original, batches, "loss after", progress)
+        _, fit.fitted_loss = _mean_loss(converted, original, checked, "loss after", progress)
         fit.kept_fit = fit.fitted_loss < fit.loss_before
         if not fit.kept_fit:
             with torch.no_grad():
@@ -139,6 +151,10 @@ def _attention_parameters(converted: nn.Module, original: nn.Module, names: list
 
 def _mask(batch: dict) -> torch.Tensor:
     return batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
+
+
+def _tokens(batches: list[dict]) -> int:
+    return int(sum(_mask(b).sum() for b in batches))
 
 
 def _output(model: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
