@@ -9,8 +9,8 @@ class) distributions where the model outputs ``logits``, else ``||h_converted - 
 of its last hidden states. Adam, one of the given batches per step in a seeded random order, cosine decay. The loss
 on all the fitting tokens (or on the first ``check_batches`` of them) is measured before and after; when it did not
 fall the weights before are put back, so an exact conversion stays exact. Each measurement runs both models over the
-batches it reads: over all of them it costs as much as a third of the steps of one pass, so a fit over many fresh
-tokens judges itself on a part of them.
+batches it reads: over all of them, the two cost about as much as one pass of steps, so a fit over many fresh tokens
+judges itself on a part of them.
 
 The original's output is computed batch by batch when a step or a measurement needs it, never held for all the
 fitting tokens at once: a language model's next-token distributions take 4 bytes per token and vocabulary entry
