@@ -594,8 +594,9 @@ def test_rows_runs_only_the_rows_it_names_besides_the_original():
                            allocate=False, e2e_steps=0)
     entries = script().race_entries(args, 3, 64, [])
     names = [e.name for e in script().rows_matching(entries, re.compile("fitted30$"))]
-    assert names == ["original", "key-svd-k96-v96-calibrated64-fitted30", "kv-svd-k168-rope_pairs4-calibrated64-fitted30",
-                     "key-svd-k48-v48-calibrated64-fitted30", "kv-svd-k72-rope_pairs4-calibrated64-fitted30"]
+    assert names == ["original", "key-svd-k96-v96-calibrated64-fitted30",
+                     "kv-svd-k168-rope_pairs4-calibrated64-fitted30", "key-svd-k48-v48-calibrated64-fitted30",
+                     "kv-svd-k72-rope_pairs4-calibrated64-fitted30"]
     assert len(entries) == 13  # the plain and calibrated rows too, without --rows
     with pytest.raises(ValueError, match="'fitted600' matches none of this command's rows: key-svd-k96-v96, "):
         script().rows_matching(entries, re.compile("fitted600"))
