@@ -74,6 +74,7 @@ def test_checking_on_fewer_batches_measures_only_them_and_trains_the_same():
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert full.kept_fit and part.kept_fit and part.history == full.history
     assert (part.tokens, part.check_tokens, full.check_tokens) == (16 * 8 * 24, 3 * 8 * 24, 16 * 8 * 24)
+    assert "| 12 steps, 3,072 tokens (judged on 576), " in part.table() and "judged" not in full.table()
 
     def mean_kl(model, batches):
         with torch.no_grad():

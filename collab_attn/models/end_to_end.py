@@ -63,10 +63,11 @@ class EndToEndFit:
         return json.dumps(self.to_dict(), indent=2)
 
     def table(self) -> str:
+        judged = "" if self.check_tokens == self.tokens else f" (judged on {self.check_tokens:,})"
         return "\n".join([
             "| end-to-end fit | loss before | after | fit reached | kept fit | seconds |",
             "|---|---:|---:|---:|:---:|---:|",
-            f"| {self.steps} steps, {self.tokens:,} tokens, {self.parameters:,} parameters ({self.loss}) | "
+            f"| {self.steps} steps, {self.tokens:,} tokens{judged}, {self.parameters:,} parameters ({self.loss}) | "
             f"{self.loss_before:.4f} | {self.loss_after:.4f} | {self.fitted_loss:.4f} | "
             f"{'yes' if self.kept_fit else 'no'} | {self.seconds:.1f} |"])
 
