@@ -38,7 +38,7 @@ DEFAULT_LEARNING_RATE = 1e-4
 
 @dataclass
 class EndToEndFit:
-    """What ``fit_end_to_end`` did: the loss on all the fitting tokens before and after (of the weights kept:
+    """What ``fit_end_to_end`` did: the loss on the checked tokens before and after (of the weights kept:
     ``loss_after <= loss_before``), the loss the trained weights reached (``fitted_loss``; kept only when lower),
     the trained parameters, the loss every few steps, and its time."""
 
