@@ -9,6 +9,8 @@
     python scripts/reparametrize.py model=path/to/gpt2-checkpoint collab.rank=192            # a decoder
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100   # + fitted to the original
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32  # + e2e
+    python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32 \
+        collab.e2e_texts=more.txt                                  # the end-to-end fit on fresh text
 
 The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
 labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
@@ -16,7 +18,9 @@ labelled task examples to score the heads on, so it runs through the GLUE pipeli
 attention layer that many steps to give the original's attention output on the calibration texts
 (``collab_attn.fit_to_original``); its per-layer report is printed and saved under ``fit``. ``collab.e2e_steps``
 then trains all the converted layers together that many steps to give the original model's output on the same texts
-(``collab_attn.fit_end_to_end``); its report is saved under ``end_to_end``.
+(``collab_attn.fit_end_to_end``), or with ``collab.e2e_texts`` on 16 texts of that file per step (fresh text: on
+SmolLM2 it gains more than more passes over the calibration texts, experiments/smollm2/README.md); its report is
+saved under ``end_to_end``.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
@@ -42,7 +46,7 @@ from omegaconf import DictConfig
 from collab_attn import cli, reparametrize
 from collab_attn.cli import hydra_main, settings_of
 from collab_attn.files import atomic_directory
-from collab_attn.glue.calibrate import calibrate, check_calibration, fit_batches
+from collab_attn.glue.calibrate import calibrate, check_calibration, end_to_end_batches, fit_batches
 from collab_attn.models.checkpoints import (
     checked_model,
     load_model_and_tokenizer,
@@ -168,7 +172,7 @@ def run(cfg: DictConfig) -> dict:
         print(fit.table())
     end_to_end = None
     if method.e2e_steps:  # then all of them together, to give the original's output
-        end_to_end = fit_end_to_end(model, original, fit_batches(tokenizer, method, settings["seed"]),
+        end_to_end = fit_end_to_end(model, original, end_to_end_batches(tokenizer, method, settings["seed"]),
                                     steps=method.e2e_steps, seed=settings["seed"])
         print(end_to_end.table())
 

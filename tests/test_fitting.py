@@ -223,6 +223,13 @@ def test_fit_steps_in_the_method_settings():
         MethodSettings.from_config({**group, "e2e_steps": 2.5})
     with pytest.raises(ValueError, match="collab.e2e_steps=32: scripts/visualize.py does not fit"):
         MethodSettings.from_config({**group, "fit_steps": None, "e2e_steps": 32}).refuse_fit("scripts/visualize.py")
+    fresh = MethodSettings.from_config({**group, "e2e_steps": 32, "e2e_texts": "fresh.txt"})  # collab.e2e_texts
+    assert fresh.e2e_texts == "fresh.txt" and MethodSettings.from_config(fresh.to_group()) == fresh
+    assert both.to_group()["e2e_texts"] is None
+    with pytest.raises(ValueError, match="collab.e2e_texts=fresh.txt is what the end-to-end fit trains on"):
+        MethodSettings.from_config({**group, "e2e_texts": "fresh.txt"})
+    with pytest.raises(ValueError, match="collab.e2e_texts must be a file path or null"):
+        MethodSettings.from_config({**group, "e2e_steps": 32, "e2e_texts": 7})
 
 
 @pytest.mark.parametrize("make, method, rank, options", [(gpt2, "cp", 20, {"value_rank": 20}),

@@ -206,6 +206,16 @@ def config_for_decoder(checkpoint, out, *overrides):
     return config(f"model={checkpoint}", f"output_dir={out}", "collab.n_iter_max=3", *overrides)
 
 
+def tiny_gpt2(checkpoint):
+    """A 2-layer GPT-2 with a character tokenizer, saved at ``checkpoint``."""
+    torch.manual_seed(0)
+    config_ = transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=40, n_positions=64,
+                                      initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.GPT2LMHeadModel(config_).save_pretrained(checkpoint)
+    character_tokenizer().save_pretrained(checkpoint)
+    return checkpoint
+
+
 def test_calibration_texts_from_a_file(tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("The museum opens at ten.\nIt rained all day.\nIs it open on Mondays?\nThey walked home.\n")
@@ -222,12 +232,7 @@ def test_fit_steps_fit_the_converted_layers_on_the_calibration_texts(tmp_path):
     """``collab.fit_steps``: after the conversion each layer is trained on the calibration texts to give the
     original's attention output; the report gives each layer's error before and after, the saved model is the fitted
     one, and it is closer to the original than the same conversion without the fit."""
-    torch.manual_seed(0)
-    checkpoint = tmp_path / "gpt2"
-    config_ = transformers.GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=40, n_positions=64,
-                                      initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    transformers.GPT2LMHeadModel(config_).save_pretrained(checkpoint)
-    character_tokenizer().save_pretrained(checkpoint)
+    checkpoint = tiny_gpt2(tmp_path / "gpt2")
     texts = tmp_path / "texts.txt"
     texts.write_text("".join(f"{w} the cat sat on the mat and {w} ran home\n" for w in ("one", "two", "six", "ten")))
     common = ("collab.rank=12", "collab.value_rank=12", f"collab.calibration={texts}", "compare_prompts=[the cat sat]")
@@ -254,6 +259,52 @@ def test_fit_steps_fit_the_converted_layers_on_the_calibration_texts(tmp_path):
     with torch.no_grad():
         error = (AutoModelForCausalLM.from_pretrained(tmp_path / "both")(ids).logits - original(ids).logits).norm()
     assert error < errors[1]
+
+
+def test_the_end_to_end_fit_trains_on_its_own_texts(tmp_path):
+    """collab.e2e_texts: the end-to-end fit reads 16 texts of that file per step (one pass over fresh text; all of
+    them when the file holds fewer), not the calibration texts; the layer fit still reads the calibration texts."""
+    checkpoint = tiny_gpt2(tmp_path / "gpt2")
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("".join(f"{w} the cat sat on the mat\n" for w in ("one", "two", "six", "ten")))
+    fresh = tmp_path / "fresh.txt"  # every line 12 characters: the tokens count the texts drawn
+    fresh.write_text("".join(f"a dog ran {i:02d}\n" for i in range(40)))
+    per_text = len(character_tokenizer()("a dog ran 00")["input_ids"])
+    common = ("collab.rank=12", "collab.value_rank=12", f"collab.calibration={calibration}",
+              "compare_prompts=[the cat sat]", "collab.fit_steps=5")
+    plain = script.run(config_for_decoder(checkpoint, tmp_path / "plain", *common, "collab.e2e_steps=2"))
+    fresh_run = script.run(config_for_decoder(checkpoint, tmp_path / "fresh", *common, "collab.e2e_steps=2",
+                                              f"collab.e2e_texts={fresh}"))
+    assert fresh_run["config"]["collab"]["e2e_texts"] == str(fresh)
+    assert fresh_run["end_to_end"]["tokens"] == 2 * 16 * per_text  # 32 of the 40 texts
+    assert plain["end_to_end"]["tokens"] == fresh_run["fit"]["tokens"] == plain["fit"]["tokens"]  # the calibration's
+    assert fresh_run["end_to_end"]["tokens"] != plain["end_to_end"]["tokens"]
+    many = script.run(config_for_decoder(checkpoint, tmp_path / "many", *common, "collab.e2e_steps=4",
+                                         f"collab.e2e_texts={fresh}"))
+    assert many["end_to_end"]["tokens"] == 40 * per_text  # fewer texts than the steps take: all of them
+
+
+@pytest.mark.parametrize("extra, error, message", [
+    (["collab.e2e_texts=TEXTS"], ValueError, "collab.e2e_texts=.* is what the end-to-end fit trains on: set "
+                                             "collab.e2e_steps too"),
+    (["collab.e2e_steps=3", "collab.e2e_texts=/no/fresh.txt"], FileNotFoundError,
+     "collab.e2e_texts=/no/fresh.txt: no such file"),
+    (["collab.e2e_steps=3", "collab.e2e_texts=FOLDER"], ValueError, "collab.e2e_texts=.* is a folder"),
+    (["collab.e2e_steps=3", "collab.e2e_texts=EMPTY"], ValueError, "collab.e2e_texts=.* holds no texts"),
+])
+def test_end_to_end_texts_are_checked_before_anything_is_written(tmp_path, extra, error, message):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("The museum opens at ten.\nIt rained all day.\n")
+    (tmp_path / "empty.txt").write_text("\n \n")
+    paths = {"TEXTS": str(texts), "FOLDER": str(tmp_path), "EMPTY": str(tmp_path / "empty.txt")}
+    overrides = []
+    for item in extra:
+        for key, path in paths.items():
+            item = item.replace(key, path)
+        overrides.append(item)
+    with pytest.raises(error, match=message):
+        script.run(config(f"collab.calibration={texts}", *overrides, f"output_dir={tmp_path / 'out'}"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_tucker_with_per_layer_ranks(tmp_path):

@@ -2,7 +2,8 @@
 train.tsv/dev.tsv (its task's text fields), or ``task`` (the task's training texts, which the GLUE pipeline passes
 in). ``load_texts`` reads a file, ``check_calibration`` checks the source before any work, ``calibrate`` samples
 the texts and collects the attention layers' input statistics, ``fit_batches`` tokenizes the same texts for
-``collab.fit_steps`` and ``collab.e2e_steps`` (``collab_attn.fit_to_original``, ``collab_attn.fit_end_to_end``). The
+``collab.fit_steps`` and ``collab.e2e_steps`` (``collab_attn.fit_to_original``, ``collab_attn.fit_end_to_end``),
+``end_to_end_batches`` the texts of ``collab.e2e_texts`` instead where they are set. The
 GLUE pipeline and the scripts that convert a model (``scripts/reparametrize.py``, ``scripts/visualize.py``) use it."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collab_attn.texts import CALIBRATION_SAMPLES, read_texts
 
 log = logging.getLogger(__name__)
 GLUE_SPLITS = {"train.tsv": "train", "dev.tsv": "validation"}  # the GLUE files a calibration source may be
+FIT_BATCH_SIZE = 16  # texts per batch of fitting tokens: one optimizer step of the layer or end-to-end fit
 
 
 def load_texts(
@@ -36,25 +38,30 @@ def load_texts(
 
 
 def check_calibration(method: MethodSettings, task_allowed: bool) -> None:
-    """The calibration texts of ``collab.calibration`` are there and are text (a GLUE train.tsv/dev.tsv in its task
-    folder, or a file of one text per line), before any work."""
-    source = None if method.calibration is None else method.calibration.source
-    if source is not None and Path(source).is_dir():
-        raise cli.BadInput(f"collab.calibration={source} is a folder; pass a text file (one text per "
-                           "line) or a GLUE train.tsv/dev.tsv")
+    """The calibration texts of ``collab.calibration`` (and the end-to-end fit's, ``collab.e2e_texts``) are there and
+    are text (a GLUE train.tsv/dev.tsv in its task folder, or a file of one text per line), before any work."""
+    sources = {"collab.calibration": None if method.calibration is None else method.calibration.source,
+               "collab.e2e_texts": method.e2e_texts}
+    for key, source in sources.items():
+        if source is not None and Path(source).is_dir():
+            raise cli.BadInput(f"{key}={source} is a folder; pass a text file (one text per line) or a GLUE "
+                               "train.tsv/dev.tsv")
     method.check_calibration_source(task_allowed)
-    if source is None or method.calibration.from_task:
-        return
-    path = Path(source)
+    for key, source in sources.items():
+        if source is not None and not (key == "collab.calibration" and method.calibration.from_task):
+            _check_texts(key, Path(source))
+
+
+def _check_texts(key: str, path: Path) -> None:
     if path.suffix != ".tsv":
-        if not cli.text_file("collab.calibration", path).strip():
-            raise cli.BadInput(f"collab.calibration={path} holds no texts; pass a file with one text per line")
+        if not cli.text_file(key, path).strip():
+            raise cli.BadInput(f"{key}={path} holds no texts; pass a file with one text per line")
         return
     if path.name not in GLUE_SPLITS:
-        raise cli.BadInput(f"collab.calibration={path}: a .tsv must be a GLUE train.tsv or dev.tsv")
-    with cli.naming("collab.calibration", path):
+        raise cli.BadInput(f"{key}={path}: a .tsv must be a GLUE train.tsv or dev.tsv")
+    with cli.naming(key, path):
         get_task(path.parent.name)
-    cli.text_file("collab.calibration", path, limit=1 << 20)
+    cli.text_file(key, path, limit=1 << 20)
 
 
 def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=None):
@@ -75,12 +82,22 @@ def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=No
 
 
 def fit_batches(tokenizer, method: MethodSettings, seed: int) -> list[dict]:
-    """The texts of ``collab.calibration`` (a file; the same sample ``calibrate`` draws), tokenized in batches of 16
-    for ``collab.fit_steps`` and ``collab.e2e_steps``: the fitting tokens of ``collab_attn.fit_to_original`` and
-    ``collab_attn.fit_end_to_end``."""
+    """The texts of ``collab.calibration`` (a file; the same sample ``calibrate`` draws), tokenized in batches of
+    ``FIT_BATCH_SIZE`` for ``collab.fit_steps`` and ``collab.e2e_steps``: the fitting tokens of
+    ``collab_attn.fit_to_original`` and ``collab_attn.fit_end_to_end``."""
     settings = method.calibration
     if settings is None or settings.from_task:
         raise ValueError("collab.fit_steps and collab.e2e_steps fit on the texts of collab.calibration: set it to a "
                          "text file or a GLUE train.tsv/dev.tsv")
     texts = load_texts(settings.source, seed=seed, limit=settings.samples)
-    return list(text_batches(tokenizer, texts, max_length=settings.max_length))
+    return list(text_batches(tokenizer, texts, batch_size=FIT_BATCH_SIZE, max_length=settings.max_length))
+
+
+def end_to_end_batches(tokenizer, method: MethodSettings, seed: int) -> list[dict]:
+    """What ``collab.e2e_steps`` trains on: with ``collab.e2e_texts``, ``FIT_BATCH_SIZE`` texts of that file per
+    step (one pass over fresh text, drawn with ``seed``; all of them, in passes, when the file holds fewer), cut at
+    ``collab.calibration_max_length``; else the calibration texts (``fit_batches``)."""
+    if method.e2e_texts is None:
+        return fit_batches(tokenizer, method, seed)
+    texts = load_texts(method.e2e_texts, seed=seed, limit=FIT_BATCH_SIZE * method.e2e_steps)
+    return list(text_batches(tokenizer, texts, batch_size=FIT_BATCH_SIZE, max_length=method.calibration.max_length))

@@ -116,6 +116,7 @@ def group_keys(method: ConversionMethod) -> dict:
         keys.update({key: fields[field] for key, field in CALIBRATION_KEYS.items()})
         keys["fit_steps"] = None  # fit_to_original on the calibration texts after the conversion (null or 0: off)
         keys["e2e_steps"] = None  # then fit_end_to_end on the same texts (null or 0: off)
+        keys["e2e_texts"] = None  # fit_end_to_end on these texts instead (a file; null: the calibration texts)
     if method.needs_importance:
         fields = _defaults(ImportanceSettings)
         keys.update({key: fields[field] for key, field in IMPORTANCE_KEYS.items()})
@@ -143,6 +144,9 @@ class MethodSettings:
     # then all the converted layers together trained this many steps to give the original's output on the same texts
     # (collab_attn.fit_end_to_end); None: no end-to-end fit
     e2e_steps: int | None = None
+    # the texts of that end-to-end fit instead of the calibration texts (a text file or a GLUE train.tsv/dev.tsv):
+    # fresh text, one batch of it per step; None: the calibration texts
+    e2e_texts: str | None = None
 
     @classmethod
     def from_config(cls, collab: Mapping) -> MethodSettings:
@@ -191,7 +195,7 @@ class MethodSettings:
                 raise ValueError(f"collab.{key} must be a number of {what} (0 or null: no fit), got {value!r}")
             steps[key] = value or None
         return cls(name, collab.get("rank"), collab.get("budget"), options, collab.get("value_rank"), calibration,
-                   importance, **steps)
+                   importance, **steps, e2e_texts=given.get("e2e_texts"))
 
     def __post_init__(self):
         if self.method == NO_CONVERSION:
@@ -227,6 +231,12 @@ class MethodSettings:
             if self.calibration is None:
                 raise ValueError(f"collab.e2e_steps={self.e2e_steps} fits the converted layers on the calibration "
                                  "texts: set collab.calibration too (a text file or a GLUE train.tsv/dev.tsv)")
+        if self.e2e_texts is not None:
+            if not (isinstance(self.e2e_texts, str) and self.e2e_texts.strip()):
+                raise ValueError(f"collab.e2e_texts must be a file path or null, got {self.e2e_texts!r}")
+            if self.e2e_steps is None:
+                raise ValueError(f"collab.e2e_texts={self.e2e_texts} is what the end-to-end fit trains on: set "
+                                 "collab.e2e_steps too, or collab.e2e_texts=null")
         value = self.value_rank
         if value is not None:
             is_int = type(value) is int and value > 0
@@ -250,7 +260,7 @@ class MethodSettings:
         for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
             if settings is not None:
                 group.update({key: getattr(settings, field) for key, field in keys.items()})
-        for key in ("fit_steps", "e2e_steps"):
+        for key in ("fit_steps", "e2e_steps", "e2e_texts"):
             if getattr(self, key) is not None:
                 group[key] = getattr(self, key)
         return group
@@ -315,7 +325,8 @@ class MethodSettings:
                                  f"collab.{key}=null")
 
     def check_calibration_source(self, task_allowed: bool) -> None:
-        """The calibration texts exist: a file, or ``task`` where the caller has a task (the GLUE pipeline)."""
+        """The calibration texts exist: a file, or ``task`` where the caller has a task (the GLUE pipeline); and so
+        do the end-to-end fit's own texts (``collab.e2e_texts``), where set."""
         if self.calibration is None:
             return
         source = self.calibration.source
@@ -330,6 +341,9 @@ class MethodSettings:
                 f"collab.calibration={source}: no such file; use a text file (one text per line) or a "
                 "GLUE train.tsv/dev.tsv" + (", or 'task' (the task's training texts)" if task_allowed else "")
             )
+        if self.e2e_texts is not None and not Path(self.e2e_texts).is_file():
+            raise FileNotFoundError(f"collab.e2e_texts={self.e2e_texts}: no such file; use a text file (one text per "
+                                    "line) or a GLUE train.tsv/dev.tsv")
 
     def check_model(self, config) -> None:
         """Before any work: can a model with this transformers ``config`` be converted with this method and rank? A
