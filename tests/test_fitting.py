@@ -223,6 +223,8 @@ def test_fit_steps_in_the_method_settings():
         MethodSettings.from_config({**group, "e2e_steps": 2.5})
     with pytest.raises(ValueError, match="collab.e2e_steps=32: scripts/visualize.py does not fit"):
         MethodSettings.from_config({**group, "fit_steps": None, "e2e_steps": 32}).refuse_fit("scripts/visualize.py")
+    shared = MethodSettings.from_config({**group, "value_rank": 8})  # key-svd shares values on rotary models
+    assert shared.value_rank == 8 and MethodSettings.from_config(shared.to_group()) == shared
     fresh = MethodSettings.from_config({**group, "e2e_steps": 32, "e2e_texts": "fresh.txt"})  # collab.e2e_texts
     assert fresh.e2e_texts == "fresh.txt" and MethodSettings.from_config(fresh.to_group()) == fresh
     assert both.to_group()["e2e_texts"] is None

@@ -202,6 +202,34 @@ def test_inputs_the_model_does_not_take_are_not_passed(tmp_path):
     assert forward_inputs(transformers.BertModel(transformers.BertConfig(**SMALL_BERT)), batch) == batch
 
 
+def test_key_svd_shares_the_values_of_a_rotary_model(tmp_path):
+    """collab=key-svd collab.value_rank=V on a Llama: the saved model caches rank + V numbers per token and layer
+    (keys and values read from a real cache after loading it back), where the values alone used to stay full width;
+    exact at the full widths. A model without rotary positions refuses the value rank before anything is written."""
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "llama"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_hidden_layers=2,
+        intermediate_size=64, vocab_size=40, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)).save_pretrained(checkpoint)
+    character_tokenizer().save_pretrained(checkpoint)
+    prompts = ("compare_prompts=[the cat sat]", "max_new_tokens=3")
+    for rank, value_rank, out in ((8, 12, "cut"), (24, 24, "exact")):  # 2 groups x 12 is the full width
+        result = script.run(config(f"model={checkpoint}", f"output_dir={tmp_path / out}", "collab=key-svd",
+                                   f"collab.rank={rank}", f"collab.value_rank={value_rank}", *prompts))
+        assert result["config"]["collab"]["value_rank"] == value_rank
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / out)
+        with torch.no_grad():
+            cache = model(torch.tensor([[3, 4, 5]]), use_cache=True).past_key_values
+        assert [(layer.keys[0, :, 0].numel(), layer.values[0, :, 0].numel()) for layer in cache.layers] == \
+            [(rank, value_rank)] * 2
+    assert result["comparison"]["max_abs_diff"] < 1e-4
+    with pytest.raises(ValueError, match="method='key-svd' shares the values on rotary models only"):
+        script.run(config(f"model={tiny_gpt2(tmp_path / 'gpt2')}", f"output_dir={tmp_path / 'gpt2-out'}",
+                          "collab=key-svd", "collab.rank=12", "collab.value_rank=12", *prompts))
+    assert not (tmp_path / "gpt2-out").exists()
+
+
 def config_for_decoder(checkpoint, out, *overrides):
     return config(f"model={checkpoint}", f"output_dir={out}", "collab.n_iter_max=3", *overrides)
 

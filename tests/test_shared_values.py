@@ -204,7 +204,7 @@ def test_shared_values_give_attention_maps(family, method):
 
 
 def test_value_rank_is_refused_where_it_cannot_be_honoured():
-    with pytest.raises(ValueError, match="value_rank does not apply to method='key-svd'"):
+    with pytest.raises(ValueError, match="method='key-svd' shares the values on rotary models only"):
         collab_attn.reparametrize(small_model("bert"), 24, method="key-svd", value_rank=24)
     with pytest.raises(ValueError, match=r"exact Tucker values need tucker_core_size = heads \(4\)"):
         collab_attn.reparametrize(small_model("bert"), 24, method="tucker", value_rank=48, tucker_core_size=2)

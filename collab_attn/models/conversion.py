@@ -352,6 +352,9 @@ def _check_value_ranks(conversion: ConversionMethod, value_rank, sites: list[Att
     if value_rank is None:
         return None
     if not _cuts_values(conversion, sites[0].rotary):
+        if _cuts_values(conversion, True):
+            raise ValueError(f"value_rank: method={conversion.name!r} shares the values on rotary models only (Llama, "
+                             "Qwen2, Mistral); this model's heads keep their values: pass value_rank=None")
         cutting = [name for name, m in METHODS.items() if m.cuts_values]
         raise ValueError(f"value_rank does not apply to method={conversion.name!r}: its heads keep their values "
                          f"(methods that cut the values: {cutting})")

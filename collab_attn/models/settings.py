@@ -20,7 +20,7 @@ from collab_attn import cli
 from collab_attn.decomposition.rank_selection import RankBudget
 from collab_attn.models import importance
 from collab_attn.models.calibration import DEFAULT_MAX_LENGTH
-from collab_attn.models.conversion import check_request
+from collab_attn.models.conversion import check_request, cuts_values_on_rotary_models
 from collab_attn.models.methods import METHODS, ConversionMethod, get_method
 from collab_attn.texts import CALIBRATION_SAMPLES
 
@@ -108,7 +108,7 @@ def _defaults(cls) -> dict:
 def group_keys(method: ConversionMethod) -> dict:
     """The keys of ``method``'s config group besides ``method`` and ``rank``, with their defaults."""
     keys = {"budget": None} if method.budgets else {}
-    if method.cuts_values:
+    if cuts_values_on_rotary_models(method):  # key-svd shares its values on rotary models only
         keys["value_rank"] = None
     keys.update(_defaults(method.options))
     if method.calibrated:
@@ -255,7 +255,7 @@ class MethodSettings:
         group.update(dataclasses.asdict(self.options))
         if self.conversion.budgets:
             group["budget"] = self.budget
-        if self.conversion.cuts_values:
+        if cuts_values_on_rotary_models(self.conversion):
             group["value_rank"] = self.value_rank
         for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
             if settings is not None:
