@@ -11,6 +11,7 @@ from collab_attn.models.allocation import Allocation, allocate_cache
 from collab_attn.models.conversion import ReparamReport, reparametrize
 from collab_attn.models.end_to_end import EndToEndFit, fit_end_to_end
 from collab_attn.models.fitting import FitReport, fit_to_original
+from collab_attn.models.sensitivity import Sensitivity, layer_sensitivity
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "fit_to_original",
     "EndToEndFit",
     "fit_end_to_end",
+    "Sensitivity",
+    "layer_sensitivity",
     "Allocation",
     "allocate_cache",
 ]

