@@ -7,7 +7,6 @@ both models come back with their own modules."""
 import copy
 
 import pytest
-import torch
 from conftest import random_batch, small_model
 from test_fitting import FIT, gpt2, kl, llama
 
