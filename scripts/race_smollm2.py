@@ -13,6 +13,8 @@ script resumes, and so does an interrupted distillation), then ``<out>/summary.m
         --calibration-tokens 16384 --distill-tokens 204800   # distilled from the calibrated conversion
     python scripts/race_smollm2.py --out experiments/smollm2/fitted --budgets 0.5 0.25 --methods key-svd kv-svd \
         --calibration-tokens 16384 --fit-steps 100   # + each layer fitted to the original's attention outputs
+    python scripts/race_smollm2.py --out experiments/smollm2/fitted --budgets 0.5 --methods key-svd \
+        --calibration-tokens 16384 --fit-steps 100 --rows 'fitted100$' --sensitivity 8   # + where its KL sits
     python scripts/race_smollm2.py --out /tmp/race --budgets 0.5 --methods cp --windows 2 --length 64   # a check
 
 Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
