@@ -88,7 +88,8 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
         def end_to_end(entry):
             return dataclasses.replace(fitted(entry), e2e_steps=args.e2e_steps,
                                        e2e_learning_rate=args.e2e_learning_rate, e2e_tokens=args.e2e_tokens,
-                                       e2e_check_tokens=args.e2e_check_tokens)
+                                       e2e_check_tokens=args.e2e_check_tokens,
+                                       e2e_held_out_tokens=args.e2e_held_out_tokens)
 
         start = end_to_end if args.e2e_steps else fitted  # where the distilled ones start
         entries = [start(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
@@ -138,7 +139,9 @@ def rows_described(entries: list[dict], batch: int) -> str:
                  "the first T fitting tokens (collab_attn.fit_end_to_end: KL; the MLPs, norms and embeddings keep "
                  "the original's weights)."
                  + (" ...check<C>: its loss before and after, which decides whether the fit is kept, measured on the "
-                    "first C of those tokens (else on all of them)." if having("e2e_check_tokens") else ""))
+                    "first C of those tokens (else on all of them)." if having("e2e_check_tokens") else "")
+                 + (" ...held<H>: measured on the H fitting tokens after them instead, which it does not train on."
+                    if having("e2e_held_out_tokens") else ""))
     if any(str(e.get("rank", "")).startswith("alloc:") for e in entries):
         text += (" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
                  "collab_attn.allocate_cache (its fitting steps per candidate and layer: the run file's "
@@ -207,6 +210,9 @@ def main(argv=None) -> None:
                         help="--e2e-steps: measure its loss before and after, which decides whether the fit is kept, "
                              "on the first this many of its fitting tokens (default 0: all of them; each measurement "
                              "runs both models over those tokens; runs named -e2e<M>...check<tokens>)")
+    parser.add_argument("--e2e-held-out-tokens", type=int, default=0,
+                        help="--e2e-tokens: measure its loss before and after on this many fitting tokens right "
+                             "after its own instead, which it does not train on (runs named -e2e<M>on<T>held<H>)")
     parser.add_argument("--pairs-by-budget", action="store_true",
                         help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
                              "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
@@ -271,6 +277,10 @@ def main(argv=None) -> None:
     if args.e2e_check_tokens < 0 or (args.e2e_check_tokens and not args.e2e_steps):
         parser.error(f"--e2e-check-tokens must be 0 (all the fitting tokens) or positive, with --e2e-steps; got "
                      f"{args.e2e_check_tokens}")
+    if args.e2e_held_out_tokens < 0 or (args.e2e_held_out_tokens and not args.e2e_tokens) or (
+            args.e2e_held_out_tokens and args.e2e_check_tokens):
+        parser.error(f"--e2e-held-out-tokens must be 0 (judged on the fitting tokens) or positive, with --e2e-tokens "
+                     f"and without --e2e-check-tokens; got {args.e2e_held_out_tokens}")
     if not args.e2e_learning_rate > 0:
         parser.error(f"--e2e-learning-rate must be positive, got {args.e2e_learning_rate}")
     if args.calibration_sample < 0 or (args.calibration_sample and not args.calibration_tokens):

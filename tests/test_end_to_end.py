@@ -83,6 +83,32 @@ def test_checking_on_fewer_batches_measures_only_them_and_trains_the_same():
     assert full.loss_before == pytest.approx(mean_kl(start, FIT), rel=1e-5) != part.loss_before
 
 
+def test_judging_on_held_out_batches_measures_only_them_and_trains_the_same():
+    """``held_out``: the loss before and after, which decides whether the fit is kept, on batches the fit does not
+    train on; the steps and the weights are those of the fit judged on its own tokens."""
+    original, model = converted(llama, "key-svd", 12, value_rank=12)
+    collab_attn.fit_to_original(model, original, FIT, steps=5, progress=False)
+    judged, start = copy.deepcopy(model), copy.deepcopy(model)
+    own = collab_attn.fit_end_to_end(model, original, FIT[:8], steps=12, learning_rate=3e-3, progress=False)
+    held = collab_attn.fit_end_to_end(judged, original, FIT[:8], steps=12, learning_rate=3e-3, held_out=FIT[8:10],
+                                      progress=False)
+    for ours, theirs in zip(judged.parameters(), model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert held.held_out and not own.held_out and held.history == own.history
+    assert (held.tokens, held.check_tokens) == (8 * 8 * 24, 2 * 8 * 24)
+    assert "| 12 steps, 1,536 tokens (judged on 384 held out), " in held.table()
+
+    def mean_kl(model, batches):
+        return sum(kl(original, model, b["input_ids"]) for b in batches) / len(batches)
+
+    assert held.loss_before == pytest.approx(mean_kl(start, FIT[8:10]), rel=1e-5)
+    assert held.fitted_loss == pytest.approx(mean_kl(judged, FIT[8:10]), rel=1e-5) != own.fitted_loss
+    with pytest.raises(ValueError, match="pass check_batches .* or held_out .*, not both"):
+        collab_attn.fit_end_to_end(judged, original, FIT[:8], steps=2, check_batches=2, held_out=FIT[8:10])
+    with pytest.raises(ValueError, match="held_out: no fitting tokens"):
+        collab_attn.fit_end_to_end(judged, original, FIT[:8], steps=2, held_out=[])
+
+
 def test_a_base_encoder_is_fitted_on_its_hidden_states_without_the_padding():
     """BERT without a head has no logits: the relative squared error of its last hidden states, over the
     non-padding tokens (the padding positions may do anything)."""

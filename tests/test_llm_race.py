@@ -273,7 +273,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
                      "key-svd-k192-v96-calibrated64", "kv-svd-k264-rope_pairs4-calibrated64-fitted30",
                      "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
     args.e2e_steps, args.e2e_learning_rate, args.e2e_tokens = 8, 3e-4, 0  # then each fitted one end to end too
-    args.e2e_check_tokens = 0
+    args.e2e_check_tokens = args.e2e_held_out_tokens = 0
     assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
         "kv-svd-k264-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003",
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003"]
@@ -284,6 +284,9 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     args.e2e_check_tokens = 512  # judged on the first 512 of them
     assert script().race_entries(args, 3, 64, [])[-1].name == (
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024check512")
+    args.e2e_check_tokens, args.e2e_held_out_tokens = 0, 256  # or on the 256 fitting tokens after them
+    assert script().race_entries(args, 3, 64, [])[-1].name == (
+        "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256")
     with pytest.raises(ValueError, match="e2e_check_tokens=512 names the tokens of an end-to-end fit the entry does"):
         race.Entry("key-svd", 96, 96, calibration_tokens=64, fit_steps=3, e2e_check_tokens=512)
 
@@ -303,6 +306,9 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
         assert meaning in text
     assert "600" not in text and "100" not in text  # the step counts are in the names of the rows, which differ
     assert "check<C>" not in script().rows_described(entries[:3], 4)
+    held = dataclasses.replace(long_fit, e2e_check_tokens=0, e2e_held_out_tokens=256)
+    assert "...held<H>: measured on the H fitting tokens after them" in script().rows_described(
+        [dataclasses.asdict(held)], 4) and "held<H>" not in text
     for absent in ("Distilled", "-ls", "-kalloc"):
         assert absent not in text
     assert script().rows_described(entries[:1], 4) == ""
@@ -329,6 +335,10 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
      "--e2e-check-tokens must be 0 (all the fitting tokens) or positive, with --e2e-steps"),
     (["--allocate", "--calibration-tokens", "64", "--allocation-steps", "0"], "--allocation-steps and"),
     (["--sensitivity", "17"], "--sensitivity must be 0 (none) or a number of held-out windows up to --windows (16)"),
+    (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-held-out-tokens", "512"],
+     "--e2e-held-out-tokens must be 0 (judged on the fitting tokens) or positive, with --e2e-tokens"),
+    (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-tokens", "4096",
+      "--e2e-check-tokens", "512", "--e2e-held-out-tokens", "512"], "and without --e2e-check-tokens"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -440,6 +450,20 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     assert kept[0].keys() == kept[1].keys()
     for key in kept[0]:
         torch.testing.assert_close(kept[1][key], kept[0][key], rtol=0, atol=0)
+    # or judged on the 48 fitting tokens after its own (2 windows), which it does not train on: the same weights
+    held = dataclasses.replace(fresh, e2e_held_out_tokens=48)
+    assert held.name == "key-svd-k12-v12-calibrated128-fitted20-e2e30lr0.003on480held48"
+    asked.clear()
+    judged = race.run_entry(held, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                            calibration_rows=lambda: fitting, fit_rows=fit_rows)
+    assert sorted(set(asked)) == [480, 528] and judged["end_to_end"]["held_out"]
+    assert (judged["end_to_end"]["tokens"], judged["end_to_end"]["check_tokens"]) == (480, 48)
+    assert judged["end_to_end"]["kept_fit"] and judged["domains"] == on_fresh["domains"]
+    assert judged["end_to_end"]["loss_before"] != on_fresh["end_to_end"]["loss_before"]
+    with pytest.raises(ValueError, match="on its first e2e_check_tokens or on e2e_held_out_tokens after them, not"):
+        dataclasses.replace(held, e2e_check_tokens=100)
+    with pytest.raises(ValueError, match="e2e_held_out_tokens=48 are the fitting tokens after .* give it e2e_tokens"):
+        dataclasses.replace(both, e2e_held_out_tokens=48)
     # the end-to-end fit is kept too, and read back by a run that starts from it
     assert race.fitted_state_path(fresh, tmp_path, "end-to-end").is_file()
     with pytest.raises(ValueError, match="stage must be 'layer' or 'end-to-end'"):

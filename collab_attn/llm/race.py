@@ -57,12 +57,19 @@ class Entry:
     e2e_learning_rate: float = 1e-4
     e2e_tokens: int = 0  # its fitting tokens: the first this many of the fitting text (0: the calibration tokens)
     e2e_check_tokens: int = 0  # its loss before and after (keep or not) on the first this many of them (0: all)
+    e2e_held_out_tokens: int = 0  # or on this many fitting tokens right after them, which it does not train on
 
     def __post_init__(self):
         for key in ("e2e_tokens", "e2e_check_tokens"):
             if getattr(self, key) and not self.e2e_steps:
                 raise ValueError(f"{key}={getattr(self, key)} names the tokens of an end-to-end fit the entry does "
                                  "not make: give it e2e_steps too")
+        if self.e2e_held_out_tokens and not self.e2e_tokens:
+            raise ValueError(f"e2e_held_out_tokens={self.e2e_held_out_tokens} are the fitting tokens after the "
+                             "end-to-end fit's own: give it e2e_tokens too")
+        if self.e2e_held_out_tokens and self.e2e_check_tokens:
+            raise ValueError("an end-to-end fit is judged on its first e2e_check_tokens or on e2e_held_out_tokens "
+                             "after them, not both")
 
     @property
     def name(self) -> str:
@@ -79,6 +86,7 @@ class Entry:
         rate = "" if self.e2e_learning_rate == 1e-4 else f"lr{self.e2e_learning_rate:g}"
         tokens = f"on{self.e2e_tokens}" if self.e2e_tokens else ""
         tokens += f"check{self.e2e_check_tokens}" if self.e2e_check_tokens else ""  # "-e2e256on262144check16384"
+        tokens += f"held{self.e2e_held_out_tokens}" if self.e2e_held_out_tokens else ""  # "-e2e32on32768held4096"
         e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         return f"{self.method}{sizes}{extra}{calibrated}{fitted}{e2e}{distilled}"
@@ -199,8 +207,13 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         def end_to_end():
             batches = fitting_batches(fit_rows(entry.e2e_tokens).to(model.device) if entry.e2e_tokens else None)
             check = -(-entry.e2e_check_tokens // batches[0]["input_ids"].numel()) if entry.e2e_check_tokens else None
+            held_out = None
+            if entry.e2e_held_out_tokens:  # the windows after the fit's own
+                after = fit_rows(entry.e2e_tokens + entry.e2e_held_out_tokens)[len(fit_rows(entry.e2e_tokens)):]
+                held_out = fitting_batches(after.to(model.device))
             return collab_attn.fit_end_to_end(model, original, batches, steps=entry.e2e_steps,
-                                              learning_rate=entry.e2e_learning_rate, check_batches=check)
+                                              learning_rate=entry.e2e_learning_rate, check_batches=check,
+                                              held_out=held_out)
 
         e2e = _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original, end_to_end)
     training = None
@@ -263,7 +276,7 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     ``"end-to-end"``, after ``fit_end_to_end`` too (before any distillation)."""
     if stage == "layer":
         start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
-                                    distill_tokens=0)
+                                    e2e_held_out_tokens=0, distill_tokens=0)
     elif stage == "end-to-end":
         start = dataclasses.replace(entry, distill_tokens=0)
     else:

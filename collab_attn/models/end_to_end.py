@@ -7,10 +7,11 @@ the cache layout and sizes stay as the conversion left them.
 The loss, averaged over the non-padding tokens of a batch: ``KL(p_original || p_converted)`` of the next-token (or
 class) distributions where the model outputs ``logits``, else ``||h_converted - h_original||^2 / ||h_original||^2``
 of its last hidden states. Adam, one of the given batches per step in a seeded random order, cosine decay. The loss
-on all the fitting tokens (or on the first ``check_batches`` of them) is measured before and after; when it did not
-fall the weights before are put back, so an exact conversion stays exact. Each measurement runs both models over the
-batches it reads: over all of them, the two cost about as much as one pass of steps, so a fit over many fresh tokens
-judges itself on a part of them.
+on all the fitting tokens (or on the first ``check_batches`` of them, or on ``held_out`` batches it does not train
+on) is measured before and after; when it did not fall the weights before are put back, so an exact conversion stays
+exact. Each measurement runs both models over the batches it reads: over all of them, the two cost about as much as
+one pass of steps, so a fit over many fresh tokens judges itself on a part of them, or on held-out tokens: the
+fitting tokens say whether the fit learned them, held-out ones whether it learned the original.
 
 The original's output is computed batch by batch when a step or a measurement needs it, never held for all the
 fitting tokens at once: a language model's next-token distributions take 4 bytes per token and vocabulary entry
@@ -46,6 +47,7 @@ class EndToEndFit:
     learning_rate: float
     tokens: int  # non-padding fitting tokens per pass
     check_tokens: int  # the non-padding tokens of the batches the loss before and after is measured on
+    held_out: bool  # measured on batches the fit did not train on (else on the first fitting batches)
     loss: str  # "kl" (nats per token) or "relative squared error" (of the last hidden states)
     parameters: int  # trained parameters: the converted attention layers'
     loss_before: float = math.nan
@@ -63,7 +65,8 @@ class EndToEndFit:
         return json.dumps(self.to_dict(), indent=2)
 
     def table(self) -> str:
-        judged = "" if self.check_tokens == self.tokens else f" (judged on {self.check_tokens:,})"
+        judged = (f" (judged on {self.check_tokens:,} held out)" if self.held_out else
+                  "" if self.check_tokens == self.tokens else f" (judged on {self.check_tokens:,})")
         return "\n".join([
             "| end-to-end fit | loss before | after | fit reached | kept fit | seconds |",
             "|---|---:|---:|---:|:---:|---:|",
@@ -81,6 +84,7 @@ def fit_end_to_end(
     learning_rate: float = DEFAULT_LEARNING_RATE,
     seed: int = 0,
     check_batches: int | None = None,
+    held_out: Iterable[Mapping[str, torch.Tensor]] | None = None,
     progress: bool = True,
 ) -> EndToEndFit:
     """Train the converted attention layers of ``converted`` (in place, all together) so that the model's output
@@ -88,7 +92,8 @@ def fit_end_to_end(
     ``collect_calibration`` and ``fit_to_original`` take them, one per optimizer step; ``steps``: Adam steps in all,
     ``learning_rate`` the initial rate (cosine decay to 0). Both models run in eval mode (no dropout) and are left in
     the mode they were in; ``original`` is not changed. ``check_batches``: the loss before and after, which decides
-    whether the fit is kept, on the first this many batches (default: all of them)."""
+    whether the fit is kept, on the first this many batches (default: all of them); ``held_out``: on these batches
+    instead (tokens the fit does not train on, batched alike)."""
     if type(steps) is not int or steps < 1:
         raise ValueError(f"steps must be a positive number of optimizer steps, got {steps!r}")
     if check_batches is not None and (type(check_batches) is not int or check_batches < 1):
@@ -102,7 +107,16 @@ def fit_end_to_end(
     if check_batches is not None and check_batches > len(batches):
         raise ValueError(f"check_batches={check_batches} is more than the {len(batches)} batches given: pass at most "
                          f"{len(batches)}, or None to measure on all of them")
-    checked = batches[:check_batches]
+    if held_out is not None and check_batches is not None:
+        raise ValueError("pass check_batches (the first fitting batches) or held_out (batches the fit does not train "
+                         "on) to judge the fit on, not both")
+    if held_out is None:
+        checked = batches[:check_batches]
+    else:
+        try:
+            checked = _batches(original, held_out, device)
+        except ValueError as error:
+            raise ValueError(f"held_out: {error}") from None
     params = _attention_parameters(converted, original, names)
     flags = {p: p.requires_grad for p in converted.parameters()}
     modes = [(m, m.training) for m in (converted, original)]
@@ -115,7 +129,7 @@ def fit_end_to_end(
         for p in params:
             p.requires_grad_(True)
         kind, loss_before = _mean_loss(converted, original, checked, "loss before", progress)
-        fit = EndToEndFit(steps, float(learning_rate), _tokens(batches), _tokens(checked),
+        fit = EndToEndFit(steps, float(learning_rate), _tokens(batches), _tokens(checked), held_out is not None,
                           "kl" if kind == "logits" else "relative squared error", sum(p.numel() for p in params),
                           loss_before)
         saved = [p.detach().clone() for p in params]
