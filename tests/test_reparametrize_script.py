@@ -53,7 +53,7 @@ def test_default_config_composes_and_resolves():
     assert dict(cfg.collab) == {
         "method": "cp", "rank": 192, "value_rank": None, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL,
         "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": 512,
-        "calibration_max_length": 128, "fit_steps": None, "e2e_steps": None,
+        "calibration_max_length": 128, "fit_steps": None, "e2e_steps": None, "e2e_texts": None,
     }
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["output_dir"].startswith("outputs/reparametrized/cp-")

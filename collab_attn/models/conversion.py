@@ -332,7 +332,8 @@ def reparametrize(
 
 def _cuts_values(conversion: ConversionMethod, rotary: bool) -> bool:
     # a method whose rotary layer cuts the values takes a value rank on rotary models (key-svd's shared values)
-    return conversion.cuts_values or (rotary and LAYER_KINDS[conversion.rotary_layer or conversion.layer].cuts_values)
+    return conversion.cuts_values or (rotary and conversion.rotary_layer is not None
+                                      and LAYER_KINDS[conversion.rotary_layer].cuts_values)
 
 
 def cuts_values_on_rotary_models(conversion: ConversionMethod) -> bool:
