@@ -225,7 +225,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         training = {"tokens": int(fitting.numel()), "windows": len(fitting), "seconds": run.seconds,
                     "history": run.history}
     if measure:
-        _measure_sensitivity(model, original, {d: rows[d][:sensitivity_windows] for d in DOMAINS}, batch, sensitivity)
+        _measure_sensitivity(model, original, {d: fitting_batches(rows[d][:sensitivity_windows]) for d in DOMAINS},
+                             sensitivity)
     if path.is_file():
         return json.loads(path.read_text())
     cache = cache_numbers_per_token(model)
@@ -252,18 +253,16 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     return result
 
 
-def _measure_sensitivity(model, original, rows: dict[str, torch.Tensor], batch: int, path: Path) -> None:
-    """``collab_attn.layer_sensitivity`` per domain on its ``rows``, written to ``path`` (JSON) and beside it (.md)."""
+def _measure_sensitivity(model, original, batches: dict[str, list[dict]], path: Path) -> None:
+    """``collab_attn.layer_sensitivity`` per domain on its ``batches``, written to ``path`` (JSON) and beside it
+    (.md)."""
     import collab_attn
 
-    measured = {}
-    for domain, windows in rows.items():
-        batches = [{"input_ids": windows[i:i + batch]} for i in range(0, len(windows), batch)]
-        measured[domain] = collab_attn.layer_sensitivity(model, original, batches)
+    measured = {domain: collab_attn.layer_sensitivity(model, original, b) for domain, b in batches.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({domain: report.to_dict() for domain, report in measured.items()},
                                        indent=2) + "\n")
-    windows = {domain: len(w) for domain, w in rows.items()}
+    windows = {domain: sum(len(b["input_ids"]) for b in parts) for domain, parts in batches.items()}
     write_text_atomic(path.with_suffix(".md"), "\n\n".join(
         f"## {domain} ({windows[domain]} held-out windows)\n\n{report.table()}" for domain, report in measured.items())
         + "\n")
