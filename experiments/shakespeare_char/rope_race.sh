@@ -10,6 +10,8 @@
 #   bash experiments/shakespeare_char/rope_race.sh longer 0 2      # the same three at 8,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longer-rest 0 2 # 1/2 and 1/8 at 8,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longer-peers 0 2 # MLA at 1/2 and 1/4 at 8,000 steps
+#   bash experiments/shakespeare_char/rope_race.sh longest 0 2     # 1/2 and 1/8 at 12,000 steps
+#   bash experiments/shakespeare_char/rope_race.sh longest-original 0 2  # the original at 12,000 steps
 # Then: python scripts/summarize_lm.py experiments/shakespeare_char
 set -euo pipefail
 set_name=${1:-race}
@@ -60,7 +62,19 @@ positions=rope"
     else
       runs=("$L attention=mla latent_size=48" "$L attention=mla latent_size=112")
     fi;;
-  *) echo "unknown run set $set_name: race, extra, long, longer, longer-rest or longer-peers" >&2; exit 2;;
+  # six times the steps, for the rows whose last 10% still moved more than their spread at 8,000
+  longest|longest-original)
+    L="output_dir=experiments/shakespeare_char/rope_race_12000 $C trainer.max_steps=12000 trainer.eval_steps=600
+positions=rope"
+    if [[ $set_name == longest ]]; then
+      runs=("$L attention=mla latent_size=112" "$L attention=collab key_size=64 value_size=64"
+            "$L attention=gqa kv_heads=2" "$L attention=mla latent_size=16"
+            "$L attention=collab key_size=16 value_size=16")
+    else
+      runs=("$L attention=concat")
+    fi;;
+  *) echo "unknown run set $set_name: race, extra, long, longer, longer-rest, longer-peers, longest or longest-original" >&2
+     exit 2;;
 esac
 i=0
 for seed in $seeds; do
