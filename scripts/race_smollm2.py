@@ -90,7 +90,7 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
             return dataclasses.replace(fitted(entry), e2e_steps=args.e2e_steps,
                                        e2e_learning_rate=args.e2e_learning_rate, e2e_tokens=args.e2e_tokens,
                                        e2e_check_tokens=args.e2e_check_tokens,
-                                       e2e_held_out_tokens=args.e2e_held_out_tokens)
+                                       e2e_held_out_tokens=args.e2e_held_out_tokens, e2e_length=args.e2e_length)
 
         start = end_to_end if args.e2e_steps else fitted  # where the distilled ones start
         entries = [start(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
@@ -142,7 +142,9 @@ def rows_described(entries: list[dict], batch: int) -> str:
                  + (" ...check<C>: its loss before and after, which decides whether the fit is kept, measured on the "
                     "first C of those tokens (else on all of them)." if having("e2e_check_tokens") else "")
                  + (" ...held<H>: measured on the H fitting tokens after them instead, which it does not train on."
-                    if having("e2e_held_out_tokens") else ""))
+                    if having("e2e_held_out_tokens") else "")
+                 + (" ...len<L>: its fitting tokens in windows of L tokens, about as many tokens a step."
+                    if having("e2e_length") else ""))
     if any(str(e.get("rank", "")).startswith("alloc:") for e in entries):
         text += (" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
                  "collab_attn.allocate_cache (its fitting steps per candidate and layer: the run file's "
@@ -214,6 +216,10 @@ def main(argv=None) -> None:
     parser.add_argument("--e2e-held-out-tokens", type=int, default=0,
                         help="--e2e-tokens: measure its loss before and after on this many fitting tokens right "
                              "after its own instead, which it does not train on (runs named -e2e<M>on<T>held<H>)")
+    parser.add_argument("--e2e-length", type=int, default=0,
+                        help="--e2e-tokens: in windows of this many tokens instead of --length, about --batch x "
+                             "--length tokens a step (at least one window; runs named -e2e<M>on<T>...len<L>; "
+                             "default 0: --length)")
     parser.add_argument("--pairs-by-budget", action="store_true",
                         help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
                              "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
@@ -283,6 +289,8 @@ def main(argv=None) -> None:
     if args.e2e_check_tokens < 0 or (args.e2e_check_tokens and not args.e2e_steps):
         parser.error(f"--e2e-check-tokens must be 0 (all the fitting tokens) or positive, with --e2e-steps; got "
                      f"{args.e2e_check_tokens}")
+    if args.e2e_length < 0 or (args.e2e_length and not args.e2e_tokens):
+        parser.error(f"--e2e-length must be 0 (--length) or positive, with --e2e-tokens; got {args.e2e_length}")
     if args.e2e_held_out_tokens < 0 or (args.e2e_held_out_tokens and not args.e2e_tokens) or (
             args.e2e_held_out_tokens and args.e2e_check_tokens):
         parser.error(f"--e2e-held-out-tokens must be 0 (judged on the fitting tokens) or positive, with --e2e-tokens "
@@ -346,10 +354,10 @@ def main(argv=None) -> None:
             parser.error(str(error))
     fitting = {}
 
-    def fit_rows(tokens):
-        if tokens not in fitting:
-            fitting[tokens] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length, tokens)
-        return fitting[tokens]
+    def fit_rows(tokens, length=args.length):
+        if (tokens, length) not in fitting:
+            fitting[tokens, length] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens)
+        return fitting[tokens, length]
 
     def calibration_rows():
         if "calibration_rows" not in fitting:

@@ -273,7 +273,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
                      "key-svd-k192-v96-calibrated64", "kv-svd-k264-rope_pairs4-calibrated64-fitted30",
                      "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
     args.e2e_steps, args.e2e_learning_rate, args.e2e_tokens = 8, 3e-4, 0  # then each fitted one end to end too
-    args.e2e_check_tokens = args.e2e_held_out_tokens = 0
+    args.e2e_check_tokens = args.e2e_held_out_tokens = args.e2e_length = 0
     assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
         "kv-svd-k264-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003",
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003"]
@@ -287,6 +287,9 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     args.e2e_check_tokens, args.e2e_held_out_tokens = 0, 256  # or on the 256 fitting tokens after them
     assert script().race_entries(args, 3, 64, [])[-1].name == (
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256")
+    args.e2e_length = 2048  # in windows of 2,048 tokens
+    assert script().race_entries(args, 3, 64, [])[-1].name == (
+        "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256len2048")
     with pytest.raises(ValueError, match="e2e_check_tokens=512 names the tokens of an end-to-end fit the entry does"):
         race.Entry("key-svd", 96, 96, calibration_tokens=64, fit_steps=3, e2e_check_tokens=512)
 
@@ -309,6 +312,9 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
     held = dataclasses.replace(long_fit, e2e_check_tokens=0, e2e_held_out_tokens=256)
     assert "...held<H>: measured on the H fitting tokens after them" in script().rows_described(
         [dataclasses.asdict(held)], 4) and "held<H>" not in text
+    longer = dataclasses.replace(long_fit, e2e_length=2048)
+    assert "...len<L>: its fitting tokens in windows of L tokens" in script().rows_described(
+        [dataclasses.asdict(longer)], 4) and "len<L>" not in text
     for absent in ("Distilled", "-ls", "-kalloc"):
         assert absent not in text
     assert script().rows_described(entries[:1], 4) == ""
@@ -339,6 +345,8 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
      "--e2e-held-out-tokens must be 0 (judged on the fitting tokens) or positive, with --e2e-tokens"),
     (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-tokens", "4096",
       "--e2e-check-tokens", "512", "--e2e-held-out-tokens", "512"], "and without --e2e-check-tokens"),
+    (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-length", "2048"],
+     "--e2e-length must be 0 (--length) or positive, with --e2e-tokens; got 2048"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -479,6 +487,42 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     with pytest.raises(ValueError, match="written by another conversion; delete it"):
         race.run_entry(other, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
                        calibration_rows=lambda: fitting)
+
+
+def test_the_end_to_end_fit_takes_its_own_tokens_in_longer_windows_about_as_many_a_step(tmp_path, monkeypatch):
+    """``e2e_length``: the end-to-end fit's fitting tokens asked of ``fit_rows`` in windows of that length, as many
+    windows a step as hold about ``batch`` calibration windows' tokens, judged on as many of its first tokens; the
+    layer fit it starts from is the run's without it; a length without its own tokens is refused."""
+    from collab_attn.models.calibration import collect_calibration
+
+    original = tiny_llama()
+    windows = {domain: rows(count=2, length=24, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
+    monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
+    fitting = rows(count=8, length=24, seed=5)
+    entry = race.Entry("key-svd", 8, 12, budget=0.5, calibration_tokens=128, fit_steps=3, e2e_steps=4,
+                       e2e_tokens=480, e2e_check_tokens=96, e2e_length=48)
+    assert entry.name == "key-svd-k8-v12-calibrated128-fitted3-e2e4on480check96len48"
+    assert race.fitted_state_path(entry, tmp_path) == race.fitted_state_path(
+        dataclasses.replace(entry, e2e_steps=0, e2e_tokens=0, e2e_check_tokens=0, e2e_length=0), tmp_path)
+    with pytest.raises(ValueError, match="e2e_length=48 sets the windows of the end-to-end fit's own fitting tokens"):
+        dataclasses.replace(entry, e2e_tokens=0, e2e_check_tokens=0)
+    asked, seen = [], []
+
+    def fit_rows(tokens, length=24):
+        asked.append((tokens, length))
+        return rows(count=-(-tokens // length), length=length, seed=7)
+
+    real = collab_attn.fit_end_to_end
+    monkeypatch.setattr(collab_attn, "fit_end_to_end",
+                        lambda model, orig, batches, **options: seen.append(batches) or real(model, orig, batches,
+                                                                                             **options))
+    result = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, batch=4,
+                            calibration=lambda: collect_calibration(original, [{"input_ids": fitting}]),
+                            calibration_rows=lambda: fitting, fit_rows=fit_rows)
+    assert asked == [(480, 48)]
+    assert [b["input_ids"].shape for b in seen[0]] == [(2, 48)] * 5  # 4 windows of 24 tokens: 2 of 48
+    assert (result["end_to_end"]["tokens"], result["end_to_end"]["check_tokens"]) == (480, 96)
+    assert result["entry"]["e2e_length"] == 48 and result["end_to_end"]["steps"] == 4
 
 
 def test_sensitivity_is_measured_on_the_held_out_windows_of_a_finished_run_from_its_kept_fit(tmp_path,

@@ -50,12 +50,16 @@ class Entry:
     e2e_tokens: int = 0  # its fitting tokens: the first this many of the fitting text (0: the calibration tokens)
     e2e_check_tokens: int = 0  # its loss before and after (keep or not) on the first this many of them (0: all)
     e2e_held_out_tokens: int = 0  # or on this many fitting tokens right after them, which it does not train on
+    e2e_length: int = 0  # its windows of this many tokens (0: the calibration windows' length)
 
     def __post_init__(self):
         for key in ("e2e_tokens", "e2e_check_tokens"):
             if getattr(self, key) and not self.e2e_steps:
                 raise ValueError(f"{key}={getattr(self, key)} names the tokens of an end-to-end fit the entry does "
                                  "not make: give it e2e_steps too")
+        if self.e2e_length and not self.e2e_tokens:
+            raise ValueError(f"e2e_length={self.e2e_length} sets the windows of the end-to-end fit's own fitting "
+                             "tokens: give it e2e_tokens too")
         if self.e2e_held_out_tokens and not self.e2e_tokens:
             raise ValueError(f"e2e_held_out_tokens={self.e2e_held_out_tokens} are the fitting tokens after the "
                              "end-to-end fit's own: give it e2e_tokens too")
@@ -79,6 +83,7 @@ class Entry:
         tokens = f"on{self.e2e_tokens}" if self.e2e_tokens else ""
         tokens += f"check{self.e2e_check_tokens}" if self.e2e_check_tokens else ""  # "-e2e256on262144check16384"
         tokens += f"held{self.e2e_held_out_tokens}" if self.e2e_held_out_tokens else ""  # "-e2e32on32768held4096"
+        tokens += f"len{self.e2e_length}" if self.e2e_length else ""  # "-e2e64on131072check16384len2048"
         e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         return f"{self.method}{sizes}{extra}{calibrated}{fitted}{e2e}{distilled}"
@@ -129,7 +134,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
     callable giving the calibration windows, ``batch`` per step) when it asks for that, then all of them at once to
     the original's output (``collab_attn.fit_end_to_end``, ``entry.e2e_steps``) on the same windows when it asks for
-    that (or on ``fit_rows(entry.e2e_tokens)`` when it names its tokens; judged on the first
+    that (or on ``fit_rows(entry.e2e_tokens)`` when it names its tokens, ``fit_rows(entry.e2e_tokens,
+    entry.e2e_length)`` in windows of that length, about as many tokens a step; judged on the first
     ``entry.e2e_check_tokens`` of them when it names those), distil it on
     ``fit_rows(entry.distill_tokens)`` (``fit_rows(tokens)``: the first ``tokens`` fitting tokens as windows) when
     it asks for it, measure it, write ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"``
@@ -189,13 +195,23 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
             solve_output=entry.fit_solve_output))
     e2e = None
     if entry.e2e_steps:
+        def e2e_rows(tokens):
+            return fit_rows(tokens, entry.e2e_length) if entry.e2e_length else fit_rows(tokens)
+
+        def e2e_batches(windows):
+            if not entry.e2e_length:
+                return fitting_batches(windows)
+            step = max(1, batch * calibration_rows().shape[1] // entry.e2e_length)  # about as many tokens a step
+            return [{"input_ids": windows[i:i + step]} for i in range(0, len(windows), step)]
+
         def end_to_end():
-            batches = fitting_batches(fit_rows(entry.e2e_tokens).to(model.device) if entry.e2e_tokens else None)
+            batches = e2e_batches(e2e_rows(entry.e2e_tokens).to(model.device)) if entry.e2e_tokens else \
+                fitting_batches()
             check = -(-entry.e2e_check_tokens // batches[0]["input_ids"].numel()) if entry.e2e_check_tokens else None
             held_out = None
             if entry.e2e_held_out_tokens:  # the windows after the fit's own
-                after = fit_rows(entry.e2e_tokens + entry.e2e_held_out_tokens)[len(fit_rows(entry.e2e_tokens)):]
-                held_out = fitting_batches(after.to(model.device))
+                after = e2e_rows(entry.e2e_tokens + entry.e2e_held_out_tokens)[len(e2e_rows(entry.e2e_tokens)):]
+                held_out = e2e_batches(after.to(model.device))
             return collab_attn.fit_end_to_end(model, original, batches, steps=entry.e2e_steps,
                                               learning_rate=entry.e2e_learning_rate, check_batches=check,
                                               held_out=held_out)
@@ -271,7 +287,7 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     ``"end-to-end"``, after ``fit_end_to_end`` too (before any distillation)."""
     if stage == "layer":
         start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
-                                    e2e_held_out_tokens=0, distill_tokens=0)
+                                    e2e_held_out_tokens=0, e2e_length=0, distill_tokens=0)
     elif stage == "end-to-end":
         start = dataclasses.replace(entry, distill_tokens=0)
     else:
