@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import transformers
-from test_llm_race import rows, tiny_llama
+from test_llm_race import a_finished_fitted_run, rows, tiny_llama
 
 import collab_attn
 from collab_attn.llm import heldout, race
@@ -87,20 +87,11 @@ def test_the_race_follows_the_answers_of_a_finished_run_from_its_kept_fit(tmp_pa
     """``answer_detail``: a finished fitted run converted again (its layer fit read back, not fitted again, its
     result file left as it was), its answers followed token by token, written beside the runs; once; not for the
     original."""
-    from collab_attn.models.calibration import collect_calibration
-
-    original = tiny_llama()
     windows = {domain: rows(count=2, length=16, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
-    monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
+    original, entry, options, result = a_finished_fitted_run(tmp_path, monkeypatch, windows)
+    written = (tmp_path / "runs" / f"{entry.name}.json").read_text()
     monkeypatch.setattr(race, "answer_agreement",
                         lambda model, orig, tokenizer: answer_agreement(model, orig, tokenizer, PROMPTS, 5))
-    fitting = rows(count=8, length=24, seed=5)
-    entry = race.Entry("key-svd", 8, 12, budget=0.5, calibration_tokens=128, fit_steps=5)
-    options = {"calibration": lambda: collect_calibration(original, [{"input_ids": fitting}]),
-               "calibration_rows": lambda: fitting}
-    result = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, **options)
-    written = (tmp_path / "runs" / f"{entry.name}.json").read_text()
-    monkeypatch.setattr(collab_attn, "fit_to_original", lambda *a, **k: pytest.fail("the layer fit was made again"))
     again = race.run_entry(entry, original, ChatTokenizer(), windows, tmp_path, original_cache=48,
                            answer_detail=True, **options)
     assert again == result and (tmp_path / "runs" / f"{entry.name}.json").read_text() == written

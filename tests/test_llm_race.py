@@ -525,23 +525,30 @@ def test_the_end_to_end_fit_takes_its_own_tokens_in_longer_windows_about_as_many
     assert result["entry"]["e2e_length"] == 48 and result["end_to_end"]["steps"] == 4
 
 
-def test_sensitivity_is_measured_on_the_held_out_windows_of_a_finished_run_from_its_kept_fit(tmp_path,
-                                                                                              monkeypatch):
-    """``sensitivity_windows=N``: where a fitted run's KL sits, layer by layer (collab_attn.layer_sensitivity), on the
-    first N held-out windows per domain, written beside the runs; a finished run is converted again for it with its
-    layer fit read back (not fitted again) and its result file left as it was; the original is not measured."""
+def a_finished_fitted_run(tmp_path, monkeypatch, windows):
+    """A tiny Llama's fitted ``key-svd`` run, finished (its result file written), then its layer fit forbidden: where
+    a later measurement of a finished run starts. Returns the original, the entry, the run's options and result."""
     from collab_attn.models.calibration import collect_calibration
 
     original = tiny_llama()
-    windows = {domain: rows(count=4, length=24, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
     monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
     fitting = rows(count=8, length=24, seed=5)
     entry = race.Entry("key-svd", 8, 12, budget=0.5, calibration_tokens=128, fit_steps=5)
     options = {"calibration": lambda: collect_calibration(original, [{"input_ids": fitting}]),
                "calibration_rows": lambda: fitting}
     result = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, **options)
-    written = (tmp_path / "runs" / f"{entry.name}.json").read_text()
     monkeypatch.setattr(collab_attn, "fit_to_original", lambda *a, **k: pytest.fail("the layer fit was made again"))
+    return original, entry, options, result
+
+
+def test_sensitivity_is_measured_on_the_held_out_windows_of_a_finished_run_from_its_kept_fit(tmp_path,
+                                                                                              monkeypatch):
+    """``sensitivity_windows=N``: where a fitted run's KL sits, layer by layer (collab_attn.layer_sensitivity), on the
+    first N held-out windows per domain, written beside the runs; a finished run is converted again for it with its
+    layer fit read back (not fitted again) and its result file left as it was; the original is not measured."""
+    windows = {domain: rows(count=4, length=24, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
+    original, entry, options, result = a_finished_fitted_run(tmp_path, monkeypatch, windows)
+    written = (tmp_path / "runs" / f"{entry.name}.json").read_text()
     measured = []
     real = collab_attn.layer_sensitivity
     monkeypatch.setattr(collab_attn, "layer_sensitivity",
