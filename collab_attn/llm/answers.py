@@ -104,11 +104,12 @@ def answer_agreement(model, original, tokenizer, prompts: Sequence[str] = PROMPT
         for prompt in prompts:
             chat = _chat(tokenizer, prompt, original.device)
             start = chat["input_ids"].shape[1]
-            with torch.no_grad():
-                full = original.generate(**chat, max_new_tokens=new_tokens, do_sample=False)
-                reference = original(full).logits[0, start - 1:-1].float()
-                converted = model(full.to(model.device)).logits[0, start - 1:-1].float().to(reference.device)
-            answer = full[0, start:]
+            with torch.no_grad():  # the original's logits as it chose each token, not a second pass
+                out = original.generate(**chat, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                                        return_dict_in_generate=True)
+                reference = torch.stack(out.logits, 1)[0].float()
+                converted = model(out.sequences.to(model.device)).logits[0, start - 1:-1].float().to(reference.device)
+            answer = out.sequences[0, start:]
             top = reference.log_softmax(-1).topk(2).values
             hits = (converted.argmax(-1) == answer).tolist()
             missed = [i for i, hit in enumerate(hits) if not hit]

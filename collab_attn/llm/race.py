@@ -167,9 +167,9 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         raise ValueError(f"{entry.name} trains on fitting text beyond the calibration tokens: pass "
                          "run_entry(..., fit_rows=...)")
 
-    def fitting_batches(windows=None):
+    def fitting_batches(windows=None, step=batch):
         windows = calibration_rows() if windows is None else windows
-        return [{"input_ids": windows[i:i + batch]} for i in range(0, len(windows), batch)]
+        return [{"input_ids": windows[i:i + step]} for i in range(0, len(windows), step)]
 
     model, report, fit, allocation = original, None, None, None
     if entry.method != "none":
@@ -201,8 +201,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         def e2e_batches(windows):
             if not entry.e2e_length:
                 return fitting_batches(windows)
-            step = max(1, batch * calibration_rows().shape[1] // entry.e2e_length)  # about as many tokens a step
-            return [{"input_ids": windows[i:i + step]} for i in range(0, len(windows), step)]
+            return fitting_batches(windows, max(1, batch * calibration_rows().shape[1] // entry.e2e_length))
 
         def end_to_end():
             batches = e2e_batches(e2e_rows(entry.e2e_tokens).to(model.device)) if entry.e2e_tokens else \
