@@ -1,10 +1,14 @@
-"""Two runs of the SmolLM2 race (``runs/<name>.json`` of scripts/race_smollm2.py) side by side: per evaluation domain,
-the perplexity ratio and the paired bootstrap over the held-out windows both were measured on
-(``collab_attn.stats.window_bootstrap``), with its verdict.
+"""Two conversions of the SmolLM2 race (``runs/<name>.json`` of scripts/race_smollm2.py) side by side: per evaluation
+domain, the perplexity ratio, the paired bootstrap over the held-out windows both were measured on
+(``collab_attn.stats.window_bootstrap``) and, given a pair of runs for each of two or more calibration samples, the
+t-interval over the samples (``collab_attn.stats.compare_on_shared_seeds``), with its verdict.
 
     cd experiments/smollm2/fitted/runs
     python ../../../../scripts/compare_runs.py key-svd-k96-v96-calibrated16384-fitted600-e2e32.json \
         key-svd-k96-v96-calibrated16384-fitted600.json
+    python ../../../../scripts/compare_runs.py key-svd-k96-v96-calibrated16384-fitted100.json \
+        kv-svd-k168-rope_pairs4-calibrated16384-fitted100.json \
+        key-svd-k96-v96-calibrated16384s1-fitted100.json kv-svd-k168-rope_pairs4-calibrated16384s1-fitted100.json
 
 Prints a Markdown table ("ahead": the first run has the lower perplexity, by more than the interval). Bad input exits
 with status 2 and one ``error: ...`` line.
@@ -36,8 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", type=Path, help="the run to judge")
     parser.add_argument("b", type=Path, help="the run it is judged against")
+    parser.add_argument("more", type=Path, nargs="*", metavar="A B",
+                        help="more pairs: the same two conversions calibrated on another sample")
     args = parser.parse_args(argv)
-    lines = cli.exit_on_bad_input(lambda: comparison_markdown(read_run(args.a), read_run(args.b)))
+    if len(args.more) % 2:
+        parser.error(f"{len(args.more) + 2} run files: pass them in pairs (a b, then a b of another calibration "
+                     "sample)")
+    paths = [args.a, args.b, *args.more]
+    lines = cli.exit_on_bad_input(lambda: comparison_markdown([read_run(p) for p in paths[0::2]],
+                                                              [read_run(p) for p in paths[1::2]]))
     print("\n".join(lines))
     return 0
 

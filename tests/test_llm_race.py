@@ -699,6 +699,37 @@ def test_two_runs_are_compared_window_by_window(tmp_path, capsys):
         assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_two_conversions_are_compared_over_calibration_samples(tmp_path, capsys):
+    """compare_runs.py with a pair of runs per calibration sample: the window bootstrap on the first sample, the
+    t-interval over the samples beside it; runs of two conversions on one side, a sample twice or an odd count
+    refused."""
+    from collab_attn.stats import compare_on_shared_seeds
+
+    spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "scripts" / "compare_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    runs = {"cp0": fake_run("cp", 3.0), "cp1": fake_run("cp", 3.1, sample=1), "cp2": fake_run("cp", 3.05, sample=2),
+            "kv0": fake_run("kv-svd", 3.3), "kv1": fake_run("kv-svd", 3.35, sample=1),
+            "kv2": fake_run("kv-svd", 3.3, sample=2)}
+    for name, run in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    path = {name: str(tmp_path / f"{name}.json") for name in runs}
+    assert module.main([path["cp0"], path["kv0"], path["cp1"], path["kv1"], path["cp2"], path["kv2"]]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cp-k8-calibrated16 against kv-svd-k8-calibrated16:")
+    low, high = compare_on_shared_seeds(*({s: math.log(runs[f"{m}{s}"]["domains"]["wikipedia"]["perplexity"])
+                                           for s in range(3)} for m in ("cp", "kv"))).interval
+    row = next(line for line in out.splitlines() if line.startswith("| wikipedia |"))
+    assert f"[{math.exp(low):.3g}x, {math.exp(high):.3g}x] ahead (3 samples) | **ahead** |" in row
+    assert "ahead (8 windows)" in row and f"| {math.exp(-(0.3 + 0.25 + 0.25) / 3):.3g}x |" in row
+    for argv, message in (([path["cp0"], path["kv0"], path["kv1"], path["cp1"]], "runs of different conversions"),
+                          ([path["cp0"], path["kv0"], path["cp0"], path["kv1"]], "calibration sample [0] given twice"),
+                          ([path["cp0"], path["kv0"], path["cp1"]], "pass them in pairs")):
+        with pytest.raises(SystemExit) as exit_:
+            module.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_rows_runs_only_the_rows_it_names_besides_the_original():
     import re
     from types import SimpleNamespace

@@ -429,17 +429,35 @@ def _versus(a: dict[int, dict], b: dict[int, dict], domain: str) -> list[str]:
             "one sample" if by_samples is None else _interval(by_samples, False), verdict]
 
 
-def comparison_markdown(a: dict, b: dict) -> list[str]:
-    """Run ``a`` against run ``b`` (two result files of ``run_entry``) on every domain both were measured on: a
-    Markdown table with the same cells as the summary's verdicts (the window bootstrap where both kept per-window
-    sums)."""
-    domains = [d for d in measured_domains([a, b]) if d in a["domains"] and d in b["domains"]]
+def _by_sample(runs: list[dict]) -> dict[int, dict]:
+    """One conversion's runs (result files of ``run_entry``), keyed by calibration sample."""
+    conversions = sorted({_conversion(r) for r in runs})
+    if len(conversions) != 1:
+        raise ValueError(f"runs of different conversions on one side ({', '.join(conversions)}): pass one "
+                         "conversion's runs per side, one per calibration sample")
+    samples = [_sample(r) for r in runs]
+    twice = sorted({s for s in samples if samples.count(s) > 1})
+    if twice:
+        raise ValueError(f"{conversions[0]}: calibration sample {twice} given twice on one side: pass each "
+                         "sample's run once")
+    return {_sample(r): r for r in runs}
+
+
+def comparison_markdown(a: list[dict], b: list[dict]) -> list[str]:
+    """One conversion against another (each side: its runs, result files of ``run_entry``, one per calibration
+    sample) on every domain all of them were measured on: a Markdown table with the same cells as the summary's
+    verdicts (the window bootstrap where both kept per-window sums, the t-interval over the samples both have where
+    there are two or more)."""
+    a_runs, b_runs = _by_sample(a), _by_sample(b)
+    runs = [*a_runs.values(), *b_runs.values()]
+    domains = [d for d in measured_domains(runs) if all(d in r["domains"] for r in runs)]
     if not domains:
-        raise ValueError(f"{a['name']} and {b['name']} share no evaluation domain: nothing to compare")
-    lines = [f"{a['name']} against {b['name']}:", "", "| domain | perplexity a / b | held-out windows | "
-             "calibration samples | verdict |", "|---|---:|---|---|---|"]
-    for domain in domains:  # one run each: paired by window only
-        lines.append("| " + " | ".join([domain, *_versus({0: a}, {0: b}, domain)]) + " |")
+        raise ValueError(f"{_conversion(a[0])} and {_conversion(b[0])} share no evaluation domain: nothing to "
+                         "compare")
+    lines = [f"{_conversion(a[0])} against {_conversion(b[0])}:", "", "| domain | perplexity a / b | held-out "
+             "windows | calibration samples | verdict |", "|---|---:|---|---|---|"]
+    for domain in domains:
+        lines.append("| " + " | ".join([domain, *_versus(a_runs, b_runs, domain)]) + " |")
     return lines
 
 

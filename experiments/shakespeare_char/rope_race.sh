@@ -10,6 +10,7 @@
 #   bash experiments/shakespeare_char/rope_race.sh longer 0 2      # the same three at 8,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longer-rest 0 2 # 1/2 and 1/8 at 8,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longer-peers 0 2 # MLA at 1/2 and 1/4 at 8,000 steps
+#   bash experiments/shakespeare_char/rope_race.sh longer-tpa 0 2  # TPA at its two budgets at 8,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longest 0 2     # 1/2 and 1/8 at 12,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longest-original 0 2  # the original at 12,000 steps
 # Then: python scripts/summarize_lm.py experiments/shakespeare_char
@@ -51,7 +52,7 @@ attention=concat"
 positions=rope"
     runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab key_size=32 value_size=32");;
   # four times the steps: until the last 10% of training moves the loss by less than the spread over seeds
-  longer|longer-rest|longer-peers)
+  longer|longer-rest|longer-peers|longer-tpa)
     L="output_dir=experiments/shakespeare_char/rope_race_8000 $C trainer.max_steps=8000 trainer.eval_steps=400
 positions=rope"
     if [[ $set_name == longer ]]; then
@@ -59,8 +60,10 @@ positions=rope"
     elif [[ $set_name == longer-rest ]]; then
       runs=("$L attention=gqa kv_heads=2" "$L attention=collab key_size=64 value_size=64"
             "$L attention=mla latent_size=16" "$L attention=collab key_size=16 value_size=16")
-    else
+    elif [[ $set_name == longer-peers ]]; then
       runs=("$L attention=mla latent_size=48" "$L attention=mla latent_size=112")
+    else
+      runs=("$L attention=tpa key_size=2" "$L attention=tpa key_size=1")
     fi;;
   # six times the steps, for the rows whose last 10% still moved more than their spread at 8,000
   longest|longest-original)
@@ -73,7 +76,7 @@ positions=rope"
     else
       runs=("$L attention=concat")
     fi;;
-  *) echo "unknown run set $set_name: race, extra, long, longer, longer-rest, longer-peers, longest or longest-original" >&2
+  *) echo "unknown run set $set_name: race, extra, long, longer, longer-rest, longer-peers, longer-tpa, longest or longest-original" >&2
      exit 2;;
 esac
 i=0
