@@ -722,6 +722,10 @@ def test_two_conversions_are_compared_over_calibration_samples(tmp_path, capsys)
     row = next(line for line in out.splitlines() if line.startswith("| wikipedia |"))
     assert f"[{math.exp(low):.3g}x, {math.exp(high):.3g}x] ahead (3 samples) | **ahead** |" in row
     assert "ahead (8 windows)" in row and f"| {math.exp(-(0.3 + 0.25 + 0.25) / 3):.3g}x |" in row
+    module.main([path["cp1"], path["cp0"]])  # one run a side: by window, whatever the samples
+    out = capsys.readouterr().out
+    assert out.startswith("cp-k8-calibrated16s1 against cp-k8-calibrated16:")
+    assert out.count("behind (8 windows) | one sample | **behind** |") == len(heldout.DOMAINS)
     for argv, message in (([path["cp0"], path["kv0"], path["kv1"], path["cp1"]], "runs of different conversions"),
                           ([path["cp0"], path["kv0"], path["cp0"], path["kv1"]], "calibration sample [0] given twice"),
                           ([path["cp0"], path["kv0"], path["cp1"]], "pass them in pairs")):

@@ -447,14 +447,16 @@ def comparison_markdown(a: list[dict], b: list[dict]) -> list[str]:
     """One conversion against another (each side: its runs, result files of ``run_entry``, one per calibration
     sample) on every domain all of them were measured on: a Markdown table with the same cells as the summary's
     verdicts (the window bootstrap where both kept per-window sums, the t-interval over the samples both have where
-    there are two or more)."""
-    a_runs, b_runs = _by_sample(a), _by_sample(b)
+    there are two or more). One run a side is compared window by window whatever its sample."""
+    if len(a) == len(b) == 1:  # one run each, whatever their samples (two samples of one conversion too)
+        a_runs, b_runs, names = {0: a[0]}, {0: b[0]}, (a[0]["name"], b[0]["name"])
+    else:
+        a_runs, b_runs, names = _by_sample(a), _by_sample(b), (_conversion(a[0]), _conversion(b[0]))
     runs = [*a_runs.values(), *b_runs.values()]
     domains = [d for d in measured_domains(runs) if all(d in r["domains"] for r in runs)]
     if not domains:
-        raise ValueError(f"{_conversion(a[0])} and {_conversion(b[0])} share no evaluation domain: nothing to "
-                         "compare")
-    lines = [f"{_conversion(a[0])} against {_conversion(b[0])}:", "", "| domain | perplexity a / b | held-out "
+        raise ValueError(f"{names[0]} and {names[1]} share no evaluation domain: nothing to compare")
+    lines = [f"{names[0]} against {names[1]}:", "", "| domain | perplexity a / b | held-out "
              "windows | calibration samples | verdict |", "|---|---:|---|---|---|"]
     for domain in domains:
         lines.append("| " + " | ".join([domain, *_versus(a_runs, b_runs, domain)]) + " |")
