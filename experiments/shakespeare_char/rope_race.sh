@@ -13,6 +13,7 @@
 #   bash experiments/shakespeare_char/rope_race.sh longer-tpa 0 2  # TPA at its two budgets at 8,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longest 0 2     # 1/2 and 1/8 at 12,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longest-original 0 2  # the original at 12,000 steps
+#   bash experiments/shakespeare_char/rope_race.sh longest-tpa 0 2 # TPA at ranks 2/2 at 12,000 steps
 # Then: python scripts/summarize_lm.py experiments/shakespeare_char
 set -euo pipefail
 set_name=${1:-race}
@@ -66,17 +67,19 @@ positions=rope"
       runs=("$L attention=tpa key_size=2" "$L attention=tpa key_size=1")
     fi;;
   # six times the steps, for the rows whose last 10% still moved more than their spread at 8,000
-  longest|longest-original)
+  longest|longest-original|longest-tpa)
     L="output_dir=experiments/shakespeare_char/rope_race_12000 $C trainer.max_steps=12000 trainer.eval_steps=600
 positions=rope"
     if [[ $set_name == longest ]]; then
       runs=("$L attention=mla latent_size=112" "$L attention=collab key_size=64 value_size=64"
             "$L attention=gqa kv_heads=2" "$L attention=mla latent_size=16"
             "$L attention=collab key_size=16 value_size=16")
-    else
+    elif [[ $set_name == longest-original ]]; then
       runs=("$L attention=concat")
+    else
+      runs=("$L attention=tpa key_size=2")
     fi;;
-  *) echo "unknown run set $set_name: race, extra, long, longer, longer-rest, longer-peers, longer-tpa, longest or longest-original" >&2
+  *) echo "unknown run set $set_name: race, extra, long, longer, longer-rest, longer-peers, longer-tpa, longest, longest-original or longest-tpa" >&2
      exit 2;;
 esac
 i=0
