@@ -446,8 +446,9 @@ def _by_sample(runs: list[dict]) -> dict[int, dict]:
 def comparison_markdown(a: list[dict], b: list[dict]) -> list[str]:
     """One conversion against another (each side: its runs, result files of ``run_entry``, one per calibration
     sample) on every domain all of them were measured on: a Markdown table with the same cells as the summary's
-    verdicts (the window bootstrap where both kept per-window sums, the t-interval over the samples both have where
-    there are two or more). One run a side is compared window by window whatever its sample."""
+    verdicts (the window bootstrap, on the first calibration sample both have, where both kept per-window sums; the
+    t-interval over the samples both have where there are two or more). One run a side is compared window by window
+    whatever its sample."""
     if len(a) == len(b) == 1:  # one run each, whatever their samples (two samples of one conversion too)
         a_runs, b_runs, names = {0: a[0]}, {0: b[0]}, (a[0]["name"], b[0]["name"])
     else:
