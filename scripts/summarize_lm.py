@@ -4,7 +4,8 @@
     python scripts/summarize_lm.py outputs/shakespeare_char
 
 Reads <root>/<folder>/runs/*.json and <root>/<folder>/convert/runs/*.json for every folder, writes
-<root>/curves_<folder>.png and the results part of <root>/README.md (between its markers; the rest is kept).
+<root>/curves_<folder>.png and the results part of <root>/results.md (between its markers; the rest is
+kept; <root>/README.md is written by hand and links it).
 Every result is read and checked first: bad input exits with status 2 and one ``error: ...`` line.
 """
 

@@ -3,7 +3,8 @@
     python scripts/summarize_race.py                                 # experiments/kv_cache
 
 Reads <root>/<model>/<variant>/seed*/runs/*.json (scripts/convert_lm.py with cache_fractions), writes
-<root>/<model>_<variant>.png and the results part of <root>/README.md (between its markers; the rest is kept).
+<root>/<model>_<variant>.png and the results part of <root>/results.md (between its markers; the rest is
+kept; <root>/README.md is written by hand and links it).
 Every result is read and checked first: bad input exits with status 2 and one ``error: ...`` line.
 """
 

@@ -57,8 +57,10 @@ def test_the_race_sizes_every_method_for_each_budget_and_is_summarized(text_file
     assert distilled[0]["retrained_val_loss"] != plain["retrained_val_loss"]  # ... re-trained another way
 
     saved = saved_figures(monkeypatch)
-    readme = race.write_summary(trained.parent)
-    text = readme.read_text()
+    results = race.write_summary(trained.parent)
+    assert results.name == "results.md"  # README.md stays the hand-written answer
+    text = results.read_text()
+    assert "| 2 x 4 x 16 = 128 |" in text  # re-trained: every weight, 2 steps x batch 4 x block 16 per seed
     assert "### `tiny/convert`" in text and "### `tiny/convert_distill`" in text
     plain_part = text.split("### `tiny/convert_distill`")[0]
     plain_table = plain_part.split("Per budget and stage")[0]

@@ -257,9 +257,13 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     stored.write_text(svd)
 
     saved = saved_figures(monkeypatch)
-    readme = summary.write_summary(tmp_path / "shakespeare_char")
-    text = readme.read_text()
+    results = summary.write_summary(tmp_path / "shakespeare_char")
+    assert results == tmp_path / "shakespeare_char" / "results.md"  # README.md stays the hand-written answer
+    assert not (tmp_path / "shakespeare_char" / "README.md").exists()
+    text = results.read_text()
     assert summary.RESULTS_BEGIN in text and "| cp-aware | 4 |" in text and "| concat | 16 |" in text
+    # what was trained, on how many tokens: every weight from scratch, 10 steps x 4 x 16; the re-training 2 steps
+    assert "| 10 x 4 x 16 = 640 |" in text and "| 2 x 4 x 16 = 128 |" in text
     assert "![learning curves](curves_cpu.png)" in text and (tmp_path / "shakespeare_char" / "curves_cpu.png").is_file()
     # the one run's validation curve (step 0 left out) and its best loss, beside nanoGPT's for the cpu recipe
     run = json.loads((train_dir / "runs" / "concat-k16-seed0.json").read_text())
@@ -270,9 +274,9 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     assert list(curve.get_ydata()) == [p["val_loss"] for p in run["curve"] if p["step"]]
     assert reference.get_label() == "nanoGPT 1.88" and list(reference.get_ydata()) == [1.88, 1.88]
     assert errorbars(right) == {"concat": ([16], [run["best_val_loss"]], [0.0])}
-    readme.write_text("# notes\n\nkept\n\n" + text)
+    results.write_text("# notes\n\nkept\n\n" + text)
     assert summary.write_summary(tmp_path / "shakespeare_char").read_text().count(summary.RESULTS_BEGIN) == 1
-    assert "kept" in readme.read_text()
+    assert "kept" in results.read_text()
 
 
 def test_long_enough_compares_the_last_tenth_of_training_with_the_spread_over_seeds():

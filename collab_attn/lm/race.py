@@ -7,11 +7,13 @@ distilled from the original). Per (method, cache budget) the validation loss con
 over seeds, beside the original models' and the re-training-only control (``none``); per budget and seed the method
 that wins; per budget and stage the best method by the mean and whether the paired rule
 (``collab_attn.stats.paired_comparison``) puts it ahead of each other method or calls them tied; one plot per variant
-(loss against cache bytes, one line per method).
+(loss against cache bytes, one line per method). ``write_summary`` puts them in ``results.md`` (between its markers);
+the folder's ``README.md`` is written by hand and links it.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,23 +69,46 @@ def _cell(runs: Sequence[dict], key: str) -> str:
     return f"{mean:.4f} ± {std:.4f}"
 
 
-def table(records: Sequence[dict]) -> str:
+def batches(model_folder: Path) -> tuple[int, int] | None:
+    """(batch, block) of the original models' training runs (``<model folder>/runs/*.json``, ``scripts/train_lm.py``),
+    which the re-training of their conversions keeps; None where no run says."""
+    for path in sorted(model_folder.glob("runs/*.json")):
+        signature = json.loads(path.read_text()).get("signature") or {}
+        batch = (signature.get("trainer") or {}).get("per_device_train_batch_size")
+        if batch is not None and signature.get("block_size") is not None:
+            return batch, signature["block_size"]
+    return None
+
+
+def _retrained_tokens(runs: Sequence[dict], shape: tuple[int, int] | None) -> str:
+    steps = runs[0].get("retrain_steps")
+    if not steps or all(r.get("retrained_val_loss") is None for r in runs):
+        return "-"
+    if shape is None:
+        return f"{steps:,} steps"
+    return f"{steps:,} x {shape[0]} x {shape[1]} = {steps * shape[0] * shape[1]:,}"
+
+
+def table(records: Sequence[dict], shape: tuple[int, int] | None = None) -> str:
     """One row per (method, budget): sizes, cache bytes measured from the converted model, validation loss converted
-    and re-trained (mean ± std over seeds)."""
+    and re-trained (mean ± std over seeds), and the tokens of the re-training (``shape``: its batch and block)."""
     originals = {r["seed"]: r["original_val_loss"] for r in records}
     mean, std = mean_std(list(originals.values()))
     original_bytes = records[0]["original_cache_bytes_per_token_bf16"]
     lines = [f"Original models (seeds {', '.join(map(str, sorted(originals)))}): val loss {mean:.4f} ± {std:.4f}, "
-             f"{original_bytes:,} cache bytes per token (bf16).", "",
+             f"{original_bytes:,} cache bytes per token (bf16). Converted: no weight trained (each method is fitted "
+             "to the trained weights; `-aware` methods and `prune` also read training blocks for statistics). "
+             "Re-trained: every weight, on the tokens of the last column per seed.", "",
              "| budget | method | rank / value rank | cache B/token | vs original | val loss converted "
-             "| val loss re-trained | seeds |",
-             "|---:|---|---|---:|---:|---:|---:|---|"]
+             "| val loss re-trained | seeds | re-trained: all weights, tokens per seed (steps x batch x block) |",
+             "|---:|---|---|---:|---:|---:|---:|---|---|"]
     for (method, fraction), runs in _groups(records).items():
         cache = runs[0]["cache_bytes_per_token_bf16"]
         budget = "-" if fraction is None else f"{fraction:g}"
         lines.append(f"| {budget} | {method} | {_size(runs[0])} | {cache:,} | {cache / original_bytes:.3f}x "
                      f"| {_cell(runs, 'converted_val_loss')} | {_cell(runs, 'retrained_val_loss')} "
-                     f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} |")
+                     f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} "
+                     f"| {_retrained_tokens(runs, shape)} |")
     return "\n".join(lines)
 
 
@@ -208,28 +233,36 @@ def plot(records: Sequence[dict], path: Path, title: str) -> Path:
 
 RESULTS_BEGIN = "<!-- race results: written by scripts/summarize_race.py -->"
 RESULTS_END = "<!-- end of race results -->"
+RESULTS_FILE = "results.md"  # the generated page; README.md links it
+RESULTS_HEADER = ("# The cache race: every table\n\n"
+                  "Written by `python scripts/summarize_race.py experiments/kv_cache` from the runs' JSON files "
+                  "(do not edit between the markers). The current answer is in [`README.md`](README.md).\n\n")
 
 
 def check_root(root: str | Path) -> dict[str, list[dict]]:
-    """Every run under ``root`` read and checked, and the README writable, before anything is written."""
+    """Every run under ``root`` read and checked, and ``results.md`` writable, before anything is written."""
     root = cli.input_dir("root", root)
     found = variants(root)
     if not found:
         raise cli.Missing(f"root={root} holds no <model>/<variant>/seed*/runs/*.json: run scripts/convert_lm.py with "
                           "cache_fractions and output_dir=<root>/<model>/<variant>/seed<N> first")
-    cli.summary_outputs("root", root, [f"{name.replace('/', '_')}.png" for name in found])
+    if (root / RESULTS_FILE).exists():
+        cli.text_file("root", root / RESULTS_FILE)
+    cli.summary_outputs("root", root, [RESULTS_FILE, *(f"{name.replace('/', '_')}.png" for name in found)])
     return found
 
 
 def write_summary(root: str | Path) -> Path:
-    """A plot per variant and the README's results part (between the markers; the rest is kept)."""
+    """A plot per variant and the results part of ``results.md`` (between the markers; the rest is kept); returns
+    that file's path."""
     found = check_root(root)
     root = Path(root)
     parts = [RESULTS_BEGIN, ""]
     for name, records in found.items():
         image = f"{name.replace('/', '_')}.png"
         plot(records, root / image, name)
-        parts += [f"### `{name}`", "", table(records), "", f"![loss against cache]({image})", "",
+        shape = batches(root / name.split("/")[0])
+        parts += [f"### `{name}`", "", table(records, shape), "", f"![loss against cache]({image})", "",
                   "Per budget and stage, the best method by the mean over seeds and the paired rule "
                   "(`collab_attn.stats.paired_comparison`: 95% t-interval over the per-seed differences; `tie` when "
                   "it holds zero):", "", verdicts(records), "",
@@ -239,4 +272,4 @@ def write_summary(root: str | Path) -> Path:
                   head_to_head(records), "",
                   "Per budget and seed, the best method:", "", winners(records), ""]
     generated = "\n".join(parts + [RESULTS_END]) + "\n"
-    return write_section(root / "README.md", generated, RESULTS_BEGIN, RESULTS_END, "# The cache race\n\n")
+    return write_section(root / RESULTS_FILE, generated, RESULTS_BEGIN, RESULTS_END, RESULTS_HEADER)

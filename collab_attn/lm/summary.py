@@ -2,9 +2,9 @@
 
 Layout read (``experiments/shakespeare_char/``): ``<recipe>/runs/*.json`` (from scratch, ``collab_attn.lm.runs``)
 and ``<recipe>/convert/runs/*.json`` (conversions, ``collab_attn.lm.convert``) for each recipe folder found.
-``write_summary`` writes ``curves_<recipe>.png`` per recipe and replaces the part of ``README.md`` between
-``RESULTS_BEGIN`` and ``RESULTS_END`` (appended when missing) with the tables and samples; the rest of the README
-is left as written.
+``write_summary`` writes ``curves_<recipe>.png`` per recipe and replaces the part of ``results.md`` between
+``RESULTS_BEGIN`` and ``RESULTS_END`` (appended when missing) with the tables and samples; the rest of that file is
+left as written. The folder's ``README.md`` is written by hand (the current answer) and links ``results.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from collab_attn.stats import compare_on_shared_seeds, rank
 NANOGPT = {"gpu": 1.4697, "cpu": 1.88}  # nanoGPT's README: best val loss of its two shakespeare_char configs
 RESULTS_BEGIN = "<!-- results: written by scripts/summarize_lm.py -->"
 RESULTS_END = "<!-- end of results -->"
+RESULTS_FILE = "results.md"  # the generated page: every table, verdict and sample; README.md links it
+RESULTS_HEADER = ("# Tiny Shakespeare, character level: every run\n\n"
+                  "Written by `python scripts/summarize_lm.py experiments/shakespeare_char` from the runs' JSON files "
+                  "(do not edit between the markers). The current answer is in [`README.md`](README.md).\n\n")
 METHOD_ORDER = labels()
 # Per results sub-folder: the keys the tables read, the key naming the variant and its values, the writing script.
 RESULTS = {
@@ -76,13 +80,28 @@ def _groups(records: Sequence[dict]) -> dict[tuple[str, int], list[dict]]:
     return dict(sorted(groups.items(), key=lambda item: (-item[0][1], item[0][0])))
 
 
+def trained_tokens(record: dict | None, steps: int | None = None) -> str:
+    """``2,000 x 12 x 64 = 1,536,000``: the tokens a run trained on, steps x batch x block, from its ``signature``
+    (``steps``: another number of steps with the same batches, e.g. a re-training); ``-`` where it lacks them."""
+    signature = (record or {}).get("signature") or {}
+    trainer = signature.get("trainer") or {}
+    steps = trainer.get("max_steps") if steps is None else steps
+    batch, block = trainer.get("per_device_train_batch_size"), signature.get("block_size")
+    if steps is None:
+        return "-"
+    if batch is None or block is None:
+        return f"{steps:,} steps"
+    return f"{steps:,} x {batch} x {block} = {steps * batch * block:,}"
+
+
 def scratch_table(records: Sequence[dict]) -> str:
-    """One row per (attention, key size): best validation loss mean ± std over seeds, and the sizes."""
+    """One row per (attention, key size): best validation loss mean ± std over seeds, the sizes, and what was trained
+    (every weight, from scratch) on how many tokens per run."""
     lines = [
         "| attention | key size | q/k params | attention params | params | KV cache bytes/token (bf16) | best val loss "
         "| final val loss | seeds | tokens/s | best at the last evaluation | last 10% of steps: val loss change "
-        "| long enough |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        "| long enough | trained: all weights from scratch, tokens per run (steps x batch x block) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|",
     ]
     for (kind, key), runs in _groups(records).items():
         best, best_std = mean_std([r["best_val_loss"] for r in runs])
@@ -95,7 +114,8 @@ def scratch_table(records: Sequence[dict]) -> str:
             f"| {','.join(str(r['seed']) for r in sorted(runs, key=lambda r: r['seed']))} "
             f"| {statistics.fmean(speed) if speed else float('nan'):,.0f} "
             f"| {sum(_still_improving(r) for r in runs)} of {len(runs)} "
-            f"| {statistics.fmean(late_change(r) for r in runs):+.4f} | {long_enough(runs)} |"
+            f"| {statistics.fmean(late_change(r) for r in runs):+.4f} | {long_enough(runs)} "
+            f"| {trained_tokens(runs[0])} |"
         )
     return "\n".join(lines)
 
@@ -181,30 +201,35 @@ def verdicts_table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def conversion_table(records: Sequence[dict]) -> str:
-    """One row per (method, key size): validation loss converted and re-trained, next to the original's."""
+def conversion_table(records: Sequence[dict], scratch: Sequence[dict] = ()) -> str:
+    """One row per (method, key size): validation loss converted and re-trained, next to the original's; the tokens of
+    the re-training from the batches of the original's run among ``scratch`` (the folder's runs from scratch)."""
     if not records:
         return ""
     first = records[0]
     p = first["original_parameters"]
+    original = next((r for r in scratch if r.get("name") == Path(first["model_dir"]).name), None)
     lines = [
         f"Original model (`{Path(first['model_dir']).name}`): val loss {first['original_val_loss']:.4f}, q/k params "
         f"{p['query_key_params']:,}, KV cache {first['original_cache_bytes_per_token_bf16']:,} bytes/token. "
-        f"Re-training: {first['retrain_steps']} iterations.",
+        f"Re-training: {first['retrain_steps']} iterations. Converted: no weight trained (each method is fitted to "
+        "the trained weights; `cp-aware` and `prune` also read training blocks for statistics). Re-trained: every "
+        "weight, on the tokens of the last column.",
         "",
         "| method | key size | q/k params | KV cache bytes/token | rel. error | val loss converted "
-        "| val loss re-trained (final / best) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| val loss re-trained (final / best) | re-trained: all weights, tokens (steps x batch x block) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     order = sorted(records, key=lambda r: (METHOD_ORDER.index(r["method"]), -r["key_size"]))
     for r in order:
         retrained = (f"{r['retrained_val_loss']:.4f} / {r['retrained_best_val_loss']:.4f}"
                      if "retrained_val_loss" in r else "-")
         method = f"{NO_CONVERSION} (re-training only)" if r["method"] == NO_CONVERSION else r["method"]
+        tokens = trained_tokens(original, r["retrain_steps"]) if "retrained_val_loss" in r else "-"
         lines.append(
             f"| {method} | {r['key_size']} | {r['parameters']['query_key_params']:,} "
             f"| {r['cache_bytes_per_token_bf16']:,} | {r['relative_error']:.3f} | {r['converted_val_loss']:.4f} "
-            f"| {retrained} |"
+            f"| {retrained} | {tokens} |"
         )
     return "\n".join(lines)
 
@@ -308,7 +333,8 @@ def plot_cache_race(records: Sequence[dict], path: Path, reference: Sequence[dic
 
 
 def results_markdown(root: Path) -> str:
-    """The generated README part: per recipe folder, the from-scratch table, the conversion table, the samples."""
+    """The generated part of ``results.md``: per recipe folder, the from-scratch table, the conversion table and the
+    samples."""
     parts = [RESULTS_BEGIN, ""]
     for folder in sorted(p for p in root.iterdir() if (p / "runs").is_dir()):
         scratch, converted = read_runs(folder, "runs"), read_runs(folder, "convert/runs")
@@ -328,14 +354,14 @@ def results_markdown(root: Path) -> str:
             if (root / f"cache_{folder.name}.png").exists():
                 parts += [f"![loss against cache](cache_{folder.name}.png)", ""]
         if converted:
-            parts += ["Conversion of the concatenated seed-0 model:", "", conversion_table(converted), ""]
+            parts += ["Conversion of the concatenated seed-0 model:", "", conversion_table(converted, scratch), ""]
         parts += ["<details><summary>samples</summary>", "", samples_markdown(scratch, converted), "</details>", ""]
     return "\n".join(parts + [RESULTS_END]) + "\n"
 
 
 def check_results(root: str | Path) -> list[Path]:
     """The recipe folders under ``root``, every result JSON in them (readable, written by the script that owns the
-    folder) and the README to update, before anything is written; returns the folders."""
+    folder) and ``results.md`` to update, before anything is written; returns the folders."""
     root = cli.input_dir("root", root)
     folders = [p for p in sorted(root.iterdir()) if (p / "runs").is_dir()]
     if not folders:
@@ -344,12 +370,14 @@ def check_results(root: str | Path) -> list[Path]:
     for folder in folders:
         for runs in RESULTS:
             read_runs(folder, runs)
-    cli.summary_outputs("root", root, [f"curves_{folder.name}.png" for folder in folders])
+    if (root / RESULTS_FILE).exists():
+        cli.text_file("root", root / RESULTS_FILE)
+    cli.summary_outputs("root", root, [RESULTS_FILE, *(f"curves_{folder.name}.png" for folder in folders)])
     return folders
 
 
 def write_summary(root: str | Path) -> Path:
-    """Plots per recipe folder and the README's results part; returns the README's path."""
+    """Plots per recipe folder and the results part of ``results.md``; returns that file's path."""
     folders = check_results(root)
     root = Path(root)
     for folder in folders:
@@ -362,5 +390,4 @@ def write_summary(root: str | Path) -> Path:
             reference = [r for r in read_runs(grid, "runs") if r.get("signature") == scratch[0].get("signature")
                          and grid != folder]
             plot_cache_race(scratch, root / f"cache_{folder.name}.png", reference)
-    return write_section(root / "README.md", results_markdown(root), RESULTS_BEGIN, RESULTS_END,
-                         "# Tiny Shakespeare, character level\n\n")
+    return write_section(root / RESULTS_FILE, results_markdown(root), RESULTS_BEGIN, RESULTS_END, RESULTS_HEADER)
