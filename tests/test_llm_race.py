@@ -39,19 +39,20 @@ def rows(count=3, length=9, seed=0):
 @pytest.mark.skipif(not (GLUE_DIR / "QNLI").is_dir(), reason="needs ../shared/data/glue")
 def test_fit_and_evaluation_text_share_nothing(tmp_path):
     shakespeare = tmp_path / "input.txt"
-    shakespeare.write_text("".join(f"line {i}\n" for i in range(1000)))
-    fit, held = (heldout.texts("shakespeare", split, GLUE_DIR, shakespeare) for split in ("fit", "eval"))
+    shakespeare.write_text("".join(f"line {i}\n" + ("\n" if i % 10 == 9 else "") for i in range(80_000)))
+    fit, validation, test = (heldout.texts("shakespeare", split, GLUE_DIR, shakespeare) for split in heldout.SPLITS)
+    held = validation + test  # the evaluation text: validation, then test (tests/test_heldout_splits.py)
     assert fit + held == shakespeare.read_text() and len(held) == pytest.approx(0.1 * len(fit + held), rel=0.01)
     wiki_fit = heldout.texts("wikipedia", "fit", GLUE_DIR, shakespeare)
-    wiki_eval = heldout.texts("wikipedia", "eval", GLUE_DIR, shakespeare)
+    wiki_eval = heldout.texts("wikipedia", "validation", GLUE_DIR, shakespeare)
     qnli = heldout._tsv_column(GLUE_DIR / "QNLI" / "dev.tsv", ["sentence"])
     assert wiki_eval.startswith(qnli[0]) and len(qnli) > 5000
     fitted = set(heldout._tsv_column(GLUE_DIR / "RTE" / "train.tsv", ["sentence1", "sentence2"]))
     assert len(fitted) > 2000 and qnli[0] not in wiki_fit and not fitted & set(qnli[:200])
     with pytest.raises(ValueError, match="domain='news'"):
-        heldout.texts("news", "eval", GLUE_DIR, shakespeare)
-    with pytest.raises(ValueError, match="split='test'"):
-        heldout.texts("wikipedia", "test", GLUE_DIR, shakespeare)
+        heldout.texts("news", "validation", GLUE_DIR, shakespeare)
+    with pytest.raises(ValueError, match="split='dev'"):
+        heldout.texts("wikipedia", "dev", GLUE_DIR, shakespeare)
 
 
 class CharTokenizer:

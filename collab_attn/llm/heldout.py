@@ -2,24 +2,55 @@
 KL divergence from the original's next-token distribution to the converted model's, and how often their most likely
 next tokens agree.
 
-Text never seen by a conversion or its re-training (``texts``): two domains, each with a fitting split and an
-evaluation split that share no text.
+Text per domain and split (``texts``), three splits that share no text:
 
-- ``wikipedia``: fit on RTE and MRPC train sentences (news and Wikipedia), evaluate on the QNLI dev sentences
-  (Wikipedia; GLUE ships QNLI's dev split only, and no conversion reads it).
-- ``shakespeare``: Tiny Shakespeare split 90% / 10% in order, as nanoGPT splits it: fit on the first part, evaluate
-  on the last.
+- ``fit``: what conversions, calibrations, fits and distillations read.
+- ``validation``: the evaluation windows every result up to issue 88 was measured on, and where every choice of
+  recipe (methods, sizes, steps, targets, learning rates, token counts, window lengths) is made. Its windows are
+  exactly the windows the former ``eval`` split gave at every length and count the scripts used (16 of 256 tokens,
+  8 of 2,048), so old run files stay comparable: the split is the first part of that text. ``"eval"`` is still
+  accepted, with a ``DeprecationWarning``, as ``"validation"``; a run file without a ``split`` was measured on it.
+- ``test``: the rest of the evaluation text, after the validation part, which nothing read before issue 88. It is
+  read once, to report rows chosen on validation (``scripts/race_smollm2.py --split test``).
 
-Evaluation windows are consecutive, non-overlapping token windows of the evaluation text (sentences joined by a
-space), so every model sees the same tokens; each window starts from the tokenizer's beginning-of-text token.
-``agreement`` keeps each window's sums beside the totals, so two runs on the same windows can be compared by a
-paired bootstrap over windows (``collab_attn.stats.window_bootstrap``).
+Domains (``DOMAINS`` have all three splits, ``TEST_DOMAINS`` adds the test-only one):
+
+- ``wikipedia``: fit on RTE and MRPC train sentences (news and Wikipedia); the QNLI dev sentences (Wikipedia; GLUE
+  ships QNLI's dev split only, and no conversion reads it) are the evaluation text: validation the first
+  ``WIKIPEDIA_VALIDATION_SENTENCES`` (450) of them, test the other 5,013.
+- ``shakespeare``: Tiny Shakespeare split 90% / 10% in order, as nanoGPT splits it: fit on the first part; the last
+  part is the evaluation text: validation up to the first blank line at or after its character
+  ``SHAKESPEARE_VALIDATION_CHARACTERS`` (52,000; 52,043 characters), test the rest (59,497 characters).
+- ``code``: test only, never fitted on nor chosen on (``fit`` and ``validation`` are refused): the Python source of
+  the pinned torch (``CODE_FILES``, from the installed package), concatenated in that order and checked against
+  ``CODE_SHA256`` so that every machine reads the same text (``code_text``). Held out from every conversion and fit
+  here; like the other domains' text, not necessarily from the model's pretraining.
+
+The cut between validation and test is a cut of the text, before any tokenizer: a window of one split holds tokens of
+that split's text only, whatever its length and count (``evaluation_windows`` windows one split's text; asking for
+more windows than it holds is refused, never filled from the other split). The validation part holds the largest
+validation read the scripts made (8 windows of 2,048 tokens: 16,376 tokens) with a margin (SmolLM2's tokenizer:
+17,161 and 16,911 tokens). Windows available to SmolLM2's tokenizer (``window_count``), 256 / 2,048 tokens a window
+(tokens):
+
+| domain | validation | test |
+|---|---:|---:|
+| wikipedia | 67 / 8 (17,161) | 739 / 92 (188,466) |
+| shakespeare | 66 / 8 (16,911) | 74 / 9 (19,071) |
+| code | refused | 252 / 31 (64,455) |
+
+Evaluation windows are consecutive, non-overlapping token windows of a split's text (sentences joined by a space),
+so every model sees the same tokens; each window starts from the tokenizer's beginning-of-text token. ``agreement``
+keeps each window's sums beside the totals, so two runs on the same windows can be compared by a paired bootstrap
+over windows (``collab_attn.stats.window_bootstrap``).
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +59,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-DOMAINS = ("wikipedia", "shakespeare")
+DOMAINS = ("wikipedia", "shakespeare")  # fitted on, chosen on (validation) and tested on
+TEST_DOMAINS = (*DOMAINS, "code")  # code: the test split only
+SPLITS = ("fit", "validation", "test")
+EVALUATION_SPLITS = ("validation", "test")
+WIKIPEDIA_VALIDATION_SENTENCES = 450  # the first QNLI dev sentences: validation; the rest: test
+SHAKESPEARE_VALIDATION_CHARACTERS = 52_000  # validation: the evaluation text up to the first blank line from here
+# The code domain: these files of torch==2.13.0 (pinned in pyproject.toml), in this order, concatenated as they are.
+CODE_FILES = ("torch/functional.py", "torch/serialization.py", "torch/hub.py", "torch/random.py",
+              "torch/quasirandom.py", "torch/_lowrank.py")
+CODE_SHA256 = "ff69f86a2444e0a260cc8d321d5da1f658dbc80ea414cb660533a0cc60ddc09e"
 
 
 def _tsv_column(path: Path, columns: Sequence[str]) -> list[str]:
@@ -40,26 +80,88 @@ def _tsv_column(path: Path, columns: Sequence[str]) -> list[str]:
         return [row[c].strip() for row in rows for c in columns if row[c] and row[c].strip()]
 
 
-def texts(domain: str, split: str, glue_dir: str | Path, shakespeare: str | Path) -> str:
-    """The ``fit`` or ``eval`` text of ``domain`` (``DOMAINS``), one string."""
-    if split not in ("fit", "eval"):
-        raise ValueError(f"split={split!r}: use 'fit' (calibration, re-training) or 'eval' (held out)")
+def code_text(root: str | Path | None = None) -> str:
+    """The ``code`` domain's text: ``CODE_FILES`` read from ``root`` (default: the folder holding the installed
+    ``torch`` package), concatenated in order; refused unless its SHA-256 is ``CODE_SHA256`` (another torch than the
+    pinned 2.13.0, or edited files, would give other text)."""
+    root = Path(torch.__file__).resolve().parents[1] if root is None else Path(root)
+    missing = [name for name in CODE_FILES if not (root / name).is_file()]
+    if missing:
+        raise ValueError(f"the code domain reads {', '.join(CODE_FILES)} under {root}: {missing[0]} is missing "
+                         "(it needs torch==2.13.0, pinned in pyproject.toml)")
+    text = "".join((root / name).read_text(encoding="utf-8") for name in CODE_FILES)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if digest != CODE_SHA256:
+        raise ValueError(f"the code domain's text ({', '.join(CODE_FILES)} under {root}, torch {torch.__version__}) "
+                         f"has SHA-256 {digest}, not {CODE_SHA256}: it is not the text of torch==2.13.0 that every "
+                         "code measurement read; install the pinned torch (pyproject.toml)")
+    return text
+
+
+def _evaluation_parts(domain: str, glue_dir, shakespeare) -> tuple[str, str, str]:
+    """The evaluation text of ``domain`` as (validation, separator, test): validation + separator + test is the
+    whole evaluation text (the former ``eval`` split), validation its start."""
     if domain == "wikipedia":
-        glue = Path(glue_dir)
-        if split == "eval":
-            return " ".join(_tsv_column(glue / "QNLI" / "dev.tsv", ["sentence"]))
-        return " ".join(_tsv_column(glue / "RTE" / "train.tsv", ["sentence1", "sentence2"])
-                        + _tsv_column(glue / "MRPC" / "train.tsv", ["#1 String", "#2 String"]))
-    if domain == "shakespeare":
+        if glue_dir is None:
+            raise ValueError("the wikipedia domain reads GLUE's QNLI, RTE and MRPC: give glue_dir")
+        sentences = _tsv_column(Path(glue_dir) / "QNLI" / "dev.tsv", ["sentence"])
+        cut = WIKIPEDIA_VALIDATION_SENTENCES
+        if len(sentences) <= cut:
+            raise ValueError(f"{glue_dir}/QNLI/dev.tsv holds {len(sentences)} sentences: the validation split is "
+                             f"the first {cut}, the test split the rest (GLUE's QNLI dev: 5,463)")
+        return " ".join(sentences[:cut]), " ", " ".join(sentences[cut:])
+    if shakespeare is None:
+        raise ValueError("the shakespeare domain reads Tiny Shakespeare: give shakespeare (its input.txt)")
+    text = Path(shakespeare).read_text(encoding="utf-8")
+    held = text[int(0.9 * len(text)):]
+    blank = held.find("\n\n", SHAKESPEARE_VALIDATION_CHARACTERS)
+    if blank < 0:
+        raise ValueError(f"{shakespeare}: its last 10% ({len(held):,} characters) has no blank line after character "
+                         f"{SHAKESPEARE_VALIDATION_CHARACTERS:,}, where the validation split ends and the test split "
+                         "starts (Tiny Shakespeare: 111,540 characters)")
+    return held[:blank + 2], "", held[blank + 2:]
+
+
+def texts(domain: str, split: str, glue_dir: str | Path | None = None,
+          shakespeare: str | Path | None = None) -> str:
+    """The ``fit``, ``validation`` or ``test`` text (``SPLITS``) of ``domain`` (``TEST_DOMAINS``; ``code`` has a
+    ``test`` split only), one string. ``"eval"``: the former name of ``"validation"`` (a ``DeprecationWarning``)."""
+    if split == "eval":
+        warnings.warn("split='eval' is now 'validation' (the same windows; the text after them is 'test')",
+                      DeprecationWarning, stacklevel=2)
+        split = "validation"
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: use 'fit' (calibration, re-training), 'validation' (held out: every "
+                         "choice of recipe is made here) or 'test' (held out: read once, to report)")
+    if domain not in TEST_DOMAINS:
+        raise ValueError(f"domain={domain!r}: choose one of {', '.join(TEST_DOMAINS)}")
+    if domain == "code":
+        if split != "test":
+            raise ValueError(f"domain 'code' is a test-only domain: no fit and no choice reads it, so it has no "
+                             f"{split!r} split; use split='test'")
+        return code_text()
+    if split == "fit":
+        if domain == "wikipedia":
+            if glue_dir is None:
+                raise ValueError("the wikipedia domain reads GLUE's QNLI, RTE and MRPC: give glue_dir")
+            glue = Path(glue_dir)
+            return " ".join(_tsv_column(glue / "RTE" / "train.tsv", ["sentence1", "sentence2"])
+                            + _tsv_column(glue / "MRPC" / "train.tsv", ["#1 String", "#2 String"]))
+        if shakespeare is None:
+            raise ValueError("the shakespeare domain reads Tiny Shakespeare: give shakespeare (its input.txt)")
         text = Path(shakespeare).read_text(encoding="utf-8")
-        cut = int(0.9 * len(text))
-        return text[:cut] if split == "fit" else text[cut:]
-    raise ValueError(f"domain={domain!r}: choose one of {', '.join(DOMAINS)}")
+        return text[:int(0.9 * len(text))]
+    validation, _, test = _evaluation_parts(domain, glue_dir, shakespeare)
+    return validation if split == "validation" else test
 
 
 def windows(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
     """``count`` consecutive windows of ``length`` tokens (the first one the beginning-of-text token) from the start
-    of ``text``: a (count, length) tensor. Refused when the text is too short."""
+    of ``text``: a (count, length) tensor. Refused when the text is too short, and for fewer than 2 tokens a window
+    or no windows (nothing to predict)."""
+    if type(length) is not int or length < 2 or type(count) is not int or count < 1:
+        raise ValueError(f"windows of length={length!r} x count={count!r}: a window holds the beginning-of-text token "
+                         "and at least one more (length >= 2), and at least one window is asked for (count >= 1)")
     body = length - 1
     needed = body * count
     characters = 8 * needed  # tokenize a prefix that is long enough (a whole corpus takes seconds)
@@ -75,6 +177,36 @@ def windows(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
         raise ValueError("the tokenizer has no beginning-of-text token to start each window with")
     rows = [[bos] + ids[i * body:(i + 1) * body] for i in range(count)]
     return torch.tensor(rows)
+
+
+def window_count(tokenizer, text: str, length: int) -> int:
+    """How many windows of ``length`` tokens ``windows`` can take from ``text`` (its tokens over ``length - 1``: each
+    window's first token is the beginning-of-text token)."""
+    if length < 2:
+        raise ValueError(f"length={length}: a window holds the beginning-of-text token and at least one more")
+    return len(tokenizer(text, add_special_tokens=False).input_ids) // (length - 1)
+
+
+def evaluation_windows(tokenizer, domain: str, split: str, length: int, count: int | None = None,
+                       glue_dir: str | Path | None = None, shakespeare: str | Path | None = None) -> torch.Tensor:
+    """``count`` windows of ``length`` tokens of ``domain``'s ``validation`` or ``test`` text (``windows``), all
+    that it holds when ``count`` is None; refused when it holds fewer (never filled from another split)."""
+    if split == "eval":
+        warnings.warn("split='eval' is now 'validation' (the same windows; the text after them is 'test')",
+                      DeprecationWarning, stacklevel=2)
+        split = "validation"
+    if split not in EVALUATION_SPLITS:
+        raise ValueError(f"split={split!r}: evaluation windows come from 'validation' (every choice of recipe is "
+                         "made there) or 'test' (read once, to report); the fit text is windowed by "
+                         "collab_attn.llm.distill.fit_windows")
+    text = texts(domain, split, glue_dir, shakespeare)
+    if count is None:
+        count = window_count(tokenizer, text, length)
+    try:
+        return windows(tokenizer, text, length, count)
+    except ValueError as error:
+        raise ValueError(f"{domain}, {split} split: {error} (it holds {window_count(tokenizer, text, length)})") \
+            from None
 
 
 @dataclass(frozen=True)
