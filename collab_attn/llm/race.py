@@ -5,6 +5,12 @@ result file per run (resumable: a finished run is skipped), and a summary table 
 (``verdicts_markdown``) come from ``collab_attn.stats``: a paired bootstrap over the held-out windows, and the
 spread over calibration samples where there are several.
 
+Each run is measured on one split of the held-out text (``collab_attn.llm.heldout``): ``validation``, where every
+choice of recipe is made (``<out>/runs/``, ``<out>/summary.md``: the runs so far, whose files have no ``split``), or
+``test``, read once to report (``<out>/test/runs/``, ``<out>/test/summary.md``: ``split_dir``). A run file records its
+split; runs of different splits are never resumed as one another nor compared (``run_entry``, ``summary_markdown`` and
+``comparison_markdown`` refuse it). Fitted weights (``<out>/checkpoints/``) are shared: a fit reads no held-out text.
+
 An entry is a conversion (``method``, ``rank``, ``value_rank``, method options) named for its sizes. Its cache is
 read from a real cache after a forward pass (numbers per token and layer, keys and values together), not from a
 formula, and checked against the budget it was sized for.
@@ -26,7 +32,7 @@ from tqdm.auto import tqdm
 
 from collab_attn.files import replacing, write_text_atomic
 from collab_attn.llm.answers import PROMPTS, answer_agreement, answers
-from collab_attn.llm.heldout import DOMAINS, agreement
+from collab_attn.llm.heldout import DOMAINS, EVALUATION_SPLITS, TEST_DOMAINS, agreement
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ def cache_numbers_per_token(model) -> float:
 def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
               original_cache: float, batch: int = 4, fit_rows=None, calibration=None, calibration_rows=None,
               allocation_steps: int = 25, allocation_tokens: int | None = None, sensitivity_windows: int = 0,
-              answer_detail: bool = False) -> dict:
+              answer_detail: bool = False, split: str = "validation") -> dict:
     """Convert a copy of ``original`` as ``entry`` says (activation-aware with ``calibration()``, a callable giving
     the original's ``Calibration``, when the entry asks for it), fit its converted layers to the original's
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
@@ -146,10 +152,20 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     (``collab_attn.layer_sensitivity``), on the first N held-out windows of each domain, into
     ``sensitivity/<name>.json`` and ``.md`` (a finished run is converted again for it, its fits read back).
     ``answer_detail``: also how far it follows the original's answers to the prompts, token by token
-    (``collab_attn.llm.answers.answer_agreement``), into ``answers/<name>.json`` and ``.md`` (the same way)."""
+    (``collab_attn.llm.answers.answer_agreement``), into ``answers/<name>.json`` and ``.md`` (the same way).
+    ``split``: the held-out split ``rows`` come from (``validation`` or ``test``), recorded in the run file, which is
+    kept in ``split_dir(out_dir, split) / "runs"``; a run file there of another split is refused, not resumed."""
     import collab_attn
 
-    path = out_dir / "runs" / f"{entry.name}.json"
+    if split not in EVALUATION_SPLITS:
+        raise ValueError(f"split={split!r}: runs are measured on 'validation' or 'test' windows")
+    if split != "validation" and sensitivity_windows:
+        raise ValueError("the layer sensitivity is a diagnostic that guides choices: measure it on the validation "
+                         "split, not on test")
+    path = split_dir(out_dir, split) / "runs" / f"{entry.name}.json"
+    if path.is_file() and (recorded := split_of(json.loads(path.read_text()))) != split:
+        raise ValueError(f"{path} was measured on the {recorded} split, not {split}: runs of different splits are "
+                         "not resumed as one another")
     sensitivity = out_dir / "sensitivity" / f"{entry.name}.json"
     detail = out_dir / "answers" / f"{entry.name}.json"
     measure = sensitivity_windows > 0 and entry.method != "none" and not sensitivity.is_file()
@@ -235,7 +251,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     if cache > entry.budget * original_cache + 1e-9:
         raise ValueError(f"{entry.name} caches {cache:g} numbers per token and layer, more than its budget "
                          f"{entry.budget:g} x {original_cache:g}")
-    result = {"name": entry.name, "entry": asdict(entry), "cache_numbers": cache,
+    result = {"name": entry.name, "split": split, "entry": asdict(entry), "cache_numbers": cache,
               "cache_fraction": cache / original_cache, "convert_seconds": convert_seconds,
               "mean_layer_error": None if report is None else report.mean_relative_error, "training": training,
               "fit": fit, "end_to_end": e2e,
@@ -344,6 +360,30 @@ def _allocation(entry: Entry, original, out_dir: Path, batches: list[dict], cali
     return allocation
 
 
+def split_dir(out_dir: Path, split: str = "validation") -> Path:
+    """Where a race's runs of ``split`` live (``runs/``, ``summary.md``, ``perplexity.png``): ``out_dir`` itself for
+    ``validation`` (every run file so far), ``out_dir / "test"`` for ``test``."""
+    if split not in EVALUATION_SPLITS:
+        raise ValueError(f"split={split!r}: choose one of {', '.join(EVALUATION_SPLITS)}")
+    return Path(out_dir) if split == "validation" else Path(out_dir) / split
+
+
+def split_of(result: dict) -> str:
+    """The held-out split a run file was measured on (``validation`` for the files written before it was
+    recorded)."""
+    return result.get("split", "validation")
+
+
+def one_split(results: list[dict]) -> str:
+    """The one split ``results`` were measured on; runs of different splits are refused (never compared)."""
+    splits = sorted({split_of(r) for r in results})
+    if len(splits) > 1:
+        by = {s: [r["name"] for r in results if split_of(r) == s][:2] for s in splits}
+        raise ValueError("runs of different held-out splits are never compared: "
+                         + "; ".join(f"{s}: {', '.join(names)}" for s, names in by.items()))
+    return splits[0] if splits else "validation"
+
+
 def load_runs(out_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out_dir / "runs").glob("*.json"))]
 
@@ -383,10 +423,10 @@ def _interval(comparison, windows: bool) -> str:
 
 
 def measured_domains(results: list[dict]) -> list[str]:
-    """The evaluation sets the runs were measured on: ``DOMAINS`` first, then the others (``"wikipedia 2048"``: the
-    same text in longer windows) in the order they appear."""
+    """The evaluation sets the runs were measured on: ``TEST_DOMAINS`` first (``DOMAINS``, then ``code``), then the
+    others (``"wikipedia 2048"``: the same text in longer windows) in the order they appear."""
     seen = list(dict.fromkeys(d for r in results for d in r["domains"]))
-    return [d for d in DOMAINS if d in seen] + [d for d in seen if d not in DOMAINS]
+    return [d for d in TEST_DOMAINS if d in seen] + [d for d in seen if d not in TEST_DOMAINS]
 
 
 def _log_perplexity(run: dict, domain: str) -> float:
@@ -448,7 +488,8 @@ def comparison_markdown(a: list[dict], b: list[dict]) -> list[str]:
     sample) on every domain all of them were measured on: a Markdown table with the same cells as the summary's
     verdicts (the window bootstrap, on the first calibration sample both have, where both kept per-window sums; the
     t-interval over the samples both have where there are two or more). One run a side is compared window by window
-    whatever its sample."""
+    whatever its sample. Runs of different held-out splits are refused."""
+    one_split([*a, *b])
     if len(a) == len(b) == 1:  # one run each, whatever their samples (two samples of one conversion too)
         a_runs, b_runs, names = {0: a[0]}, {0: b[0]}, (a[0]["name"], b[0]["name"])
     else:
@@ -469,7 +510,9 @@ def verdicts_markdown(results: list[dict], peer: str | None = "kv-svd") -> list[
     against every other one there, and every conversion against the best ``peer`` (MHA2MLA's ``kv-svd``), each with
     the interval its verdict rests on: a paired bootstrap over the held-out windows where both runs kept per-window
     sums (``collab_attn.stats.window_bootstrap``), the spread over calibration samples where both have several
-    (``collab_attn.stats.paired_comparison`` of log perplexity, paired by sample), "no verdict" otherwise."""
+    (``collab_attn.stats.paired_comparison`` of log perplexity, paired by sample), "no verdict" otherwise. Runs of
+    different held-out splits are refused."""
+    one_split(results)
     budgets = sorted({r["entry"]["budget"] for r in results}, reverse=True)
     lines = ["## Verdicts", "",
              "`a / b`: a's perplexity over b's (below 1: a predicts the held-out text better; geometric means "
@@ -510,9 +553,12 @@ def verdicts_markdown(results: list[dict], peer: str | None = "kv-svd") -> list[
 def summary_markdown(results: list[dict], command: str, setup: str) -> str:
     """Per domain: cache (numbers per token and layer, fraction), perplexity and its ratio to the original's, KL,
     top-1 agreement; the verdicts with their intervals (``verdicts_markdown``); then the prompts' answers side by
-    side."""
+    side. The runs must share one held-out split (``one_split``); a test-split summary says so in its title."""
+    split = one_split(results)
     results = sorted(results, key=_order)
-    lines = ["# The key/value-cache race on a pretrained rotary decoder", "", setup, "", "```bash",
+    title = "# The key/value-cache race on a pretrained rotary decoder" + (f" ({split} split)" if split != "validation"
+                                                                           else "")
+    lines = [title, "", setup, "", "```bash",
              command, "```", ""]
     for domain in measured_domains(results):
         measured = [r for r in results if domain in r["domains"]]
