@@ -630,7 +630,71 @@ def claims_smollm2() -> None:
     strict(P)
 
 
-PAGES: list[Callable[[], None]] = [claims_smollm2]
+def claims_readme() -> None:
+    """README.md's results section: the rope race's headline (Tiny Shakespeare) and SmolLM2's; and the SmolLM2
+    distillations docs/converting.md cites."""
+    P = "README.md"
+    rope = "experiments/shakespeare_char/rope_race_12000/runs/"
+    longer = "experiments/shakespeare_char/rope_race_long/runs/"
+    best = "best_val_loss"
+    collab = rope + "rope-collab-k64-v64-seed*.json"
+    c(P, "at 1/2 of the cache have the lowest mean best validation loss, {:.4f} against GQA's {:.4f}, MLA's {:.4f} and "
+         "the original's {:.4f}, all ties (against the original {:+.4f} [{:+.4f}, {:+.4f}])",
+      *(seeds(rope + f"rope-{m}-seed*.json", best) for m in ("collab-k64-v64", "gqa-k64", "mla-k112-r16",
+                                                              "concat-k128")),
+      seed_pairs(collab, rope + "rope-concat-k128-seed*.json", best))
+    tpa = rope + "rope-tpa-k2-v2-q6-seed0.json"
+    c(P, "which caches {:.1f}% more ({:+.4f} [{:+.4f}, {:+.4f}])",
+      formula(lambda t, k: [100 * (t["cache_bytes_per_token_bf16"] / k["cache_bytes_per_token_bf16"] - 1)], tpa,
+              rope + "rope-collab-k64-v64-seed0.json"),
+      seed_pairs(collab, rope + "rope-tpa-k2-v2-q6-seed*.json", best))
+    c(P, "MQA was ahead of them at 1/4 ({:+.4f} [{:+.4f}, {:+.4f}])",
+      seed_pairs(longer + "rope-mqa-k32-seed*.json", longer + "rope-collab-k32-v32-seed*.json", best))
+
+    W, F, L, T = (S + f"{f}/runs/" for f in ("windows", "fitted", "fitted_2048", "ten_minutes"))
+    e2e = "-calibrated16384-fitted600-e2e64on65536.json"
+    c(P, "| calibrated on 16,384 tokens | none | {:.2f}x / {:.2f}x | {:.2f}x / {:.2f}x | {:.0f}x / {:.0f}x |",
+      ppl(W + "key-svd-k96-v96-calibrated16384.json"), ppl(W + "key-svd-k48-v48-calibrated16384.json"),
+      ppl(F + "key-svd-k24-v24-calibrated16384.json"))
+    c(P, "| attention, on the 16,384 | {:.2f}x / {:.2f}x | {:.2f}x / {:.2f}x | {:.2f}x / {:.2f}x |",
+      *(ppl(L + f"key-svd-{k}-calibrated16384-fitted100.json") for k in ("k96-v96", "k48-v48", "k24-v24")))
+    c(P, "| attention ({:.1f}M at 1/2, {:.0f}%), {:,.0f} tokens ({:,.0f} new) | {:.3f}x / {:.3f}x | "
+         "{:.3f}x / {:.3f}x | {:.3f}x / {:.3f}x |",
+      formula(lambda r: [r["end_to_end"]["parameters"] / 1e6, 100 * r["end_to_end"]["parameters"] / 134_515_008,
+                         r["end_to_end"]["tokens"], r["end_to_end"]["tokens"] - 16_384], L + "key-svd-k96-v96" + e2e),
+      *(ppl(L + f"key-svd-{k}" + e2e) for k in ("k96-v96", "k48-v48", "k24-v24")))
+    c(P, "| attention ({:.1f}M at 1/2), the same tokens | {:.3f}x / {:.3f}x | {:.3f}x / {:.3f}x | |",
+      field(L + "kv-svd-k168-rope_pairs4" + e2e, "end_to_end.parameters", scale=1e-6),
+      *(ppl(L + f"kv-svd-{k}" + e2e) for k in ("k168-rope_pairs4", "k72-rope_pairs4")))
+    c(P, f"(of `kv-svd` at 1/2: {R} of its perplexity on wikipedia, window bootstrap)",
+      boot(L + "key-svd-k96-v96-calibrated16384-fitted100.json",
+           L + "kv-svd-k168-rope_pairs4-calibrated16384-fitted100.json"))
+    c(P, f"after the long recipe too ({R})", boot(L + "key-svd-k96-v96" + e2e, L + "kv-svd-k168-rope_pairs4" + e2e))
+    distilled = F + "key-svd-k48-v48-calibrated16384-fitted600-e2e64on65536-distilled204800.json"
+    c(P, "Every weight distilled from there on {:,.0f} tokens: {:.3f}x / {:.3f}x at 1/4",
+      field(distilled, "training.tokens"), ppl(distilled))
+    short = T + "key-svd-k96-v96-calibrated16384-fitted100-e2e32on32768check4096.json"
+    c(P, "({:.0f} layer steps, then {:.0f} end-to-end steps on {:,.0f} tokens, {:,.0f} new; both cores): {:.0f} s "
+         "for {:.3f}x / {:.3f}x at 1/2", field(short, "fit.steps"),
+      formula(lambda r: [r["end_to_end"]["steps"], r["end_to_end"]["tokens"], r["end_to_end"]["tokens"] - 16_384,
+                         r["convert_seconds"] + r["fit"]["seconds"] + r["end_to_end"]["seconds"]], short), ppl(short))
+    more = L + "key-svd-k96-v96-calibrated16384-fitted600-e2e128on131072check16384.json"
+    c(P, "KL 0.1 at 1/2 ({:.3f} / {:.3f}) and the original's greedy answers ({:.0f} of 5 word for word)", kl(more),
+      original_answers(more, F + "original.json"))
+    cited(P, "KL 0.1 at 1/2", "an aim of issue 65")
+    strict(P, section="Results")
+
+    # docs/converting.md, on the fit: the distillations at a quarter of the cache
+    P = "docs/converting.md"
+    from_fit = F + "key-svd-k48-v48-calibrated16384-fitted100-distilled204800.json"
+    from_calibrated = S + "distilled/runs/key-svd-k48-v48-calibrated16384-distilled204800.json"
+    c(P, "from its fitted start reached {:.2f}x / {:.2f}x (ahead of that start over windows), where the lowest "
+         "distillation from a calibrated start (`key-svd`'s own) reached {:.2f}x / {:.2f}x: the fitted start's is "
+         f"ahead of it by the window bootstrap ({R} / {R} of its perplexity; one run each)", ppl(from_fit),
+      ppl(from_calibrated), boot(from_fit, from_calibrated), boot(from_fit, from_calibrated, "shakespeare"))
+
+
+PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme]
 
 
 def build(pages: Sequence[Callable[[], None]] | None = None) -> Registry:
