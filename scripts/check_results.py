@@ -117,9 +117,11 @@ def top1(path: str, *domains: str, length: int | None = None) -> Value:
     return Value(_short(path), lambda: [run(path)["domains"][d]["top1"] for d in names])
 
 
+RESAMPLES = 10_000  # the window bootstrap's draws, as collab_attn.llm.race.RESAMPLES (scripts/compare_runs.py)
+
+
 @functools.cache
 def _bootstrap(a: str, b: str, domain: str):
-    from collab_attn.llm.race import RESAMPLES
     from collab_attn.stats import window_bootstrap
 
     return window_bootstrap(run(a)["domains"][domain]["windows"], run(b)["domains"][domain]["windows"],
@@ -318,6 +320,7 @@ def check(registry: Registry = REGISTRY, overrides: dict[str, Path] | None = Non
         if found is None:
             problems.append(f"{label}: not on the page (it should read {expected!r}; {c.sources()})")
             continue
+        page.covered[found.start():found.end()] = [True] * (found.end() - found.start())  # reported once, here
         said = found.groups()
         wrong = [f"{s} where the run files give {e}" for s, e in zip(said, _pattern(c.quote).match(expected).groups())
                  if s != e]
