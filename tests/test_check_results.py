@@ -96,13 +96,13 @@ def test_a_number_no_claim_covers_fails(tmp_path, registry):
 
 def test_a_quote_gone_fails(tmp_path, registry):
     """The quote's words changed: the claim is not found, and its three numbers, left uncited, are named too."""
-    page = _altered(tmp_path, "README.md", "MQA was ahead of them at 1/4", "MQA led them at 1/4")
+    page = _altered(tmp_path, "README.md", "MQA was ahead of them at 4,000 steps", "MQA led them at 4,000 steps")
     problems = check_results.check(registry, {"README.md": page})
     assert "not on the page" in problems[0]
-    assert "MQA was ahead of them at 1/4 (-0.0219 [-0.0346, -0.0092])" in problems[0]
+    assert "MQA was ahead of them at 4,000 steps (-0.0219 [-0.0346, -0.0092])" in problems[0]
     assert [p.split(": ", 1)[1] for p in problems[1:]] == [
         f"{n!r} cites no run file: add a claim for it (or cited(...) with where it comes from) in "
-        "scripts/check_results.py" for n in ("-0.0219", "-0.0346", "-0.0092")]
+        "scripts/check_results.py" for n in ("-0.0219", "-0.0346", "-0.0092", "-0.0088", "-0.0216", "+0.0040")]
 
 
 def test_a_page_of_its_own(tmp_path):
