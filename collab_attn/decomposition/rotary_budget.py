@@ -11,6 +11,12 @@ quantity per-layer ranks minimize on the other families (``collab_attn.decomposi
   ``layers x R / 2`` pairs with the largest relative eigenvalues across all bands of all layers, every layer
   keeping at least one. Each spectrum is descending, so this minimizes the sum over layers of the bounds;
 - ``"energy:E"``: in each layer, the fewest pairs whose eigenvalues hold a fraction ``E`` of its energy.
+
+One split for every layer (``shared_pairs``): a standard checkpoint has one list of rotary frequencies for all its
+layers, so a conversion meant for export gives every layer the same pairs per band. With ``c_i`` pairs in band ``i``
+for all layers, the summed bound is ``sum_i sum_l tail_li(c_i)``: per band the tail of the layers' summed relative
+spectra, still descending. The greedy split of the summed spectra (``allocate_key_pairs``) therefore minimizes the
+sum over layers of the bounds among all shared splits.
 """
 
 from __future__ import annotations
@@ -42,6 +48,19 @@ def check_rotary_budget(budget: RankBudget | str) -> RankBudget:
     if budget.kind == "mean" and int(budget.value) % 2:
         raise ValueError(f"budget {budget}: a rotary key width counts each shared pair twice; give an even width")
     return budget
+
+
+def shared_pairs(spectra: list[torch.Tensor], pairs: int) -> list[int]:
+    """Pairs per band, the same for every layer (module doc): ``pairs`` of them split by the layers' summed relative
+    spectra (each (bands, k), descending rows)."""
+    relative = relative_spectra(spectra)
+    width = max(layer.shape[1] for layer in relative)
+    summed = sum(torch.nn.functional.pad(layer, (0, width - layer.shape[1])) for layer in relative)
+    capacity = min(layer.numel() for layer in relative)
+    if not 1 <= pairs <= capacity:
+        raise ValueError(f"{pairs} shared pairs: every layer holds from 1 to {capacity} pairs; give an even rank "
+                         f"from 2 to {2 * capacity}")
+    return allocate_key_pairs(summed, pairs)
 
 
 def allocate_budget(spectra: list[torch.Tensor], budget: RankBudget | str) -> list[list[int]]:

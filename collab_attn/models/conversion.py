@@ -124,6 +124,31 @@ def _check_rotary_ranks(ranks, budget, counts_pairs: bool = True) -> None:
                          "real and imaginary parts), so ranks must be even")
 
 
+BANDS = ("per-layer", "shared")
+
+
+def _check_bands(bands, method: ConversionMethod, rotary: bool, ranks, budget) -> None:
+    """A clear error for a ``bands`` choice the conversion cannot honour."""
+    if bands not in BANDS:
+        raise ValueError(f"bands={bands!r}: choose 'per-layer' (each layer splits its pairs among the rotary bands) "
+                         "or 'shared' (one split for every layer)")
+    if bands == "per-layer":
+        return
+    if not rotary:
+        raise ValueError("bands='shared' applies to rotary models only (Llama, Qwen2, Mistral): this model has no "
+                         "rotary frequency bands; leave bands out")
+    if not method.rotary_budgets:
+        takes = ", ".join(name for name, m in METHODS.items() if m.rotary_budgets)
+        raise ValueError(f"bands='shared' does not apply to method={method.name!r}: it splits no shared pairs among "
+                         f"bands (the methods that do: {takes})")
+    if ranks is not None and len(set(ranks)) > 1:
+        raise ValueError(f"bands='shared' gives every layer the same pairs per band, so one rank for all layers; got "
+                         f"ranks {sorted(set(ranks))}: give one rank or a 'mean:R' budget")
+    if budget is not None and budget.kind != "mean":
+        raise ValueError(f"bands='shared' gives every layer the same key width; the budget {budget} sizes layers "
+                         "apart: give one rank or a 'mean:R' budget")
+
+
 def check_request(config, method: str, rank, value_rank=None, **options) -> None:
     """Check, before any training, that a model with this transformers ``config`` converts with ``method`` at
     ``rank`` with ``options`` (``_validate`` on the model's skeleton, built on the meta device: no weights are read);
@@ -279,6 +304,7 @@ def reparametrize(
     value_rank: int | Sequence[int] | None = None,
     progress: bool = True,
     device: torch.device | str | None = None,
+    bands: str = "per-layer",
     **options,
 ) -> ReparamReport:
     """Convert every self-attention layer of a model of a supported family (BERT, RoBERTa, DistilBERT, ALBERT,
@@ -298,6 +324,10 @@ def reparametrize(
     works too); the converted model stays where it was. ``value_rank``: for a method that shares values, one value
     of width D_v per token for all heads (one number, or one per layer; heads x head_dim is exact), from a CP
     decomposition of the per-head value-output products ``Wv_h^T Wo_h^T``; None keeps every head's values.
+    ``bands`` (rotary models, ``cp``, ``tucker``, ``key-svd``): ``"per-layer"`` (each layer splits its shared pairs
+    among the frequency bands by its own spectra) or ``"shared"`` (one split for every layer, by the layers' summed
+    spectra, at one rank for all layers: what a standard checkpoint's single frequency list can hold,
+    ``collab_attn.export``).
 
     An option or input the method does not take raises. The model is changed only once every layer has been planned,
     so an error leaves it as it was. Returns a per-layer report.
@@ -314,6 +344,7 @@ def reparametrize(
     if device is not None and not conversion.decomposes:
         raise ValueError(f"device={device!r} does not apply to method={method!r}: it runs no decomposition")
     sites, ranks, budget = _validate(model, conversion, rank)
+    _check_bands(bands, conversion, sites[0].rotary, ranks, budget)
     value_ranks = _check_value_ranks(conversion, value_rank, sites)
     if calibration is not None:
         if not isinstance(calibration, Calibration):
@@ -323,6 +354,7 @@ def reparametrize(
         [_layer_weights(site) for site in sites], ranks, budget, seed, options,
         [site.query_key_params for site in sites], calibration=calibration,
         importance=importance, value_ranks=value_ranks, device=device, progress=progress, rotary=sites[0].rotary,
+        bands=bands,
         values=None if value_ranks is None and not conversion.reads_values else [
             ValueWeights(*site.value_output_weights()) for site in sites
         ],

@@ -146,3 +146,4 @@ class Request:
     device: torch.device | str | None = None  # where decompositions run (None: where the weights are)
     progress: bool = True
     rotary: bool = False  # rotary positions: the keys may be grouped ((kv_heads, head_dim, d_in) weights)
+    bands: str = "per-layer"  # rotary: each layer splits its pairs among the bands, or "shared": one split for all

@@ -29,7 +29,7 @@ from collab_attn.decomposition.rotary import (
     rotary_decomposition,
     whiten_forms,
 )
-from collab_attn.decomposition.rotary_budget import allocate_budget
+from collab_attn.decomposition.rotary_budget import allocate_budget, shared_pairs
 from collab_attn.decomposition.rotary_tucker import rotary_tucker
 from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.models.methods.decomposition import DecompositionOptions, shared_values
@@ -71,7 +71,12 @@ def seen_forms(layer: LayerWeights, whitening) -> tuple[torch.Tensor, torch.Tens
 
 def budget_pairs(request: Request, spectrum) -> list[list[int] | None]:
     """Pairs per band of every layer: from the request's budget (``allocate_budget`` on ``spectrum(index, layer)``,
-    each layer's (bands, k) spectrum), or None per layer where the request gives ranks."""
+    each layer's (bands, k) spectrum), or None per layer where the request gives ranks. With ``bands="shared"`` one
+    split for every layer (``shared_pairs``): the same pairs per band, so the same ``pair_bands`` in every layer."""
+    if request.bands == "shared":
+        width = request.ranks[0] if request.ranks is not None else int(request.budget.value)
+        split = shared_pairs([spectrum(index, layer) for index, layer in enumerate(request.weights)], width // 2)
+        return [list(split) for _ in request.weights]
     if request.ranks is not None:
         return [None] * len(request.weights)
     return allocate_budget([spectrum(index, layer) for index, layer in enumerate(request.weights)], request.budget)

@@ -1,0 +1,236 @@
+"""``bands="shared"`` and ``collab_attn.export``: a converted rotary model written as a plain Llama, Qwen2 or Mistral
+checkpoint that a process without collab_attn loads through the Auto classes and runs as the converted model does
+(logits, greedy generation with dynamic and static caches), and the clear refusal of every form that has no standard
+layer, before anything is written."""
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+import collab_attn
+from collab_attn.export import export, standard_model
+from collab_attn.export.checkpoint import check_tokens
+from collab_attn.export.rope import long_rope, standard_frequencies
+from collab_attn.export.standard import balance_scales, cached_scales, standard_layer
+from tests.conftest import small_model
+from tests.test_rotary_models import FULL, HALF, ROTARY, ids, original
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUARTER = FULL // 4
+
+
+def shared(family: str, method: str, rank: int, **options):
+    model = original(family)
+    collab_attn.reparametrize(model, rank, method=method, value_rank=rank, bands="shared", progress=False, **options)
+    return model
+
+
+def bands_of(model) -> list[list[int]]:
+    return [layer.self_attn.pair_bands.tolist() for layer in model.model.layers]
+
+
+@pytest.mark.parametrize("method", ["key-svd", "cp", "tucker"])
+def test_shared_bands_give_every_layer_one_split_and_stay_exact_at_full_size(method):
+    model = original("llama", num_hidden_layers=3)
+    per_layer = copy.deepcopy(model)
+    collab_attn.reparametrize(per_layer, QUARTER, method=method, value_rank=QUARTER, progress=False)
+    converted = copy.deepcopy(model)
+    collab_attn.reparametrize(converted, QUARTER, method=method, value_rank=QUARTER, bands="shared", progress=False)
+    bands = bands_of(converted)
+    assert all(b == bands[0] for b in bands) and len(bands[0]) == QUARTER // 2
+    assert len({tuple(b) for b in bands_of(per_layer)}) > 1  # the default differs per layer on this model
+    exact = copy.deepcopy(model)
+    full = HALF if method == "key-svd" else FULL  # key-svd: the source's key cache (2 groups of 12) is exact
+    collab_attn.reparametrize(exact, full, method=method, bands="shared", progress=False)
+    with torch.no_grad():
+        torch.testing.assert_close(exact(ids()).logits, model(ids()).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model, rank, options, message", [
+    (lambda: original("llama"), HALF, {"bands": "common"}, "choose 'per-layer'"),
+    (lambda: original("llama"), HALF, {"bands": "shared", "method": "kv-svd"}, "does not apply to method='kv-svd'"),
+    (lambda: original("llama"), [HALF, QUARTER], {"bands": "shared"}, "one rank for all layers"),
+    (lambda: original("llama"), "energy:0.9", {"bands": "shared"}, "sizes layers apart"),
+    (lambda: small_model("bert"), 24, {"bands": "shared"}, "rotary models only"),
+])
+def test_shared_bands_refuse_what_they_cannot_honour(model, rank, options, message):
+    with pytest.raises(ValueError, match=message):
+        collab_attn.reparametrize(model(), rank, progress=False, **options)
+
+
+def test_the_mean_budget_with_shared_bands_sizes_every_layer_alike():
+    model = original("llama", num_hidden_layers=3)
+    collab_attn.reparametrize(model, f"mean:{HALF}", method="key-svd", bands="shared", progress=False)
+    assert [layer.self_attn.rank for layer in model.model.layers] == [HALF] * 3
+    assert len({tuple(b) for b in bands_of(model)}) == 1
+
+
+def test_long_rope_factors_give_the_source_frequencies():
+    base, source = 10000.0, 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    bands = torch.tensor([0, 0, 1, 3, 7, 7, 20, 31])
+    rope = long_rope(bands, source, base)
+    got = standard_frequencies(torch.tensor(rope.factors), base)
+    assert rope.frequency_error <= 2 ** -22 and rope.inexact_pairs == int((got != source[bands]).sum())
+    torch.testing.assert_close(got, source[bands], rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("method", ["key-svd", "cp", "tucker"])
+def test_the_standard_layer_with_balanced_scales_is_the_converted_layer(method):
+    model = shared("llama", method, QUARTER)
+    layer = model.model.layers[0].self_attn
+    inputs = torch.randn(64, 48)
+    balanced = balance_scales(standard_layer(layer), inputs)
+    key_pairs, values = cached_scales(balanced, inputs)  # balanced: every cached coordinate already of size 1
+    torch.testing.assert_close(key_pairs, torch.ones_like(key_pairs), rtol=1e-9, atol=0)
+    torch.testing.assert_close(values, torch.ones_like(values), rtol=1e-9, atol=0)
+    exported = standard_model(model, balance=True)
+    assert exported.logit_error <= 1e-5 and exported.head_dim == QUARTER
+
+
+LOADER = textwrap.dedent("""
+    import json, sys, torch, transformers
+    assert "collab_attn" not in sys.modules
+    out = {}
+    for folder, ids in json.loads(sys.argv[1]).items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        ids = torch.tensor(ids)
+        settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            logits = model(ids).logits
+        out[folder] = {"class": type(model).__name__, "kv_heads": model.config.num_key_value_heads,
+                       "logits": logits.tolist(), "dynamic": model.generate(ids[:1], **settings).tolist(),
+                       "static": model.generate(ids[:1], cache_implementation="static", **settings).tolist()}
+    assert "collab_attn" not in sys.modules
+    print(json.dumps(out))
+""")
+
+
+def load_elsewhere(folders: dict) -> dict:
+    """Each exported folder loaded in a fresh process that never imports collab_attn: class, logits, greedy tokens
+    with a dynamic and a static cache."""
+    done = subprocess.run([sys.executable, "-c", LOADER, json.dumps(folders)], capture_output=True, text=True,
+                          timeout=600, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", ROTARY)
+def test_exported_checkpoints_run_without_collab_attn_as_the_converted_model(family, tmp_path):
+    cases = {}
+    for method, rank in [("key-svd", QUARTER), ("cp", HALF), ("tucker", QUARTER), ("cp", FULL)]:
+        model = shared(family, method, rank)
+        folder = export(model, tmp_path / f"{method}-{rank}")
+        cases[str(folder)] = (model, method, rank)
+    tokens = ids(length=9)
+    got = load_elsewhere({folder: tokens.tolist() for folder in cases})
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for folder, (model, method, rank) in cases.items():
+        record = json.loads((tmp_path / folder / "export.json").read_text())
+        architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        assert got[folder]["class"] == architecture[family] == record["architecture"], folder
+        assert got[folder]["kv_heads"] == 1 and record["method"] == method
+        assert record["head_dim"] in (rank, rank + 2)  # Qwen2: + 2 where the output bias rides on a pair
+        with torch.no_grad():
+            expected = model(tokens).logits
+        logits = torch.tensor(got[folder]["logits"])
+        assert float((logits - expected).abs().max() / expected.abs().max()) <= 1e-4, folder
+        greedy = model.generate(tokens[:1], **settings).tolist()
+        assert got[folder]["dynamic"] == greedy and got[folder]["static"] == greedy, folder
+        config = json.loads((tmp_path / folder / "config.json").read_text())
+        assert config["rope_parameters"]["rope_type"] == config["rope_scaling"]["rope_type"] == "longrope"
+        assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+        assert record["frequency_error"] <= 2 ** -22  # at most one float32 step and record["logit_error"] <= 1e-4
+
+
+def test_mistral_keeps_its_sliding_window(tmp_path):
+    model = original("mistral", sliding_window=4)
+    collab_attn.reparametrize(model, HALF, method="key-svd", value_rank=HALF, bands="shared", progress=False)
+    folder = export(model, tmp_path / "mistral")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert loaded.config.sliding_window == 4
+    tokens = ids(length=12)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, model(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_tokenizer_and_generation_config_are_written_beside_the_weights(tmp_path):
+    from tests.conftest import character_tokenizer
+
+    model = shared("llama", "key-svd", HALF)
+    model.generation_config.max_new_tokens = 17
+    tokenizer = character_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    folder = export(model, tmp_path / "out", tokenizer=tokenizer)
+    loaded = transformers.AutoTokenizer.from_pretrained(folder)
+    assert loaded.chat_template == tokenizer.chat_template
+    assert transformers.GenerationConfig.from_pretrained(folder).max_new_tokens == 17
+
+
+def minilm_converted(minilm_path):
+    model = transformers.AutoModel.from_pretrained(minilm_path)
+    collab_attn.reparametrize(model, 96, progress=False)
+    return model
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: original("llama"), "converted by collab_attn.reparametrize"),
+    (lambda: _converted("llama", "key-svd", QUARTER, value_rank=QUARTER, layers=3), "convert with bands='shared'"),
+    (lambda: _converted("llama", "key-svd", HALF, bands="shared"), "per-head values"),
+    (lambda: _converted("llama", "key-svd", HALF, value_rank=QUARTER, bands="shared"), "value_rank 12"),
+    (lambda: _converted("llama", "kv-svd", HALF), "only key-svd, cp and tucker"),
+    (lambda: _converted("llama", "key-svd", [HALF, QUARTER], value_rank=[HALF, QUARTER]), "widths"),
+    (lambda: _gpt2(), "no standard rotary form"),
+])
+def test_what_has_no_standard_form_is_refused_before_anything_is_written(make, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        export(make(), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_encoder_is_refused(minilm_path, tmp_path):
+    with pytest.raises(ValueError, match="no standard rotary form"):
+        export(minilm_converted(minilm_path), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _converted(family, method, rank, layers=2, **options):
+    model = original(family, num_hidden_layers=layers)
+    collab_attn.reparametrize(model, rank, method=method, progress=False, **options)
+    return model
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=48, n_head=4, n_layer=2, vocab_size=100))
+    collab_attn.reparametrize(model, 24, progress=False)
+    return model
+
+
+@pytest.mark.parametrize("target, options, message", [
+    ("file.txt", {}, "is a file"),
+    ("full", {}, "not empty"),
+    ("out", {"format": "onnx"}, "choose one of transformers, gguf"),
+    ("out", {"vocabulary": "x.gguf"}, "format='transformers' saves tokenizer="),
+    ("out", {"tokenizer": 3}, "tokenizer must be"),
+    ("model.bin", {"format": "gguf"}, "ends in .gguf"),
+])
+def test_bad_targets_and_arguments_are_refused_before_any_work(target, options, message, tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "kept").write_text("x")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match=message):
+        export(shared("llama", "key-svd", HALF), tmp_path / target, **options)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_the_check_tokens_are_fixed():
+    model = shared("llama", "key-svd", HALF)
+    assert torch.equal(check_tokens(model), check_tokens(model))
