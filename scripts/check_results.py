@@ -624,7 +624,7 @@ def claims_smollm2() -> None:
         misses = [p["margins"][i] for p in prompts for i in p["missed"]]
         agree, tokens = sum(p["agreed"] for p in prompts), sum(p["tokens"] for p in prompts)
         return [agree, tokens, agree / tokens, sum(m < 0.5 for m in misses), len(misses)]
-    c(P, "The KL left at the best 1/2 model ({:.3f} nats on 8 wikipedia windows) is spread over all 30 layers "
+    c(P, "The KL left at 1/2 (131,072 tokens; {:.3f} nats on 8 wikipedia windows) is spread over all 30 layers "
          "(restoring one sheds at most {:.0f}%", formula(shed, sensitivity))
     c(P, "agree with the original's on {:.0f} of {:.0f} positions ({:.2f}), and {:.0f} of its {:.0f} misses fall where "
          "the original's margin between its first two choices is below 0.5 nats", formula(agreed, answers))
