@@ -27,6 +27,7 @@ import codecs
 import functools
 import inspect
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -187,23 +188,25 @@ def input_dir(name: str, path) -> Path:
 
 def text_file(name: str, path, limit: int | None = None) -> str:
     """The UTF-8 text of the file ``path``; a missing file, a folder, an unreadable or a binary file is refused.
-    ``limit``: check (and return) only the first ``limit`` bytes, for large data files read later in full."""
+    ``limit``: check (and return) only the first ``limit`` bytes, for large data files read later in full. Refusals
+    say ``name=path`` (the path alone where ``name`` is empty: a positional argument)."""
     path = Path(str(path)).expanduser()
+    shown = f"{name}={path}" if name else str(path)
     if not path.exists():
-        raise Missing(f"{name}={path}: no such file (relative to {os.getcwd()})")
+        raise Missing(f"{shown}: no such file (relative to {os.getcwd()})")
     if path.is_dir():
-        raise BadInput(f"{name}={path} is a folder; pass a text file")
+        raise BadInput(f"{shown} is a folder; pass a text file")
     try:
         with path.open("rb") as handle:
             raw = handle.read() if limit is None else handle.read(limit)
     except OSError as err:
-        raise BadInput(f"{name}={path} cannot be read ({err.strerror or err}); pass a readable text file") from None
+        raise BadInput(f"{shown} cannot be read ({err.strerror or err}); pass a readable text file") from None
     try:
         if b"\0" in raw:
             raise UnicodeError("it holds NUL bytes")
         return codecs.getincrementaldecoder("utf-8")().decode(raw, final=limit is None)
     except UnicodeError as err:
-        raise BadInput(f"{name}={path} is binary or not UTF-8 text ({err}); pass a UTF-8 text file") from None
+        raise BadInput(f"{shown} is binary or not UTF-8 text ({err}); pass a UTF-8 text file") from None
 
 
 def json_file(name: str, path, lines: bool = False):
@@ -302,6 +305,75 @@ def positive_arg(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def count_arg(text: str) -> int:
+    """argparse type of counts where 0 means none (``--warmup``, ``--distill-tokens``): ``-1`` and ``x`` refused."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def positive_number_arg(text: str) -> float:
+    """argparse type of a rate, a tolerance or an amount: a finite number > 0 (``nan``, ``inf``, ``0`` refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def device(name: str, value) -> str:
+    """``value`` as a torch device this machine has: ``cpu``, or ``cuda``/``cuda:N`` where torch sees that GPU. A
+    name torch does not know (``gpu``), a GPU that is not there and a device kind the scripts do not run on are
+    refused, listing the devices there are."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    there = "cpu" + "".join(f", cuda:{i}" for i in range(gpus))
+    seen = f"torch {torch.__version__} sees {gpus or 'no'} CUDA GPU{'s' * (gpus > 1)} here"
+    try:
+        parsed = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise BadInput(f"{name} {value!r} is not a device; pass one of: {there} ({seen})") from None
+    if parsed.type == "cpu" or (parsed.type == "cuda" and (parsed.index or 0) < gpus):
+        return str(value)
+    if parsed.type == "cuda":
+        raise BadInput(f"{name} {value}: {seen}; pass one of: {there}")
+    raise BadInput(f"{name} {value}: the scripts run on the CPU or a CUDA GPU; pass one of: {there} ({seen})")
+
+
+def compile_backend(name: str, value) -> str:
+    """``value`` as a backend ``torch.compile(backend=...)`` takes here (inductor, aot_eager, ...)."""
+    import torch._dynamo
+
+    backends = sorted(b for b in torch._dynamo.list_backends(exclude_tags=()) if "TESTING" not in b)
+    if value not in backends:
+        raise BadInput(f"{name} {value!r} is not a torch.compile backend here; choose one of {', '.join(backends)}")
+    return value
+
+
+def result_stem(name: str, out, default, suffixes: tuple[str, ...] = (".md", ".json")) -> Path:
+    """Where a benchmark writes its results (``collab_attn.files.new_result_stem``: ``out`` or ``default`` stamped
+    with the time, never over an earlier result), each file checked writable before any work: not a folder, not
+    under a file."""
+    from collab_attn.files import new_result_stem
+
+    if out is not None and not str(out).strip():
+        raise BadInput(f"{name} is empty; pass a new file path without suffix")
+    try:
+        stem = new_result_stem(out, default, suffixes)
+    except FileExistsError as err:
+        raise BadInput(str(err)) from None
+    for suffix in suffixes:
+        output_file(name, stem.with_suffix(suffix))
+    return stem
 
 
 # ---------------------------------------------------------------------------------------------------

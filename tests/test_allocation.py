@@ -73,6 +73,25 @@ def test_methods_without_a_key_value_split_are_refused():
         collab_attn.allocate_cache(gpt2(), "key-svd", 24, FIT)
 
 
+def test_bad_arguments_are_refused_before_the_first_candidate(monkeypatch):
+    monkeypatch.setattr(collab_attn.models.conversion, "reparametrize", lambda *a, **k: pytest.fail("converted"))
+    for arguments, message in [
+        ({"budget": "24"}, "budget must be a number >= 4, got '24'"),
+        ({"budget": float("nan")}, "budget must be a number >= 4, got nan"),
+        ({"steps": 0}, "steps must be a positive integer, got 0"),
+        ({"steps": "5"}, "steps must be a positive integer, got '5'"),
+        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+        ({"batches": None}, "batches must be a list of tokenized batches"),
+        ({"batches": FIT[0]}, "got one dict: pass \\[batch\\]"),
+        ({"batches": [{"input_ids": FIT[0]["input_ids"] + 1000}]}, "outside the model's vocabulary of 100"),
+        ({"method": 3}, "method must be a conversion method's name"),
+    ]:
+        given = {"method": "key-svd", "budget": 24, "batches": FIT} | arguments
+        with pytest.raises(ValueError, match=message):
+            collab_attn.allocate_cache(llama(), given.pop("method"), given.pop("budget"), given.pop("batches"),
+                                       progress=False, **given)
+
+
 def test_sizes_the_method_refuses_are_never_chosen_and_say_why():
     """The tiny Llama's shared rotary key and shared value hold at most 2 groups x 12 = 24 numbers each: the
     candidates wider than that at a budget of 36 are refused with the method's reason, the rest measured and chosen

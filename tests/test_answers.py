@@ -76,11 +76,22 @@ def test_a_converted_model_matches_exactly_the_prefix_its_own_greedy_answer_shar
 
 
 def test_bad_arguments_say_what_to_pass():
+    """Refused before any generation: a count that is not a positive integer, one prompt as a string (each of its
+    characters would be a prompt), no prompts, and an original the model was not made from."""
     original = tiny_llama()
-    with pytest.raises(ValueError, match="new_tokens must be at least 1, got 0"):
-        answer_agreement(original, original, ChatTokenizer(), PROMPTS, new_tokens=0)
+    for new_tokens in (0, "10", 2.0, True):
+        with pytest.raises(ValueError, match=f"new_tokens must be an integer of at least 1, got {new_tokens!r}"):
+            answer_agreement(original, original, ChatTokenizer(), PROMPTS, new_tokens=new_tokens)
+    with pytest.raises(ValueError, match="prompts must be a list of prompt strings, got str 'abc': pass \\[prompt\\]"):
+        answer_agreement(original, original, ChatTokenizer(), "abc", new_tokens=3)
+    with pytest.raises(ValueError, match="prompts must be non-empty strings, got \\[3, ' '\\]"):
+        answer_agreement(original, original, ChatTokenizer(), ["abc", 3, " "], new_tokens=3)
     with pytest.raises(ValueError, match="no prompts"):
         answer_agreement(original, original, ChatTokenizer(), (), new_tokens=3)
+    converted = tiny_llama()
+    collab_attn.reparametrize(converted, 4, value_rank=4, progress=False)
+    with pytest.raises(ValueError, match="original's weights outside the attention layers differ from converted's"):
+        answer_agreement(converted, tiny_llama(seed=1), ChatTokenizer(), PROMPTS, new_tokens=3)
 
 
 def test_the_race_follows_the_answers_of_a_finished_run_from_its_kept_fit(tmp_path, monkeypatch):

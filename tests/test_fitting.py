@@ -175,10 +175,30 @@ def test_bad_arguments_say_what_to_pass():
     for batches in ([], [{"input_ids": torch.zeros(0, 5, dtype=torch.long)}]):
         with pytest.raises(ValueError, match="no fitting tokens: pass at least one non-empty batch"):
             fit(model, original, batches, steps=3)
-    with pytest.raises(ValueError, match="batches is None"):
+    with pytest.raises(ValueError, match="batches must be a list of tokenized batches .* got None"):
         fit(model, original, None, steps=3)
+    with pytest.raises(ValueError, match="got one dict: pass \\[batch\\]"):
+        fit(model, original, FIT[0], steps=3)
     with pytest.raises(ValueError, match="each batch must be a dict with input_ids"):
         fit(model, original, [HELD_OUT], steps=3)
+    with pytest.raises(ValueError, match="input_ids hold token ids from .* to 100, outside the model's vocabulary "
+                                         "of 100"):
+        fit(model, original, [{"input_ids": HELD_OUT.clamp(max=99) + 1}], steps=3)
+    with pytest.raises(ValueError, match="input_ids must be a 2-D tensor of token ids"):
+        fit(model, original, [{"input_ids": HELD_OUT.float()}], steps=3)
+    with pytest.raises(ValueError, match="seed must be an integer, got '0'"):
+        fit(model, original, FIT, steps=3, seed="0")
+    with pytest.raises(ValueError, match="progress must be True or False, got 'no'"):
+        fit(model, original, FIT, steps=3, progress="no")
+    torch.manual_seed(1)  # the same config, other weights: not the model converted was made from
+    other = transformers.GPT2LMHeadModel(original.config).eval()
+    for call in (lambda: fit(model, other, FIT, steps=3),
+                 lambda: collab_attn.fit_end_to_end(model, other, FIT, steps=3),
+                 lambda: collab_attn.layer_sensitivity(model, other, FIT, progress=False)):
+        with pytest.raises(ValueError, match="original's weights outside the attention layers differ from "
+                                             "converted's \\(transformer.*relative distance up to 1.4.*original "
+                                             "must be the model"):
+            call()
     with pytest.raises(ValueError, match="converted has no converted attention layers"):
         fit(gpt2(), original, FIT, steps=3)
     with pytest.raises(ValueError, match="original must be the model before the conversion"):

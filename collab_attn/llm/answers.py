@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from collab_attn.identity import check_same_source
+
 PROMPTS = (
     "What is the capital of France?",
     "Write one sentence about the sea.",
@@ -92,11 +94,27 @@ class AnswerReport:
 def answer_agreement(model, original, tokenizer, prompts: Sequence[str] = PROMPTS,
                      new_tokens: int = 24) -> AnswerReport:
     """How far ``model`` follows ``original``'s greedy answer to each prompt (the module doc). Both models run in
-    eval mode; their training flags are put back."""
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+    eval mode; their training flags are put back. ``model`` is ``original`` converted (and perhaps trained further):
+    its weights outside the attention layers are checked to be near ``original``'s
+    (``collab_attn.identity.check_same_source``)."""
+    if type(new_tokens) is not int or new_tokens < 1:
+        raise ValueError(f"new_tokens must be an integer of at least 1, got {new_tokens!r}")
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a list of prompt strings, got {type(prompts).__name__} {prompts!r:.60}: "
+                         "pass [prompt] for one")
     if not prompts:
         raise ValueError("no prompts: pass at least one")
+    empty = [prompt for prompt in prompts if not isinstance(prompt, str) or not prompt.strip()]
+    if empty:
+        raise ValueError(f"prompts must be non-empty strings, got {empty[:3]}")
+    for name, value in (("model", model), ("original", original)):
+        if not hasattr(value, "config") or not hasattr(value, "generate"):
+            raise ValueError(f"{name} must be a transformers language model, got {type(value).__name__}")
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise ValueError("tokenizer must be the original's tokenizer, with a chat template; got "
+                         f"{type(tokenizer).__name__}")
+    if model is not original:
+        check_same_source(model, original, trained=True)
     modes = model.training, original.training
     model.eval(), original.eval()
     measured = []

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 from tqdm.auto import tqdm
@@ -138,10 +138,18 @@ def allocate_cache(original, method: str, budget: float, batches, *, steps: int 
     """Per-layer key and value widths for ``method`` at a mean of ``budget`` numbers per token and layer, chosen by
     the output error each candidate leaves after a short fit (module doc). ``original`` is left as it is;
     ``calibration`` and ``options`` go to every candidate's ``reparametrize``."""
+    from collab_attn import cli
     from collab_attn.models.conversion import reparametrize, takes_value_rank
     from collab_attn.models.families import find_attention
-    from collab_attn.models.fitting import fit_to_original
+    from collab_attn.models.fitting import _batches, check_seed_and_progress, fit_to_original
 
+    if not hasattr(original, "config"):
+        raise ValueError(f"original must be a transformers model, got {type(original).__name__}")
+    if not isinstance(method, str):
+        raise ValueError(f"method must be a conversion method's name (e.g. 'cp'), got {method!r}")
+    cli.number("budget", budget, 4)  # numbers per token and layer: 2 for keys, 2 for values at least
+    cli.positive_int("steps", steps)
+    check_seed_and_progress(seed, progress)
     if not takes_value_rank(original, method):
         raise ValueError(f"method={method!r} has no key/value split to choose on a {original.config.model_type} "
                          "model (it takes no value_rank): allocate_cache takes a method that gives the values a width "
@@ -149,6 +157,9 @@ def allocate_cache(original, method: str, budget: float, batches, *, steps: int 
     start = time.perf_counter()
     layers = [name for name, _ in find_attention(original)[1]]
     candidates = candidate_sizes(budget, key_shares, scales)
+    if isinstance(batches, Iterator):  # a generator is read once, here
+        batches = list(batches)
+    _batches(original, batches, next(original.parameters()).device)  # checked before the first candidate
     batches = list(batches)
     errors = [[math.inf] * len(candidates) for _ in layers]
     refused = {}

@@ -32,7 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from collab_attn.models.families import family_of
-from collab_attn.models.fitting import _batches, _check_source, _forward_kwargs, cosine_adam
+from collab_attn.models.fitting import _batches, _check_source, _forward_kwargs, check_seed_and_progress, cosine_adam
 
 DEFAULT_LEARNING_RATE = 1e-4
 
@@ -101,6 +101,7 @@ def fit_end_to_end(
                          f"{check_batches!r}")
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
+    check_seed_and_progress(seed, progress)
     names = _check_source(converted, original)
     device = next(converted.parameters()).device
     batches = _batches(original, batches, device)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from collab_attn.identity import check_same_source
 from collab_attn.models.calibration import MODEL_INPUTS
 from collab_attn.models.families import family_of, find_attention, is_collaborative
 from collab_attn.models.hf import forward_inputs
@@ -121,8 +122,11 @@ class FitReport:
 # Checks
 
 
-def _check_source(converted: nn.Module, original: nn.Module) -> list[str]:
-    """The names of the converted layers, once ``original`` is shown to be the model ``converted`` was made from."""
+def _check_source(converted: nn.Module, original: nn.Module, trained: bool = False) -> list[str]:
+    """The names of the converted layers, once ``original`` is shown to be the model ``converted`` was made from: the
+    same family, layers and config, and the same weights outside the attention layers
+    (``collab_attn.identity.check_same_source``; ``trained``: a converted model trained further, e.g. distilled,
+    whose other weights moved a little)."""
     for name, model in (("converted", converted), ("original", original)):
         if not hasattr(model, "config"):
             raise ValueError(f"{name} must be a transformers model, got {type(model).__name__}")
@@ -146,6 +150,7 @@ def _check_source(converted: nn.Module, original: nn.Module) -> list[str]:
     if differ:
         raise ValueError(f"converted's config differs from original's in {differ[:5]}: pass the model converted was "
                          "made from as original")
+    check_same_source(converted, original, trained=trained)
     return layers
 
 
@@ -153,9 +158,10 @@ def _structural(config) -> dict:
     return {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG and not k.startswith("collab_")}
 
 
-def _check_arguments(steps, learning_rate, target, inputs, solve_output) -> None:
+def _check_arguments(steps, learning_rate, target, inputs, solve_output, seed=0, progress=True) -> None:
     if not isinstance(solve_output, bool):
         raise ValueError(f"solve_output must be True or False, got {solve_output!r}")
+    check_seed_and_progress(seed, progress)
     if type(steps) is not int or steps < 1:
         raise ValueError(f"steps must be a positive number of optimizer steps per layer, got {steps!r}")
     if target not in TARGETS:
@@ -171,15 +177,46 @@ def _check_arguments(steps, learning_rate, target, inputs, solve_output) -> None
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
 
 
+def check_seed_and_progress(seed, progress) -> None:
+    """The arguments every fit and measurement takes: an integer ``seed`` and a ``progress`` flag."""
+    if type(seed) is not int:
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress must be True or False, got {progress!r}")
+
+
+def _check_ids(batch: Mapping, vocabulary: int | None) -> None:
+    """``input_ids`` a 2-D tensor of token ids the model has (an id past its vocabulary would fail deep in the
+    embedding, or on a GPU as a device-side assert); an ``attention_mask`` of the same shape."""
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
+        raise ValueError("each batch's input_ids must be a 2-D tensor of token ids (batch, tokens), got "
+                         + (f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, torch.Tensor)
+                            else type(ids).__name__))
+    if ids.numel() and (int(ids.min()) < 0 or (vocabulary is not None and int(ids.max()) >= vocabulary)):
+        raise ValueError(f"input_ids hold token ids from {int(ids.min())} to {int(ids.max())}, outside the model's "
+                         f"vocabulary of {vocabulary}: tokenize with the model's own tokenizer")
+    mask = batch.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
+        raise ValueError(f"each batch's attention_mask must be a tensor shaped like its input_ids {tuple(ids.shape)}, "
+                         f"got {tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+
+
 def _batches(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], device) -> list[dict]:
-    if batches is None:
-        raise ValueError("batches is None: pass tokenized batches (dicts with input_ids, attention_mask, ...), as "
-                         "collect_calibration takes")
+    if batches is None or isinstance(batches, (Mapping, torch.Tensor, str)):
+        raise ValueError("batches must be a list of tokenized batches (dicts with input_ids, attention_mask, ...), "
+                         "as collect_calibration takes; got "
+                         + ("None" if batches is None else f"one {type(batches).__name__}: pass [batch]"))
+    try:
+        vocabulary = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):
+        vocabulary = None
     kept = []
     for batch in batches:
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
             raise ValueError("each batch must be a dict with input_ids (and attention_mask, ...), as "
                              f"collect_calibration takes; got {type(batch).__name__}")
+        _check_ids(batch, vocabulary)
         taken = forward_inputs(model, batch)  # what the model's forward names (no token_type_ids beside a Llama)
         inputs = {k: v.to(device) for k, v in taken.items() if k in MODEL_INPUTS and v is not None}
         if inputs["input_ids"].numel():
@@ -438,7 +475,7 @@ def fit_to_original(
     mode (no dropout) and left in the mode they were in. Returns a ``FitReport``: per layer the relative output error
     before and after (the weights kept). ``solve_output``: the output projection also solved by least squares
     before and after the steps (see the module doc)."""
-    _check_arguments(steps, learning_rate, target, inputs, solve_output)
+    _check_arguments(steps, learning_rate, target, inputs, solve_output, seed, progress)
     names = _check_source(converted, original)
     device = next(converted.parameters()).device
     batches = _batches(original, batches, device)

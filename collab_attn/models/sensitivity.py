@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from collab_attn.models.end_to_end import _mask, _output, divergence
 from collab_attn.models.families import family_of
-from collab_attn.models.fitting import _batches, _check_source
+from collab_attn.models.fitting import _batches, _check_source, check_seed_and_progress
 
 
 @dataclass
@@ -78,8 +78,10 @@ def layer_sensitivity(
     """Measure how much each converted attention layer of ``converted`` adds to its loss against ``original`` (see
     the module doc). ``batches``: tokenized batches as ``fit_to_original`` takes them (the measured tokens; held-out
     text says what the model will do, fitting text what the fit saw). Both models run in eval mode and are left as
-    they were, with their own modules."""
-    names = _check_source(converted, original)
+    they were, with their own modules. ``converted`` may have been trained beyond its attention layers (distilled):
+    its other weights must still be near ``original``'s (``collab_attn.identity.check_same_source``)."""
+    check_seed_and_progress(0, progress)
+    names = _check_source(converted, original, trained=True)
     device = next(converted.parameters()).device
     batches = _batches(original, batches, device)
     family = family_of(original.config)
