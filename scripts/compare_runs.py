@@ -25,15 +25,30 @@ from collab_attn.llm.race import comparison_markdown
 
 
 def read_run(path: Path) -> dict:
-    if not path.is_file():
+    if not path.exists():
         raise cli.Missing(f"{path}: no such run file; pass two runs/<name>.json files of scripts/race_smollm2.py")
+    text = cli.text_file("", path)  # a folder or a binary file: refused naming the file
     try:
-        run = json.loads(path.read_text())
+        run = json.loads(text)
     except json.JSONDecodeError as err:
-        raise cli.BadInput(f"{path}: not a JSON run file ({err})") from err
+        raise cli.BadInput(f"{path}: not a JSON run file ({err}); pass runs/<name>.json files of "
+                           "scripts/race_smollm2.py") from None
     if not isinstance(run, dict) or not {"name", "entry", "domains"} <= set(run):
         raise cli.BadInput(f"{path}: not a run file of scripts/race_smollm2.py (it needs name, entry and domains)")
     return run
+
+
+def read_runs(paths: list[Path]) -> list[dict]:
+    """The run files, each given once: the same file twice (or two files holding the same run) compares a run with
+    itself, a tie that says nothing."""
+    runs = [read_run(path) for path in paths]
+    for i, (path, run) in enumerate(zip(paths, runs)):
+        for other, earlier in zip(paths[:i], runs[:i]):
+            if other.resolve() == path.resolve() or run == earlier:
+                what = "the same file" if other.resolve() == path.resolve() else "two copies of the same run"
+                raise cli.BadInput(f"{other} and {path} are {what} ({run['name']}): a run compared with itself says "
+                                   "nothing; pass two different runs")
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{len(args.more) + 2} run files: pass them in pairs (a b, then a b of another calibration "
                      "sample)")
     paths = [args.a, args.b, *args.more]
-    lines = cli.exit_on_bad_input(lambda: comparison_markdown([read_run(p) for p in paths[0::2]],
-                                                              [read_run(p) for p in paths[1::2]]))
+    runs = cli.exit_on_bad_input(lambda: read_runs(paths))
+    lines = cli.exit_on_bad_input(lambda: comparison_markdown(runs[0::2], runs[1::2]))
     print("\n".join(lines))
     return 0
 

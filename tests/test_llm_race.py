@@ -728,8 +728,11 @@ def test_two_conversions_are_compared_over_calibration_samples(tmp_path, capsys)
     out = capsys.readouterr().out
     assert out.startswith("cp-k8-calibrated16s1 against cp-k8-calibrated16:")
     assert out.count("behind (8 windows) | one sample | **behind** |") == len(heldout.DOMAINS)
+    (tmp_path / "cp0b.json").write_text(json.dumps(fake_run("cp", 3.02)))  # another run of sample 0
     for argv, message in (([path["cp0"], path["kv0"], path["kv1"], path["cp1"]], "runs of different conversions"),
-                          ([path["cp0"], path["kv0"], path["cp0"], path["kv1"]], "calibration sample [0] given twice"),
+                          ([path["cp0"], path["kv0"], str(tmp_path / "cp0b.json"), path["kv1"]],
+                           "calibration sample [0] given twice"),
+                          ([path["cp0"], path["kv0"], path["cp0"], path["kv1"]], "cp0.json are the same file"),
                           ([path["cp0"], path["kv0"], path["cp1"]], "pass them in pairs")):
         with pytest.raises(SystemExit) as exit_:
             module.main(argv)
