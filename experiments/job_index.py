@@ -2,7 +2,7 @@
 job folder committed before job keys existed to its ``JobKey`` (``collab_attn.glue.jobs``).
 
 Those folders were named by a hash of the composed config groups. For every job of the documented sweeps
-(``tests/test_configs.py`` ``SWEEPS``, the commands of the experiments' READMEs) this computes that legacy folder
+(``tests/test_configs.py`` ``SWEEPS``, the commands of the experiments' pages) this computes that legacy folder
 name with the code that made it (kept here, nowhere else) and the job's key, and records the pairs whose folder
 holds results. Run from the repository root: ``python experiments/job_index.py``; it refuses two folders for one key
 and lists the committed folders no documented sweep reaches.

@@ -19,8 +19,8 @@ attention layer that many steps to give the original's attention output on the c
 (``collab_attn.fit_to_original``); its per-layer report is printed and saved under ``fit``. ``collab.e2e_steps``
 then trains all the converted layers together that many steps to give the original model's output on the same texts
 (``collab_attn.fit_end_to_end``), or with ``collab.e2e_texts`` on 16 texts of that file per step (fresh text: on
-SmolLM2 it gains more than more passes over the calibration texts, experiments/smollm2/README.md); its report is
-saved under ``end_to_end``.
+SmolLM2 it gains more than more passes over the calibration texts, experiments/smollm2/LOG.md, "Long layer fits,
+then end to end on fresh text"); its report is saved under ``end_to_end``.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations

@@ -6,7 +6,7 @@
 - The ``collab`` group is read once into ``MethodSettings``; the tests check that its fields are the composed
   values and that the GLUE stage, ``scripts/reparametrize.py`` and ``scripts/visualize.py`` pass exactly those to
   ``reparametrize`` (monkeypatched to record its arguments).
-- Nothing already run is lost: the committed sweeps' commands (the experiments' READMEs), composed job by job as
+- Nothing already run is lost: the committed sweeps' commands (the experiments' pages), composed job by job as
   Hydra's basic sweeper would (the experiment's ``hydra.sweeper.params`` included), all name a folder under
   ``experiments/`` that holds ``results.jsonl``, and ``run_job`` skips them without training.
 """
@@ -570,9 +570,10 @@ _METHODS = {
     "svd": "collab=svd collab.rank=252,192,120,96,60",
     "prune": "collab=prune collab.rank=256,192,128,96,64",
 }
-# The commands of the experiments' READMEs, with the shell variables spelled out: (experiment, multirun, arguments).
+# The commands of the experiments' pages, with the shell variables spelled out: (experiment, multirun, arguments).
 SWEEPS = [
-    # experiments/minilm_glue/README.md: without retraining (refit=none), four tasks on three seeds and SST-2 on one
+    # experiments/minilm_glue/LOG.md (the commands as run; its README.md lists the same jobs, not the alpha/T choice):
+    # without retraining (refit=none), four tasks on three seeds and SST-2 on one
     *[("minilm_glue", True, f"{_G} refit=none {_FOUR} {m}") for m in _METHODS.values()],
     *[("minilm_glue", True, f"{_G} refit=none {_SST2} {m}") for m in _METHODS.values()],
     # ... and re-fine-tuned (its last code block)

@@ -45,7 +45,7 @@ CP_INITS = ("svd", "random")
 SINGLE_PRECISION_UNTIL = 0.03  # relative error below which cp_als switches float32 products to float64
 # Default stopping rule: < 0.05% relative improvement in each of 3 iterations in a row. On MiniLM it stops after
 # 15-60 iterations below the error of the paper's 100 random-init iterations at every rank from 64 to 256
-# (experiments/benchmarks/README.md, section 6).
+# (experiments/benchmarks/LOG.md, section 6).
 DEFAULT_TOL = 5e-4
 DEFAULT_N_ITER_MAX = 100
 DEFAULT_PATIENCE = 3

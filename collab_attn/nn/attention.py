@@ -457,7 +457,7 @@ class CollaborativeAttention(_Attention):
     ``value_rank x value_rank`` slices. None keeps a value head per head.
     With a value per head the logits are explicit: a path through ``scaled_dot_product_attention`` (values padded
     with zeros to the rank) was slower in every case measured, on the CPU and on an H100, and was removed
-    (experiments/benchmarks/README.md, sections 4 and 10). With shared values (``value_rank``) at inference the
+    (experiments/benchmarks/LOG.md, sections 4 and 10). With shared values (``value_rank``) at inference the
     layer is multi-query attention in disguise: each head's mixing goes into its query, its content logits into the
     mask, and all heads attend over the one shared key/value head through the fused kernel (``grouped_attend``;
     section 16 there); a causal prompt into an empty cache hands the kernel no mask but ``is_causal``, so that it
@@ -811,7 +811,7 @@ def _fused_pays(queries, keys, values) -> bool:
     than the shared values (``attend`` pads narrower queries and keys with zero columns for the flash kernel). On a
     GPU equal widths that are a multiple of 16 bytes: the mask (the content logits) rules out the flash kernel, and
     the memory-efficient one wants that alignment; otherwise sdpa falls back to its math kernel, which measured
-    slower than the explicit path on an H200 (``experiments/benchmarks/README.md``, section 16)."""
+    slower than the explicit path on an H200 (``experiments/benchmarks/LOG.md``, section 16)."""
     needs_grad = _needs_grad(queries, keys, values)
     if needs_grad:
         return False

@@ -1,14 +1,14 @@
 """The decoding step of keys-only collaborative heads on the CPU, through two small kernels (``cpu_kernels.cpp``).
 
 Keys-only collaborative heads (a value per head) have no fused kernel: ``scaled_dot_product_attention`` needs a
-key per head, and copying the one shared key to every head is slower than not fusing (benchmarks section 16). Their
-step is two products, which PyTorch runs far below the machine's memory speed for this shape: the scores of a few
-query rows against every shared key (``torch.bmm``, a matrix product with a dozen rows), and each head's weights
-times its values (``torch.matmul``, a batch of matrix-vector products). ``shared_key_scores`` and
-``weighted_values`` do the same arithmetic in one pass over the keys and one over the values
-(``experiments/benchmarks/README.md``, section 18). With shared values the step scores through
-``shared_key_scores`` too and sums the one shared value with a plain ``bmm`` (a large product, which PyTorch runs
-well).
+key per head, and copying the one shared key to every head is slower than not fusing
+(``experiments/benchmarks/LOG.md``, section 16). Their step is two products, which PyTorch runs far below the
+machine's memory speed for this shape: the scores of a few query rows against every shared key (``torch.bmm``, a
+matrix product with a dozen rows), and each head's weights times its values (``torch.matmul``, a batch of
+matrix-vector products). ``shared_key_scores`` and ``weighted_values`` do the same arithmetic in one pass over
+the keys and one over the values (``experiments/benchmarks/LOG.md``, section 18). With shared values the step
+scores through ``shared_key_scores`` too and sums the one shared value with a plain ``bmm`` (a large product,
+which PyTorch runs well).
 
 They are compiled from source with ``torch.utils.cpp_extension`` the first time a layer asks (about 20 s, then
 cached by torch), registered as the operators ``torch.ops.collab_attn.*`` with shape functions, so that

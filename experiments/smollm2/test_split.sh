@@ -34,7 +34,7 @@ part=${1:-all}
 common=(--out experiments/smollm2/fitted_2048 --split test --windows 64 --long-length 2048 --long-windows 8
         --calibration-tokens 16384 --threads 1)
 
-short() {  # README.md's rows "calibrated on 16,384 tokens" and "+ each layer fitted ... 100 steps"
+short() {  # README.md's rows "calibrated on 16,384 tokens" and "+ each attention layer fitted ... 100 steps"
   "$PYTHON" scripts/race_smollm2.py "${common[@]}" --budgets 0.5 0.25 --methods cp tucker key-svd kv-svd \
     --fit-steps 100 --rows 'calibrated16384(-fitted100)?$' "$@"
 }
@@ -44,7 +44,8 @@ long_key_svd() {  # "+ 600 steps a layer, then end to end on 65,536 fresh tokens
     --fit-steps 600 --e2e-steps 64 --e2e-tokens 65536 --rows 'fitted600-e2e64on65536$' "$@"
 }
 
-long_cp_tucker() {  # the long recipe's cp and tucker rows at 1/2 (experiments/smollm2/README.md, stops 82 and 84)
+long_cp_tucker() {  # the long recipe's cp and tucker rows at 1/2 (experiments/smollm2/README.md, section 3; LOG.md,
+                    # stops 82 and 84)
   "$PYTHON" scripts/race_smollm2.py "${common[@]}" --budgets 0.5 --methods cp tucker \
     --fit-steps 600 --e2e-steps 64 --e2e-tokens 65536 --rows 'fitted600-e2e64on65536$' "$@"
 }
