@@ -5,13 +5,14 @@ beside the rotary original's step (multi-head attention on per-head keys and val
     python benchmarks/tpa_decode.py                             # CPU, float32, batch 1, contexts 1024 and 8192
     python benchmarks/tpa_decode.py --batch 8 --contexts 4096
 
-The step: one new query per sequence, 6 heads of 64 (the rotary race's model, ``experiments/shakespeare_char``), a
-cache of ``context`` positions of random factors (decoding time does not depend on their values), TPA's ranks
-``--ranks`` (keys, values; default 2 and 2, the race's ``k2-v2``). The three take turns step by step, ``--repeats``
-steps after ``--warmup``; each row gives the median step, the range (the step-to-step spread), the ratio to the
-original's step and the verdict of ``collab_attn.stats.timing_verdict`` (faster or slower only where the ranges do
-not overlap, tie otherwise); the factored step's row also its ratio and verdict against the expanded heads. The two
-TPA paths are checked to agree. Results:
+The step: one new query per sequence, 6 heads of 64 (d = 384, nanoGPT's gpu recipe, at which the GPU queue's job
+``rope`` is to rerun the rotary race; the race that ran, ``experiments/shakespeare_char/rope_race.md``, has 4 heads of
+32, d = 128), a cache of ``context`` positions of random factors (decoding time does not depend on their values),
+TPA's ranks ``--ranks`` (keys, values; default 2 and 2, the race's ``k2-v2``). The three take turns step by step,
+``--repeats`` steps after ``--warmup``; each row gives the median step, the range (the step-to-step spread), the
+ratio to the original's step and the verdict of ``collab_attn.stats.timing_verdict`` (faster or slower only where
+the ranges do not overlap, tie otherwise); the factored step's row also its ratio and verdict against the expanded
+heads. The two TPA paths are checked to agree. Results:
 ``experiments/benchmarks/tpa_decode_<device>_<dtype>_<UTC time>.{md,json}`` (``--out``: a new path; never
 overwritten).
 """
