@@ -354,10 +354,7 @@ def main(argv=None) -> None:
         if method not in rotary or len(sizes) not in (1, 2) or not all(size.isdigit() for size in sizes):
             parser.error(f"--extra {text}: give METHOD:RANK[:VALUE_RANK] with METHOD one of {', '.join(rotary)}")
         extra.append(Entry(method, int(sizes[0]), int(sizes[1]) if len(sizes) == 2 else None))
-    for path in (args.glue_dir / "QNLI" / "dev.tsv", args.glue_dir / "RTE" / "train.tsv", args.shakespeare):
-        if not path.is_file():
-            parser.error(f"{path} is missing: --glue-dir must hold GLUE's QNLI and RTE, --shakespeare the text")
-    exit_on_bad_input(lambda: race_inputs.check_arguments(args))  # the folder, paths, device, model: before any load
+    exit_on_bad_input(lambda: race_inputs.check_arguments(args))  # the folder, texts, device, model: before any load
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -278,12 +278,13 @@ def _measure_sensitivity(model, original, batches: dict[str, list[dict]], path: 
 
     measured = {domain: collab_attn.layer_sensitivity(model, original, b) for domain, b in batches.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({domain: report.to_dict() for domain, report in measured.items()},
-                                       indent=2) + "\n")
     windows = {domain: sum(len(b["input_ids"]) for b in parts) for domain, parts in batches.items()}
     write_text_atomic(path.with_suffix(".md"), "\n\n".join(
         f"## {domain} ({windows[domain]} held-out windows)\n\n{report.table()}" for domain, report in measured.items())
         + "\n")
+    # the JSON last: it says the measurement is done (run_entry skips it then), so it is never there without the .md
+    write_text_atomic(path, json.dumps({domain: report.to_dict() for domain, report in measured.items()},
+                                       indent=2) + "\n")
     print(f"{path.stem}: layer sensitivity written to {path}", flush=True)
 
 
@@ -291,8 +292,8 @@ def _measure_answers(model, original, tokenizer, path: Path) -> None:
     """``answer_agreement`` on the race's prompts, written to ``path`` (JSON) and beside it (.md)."""
     report = answer_agreement(model, original, tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, report.to_json() + "\n")
     write_text_atomic(path.with_suffix(".md"), report.table() + "\n")
+    write_text_atomic(path, report.to_json() + "\n")  # last: it says the measurement is done
     print(f"{path.stem}: answers followed token by token, written to {path}", flush=True)
 
 
