@@ -34,10 +34,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn import reparametrize  # noqa: E402
-from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn import cli, reparametrize  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.glue.calibrate import load_texts  # noqa: E402
 from collab_attn.models.calibration import attention_inputs, calibration_from_texts, logit_errors  # noqa: E402
+
+MINILM_WIDTH = 384  # 12 heads of 32
 
 
 def layer_weights(model):
@@ -87,19 +89,30 @@ def evaluate(original, converted, weights, batches, inputs) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[192, 128, 96])
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=cli.positive_arg, nargs="+", default=[192, 128, 96],
+                        help="MiniLM's 12 heads of 32: at most 384")
     parser.add_argument("--glue-dir", type=Path, default=ROOT.parent / "shared" / "data" / "glue")
-    parser.add_argument("--calibration-texts", type=int, default=256, help="per task (SST-2, MRPC)")
-    parser.add_argument("--held-out", type=int, default=128, help="SST-2 dev sentences (and half as many MRPC pairs)")
+    parser.add_argument("--calibration-texts", type=cli.positive_arg, default=256, help="per task (SST-2, MRPC)")
+    parser.add_argument("--held-out", type=cli.positive_arg, default=128,
+                        help="SST-2 dev sentences (and half as many MRPC pairs: at least 2)")
     parser.add_argument("--no-budget", action="store_true", help="skip the per-layer rank variants")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=cli.positive_arg, default=None)
     parser.add_argument("--out", type=Path, default=None, help="a new output path without suffix (default: "
                         "experiments/benchmarks/activation_aware_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
+    if max(args.ranks) > MINILM_WIDTH:
+        parser.error(f"--ranks {max(args.ranks)}: MiniLM's query/key width is {MINILM_WIDTH}; pass ranks up to it")
+    if args.held_out < 2:
+        parser.error(f"--held-out must be at least 2 (SST-2 sentences, and half as many MRPC pairs), got "
+                     f"{args.held_out}")
     try:
-        args.out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / "activation_aware")
-    except FileExistsError as error:
+        cli.input_dir("--glue-dir", args.glue_dir)
+        for task in ("SST-2", "MRPC"):
+            for split in ("train", "dev"):
+                cli.text_file("--glue-dir", args.glue_dir / task / f"{split}.tsv")
+        args.out = cli.result_stem("--out", args.out, ROOT / "experiments" / "benchmarks" / "activation_aware")
+    except cli.BadInput as error:
         parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -47,7 +47,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn import cli  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
@@ -143,17 +144,19 @@ def check_same_outputs(layers, d_model: int, device: str = "cpu", dtype: torch.d
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d-model", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--ranks", type=int, nargs="+", default=None, help="default: d_model/4 and d_model/2")
-    parser.add_argument("--batch", type=int, nargs="+", default=[16, 32])
-    parser.add_argument("--seq", type=int, nargs="+", default=[128, 512])
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d-model", type=cli.positive_arg, default=768)
+    parser.add_argument("--heads", type=cli.positive_arg, default=12)
+    parser.add_argument("--ranks", type=cli.positive_arg, nargs="+", default=None,
+                        help="default: d_model/4 and d_model/2")
+    parser.add_argument("--batch", type=cli.positive_arg, nargs="+", default=[16, 32])
+    parser.add_argument("--seq", type=cli.positive_arg, nargs="+", default=[128, 512])
     parser.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
     parser.add_argument("--dropout", type=float, default=0.1, help="attention dropout in train mode (BERT: 0.1)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=cli.positive_arg, default=5)
+    parser.add_argument("--warmup", type=cli.count_arg, default=1)
+    parser.add_argument("--threads", type=cli.positive_arg, default=None,
+                        help="torch threads (default: torch's choice)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (less sensitive to other load)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -163,17 +166,27 @@ def main(argv=None) -> dict:
                              "_<UTC time> on the CPU in float32, attention_latency_cuda_<dtype>_<UTC time> on a GPU); "
                              "results are never overwritten")
     args = parser.parse_args(argv)
+    try:
+        args.device = cli.device("--device", args.device)
+        cli.number("--dropout", args.dropout, 0, 1, below=True)
+    except cli.BadInput as error:
+        parser.error(str(error))
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads} (heads of equal size)")
+    if not args.ranks and args.d_model < 4:
+        parser.error(f"--d-model {args.d_model}: its default ranks d_model/4 and d_model/2 are 0; give --ranks")
+    if args.ranks and max(args.ranks) > args.d_model:
+        parser.error(f"--ranks {max(args.ranks)}: a collaborative key width is at most --d-model ({args.d_model}), the "
+                     "concatenated heads' own")
     on_gpu = args.device.startswith("cuda")
-    if on_gpu and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     if on_gpu and args.clock == "cpu":
         parser.error("--clock cpu measures this process's CPU time, not the GPU's: use --clock wall with --device cuda")
     stem = f"attention_latency_cuda_{args.dtype}" if on_gpu else "attention_latency"
     if not on_gpu and args.dtype != "float32":
         stem += f"_{args.dtype}"
     try:
-        args.out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / stem)
-    except FileExistsError as error:
+        args.out = cli.result_stem("--out", args.out, ROOT / "experiments" / "benchmarks" / stem)
+    except cli.BadInput as error:
         parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)

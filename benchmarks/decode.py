@@ -72,8 +72,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402,F401  (registers the collaborative model classes)
+from collab_attn import cli  # noqa: E402
 from collab_attn.cli import ArgumentParser  # noqa: E402
-from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
 from collab_attn.models.layers import cache_keyword  # noqa: E402
 from collab_attn.models.methods import METHODS  # noqa: E402
@@ -465,11 +466,11 @@ def prefill_markdown(rows: list[dict], args, environment: dict) -> str:
 
 def main(argv=None) -> list[dict]:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])  # its errors: one error: line
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--contexts", type=cli.positive_arg, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--size", choices=[*SIZES, *LLM_SIZES], default="gpt2-small",
                         help="the model: gpt2-small (the benchmark), tiny (2 layers of 192: a check that it runs) or "
                              "smollm2 (SmolLM2-135M's rotary architecture and its race's conversions; no --ranks)")
-    parser.add_argument("--ranks", type=int, nargs="*", default=None,
+    parser.add_argument("--ranks", type=cli.positive_arg, nargs="*", default=None,
                         help="collaborative key widths D~ (default: d_model/2, /4, /8: 384 192 96 for gpt2-small; "
                              "none given: no keys-only models)")
     parser.add_argument("--cache-fractions", type=float, nargs="+", default=[],
@@ -479,19 +480,21 @@ def main(argv=None) -> list[dict]:
                         choices=list(METHODS), help="the conversions that --cache-fractions sizes (default: "
                         f"{' '.join(RACE_METHODS)}; --size smollm2: {' '.join(LLM_METHODS[:3])}; one that cannot reach "
                         "a fraction gives no row there)")
-    parser.add_argument("--batches", "--batch", type=int, nargs="+", default=[1], help="sequences per step")
+    parser.add_argument("--batches", "--batch", type=cli.positive_arg, nargs="+", default=[1],
+                        help="sequences per step")
     parser.add_argument("--caches", nargs="+", choices=("dynamic", "static"), default=["dynamic"],
                         help="dynamic: DynamicCache, eager; static: StaticCache and torch.compile(fullgraph=True)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend for static caches (default inductor, what transformers uses; "
                              "aot_eager: the same fullgraph capture without generating kernels, for checks)")
-    parser.add_argument("--memory-gib", type=float, default=None,
+    parser.add_argument("--memory-gib", type=cli.positive_number_arg, default=None,
                         help="memory budget for the max-batch column (default: 80 on cuda, 24 on the CPU)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=cli.positive_arg, default=10)
+    parser.add_argument("--warmup", type=cli.count_arg, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
+    parser.add_argument("--threads", type=cli.positive_arg, default=None,
+                        help="CPU threads for torch (default: torch's)")
     parser.add_argument("--prefill", action="store_true", help="time the prompt pass instead of decoding steps")
     parser.add_argument("--kernels-against-reference", action="store_true",
                         help="also every collaborative model on the reference path instead of the CPU kernels, "
@@ -504,6 +507,10 @@ def main(argv=None) -> list[dict]:
                         help="a new output path without suffix (default: experiments/benchmarks/<decode or prefill>_"
                              "<device>_<dtype>_<UTC time>); an existing result is never overwritten")
     args = parser.parse_args(argv)
+    try:
+        args.device = cli.device("--device", args.device)
+    except cli.BadInput as error:
+        parser.error(str(error))
     if args.race_methods is None:
         args.race_methods = list(LLM_METHODS[:3] if args.size in LLM_SIZES else RACE_METHODS)
     if args.size in LLM_SIZES:
@@ -517,10 +524,11 @@ def main(argv=None) -> list[dict]:
     elif args.ranks is None:
         d_model = SIZES[args.size][1]
         args.ranks = [d_model // 2, d_model // 4, d_model // 8]
+    elif max(args.ranks) > SIZES[args.size][1]:
+        parser.error(f"--ranks {max(args.ranks)}: a collaborative key width is at most d_model "
+                     f"({SIZES[args.size][1]} for --size {args.size}), the concatenated heads' own")
     if args.memory_gib is None:
         args.memory_gib = 80.0 if args.device == "cuda" else 24.0
-    if min(args.batches + args.contexts + args.ranks) <= 0 or args.repeats <= 0:
-        parser.error("--batches, --contexts, --ranks and --repeats must be positive")
     if any(not 0 < f <= 1 for f in args.cache_fractions):
         parser.error(f"--cache-fractions must lie in (0, 1], got {args.cache_fractions}")
     if args.kernels_against_reference:
@@ -543,8 +551,11 @@ def main(argv=None) -> list[dict]:
                          f"CPU under {triton_kernels.SWITCH}=1 TRITON_INTERPRET=1; {triton_kernels.SWITCH} not 0)")
     kind = "prefill" if args.prefill else "decode"
     try:
-        out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / f"{kind}_{args.device}_{args.dtype}")
-    except FileExistsError as error:
+        if "static" in args.caches:  # compiled
+            cli.compile_backend("--compile-backend", args.compile_backend)
+        out = cli.result_stem("--out", args.out, ROOT / "experiments" / "benchmarks" /
+                              f"{kind}_{args.device}_{args.dtype}")
+    except cli.BadInput as error:
         parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)

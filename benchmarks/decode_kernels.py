@@ -65,7 +65,8 @@ from torch.nn.attention.flex_attention import flex_attention
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn import cli  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.nn import cpu_kernels, triton_kernels  # noqa: E402
 from collab_attn.nn.attention import grouped_attend  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
@@ -201,17 +202,18 @@ def timed_row(name: str, seconds: list[float], reference: list[float], differenc
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--rank", type=int, default=192, help="the shared key width D~ (keys-only variants)")
-    parser.add_argument("--value-rank", type=int, default=186,
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])  # its errors: one error: line
+    parser.add_argument("--batch", type=cli.positive_arg, default=8)
+    parser.add_argument("--context", type=cli.positive_arg, default=8192)
+    parser.add_argument("--rank", type=cli.positive_arg, default=192,
+                        help="the shared key width D~ (keys-only variants)")
+    parser.add_argument("--value-rank", type=cli.positive_arg, default=186,
                         help="the shared key and value width of the kv variants (186: a quarter of the cache)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=cli.positive_arg, default=10)
+    parser.add_argument("--warmup", type=cli.count_arg, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=cli.positive_arg, default=None)
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile's backend for the compiled variants (default inductor; aot_eager: the same "
                              "graphs without generating kernels, for checks: its timings measure nothing)")
@@ -221,13 +223,16 @@ def main(argv=None) -> dict:
                         help="a new output path without suffix (default: experiments/benchmarks/decode_kernels_"
                              "<device>_<dtype>_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
-    if min(args.batch, args.context, args.rank, args.value_rank, args.repeats) <= 0:
-        parser.error("--batch, --context, --rank, --value-rank and --repeats must be positive")
     try:
-        out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" /
+        args.device = cli.device("--device", args.device)
+        cli.compile_backend("--compile-backend", args.compile_backend)
+        out = cli.result_stem("--out", args.out, ROOT / "experiments" / "benchmarks" /
                               f"decode_kernels_{args.device}_{args.dtype}")
-    except FileExistsError as error:
+    except cli.BadInput as error:
         parser.error(str(error))
+    if args.triton_tiles and not triton_kernels.applies(torch.empty(0, device=args.device)):
+        parser.error("--triton-tiles: the Triton kernels do not run here (a GPU with triton, or the CPU under "
+                     f"{triton_kernels.SWITCH}=1 TRITON_INTERPRET=1)")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype, device = getattr(torch, args.dtype), args.device
@@ -277,9 +282,6 @@ def main(argv=None) -> dict:
                                                          "collab explicit", "collab")
             variants[f"collab kv triton {keys}:{warps}"] = (with_tiles(collab_kv_triton, keys, warps), kv_inputs,
                                                             "collab kv explicit", "collab kv")
-    elif args.triton_tiles:
-        parser.error("--triton-tiles: the Triton kernels do not run here (a GPU with triton, or the CPU under "
-                     f"{triton_kernels.SWITCH}=1 TRITON_INTERPRET=1)")
     # the copy: as large as the largest cache read, and at least 256 MiB on a GPU (more than its L2 cache)
     copy_numel = max(max(cache_bytes.values()), (256 << 20) if device == "cuda" else 0) // element
     copy_inputs = (torch.empty(copy_numel, device=device, dtype=dtype), torch.ones(copy_numel, device=device,

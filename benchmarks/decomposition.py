@@ -43,8 +43,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn import decompose_heads, reparametrize  # noqa: E402
-from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn import cli, decompose_heads, reparametrize  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 
 PAPER = {"solver": "tensorly", "init": "random", "n_iter_max": 100, "tol": 1e-6}
 VARIANTS = {
@@ -192,25 +192,33 @@ def bert_part(rank: int, tensorly_iters: int, tols: list[float], device: torch.d
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minilm-ranks", type=int, nargs="*", default=[64, 128, 192, 256])
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minilm-ranks", type=cli.positive_arg, nargs="*", default=[64, 128, 192, 256],
+                        help="MiniLM's 12 heads of 32: at most 384")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--bert-rank", type=int, default=384)
-    parser.add_argument("--bert-tensorly-iters", type=int, default=3)
-    parser.add_argument("--bert-tols", type=float, nargs="+", default=[5e-4],
+    parser.add_argument("--bert-rank", type=cli.positive_arg, default=384,
+                        help="BERT-base's 12 heads of 64: at most 768")
+    parser.add_argument("--bert-tensorly-iters", type=cli.positive_arg, default=3)
+    parser.add_argument("--bert-tols", type=cli.positive_number_arg, nargs="+", default=[5e-4],
                         help="tol values for the BERT-base conversion (5e-4 is the default)")
     parser.add_argument("--device", default="cpu", help="where the decompositions run (cpu, cuda)")
-    parser.add_argument("--tucker-ranks", type=int, nargs="*", default=[64, 96],
+    parser.add_argument("--tucker-ranks", type=cli.positive_arg, nargs="*", default=[64, 96],
                         help="MiniLM ranks for the Tucker comparison (none to skip)")
     parser.add_argument("--skip-minilm", action="store_true")
     parser.add_argument("--skip-bert", action="store_true")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=cli.positive_arg, default=None,
+                        help="torch threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=None, help="a new output path without suffix (default: "
                         "experiments/benchmarks/decomposition_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
+    for option, ranks, width in (("--minilm-ranks", args.minilm_ranks, 384), ("--tucker-ranks", args.tucker_ranks, 384),
+                                 ("--bert-rank", [args.bert_rank], 768)):
+        if ranks and max(ranks) > width:
+            parser.error(f"{option} {max(ranks)}: the model's query/key width is {width}; pass ranks up to it")
     try:
-        args.out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / "decomposition")
-    except FileExistsError as error:
+        args.device = cli.device("--device", args.device)
+        args.out = cli.result_stem("--out", args.out, ROOT / "experiments" / "benchmarks" / "decomposition")
+    except cli.BadInput as error:
         parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)

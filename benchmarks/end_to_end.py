@@ -48,8 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import collab_attn  # noqa: E402
+from collab_attn import cli  # noqa: E402
 from collab_attn.analysis.accounting import attention_flops_per_token  # noqa: E402
-from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.nn import attention  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
@@ -65,6 +66,18 @@ def logits_in_one_piece():
         yield
     finally:
         attention.CPU_LOGITS_BLOCK = block
+
+
+def case_arg(text: str) -> str:
+    """``--cases``: ``BATCHxLENGTH``, both positive, at most MiniLM's 512 positions."""
+    try:
+        batch, seq = (int(part) for part in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch x sequence length as BxS, e.g. 32x128") from None
+    if batch < 1 or not 1 <= seq <= 512:
+        raise argparse.ArgumentTypeError(f"{text!r}: the batch must be positive and the length from 1 to 512 "
+                                         "(MiniLM's positions)")
+    return text
 
 
 def load_models(ranks: list[int], device: torch.device) -> dict[str, torch.nn.Module]:
@@ -151,17 +164,18 @@ def measure(models, batch: int, seq: int, mode: str, repeats: int, warmup: int, 
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[192, 128, 64])
-    parser.add_argument("--cases", nargs="+", default=["1x128", "32x128", "1x512", "32x512"],
-                        help="batch x sequence length")
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=cli.positive_arg, nargs="+", default=[192, 128, 64],
+                        help="MiniLM's 12 heads of 32: at most 384")
+    parser.add_argument("--cases", type=case_arg, nargs="+", default=["1x128", "32x128", "1x512", "32x512"],
+                        help="batch x sequence length (MiniLM: at most 512 tokens)")
     parser.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train"])
-    parser.add_argument("--max-train-tokens", type=int, default=4096,
+    parser.add_argument("--max-train-tokens", type=cli.count_arg, default=4096,
                         help="skip training steps above this many tokens per batch (CPU time); 0: no limit")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=cli.positive_arg, default=5)
+    parser.add_argument("--warmup", type=cli.count_arg, default=1)
+    parser.add_argument("--threads", type=cli.positive_arg, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: time each step by this process's CPU time (CPU only; less disturbed by other load)")
     parser.add_argument("--one-piece", action="store_true",
@@ -172,11 +186,15 @@ def main(argv=None) -> dict:
                         help="a new output path without suffix (default: experiments/benchmarks/end_to_end_<device>_"
                              "<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
+    if max(args.ranks) > 384:
+        parser.error(f"--ranks {max(args.ranks)}: MiniLM's query/key width is 384; pass ranks up to it")
     try:
-        device_type = torch.device(args.device).type
-        out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / f"end_to_end_{device_type}")
-    except FileExistsError as error:
+        device_type = torch.device(cli.device("--device", args.device)).type
+        out = cli.result_stem("--out", args.out, ROOT / "experiments" / "benchmarks" / f"end_to_end_{device_type}")
+    except cli.BadInput as error:
         parser.error(str(error))
+    if device_type == "cuda" and args.clock == "cpu":
+        parser.error("--clock cpu measures this process's CPU time, not the GPU's: use --clock wall with --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

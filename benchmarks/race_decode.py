@@ -16,7 +16,6 @@ run's numbers to the JSON beside it; an existing result is never overwritten.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from decode import cache_bytes, decode_step, filled_cache, repeated_seconds  # noqa: E402
 
+from collab_attn import cli  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.lm.models import build_model, gpt_config  # noqa: E402
 from collab_attn.stats import timing_verdict  # noqa: E402
@@ -84,17 +84,19 @@ def markdown(rows: list[dict], args, command: str) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--runs", type=int, default=5)
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])  # its errors: one error: line
+    parser.add_argument("--contexts", type=cli.positive_arg, nargs="+", default=[2048])
+    parser.add_argument("--batch", type=cli.positive_arg, default=1)
+    parser.add_argument("--warmup", type=cli.count_arg, default=5)
+    parser.add_argument("--repeats", type=cli.positive_arg, default=30)
+    parser.add_argument("--runs", type=cli.positive_arg, default=5)
     parser.add_argument("--out", type=Path, required=True, help="a new .md file; the JSON of every run goes beside it")
     args = parser.parse_args(argv)
-    outputs = [args.out.with_suffix(".md"), args.out.with_suffix(".json")]
-    if any(path.exists() for path in outputs):
-        parser.error(f"--out={args.out}: a result is already there; benchmark results are never overwritten")
+    try:  # a result already there is never overwritten; a folder or a file under a file is refused before the work
+        stem = cli.result_stem("--out", args.out, None)
+    except cli.BadInput as error:
+        parser.error(str(error))
+    outputs = [stem.with_suffix(".md"), stem.with_suffix(".json")]
     load = [os.getloadavg()[0]]
     runs = [[row for context in args.contexts for row in rows_for(context, args.batch, args)] for _ in range(args.runs)]
     load.append(os.getloadavg()[0])

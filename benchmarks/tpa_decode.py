@@ -19,7 +19,6 @@ overwritten).
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
@@ -32,7 +31,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collab_attn.files import new_result_stem, write_text_atomic  # noqa: E402
+from collab_attn import cli  # noqa: E402
+from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.nn.attention import grouped_attend  # noqa: E402
 from collab_attn.nn.tpa import TensorProductAttention  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
@@ -63,35 +63,35 @@ def steps(layer: TensorProductAttention, batch: int, context: int, dtype, device
 
 
 def timed(fn, device) -> float:
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.inference_mode():
         fn()
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
-    parser.add_argument("--ranks", type=int, nargs=2, default=[2, 2], metavar=("KEY", "VALUE"))
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default="cpu")
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])  # its errors: one error: line
+    parser.add_argument("--batch", type=cli.positive_arg, default=1)
+    parser.add_argument("--contexts", type=cli.positive_arg, nargs="+", default=[1024, 8192])
+    parser.add_argument("--ranks", type=cli.positive_arg, nargs=2, default=[2, 2], metavar=("KEY", "VALUE"))
+    parser.add_argument("--repeats", type=cli.positive_arg, default=20)
+    parser.add_argument("--warmup", type=cli.count_arg, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=cli.positive_arg, default=None)
     parser.add_argument("--out", type=Path, default=None,
                         help="a new output path without suffix (default: experiments/benchmarks/tpa_decode_<device>_"
                              "<dtype>_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
-    if min(args.batch, *args.contexts, *args.ranks, args.repeats) <= 0:
-        parser.error("--batch, --contexts, --ranks and --repeats must be positive")
     try:
-        out = new_result_stem(args.out, ROOT / "experiments" / "benchmarks" / f"tpa_decode_{args.device}_{args.dtype}")
-    except FileExistsError as error:
+        args.device = cli.device("--device", args.device)
+        out = cli.result_stem("--out", args.out,
+                              ROOT / "experiments" / "benchmarks" / f"tpa_decode_{args.device}_{args.dtype}")
+    except cli.BadInput as error:
         parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,7 +121,8 @@ def main(argv=None) -> dict:
         factored = timing_verdict(seconds[FACTORED], seconds[EXPANDED])
         rows[-2].update(vs_expanded=factored.ratio, verdict_vs_expanded=factored.verdict)
         print(f"{context:6d} factored against expanded heads: {factored.ratio:.2f}x, {factored.verdict}", flush=True)
-    environment = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "CPU",
+    on_gpu = args.device.startswith("cuda")
+    environment = {"device": torch.cuda.get_device_name(args.device) if on_gpu else platform.processor() or "CPU",
                    "torch": torch.__version__, "threads": torch.get_num_threads()}
     lines = [
         f"# One decoding step of tensor product attention ({args.device}, {args.dtype})",
