@@ -120,6 +120,12 @@ def trainer_fields(group: str, fields: dict) -> dict:
             number(name, value, 0, above=True)
         elif key in ("warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm"):
             number(name, value, 0)
+        elif key in ("adam_beta1", "adam_beta2"):
+            number(name, value, 0, 1, below=True)
+        elif key == "adam_epsilon":
+            number(name, value, 0, above=True)
+        elif key == "lr_scheduler_kwargs" and isinstance(value, dict) and value.get("min_lr") is not None:
+            number(f"{name}.min_lr", value["min_lr"], 0)
     return fields
 
 

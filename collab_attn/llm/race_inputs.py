@@ -67,7 +67,8 @@ def check_arguments(args) -> tuple[str, object]:
 
     check_out(args.out)
     args.device = cli.device("--device", args.device)
-    cli.positive_int("--threads", args.threads, nullable=True)
+    if args.threads is not None:
+        cli.positive_int("--threads", args.threads)
     cli.integer("--rope-pairs", args.rope_pairs, 0)
     if args.e2e_length == 1:
         raise cli.BadInput("--e2e-length must be 0 (--length) or at least 2: a window holds the beginning-of-text "

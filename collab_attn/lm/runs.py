@@ -289,9 +289,14 @@ def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.Ch
     cli.number("rope_theta", settings.get("rope_theta", ROPE_THETA), 0, None, above=True)
     cli.integer("rope_dim", settings.get("rope_dim"), 0, nullable=True)
     cli.positive_int("query_rank", settings.get("query_rank"), nullable=True)
-    for pattern in settings.get("save_models") or []:
+    patterns = settings.get("save_models") or []
+    if not isinstance(patterns, (list, tuple)):  # a string would be read character by character
+        raise cli.BadInput(f"save_models must be a list of run names or glob patterns (e.g. '[concat-k128-seed0]'), "
+                           f"got {patterns!r}")
+    for pattern in patterns:
         if not isinstance(pattern, str):
             raise cli.BadInput(f"save_models must be a list of run names or glob patterns, got {pattern!r}")
+    cli.boolean("progress", settings.get("progress", True))
     trainer_fields(settings)
     check_logger(settings.get("logger"))
     out = cli.output_dir("output_dir", settings["output_dir"])
