@@ -45,11 +45,13 @@ from omegaconf import DictConfig
 
 from collab_attn import cli, reparametrize
 from collab_attn.cli import hydra_main, settings_of
+from collab_attn.export import export
 from collab_attn.files import atomic_directory
 from collab_attn.glue.calibrate import calibrate, check_calibration, end_to_end_batches, fit_batches
 from collab_attn.models.checkpoints import (
     checked_model,
     load_model_and_tokenizer,
+    smollm2_gguf,
 )
 from collab_attn.models.end_to_end import fit_end_to_end
 from collab_attn.models.families import family_of
@@ -79,12 +81,53 @@ def method_settings(collab: dict) -> MethodSettings:
     return method
 
 
+EXPORTS = ("transformers", "gguf")
+
+
+def check_export(settings: dict, method: MethodSettings, config) -> str | None:
+    """``export`` and ``export_vocabulary`` against the conversion asked for, before any work: the form a standard
+    checkpoint holds (collab_attn.export). Returns the GGUF vocabulary file for ``export=gguf``."""
+    fmt, vocabulary = settings["export"], settings["export_vocabulary"]
+    if fmt is None:
+        if vocabulary is not None:
+            raise cli.BadInput("export_vocabulary is the tokenizer of export=gguf; set export=gguf or leave it null")
+        return None
+    cli.choice("export", fmt, EXPORTS)
+    how = ("export writes a rotary model converted by collab=key-svd, cp or tucker with collab.value_rank equal to "
+           "collab.rank and collab.bands=shared (one head size and one frequency list for every layer)")
+    if not family_of(config).rotary:
+        raise cli.BadInput(f"export={fmt}: {config.model_type} has no standard rotary form; {how}")
+    if not method.conversion.rotary_budgets:
+        raise cli.BadInput(f"export={fmt}: collab={method.method} has no standard form; {how}")
+    if method.bands != "shared":
+        raise cli.BadInput(f"export={fmt} needs collab.bands=shared; {how}")
+    if method.budget is not None or type(method.rank) is not int or method.value_rank != method.rank:
+        raise cli.BadInput(f"export={fmt} needs one collab.rank and collab.value_rank equal to it (got rank "
+                           f"{method.rank_request}, value_rank {method.value_rank}); {how}")
+    if fmt != "gguf":
+        if vocabulary is not None:
+            raise cli.BadInput("export_vocabulary is the tokenizer of export=gguf; export=transformers saves the "
+                               "model's own tokenizer: leave it null")
+        return None
+    if vocabulary is None:
+        if settings["model"] != "smollm2":
+            raise cli.BadInput("export=gguf takes the tokenizer from a GGUF file of the source model: set "
+                               "export_vocabulary=<file.gguf>")
+        vocabulary = str(smollm2_gguf())
+    from collab_attn.export.gguf_file import check_vocabulary
+
+    with cli.as_bad_input():
+        check_vocabulary(vocabulary)
+    return vocabulary
+
+
 def check(settings: dict) -> tuple[MethodSettings, str]:
     """Every setting, the checkpoint's config against the method and rank, the calibration texts and the output
     folder, before anything is loaded or written; returns the method settings and the model's path."""
     method = method_settings(settings["collab"])
     path, config = checked_model(settings["model"])
     method.check_model(config)
+    check_export(settings, method, config)
     cli.output_dir("output_dir", settings["output_dir"], overwrite=cli.boolean("overwrite", settings["overwrite"]))
     cli.integer("seed", settings["seed"], 0)
     cli.positive_int("max_new_tokens", settings["max_new_tokens"])
@@ -154,6 +197,7 @@ def run(cfg: DictConfig) -> dict:
     """Convert ``cfg.model``, compare it with the original, save it to ``cfg.output_dir``; return the report."""
     settings = settings_of(cfg)  # resolve once: the default output_dir has a timestamp
     method, path = check(settings)
+    vocabulary = check_export(settings, method, checked_model(settings["model"])[1])
     torch.manual_seed(settings["seed"])
 
     log.info("loading %s (%s)", settings["model"], path)
@@ -213,6 +257,12 @@ def run(cfg: DictConfig) -> dict:
     with atomic_directory(settings["output_dir"], settings["overwrite"]) as folder:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        if settings["export"] is not None:  # the standard checkpoint beside the converted model
+            target = folder / ("standard" if settings["export"] == "transformers" else "model.gguf")
+            with cli.as_bad_input():
+                export(model, target, format=settings["export"], tokenizer=tokenizer, vocabulary=vocabulary)
+            result["export"] = target.name
+            print(f"standard checkpoint ({settings['export']}): {target.name}")
         (folder / "reparam_report.json").write_text(json.dumps(result, indent=2) + "\n")
     out = Path(settings["output_dir"]).expanduser().absolute()
     log.info("saved the converted model to %s", out)

@@ -12,14 +12,14 @@ import textwrap
 import pytest
 import torch
 import transformers
+from conftest import small_model
+from test_rotary_models import FULL, HALF, ROTARY, ids, original
 
 import collab_attn
 from collab_attn.export import export, standard_model
 from collab_attn.export.checkpoint import check_tokens
 from collab_attn.export.rope import long_rope, standard_frequencies
 from collab_attn.export.standard import balance_scales, cached_scales, standard_layer
-from tests.conftest import small_model
-from tests.test_rotary_models import FULL, HALF, ROTARY, ids, original
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -161,7 +161,7 @@ def test_mistral_keeps_its_sliding_window(tmp_path):
 
 
 def test_the_tokenizer_and_generation_config_are_written_beside_the_weights(tmp_path):
-    from tests.conftest import character_tokenizer
+    from conftest import character_tokenizer
 
     model = shared("llama", "key-svd", HALF)
     model.generation_config.max_new_tokens = 17

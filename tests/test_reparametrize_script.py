@@ -53,7 +53,7 @@ def test_default_config_composes_and_resolves():
     assert dict(cfg.collab) == {
         "method": "cp", "rank": 192, "value_rank": None, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL,
         "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": 512,
-        "calibration_max_length": 128, "fit_steps": None, "e2e_steps": None, "e2e_texts": None,
+        "calibration_max_length": 128, "fit_steps": None, "e2e_steps": None, "e2e_texts": None, "bands": None,
     }
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["output_dir"].startswith("outputs/reparametrized/cp-")
@@ -528,3 +528,63 @@ def test_generation_comparison_survives_a_model_that_ends_its_answer_first():
     assert row["original"] == "1 2 0" and row["converted"] == "1 2 3 4 1"
     shorter = script.compare_generation(Scripted([1, 2]), Scripted([1, 2, 3]), Tokenizer(), ["p"], 5)
     assert shorter["prompts"][0]["same_tokens_before_first_difference"] == 2
+
+
+def tiny_llama(checkpoint):
+    """A 2-layer Llama with grouped key/value heads (2 groups of 12) and a character tokenizer, saved at
+    ``checkpoint``."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_hidden_layers=2,
+        intermediate_size=64, vocab_size=40, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0)).save_pretrained(checkpoint)
+    character_tokenizer().save_pretrained(checkpoint)
+    return checkpoint
+
+
+def test_export_writes_the_standard_checkpoint_beside_the_converted_model(tmp_path):
+    """export=transformers: <output_dir>/standard is a plain LlamaForCausalLM with one key/value head of the shared
+    width, whose logits are the converted model's."""
+    checkpoint = tiny_llama(tmp_path / "llama")
+    out = tmp_path / "out"
+    result = script.run(config(f"model={checkpoint}", f"output_dir={out}", "collab=key-svd", "collab.rank=12",
+                               "collab.value_rank=12", "collab.bands=shared", "export=transformers",
+                               "compare_prompts=[the cat sat]", "max_new_tokens=3"))
+    assert result["export"] == "standard"
+    standard = AutoModelForCausalLM.from_pretrained(out / "standard")
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    assert type(standard).__name__ == "LlamaForCausalLM" and standard.config.num_key_value_heads == 1
+    assert standard.config.head_dim == 12
+    tokens = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(standard(tokens).logits, converted(tokens).logits, atol=1e-5, rtol=1e-4)
+    assert AutoTokenizer.from_pretrained(out / "standard").get_vocab() == AutoTokenizer.from_pretrained(
+        checkpoint).get_vocab()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["collab=key-svd", "collab.rank=12", "collab.value_rank=12"], "needs collab.bands=shared"),
+    (["collab=key-svd", "collab.rank=12", "collab.bands=shared"], "value_rank equal to it"),
+    (["collab=key-svd", "collab.rank=12", "collab.value_rank=8", "collab.bands=shared"], "value_rank equal to it"),
+    (["collab=kv-svd", "collab.rank=12"], "collab=kv-svd has no standard form"),
+    (["collab=key-svd", "collab.rank=12", "collab.value_rank=12", "collab.bands=shared", "export=onnx"],
+     "unknown export 'onnx'"),
+    (["collab=key-svd", "collab.rank=12", "collab.value_rank=12", "collab.bands=shared", "export=gguf"],
+     "set export_vocabulary"),
+    (["collab=key-svd", "collab.rank=12", "collab.value_rank=12", "collab.bands=shared",
+      "export_vocabulary=x.gguf"], "set export=gguf"),
+])
+def test_export_settings_are_refused_before_anything_is_loaded(tmp_path, overrides, message):
+    checkpoint = tiny_llama(tmp_path / "llama")
+    export = [] if any(o.startswith("export=") for o in overrides) or any(
+        o.startswith("export_vocabulary") for o in overrides) else ["export=transformers"]
+    with pytest.raises(ValueError, match=message):
+        script.check(script.settings_of(config(f"model={checkpoint}", f"output_dir={tmp_path / 'out'}", *overrides,
+                                               *export)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_model_without_rotary_positions_is_refused(tmp_path, minilm_path):
+    with pytest.raises(ValueError, match="has no standard rotary form"):
+        script.check(script.settings_of(config(f"output_dir={tmp_path / 'out'}", "collab=key-svd",
+                                               "collab.rank=12", "export=transformers")))

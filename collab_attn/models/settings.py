@@ -20,7 +20,7 @@ from collab_attn import cli
 from collab_attn.decomposition.rank_selection import RankBudget
 from collab_attn.models import importance
 from collab_attn.models.calibration import DEFAULT_MAX_LENGTH
-from collab_attn.models.conversion import check_request, cuts_values_on_rotary_models
+from collab_attn.models.conversion import BANDS, check_request, cuts_values_on_rotary_models
 from collab_attn.models.methods import METHODS, ConversionMethod, get_method
 from collab_attn.texts import CALIBRATION_SAMPLES
 
@@ -110,6 +110,8 @@ def group_keys(method: ConversionMethod) -> dict:
     keys = {"budget": None} if method.budgets else {}
     if cuts_values_on_rotary_models(method):  # key-svd shares its values on rotary models only
         keys["value_rank"] = None
+    if method.rotary_budgets:  # rotary models: each layer's split of the pairs among the bands, or one for all
+        keys["bands"] = None  # null: per-layer
     keys.update(_defaults(method.options))
     if method.calibrated:
         fields = {**_defaults(CalibrationSettings), "source": None}
@@ -147,6 +149,9 @@ class MethodSettings:
     # the texts of that end-to-end fit instead of the calibration texts (a text file or a GLUE train.tsv/dev.tsv):
     # fresh text, one batch of it per step; None: the calibration texts
     e2e_texts: str | None = None
+    # rotary models (cp, tucker, key-svd): "per-layer" splits of the shared pairs among the bands, or "shared": one
+    # split for every layer (what a standard checkpoint holds: collab_attn.export)
+    bands: str = "per-layer"
 
     @classmethod
     def from_config(cls, collab: Mapping) -> MethodSettings:
@@ -195,7 +200,7 @@ class MethodSettings:
                 raise ValueError(f"collab.{key} must be a number of {what} (0 or null: no fit), got {value!r}")
             steps[key] = value or None
         return cls(name, collab.get("rank"), collab.get("budget"), options, collab.get("value_rank"), calibration,
-                   importance, **steps, e2e_texts=given.get("e2e_texts"))
+                   importance, **steps, e2e_texts=given.get("e2e_texts"), bands=given.get("bands") or "per-layer")
 
     def __post_init__(self):
         if self.method == NO_CONVERSION:
@@ -237,6 +242,11 @@ class MethodSettings:
             if self.e2e_steps is None:
                 raise ValueError(f"collab.e2e_texts={self.e2e_texts} is what the end-to-end fit trains on: set "
                                  "collab.e2e_steps too, or collab.e2e_texts=null")
+        if self.bands not in BANDS:
+            raise ValueError(f"collab.bands must be one of {', '.join(BANDS)}, got {self.bands!r}")
+        if self.bands != "per-layer" and not method.rotary_budgets:
+            raise ValueError(f"collab.bands={self.bands} does not apply to collab.method={self.method}: it splits no "
+                             "shared pairs among rotary bands")
         value = self.value_rank
         if value is not None:
             is_int = type(value) is int and value > 0
@@ -257,6 +267,9 @@ class MethodSettings:
             group["budget"] = self.budget
         if cuts_values_on_rotary_models(self.conversion):
             group["value_rank"] = self.value_rank
+        group.pop("bands", None)
+        if self.bands != "per-layer":  # the default is left out: the keys of jobs made before it stay as they were
+            group["bands"] = self.bands
         for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
             if settings is not None:
                 group.update({key: getattr(settings, field) for key, field in keys.items()})
@@ -313,7 +326,8 @@ class MethodSettings:
         if not self.converts:
             raise ValueError("collab.method=none keeps the concatenated heads: there is nothing to reparametrize")
         shared = {} if self.value_rank is None else {"value_rank": self.value_rank}
-        return {"rank": self.rank_request, "method": self.method, **shared, **dataclasses.asdict(self.options)}
+        bands = {} if self.bands == "per-layer" else {"bands": self.bands}
+        return {"rank": self.rank_request, "method": self.method, **shared, **bands, **dataclasses.asdict(self.options)}
 
     def refuse_fit(self, entry_point: str) -> None:
         """For an entry point that does not fit the converted layers to the original: refuse ``collab.fit_steps``
@@ -352,6 +366,9 @@ class MethodSettings:
             options = dataclasses.asdict(self.options)
             with cli.naming("collab.budget" if self.budget else "collab.rank", self.rank_request):
                 check_request(config, self.method, self.rank_request, **options)
+            if self.bands != "per-layer":
+                with cli.naming("collab.bands", self.bands):
+                    check_request(config, self.method, self.rank_request, bands=self.bands, **options)
             if self.value_rank is not None:
                 with cli.naming("collab.value_rank", self.value_rank):
                     check_request(config, self.method, self.rank_request, self.value_rank, **options)
