@@ -273,6 +273,12 @@ def main(argv=None) -> None:
                              "by token (collab_attn.llm.answers.answer_agreement: the original's answer read by "
                              "both, the positions agreed and the original's margin at each), into "
                              "<out>/answers/<run>.json and .md; a finished run is converted again for it")
+    parser.add_argument("--export", action="store_true",
+                        help="also each conversion exported as the standard checkpoint of its family "
+                             "(collab_attn.export: needs --bands shared and value_rank = rank) measured on the same "
+                             "windows (its numbers must be the converted model's), and it and the original with "
+                             "float16 and bfloat16 key/value caches, into <out>/export/<run>.json; a finished run "
+                             "is converted again for it, its fits read back")
     parser.add_argument("--bands", choices=("per-layer", "shared"), default="per-layer",
                         help="shared: every conversion gives all layers one split of its pairs among the rotary "
                              "bands (reparametrize(..., bands='shared'): what a standard checkpoint can hold, "
@@ -345,6 +351,9 @@ def main(argv=None) -> None:
     elif set(args.methods) - set(rotary):
         parser.error(f"--methods: {sorted(set(args.methods) - set(rotary))} do not convert rotary models here "
                      f"(these do: {', '.join(rotary)})")
+    if args.export and args.bands != "shared":
+        parser.error("--export writes the standard checkpoint, which holds one frequency list for all layers: give "
+                     "--bands shared too")
     if args.bands == "shared" and set(args.methods) - {"cp", "tucker", "key-svd"}:
         parser.error(f"--bands shared: {sorted(set(args.methods) - {'cp', 'tucker', 'key-svd'})} split no pairs "
                      "among rotary bands; give --methods among cp, tucker, key-svd")
@@ -416,7 +425,7 @@ def main(argv=None) -> None:
     for entry in entries:
         run_entry(entry, original, tokenizer, rows, args.out, original_cache, args.batch, fit_rows, calibration,
                   calibration_rows, args.allocation_steps, args.allocation_tokens, args.sensitivity, args.answer_detail,
-                  split=args.split)
+                  split=args.split, export_detail=args.export)
         if not recorded:  # written with the folder's first run
             recorded = bool(write_folder_identity(args.out, identity))
     command = "python scripts/race_smollm2.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -234,3 +234,25 @@ def test_bad_targets_and_arguments_are_refused_before_any_work(target, options, 
 def test_the_check_tokens_are_fixed():
     model = shared("llama", "key-svd", HALF)
     assert torch.equal(check_tokens(model), check_tokens(model))
+
+
+def test_the_race_measures_the_exported_model_as_the_converted_one(tmp_path, monkeypatch):
+    """run_entry(..., export_detail=True): the exported model's numbers on the same windows are the converted model's
+    (perplexity, KL, top-1), and the half-precision caches are measured for it and the original."""
+    from test_llm_race import rows, tiny_llama
+
+    from collab_attn.llm import race
+
+    original = tiny_llama()
+    monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
+    windows = {"wikipedia": rows(count=3, length=9), "wikipedia 18": rows(count=2, length=18, seed=1)}
+    entry = race.Entry("key-svd", 12, 12, options={"bands": "shared"}, budget=0.5)
+    result = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, export_detail=True)
+    measured = json.loads((tmp_path / "export" / f"{entry.name}.json").read_text())
+    for domain, converted in result["domains"].items():
+        exported = measured["exported"][domain]
+        for key in ("perplexity", "kl", "top1"):
+            assert exported[key] == pytest.approx(converted[key], rel=1e-4, abs=1e-6), (domain, key)
+    assert set(measured["half"]) == {"float16", "bfloat16"}
+    assert set(measured["half"]["bfloat16"]["exported"]) == {"wikipedia"}  # the race's own window length only
+    assert measured["head_dim"] == 12 and measured["logit_error"] <= 1e-4

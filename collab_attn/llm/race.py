@@ -134,7 +134,7 @@ def cache_numbers_per_token(model) -> float:
 def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], out_dir: Path,
               original_cache: float, batch: int = 4, fit_rows=None, calibration=None, calibration_rows=None,
               allocation_steps: int = 25, allocation_tokens: int | None = None, sensitivity_windows: int = 0,
-              answer_detail: bool = False, split: str = "validation") -> dict:
+              answer_detail: bool = False, split: str = "validation", export_detail: bool = False) -> dict:
     """Convert a copy of ``original`` as ``entry`` says (activation-aware with ``calibration()``, a callable giving
     the original's ``Calibration``, when the entry asks for it), fit its converted layers to the original's
     attention outputs (``collab_attn.fit_to_original``, ``entry.fit_steps`` per layer) on ``calibration_rows()`` (a
@@ -154,7 +154,10 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     ``answer_detail``: also how far it follows the original's answers to the prompts, token by token
     (``collab_attn.llm.answers.answer_agreement``), into ``answers/<name>.json`` and ``.md`` (the same way).
     ``split``: the held-out split ``rows`` come from (``validation`` or ``test``), recorded in the run file, which is
-    kept in ``split_dir(out_dir, split) / "runs"``; a run file there of another split is refused, not resumed."""
+    kept in ``split_dir(out_dir, split) / "runs"``; a run file there of another split is refused, not resumed.
+    ``export_detail``: also the model exported as the standard checkpoint of its family (``collab_attn.export``)
+    measured on the same windows, and it and the original with float16 and bfloat16 caches, into
+    ``split_dir(out_dir, split) / "export" / "<name>.json"`` (the same way; ``measure_export``)."""
     import collab_attn
 
     if split not in EVALUATION_SPLITS:
@@ -170,7 +173,9 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     detail = out_dir / "answers" / f"{entry.name}.json"
     measure = sensitivity_windows > 0 and entry.method != "none" and not sensitivity.is_file()
     follow = answer_detail and entry.method != "none" and not detail.is_file()
-    if path.is_file() and not (measure or follow):
+    exported = split_dir(out_dir, split) / "export" / f"{entry.name}.json"
+    serve = export_detail and entry.method != "none" and not exported.is_file()
+    if path.is_file() and not (measure or follow or serve):
         print(f"{entry.name}: done before ({path})", flush=True)
         return json.loads(path.read_text())
     start = time.perf_counter()
@@ -245,6 +250,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
                              sensitivity)
     if follow:
         _measure_answers(model, original, tokenizer, detail)
+    if serve:
+        measure_export(model, original, rows, exported, batch)
     if path.is_file():
         return json.loads(path.read_text())
     cache = cache_numbers_per_token(model)
@@ -286,6 +293,38 @@ def _measure_sensitivity(model, original, batches: dict[str, list[dict]], path: 
     write_text_atomic(path, json.dumps({domain: report.to_dict() for domain, report in measured.items()},
                                        indent=2) + "\n")
     print(f"{path.stem}: layer sensitivity written to {path}", flush=True)
+
+
+def measure_export(model, original, rows: dict[str, torch.Tensor], path: Path, batch: int = 4) -> dict:
+    """``model`` exported as a standard checkpoint (``collab_attn.export.standard_model``), measured against the
+    original on ``rows`` as the converted model is (``agreement``): its numbers must be the converted model's. Then,
+    on the domains of the race's own window length, the exported model and the original with their keys and values
+    rounded to float16 and to bfloat16 (``collab_attn.export.precision.rounded_cache``). Written to ``path`` (JSON)."""
+    from collab_attn.export import standard_model
+    from collab_attn.export.precision import HALF_DTYPES, rounded_cache
+
+    standard = standard_model(model)
+    exported = standard.model.to(model.device)
+    tokens = batch * min(w.shape[1] for w in rows.values())
+    short = min(w.shape[1] for w in rows.values())
+
+    def measured(candidate, domains):
+        return {domain: agreement(candidate, original, rows[domain], max(1, tokens // rows[domain].shape[1]))
+                .as_dict() for domain in domains}
+
+    result = {"head_dim": standard.head_dim, "logit_error": standard.logit_error,
+              "frequency_error": standard.rope.frequency_error, "exported": measured(exported, rows), "half": {}}
+    for name, dtype in HALF_DTYPES.items():
+        domains = [domain for domain, w in rows.items() if w.shape[1] == short]
+        with rounded_cache(exported, dtype):
+            exported_half = measured(exported, domains)
+        with rounded_cache(original, dtype):
+            original_half = measured(original, domains)
+        result["half"][name] = {"exported": exported_half, "original": original_half}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(result, indent=2) + "\n")
+    print(f"{path.stem}: the exported model measured, written to {path}", flush=True)
+    return result
 
 
 def _measure_answers(model, original, tokenizer, path: Path) -> None:

@@ -1,0 +1,29 @@
+"""What a half-precision key/value cache does to a standard model (the exported one, or the original), measured in
+float32 otherwise: every key and value is rounded to ``dtype`` as it is computed (``rounded_cache``), as an engine
+that caches in float16 or bfloat16 stores them. The key is rounded before its rotation, which changes a number's
+rounding error by at most a rounding of its own.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@contextmanager
+def rounded_cache(model, dtype: torch.dtype):
+    """Within the block, ``model``'s keys and values (the outputs of every ``k_proj`` and ``v_proj``) are rounded to
+    ``dtype`` and back. Refused for a model without them."""
+    projections = [module for name, module in model.named_modules() if name.endswith(("k_proj", "v_proj"))]
+    if not projections:
+        raise ValueError(f"{type(model).__name__} has no k_proj/v_proj modules: rounded_cache takes a standard "
+                         "Llama, Qwen2 or Mistral model (an exported one, or the original)")
+    hooks = [module.register_forward_hook(lambda _m, _i, out: out.to(dtype).to(out.dtype)) for module in projections]
+    try:
+        yield model
+    finally:
+        for hook in hooks:
+            hook.remove()
