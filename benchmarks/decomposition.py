@@ -211,6 +211,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=Path, default=None, help="a new output path without suffix (default: "
                         "experiments/benchmarks/decomposition_<UTC time>); results are never overwritten")
     args = parser.parse_args(argv)
+    if (args.skip_minilm or not args.minilm_ranks) and not args.tucker_ranks and args.skip_bert:
+        parser.error("nothing to measure: --skip-minilm (or no --minilm-ranks), no --tucker-ranks and --skip-bert; "
+                     "leave one of the parts in")
     for option, ranks, width in (("--minilm-ranks", args.minilm_ranks, 384), ("--tucker-ranks", args.tucker_ranks, 384),
                                  ("--bert-rank", [args.bert_rank], 768)):
         if ranks and max(ranks) > width:

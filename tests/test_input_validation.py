@@ -269,6 +269,13 @@ RACE_CASES = [
     (["--threads", "0"], "--threads must be a positive integer, got 0", None),
     (["--rope-pairs", "-1"], "--rope-pairs must be an integer >= 0, got -1", None),
     (["--extra", "cp:0"], "--extra cp:0: RANK and VALUE_RANK must be positive", None),
+    (["--extra", "key-svd:1000"], "--extra key-svd:1000: rank 1000 for layer 0 is invalid: it must be an integer in "
+                                  "[1, 48]", None),
+    (["--extra", "cp:7:3"], "--extra cp:7:3: rank 7 is odd", None),
+    (["--budgets", "0.01"], "--budgets 0.01: none of --methods cp fits within them on this model (48 numbers per "
+                            "token and layer): nothing to race", None),
+    (["--allocate", "--calibration-tokens", "64", "--budgets", "0.05"],
+     "--allocate --budgets 0.05: 2.4 numbers per token and layer, fewer than the 4 an allocation needs", None),
     ([*FITTED, "--e2e-learning-rate", "inf"], "--e2e-learning-rate must be a finite number > 0, got inf", None),
     (["--calibration-tokens", "100000000"], "--calibration-tokens: 100,000,000 fitting tokens in windows of 16", None),
     (["--calibration-tokens", "8", "--calibration-sample", "3"],
@@ -416,6 +423,7 @@ BENCHMARK_CASES = {
                       (["--bert-tensorly-iters", "0"], "argument --bert-tensorly-iters: must be a positive integer"),
                       (["--bert-tols", "0"], "argument --bert-tols: must be a finite number > 0, got 0"),
                       (["--tucker-ranks", "-1"], "argument --tucker-ranks: must be a positive integer"),
+                      (["--skip-minilm", "--skip-bert", "--tucker-ranks"], "nothing to measure"),
                       NOT_A_DEVICE, UNDER_A_FILE],
     "end_to_end": [(["--ranks", "500"], "--ranks 500: MiniLM's query/key width is 384"),
                    (["--cases", "0x128"], "'0x128': the batch must be positive and the length from 1 to 512"),

@@ -85,7 +85,35 @@ def check_arguments(args) -> tuple[str, object]:
     if not family_of(config).rotary:
         raise cli.BadInput(f"--model {args.model} is a {config.model_type} model: the race converts rotary decoders "
                            "(Llama, Qwen2, Mistral checkpoints)")
+    check_conversions(args, config)
     return folder, config
+
+
+def check_conversions(args, config) -> None:
+    """The conversions the command asks for, against the model's config (on the meta device, no weights read): each
+    ``--extra`` converts as given, ``--allocate`` has at least 4 numbers per token and layer to share, and the
+    command has at least one conversion (a budget no method reaches leaves only the original)."""
+    from collab_attn.llm.race import entries_at
+    from collab_attn.models.conversion import check_request
+
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for text in args.extra:
+        method, *sizes = text.split(":")
+        try:
+            check_request(config, method, int(sizes[0]), int(sizes[1]) if len(sizes) == 2 else None)
+        except ValueError as err:
+            raise cli.BadInput(f"--extra {text}: {cli.one_line(err)}") from None
+    smallest = min(args.budgets) * 2 * kv_heads * head_dim  # numbers per token and layer
+    if args.allocate and smallest < 4:
+        raise cli.BadInput(f"--allocate --budgets {min(args.budgets):g}: {smallest:g} numbers per token and layer, "
+                           "fewer than the 4 an allocation needs (2 for keys, 2 for values); give larger --budgets")
+    sized = [e for fraction in args.budgets for method in args.methods
+             for e in entries_at(method, fraction, args.rope_pairs, kv_heads, head_dim)]
+    if not sized and not args.extra and not args.allocate:
+        raise cli.BadInput(f"--budgets {' '.join(f'{b:g}' for b in args.budgets)}: none of --methods "
+                           f"{' '.join(args.methods)} fits within them on this model ({2 * kv_heads * head_dim} "
+                           "numbers per token and layer): nothing to race; give larger --budgets or other --methods")
 
 
 def fitting_blocks(args) -> list[tuple[int, int]]:
