@@ -4,6 +4,10 @@ heads of 64, keys and values), without retraining and, with ``--distill-tokens``
 original on fitting text; measured against the original on held-out text of two domains (perplexity, KL divergence,
 top-1 agreement) and on fixed prompts. One result file per run under ``<out>/runs`` (a finished run is skipped: the
 script resumes, and so does an interrupted distillation), then ``<out>/summary.md`` and ``<out>/perplexity.png``.
+``<out>/identity.json`` records the model's weights and the texts the folder was made from: a command with another
+model or other texts is refused, naming both. Every option, path, the device and the tokens each option asks of the
+fitting text are checked before the model is loaded (``collab_attn.llm.race_inputs``): bad input is one ``error:``
+line, exit status 2, nothing written.
 
 Held-out splits (``collab_attn.llm.heldout``): every choice of recipe (``--methods``, ``--budgets``, the calibration,
 fit, end-to-end and distillation settings, ``--length``, ``--windows``) is made on the ``validation`` windows
