@@ -96,6 +96,7 @@ LLM_METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 # head) or cut per head (svd), a latent (kv-svd, MLA), whole heads removed (prune). key-svd never caches less than
 # half. The default set; --race-methods picks others.
 RACE_METHODS = ("cp", "svd", "kv-svd", "prune")
+EXPORTED = "exported"  # a conversion's standard checkpoint (--export: collab_attn.export.standard_model)
 REFERENCE = ", reference path"  # the name of a model's twin on the reference path (--kernels-against-reference)
 PRESENT = ", present path"  # the name of a model's twin without the Triton kernels (--triton)
 # a twin's suffix -> its row's keys: the ratio to the twin and its verdict
@@ -270,14 +271,20 @@ def llm_models(args, dtype: torch.dtype) -> dict[str, transformers.PreTrainedMod
     original = transformers.AutoModelForCausalLM.from_config(config).eval()
     kv_heads, head_dim = config.num_key_value_heads, config.head_dim
     models = {"original": original}
+    shared = {"bands": "shared"} if args.export else {}
     for method in args.race_methods:
         for fraction in args.cache_fractions:
             for entry in entries_at(method, fraction, rope_pairs=4, kv_heads=kv_heads, head_dim=head_dim):
                 model = copy.deepcopy(original)
                 sizes = {} if entry.value_rank is None else {"value_rank": entry.value_rank}
-                collab_attn.reparametrize(model, entry.rank, method=method, progress=False, **sizes, **entry.options)
+                collab_attn.reparametrize(model, entry.rank, method=method, progress=False, **sizes, **entry.options,
+                                          **shared)
                 name = f"{method} k{entry.rank}" + ("" if entry.value_rank is None else f" v{entry.value_rank}")
                 models[f"{name} ({fraction:g})"] = model
+                if args.export:  # the standard checkpoint it exports to: a plain Llama, one key/value head
+                    from collab_attn.export import standard_model
+
+                    models[f"{name} ({fraction:g}) {EXPORTED}"] = standard_model(model).model
     return {name: model.to(device=args.device, dtype=dtype).eval() for name, model in models.items()}
 
 
@@ -503,6 +510,10 @@ def main(argv=None) -> list[dict]:
                         help="also every collaborative model on its present path instead of the Triton kernels, "
                              "taking turns in this process (decoding, where the kernels run: a GPU with triton, or "
                              "the CPU under COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1)")
+    parser.add_argument("--export", action="store_true",
+                        help="--size smollm2: convert with bands='shared' and add each conversion's standard "
+                             "checkpoint (collab_attn.export: a plain LlamaForCausalLM with one key/value head) as a "
+                             "model of its own; --race-methods among cp, tucker, key-svd")
     parser.add_argument("--out", type=Path, default=None,
                         help="a new output path without suffix (default: experiments/benchmarks/<decode or prefill>_"
                              "<device>_<dtype>_<UTC time>); an existing result is never overwritten")
@@ -521,6 +532,11 @@ def main(argv=None) -> list[dict]:
             parser.error(f"--race-methods {sorted(set(args.race_methods) - set(LLM_METHODS))} do not convert rotary "
                          f"models (these do: {' '.join(LLM_METHODS)})")
         args.ranks = []
+        if args.export and set(args.race_methods) - {"cp", "tucker", "key-svd"}:
+            parser.error(f"--export: {sorted(set(args.race_methods) - {'cp', 'tucker', 'key-svd'})} have no standard "
+                         "form; give --race-methods among cp, tucker, key-svd")
+    elif args.export:
+        parser.error("--export writes rotary conversions as standard checkpoints: give --size smollm2")
     elif args.ranks is None:
         d_model = SIZES[args.size][1]
         args.ranks = [d_model // 2, d_model // 4, d_model // 8]

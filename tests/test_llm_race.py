@@ -618,7 +618,8 @@ def test_fit_targets_and_allocations_are_named_and_sized_for_what_they_do():
 
     args = SimpleNamespace(methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
                            distill_tokens=0, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
-                           fit_steps=30, fit_target="residual", fit_solve_output=False, allocate=True, e2e_steps=0)
+                           fit_steps=30, fit_target="residual", fit_solve_output=False, allocate=True, e2e_steps=0,
+                           bands="per-layer")
     names = [entry.name for entry in script().race_entries(args, 3, 64, [])]
     assert names == ["original", "key-svd-k96-v96", "kv-svd-k168-rope_pairs4", "key-svd-k96-v96-calibrated64",
                      "kv-svd-k168-rope_pairs4-calibrated64", "key-svd-kalloc192-calibrated64",
@@ -746,7 +747,7 @@ def test_rows_runs_only_the_rows_it_names_besides_the_original():
     args = SimpleNamespace(methods=["key-svd", "kv-svd"], budgets=[0.5, 0.25], distill_budgets=[0.5, 0.25],
                            rope_pairs=4, distill_tokens=0, calibration_tokens=64, calibration_sample=0,
                            pairs_by_budget=False, fit_steps=30, fit_target="layer", fit_solve_output=False,
-                           allocate=False, e2e_steps=0)
+                           allocate=False, e2e_steps=0, bands="per-layer")
     entries = script().race_entries(args, 3, 64, [])
     names = [e.name for e in script().rows_matching(entries, re.compile("fitted30$"))]
     assert names == ["original", "key-svd-k96-v96-calibrated64-fitted30",
