@@ -96,7 +96,7 @@ LLM_METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 # head) or cut per head (svd), a latent (kv-svd, MLA), whole heads removed (prune). key-svd never caches less than
 # half. The default set; --race-methods picks others.
 RACE_METHODS = ("cp", "svd", "kv-svd", "prune")
-EXPORTED = "exported"  # a conversion's standard checkpoint (--export: collab_attn.export.standard_model)
+EXPORTED = "exported"  # a conversion's standard checkpoint (--export: collab_attn.serving.standard_model)
 REFERENCE = ", reference path"  # the name of a model's twin on the reference path (--kernels-against-reference)
 PRESENT = ", present path"  # the name of a model's twin without the Triton kernels (--triton)
 # a twin's suffix -> its row's keys: the ratio to the twin and its verdict
@@ -282,7 +282,7 @@ def llm_models(args, dtype: torch.dtype) -> dict[str, transformers.PreTrainedMod
                 name = f"{method} k{entry.rank}" + ("" if entry.value_rank is None else f" v{entry.value_rank}")
                 models[f"{name} ({fraction:g})"] = model
                 if args.export:  # the standard checkpoint it exports to: a plain Llama, one key/value head
-                    from collab_attn.export import standard_model
+                    from collab_attn.serving import standard_model
 
                     models[f"{name} ({fraction:g}) {EXPORTED}"] = standard_model(model).model
     return {name: model.to(device=args.device, dtype=dtype).eval() for name, model in models.items()}

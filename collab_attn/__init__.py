@@ -13,6 +13,7 @@ from collab_attn.models.end_to_end import EndToEndFit, fit_end_to_end
 from collab_attn.models.fitting import FitReport, fit_to_original
 from collab_attn.models.sensitivity import Sensitivity, layer_sensitivity
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
+from collab_attn.serving import export
 
 __all__ = [
     "CollaborativeAttention",
@@ -29,4 +30,5 @@ __all__ = [
     "layer_sensitivity",
     "Allocation",
     "allocate_cache",
+    "export",
 ]

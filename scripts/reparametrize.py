@@ -45,7 +45,6 @@ from omegaconf import DictConfig
 
 from collab_attn import cli, reparametrize
 from collab_attn.cli import hydra_main, settings_of
-from collab_attn.export import export
 from collab_attn.files import atomic_directory
 from collab_attn.glue.calibrate import calibrate, check_calibration, end_to_end_batches, fit_batches
 from collab_attn.models.checkpoints import (
@@ -59,6 +58,7 @@ from collab_attn.models.fitting import fit_to_original
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings
+from collab_attn.serving import export
 
 log = logging.getLogger("reparametrize")
 
@@ -114,7 +114,7 @@ def check_export(settings: dict, method: MethodSettings, config) -> str | None:
             raise cli.BadInput("export=gguf takes the tokenizer from a GGUF file of the source model: set "
                                "export_vocabulary=<file.gguf>")
         vocabulary = str(smollm2_gguf())
-    from collab_attn.export.gguf_file import check_vocabulary
+    from collab_attn.serving.gguf_file import check_vocabulary
 
     with cli.as_bad_input():
         check_vocabulary(vocabulary)

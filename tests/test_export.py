@@ -16,10 +16,10 @@ from conftest import small_model
 from test_rotary_models import FULL, HALF, ROTARY, ids, original
 
 import collab_attn
-from collab_attn.export import export, standard_model
-from collab_attn.export.checkpoint import check_tokens
-from collab_attn.export.rope import long_rope, standard_frequencies
-from collab_attn.export.standard import balance_scales, cached_scales, standard_layer
+from collab_attn.serving import export, standard_model
+from collab_attn.serving.checkpoint import check_tokens
+from collab_attn.serving.rope import long_rope, standard_frequencies
+from collab_attn.serving.standard import balance_scales, cached_scales, standard_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -296,12 +296,12 @@ def _measure_sensitivity(model, original, batches: dict[str, list[dict]], path: 
 
 
 def measure_export(model, original, rows: dict[str, torch.Tensor], path: Path, batch: int = 4) -> dict:
-    """``model`` exported as a standard checkpoint (``collab_attn.export.standard_model``), measured against the
+    """``model`` exported as a standard checkpoint (``collab_attn.serving.standard_model``), measured against the
     original on ``rows`` as the converted model is (``agreement``): its numbers must be the converted model's. Then,
     on the domains of the race's own window length, the exported model and the original with their keys and values
-    rounded to float16 and to bfloat16 (``collab_attn.export.precision.rounded_cache``). Written to ``path`` (JSON)."""
-    from collab_attn.export import standard_model
-    from collab_attn.export.precision import HALF_DTYPES, rounded_cache
+    rounded to float16 and to bfloat16 (``collab_attn.serving.precision.rounded_cache``). Written to ``path`` (JSON)."""
+    from collab_attn.serving import standard_model
+    from collab_attn.serving.precision import HALF_DTYPES, rounded_cache
 
     standard = standard_model(model)
     exported = standard.model.to(model.device)

@@ -1,9 +1,9 @@
 """A converted rotary causal LM as the standard model of its family: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
-``MistralForCausalLM`` with one key/value head of head size R (``collab_attn.export.standard``), its frequencies in
-the ``longrope`` fields (``collab_attn.export.rope``). Nothing of collab-attn is needed to load it.
+``MistralForCausalLM`` with one key/value head of head size R (``collab_attn.serving.standard``), its frequencies in
+the ``longrope`` fields (``collab_attn.serving.rope``). Nothing of collab-attn is needed to load it.
 
-``standard_model`` builds it in memory and checks it against the converted model; ``collab_attn.export.export``
-writes it.
+``standard_model`` builds it in memory and checks it against the converted model; ``collab_attn.export`` writes
+it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from collab_attn.export.rope import LongRope, long_rope, source_frequencies
-from collab_attn.export.standard import StandardLayer, balance_scales, refusal, standard_layer
 from collab_attn.models.families import COLLAB_PREFIX, is_collaborative
+from collab_attn.serving.rope import LongRope, long_rope, source_frequencies
+from collab_attn.serving.standard import StandardLayer, balance_scales, refusal, standard_layer
 
 FAMILIES = {  # collab-attn's model type -> (the standard model type, its causal LM class, biases (q, k, v, o))
     "llama": ("llama", "LlamaForCausalLM", None),  # Llama: all four or none (attention_bias)

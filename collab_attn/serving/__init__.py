@@ -7,9 +7,9 @@ transformers, llama.cpp and vLLM run with no code of collab-attn.
   config with the rope in both the 5.x ``rope_parameters`` and the older ``rope_theta``/``rope_scaling`` fields, the
   tokenizer with its chat template, the generation config) and ``export.json`` (the source, the method, the bands,
   the frequency error, the logit check);
-- ``"gguf"``: one llama.cpp file (``collab_attn.export.gguf_file``).
+- ``"gguf"``: one llama.cpp file (``collab_attn.serving.gguf_file``).
 
-Only a form that is exactly a standard layer is written (``collab_attn.export.standard``): ``key-svd``, ``cp`` or
+Only a form that is exactly a standard layer is written (``collab_attn.serving.standard``): ``key-svd``, ``cp`` or
 ``tucker`` on a Llama, Qwen2 or Mistral model, ``value_rank == rank``, one rank and one band split for all layers
 (``reparametrize(..., bands="shared")``). Everything else is refused before anything is written, with the reason.
 The output folder (or file) is written under a temporary name and renamed once whole.
@@ -21,8 +21,8 @@ import json
 import os
 from pathlib import Path
 
-from collab_attn.export.checkpoint import Exported, exportable, standard_model
 from collab_attn.files import atomic_directory, replacing
+from collab_attn.serving.checkpoint import Exported, exportable, standard_model
 
 FORMATS = ("transformers", "gguf")
 
@@ -80,9 +80,9 @@ def export(model, out_dir: str | os.PathLike, format: str = "transformers", toke
            balance: bool = True, overwrite: bool = False, vocabulary: str | os.PathLike | None = None) -> Path:
     """Write the converted causal LM ``model`` as the standard checkpoint of its family (module doc); returns the
     path written. ``tokenizer``: saved beside the weights (a tokenizer or its folder; None: none). ``balance``:
-    the free scales chosen for half-precision caches (``collab_attn.export.standard.balance_scales``).
+    the free scales chosen for half-precision caches (``collab_attn.serving.standard.balance_scales``).
     ``overwrite``: replace an existing output. ``vocabulary`` (gguf): a GGUF file of the source model whose
-    tokenizer the file takes (``collab_attn.export.gguf_file``)."""
+    tokenizer the file takes (``collab_attn.serving.gguf_file``)."""
     if format not in FORMATS:
         raise ValueError(f"format={format!r}: choose one of {', '.join(FORMATS)}")
     if vocabulary is not None and format != "gguf":
@@ -93,7 +93,7 @@ def export(model, out_dir: str | os.PathLike, format: str = "transformers", toke
     exportable(model)  # the reasons to refuse, before any work
     tokenizer = _tokenizer(tokenizer)
     if format == "gguf":
-        from collab_attn.export.gguf_file import check_vocabulary, write_gguf
+        from collab_attn.serving.gguf_file import check_vocabulary, write_gguf
 
         check_vocabulary(vocabulary)
         exported = standard_model(model, balance=balance)

@@ -1,8 +1,8 @@
-"""The standard model (``collab_attn.export.checkpoint``) as one llama.cpp file, written with the ``gguf`` package.
+"""The standard model (``collab_attn.serving.checkpoint``) as one llama.cpp file, written with the ``gguf`` package.
 
 llama.cpp's ``llama`` architecture takes a head size of its own (``attention.key_length``/``value_length``, all equal
 to R here), one key/value head, and per-pair frequency factors in the ``rope_freqs.weight`` tensor: pair ``i``
-rotates at ``base^(-2i/R) / factor_i``, the same factors as transformers' ``longrope`` (``collab_attn.export.rope``).
+rotates at ``base^(-2i/R) / factor_i``, the same factors as transformers' ``longrope`` (``collab_attn.serving.rope``).
 Its rotary layout pairs neighbouring dimensions, so the query and key rows are permuted from transformers'
 ``rotate_half`` layout as llama.cpp's own converter does. Weights are float32, as the model is.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from collab_attn.export.checkpoint import Exported
+from collab_attn.serving.checkpoint import Exported
 
 
 def check_vocabulary(vocabulary) -> None:

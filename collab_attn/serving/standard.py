@@ -15,7 +15,7 @@ layer with ``num_key_value_heads = 1`` and ``head_dim = R``:
 - ``o_proj``: ``[O_1 ... O_H]`` (``key-svd``: each head's output block times its group's ``value_up``; ``cp`` and
   ``tucker``: the output projection times each head's value mixing);
 - dimension ``i`` and ``i + R/2`` form pair ``i`` (transformers' ``rotate_half`` layout, the layer's own), rotating
-  at its band's frequency (``collab_attn.export.rope``).
+  at its band's frequency (``collab_attn.serving.rope``).
 
 Everything here is read from the layer by its own computation (``head_queries`` on the query weights), not
 re-derived, so the form is exact to float64 rounding.
