@@ -1,7 +1,8 @@
 """Two conversions of the SmolLM2 race (``runs/<name>.json`` of scripts/race_smollm2.py) side by side: per evaluation
-domain, the perplexity ratio, the paired bootstrap over the held-out windows both were measured on
-(``collab_attn.stats.window_bootstrap``) and, given a pair of runs for each of two or more calibration samples, the
-t-interval over the samples (``collab_attn.stats.compare_on_shared_seeds``), with its verdict.
+domain, the perplexity ratio on the first calibration sample beside the paired bootstrap over the held-out windows
+both were measured on (``collab_attn.stats.window_bootstrap``) and, given a pair of runs for each of two or more
+calibration samples, the geometric mean of the ratio over the samples beside the t-interval over them
+(``collab_attn.stats.compare_on_shared_seeds``), with the verdict: each estimate beside its own interval.
 
     cd experiments/smollm2/fitted/runs
     python ../../../../scripts/compare_runs.py key-svd-k96-v96-calibrated16384-fitted600-e2e32.json \

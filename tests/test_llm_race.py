@@ -179,23 +179,31 @@ def test_the_summary_puts_an_interval_beside_every_verdict(tmp_path):
                          ("wikipedia", "tucker-k8-calibrated16", peer),
                          ("wikipedia", "cp-k8-calibrated16-distilled100", peer)}
     low, high = window_bootstrap(cp["domains"]["wikipedia"]["windows"], kv["domains"]["wikipedia"]["windows"]).interval
-    assert rows["wikipedia", best, peer] == (f"| wikipedia | {best} | {peer} | {math.exp(-0.3):.3g}x | "
-                                             f"[{1 + low:.3g}x, {1 + high:.3g}x] ahead (8 windows) | one sample | "
-                                             "**ahead** |")
-    assert rows["wikipedia", best, "tucker-k8-calibrated16"].endswith("tie (8 windows) | one sample | tie |")
-    assert rows["wikipedia", "tucker-k8-calibrated16", peer].endswith("ahead (8 windows) | one sample | **ahead** |")
+    assert rows["wikipedia", best, peer] == (f"| wikipedia | {best} | {peer} | {math.exp(-0.3):.3g}x "
+                                             f"[{1 + low:.3g}x, {1 + high:.3g}x] ahead (sample 0, 8 windows) | "
+                                             "one sample | **ahead** |")
+    assert rows["wikipedia", best, "tucker-k8-calibrated16"].endswith("tie (sample 0, 8 windows) | one sample | tie |")
+    assert rows["wikipedia", "tucker-k8-calibrated16", peer].endswith(
+        "ahead (sample 0, 8 windows) | one sample | **ahead** |")
     assert rows["wikipedia", best, "cp-k8-calibrated16-distilled100"].endswith(
-        "| no per-window data | one sample | one run, no per-window data: no verdict |")
+        f"| {math.exp(-1.0):.3g}x (sample 0, no per-window data) | one sample | one run, no per-window data: no "
+        "verdict |")
     assert "Distilled runs: one run each" in "\n".join(race.verdicts_markdown([cp, distilled]))
     assert "Distilled runs" not in "\n".join(race.verdicts_markdown([cp, kv]))
-    # a second calibration sample of each: the spread over samples beside the windows (sample 0's)
+    # a second calibration sample of each: sample 0's ratio beside its windows' interval, the geometric mean over
+    # the samples beside the t-interval over them (never one sample's estimate beside the other's interval)
+    from collab_attn.stats import compare_on_shared_seeds
+
     samples = [fake_run("cp", 3.05, sample=1, windows=False), fake_run("kv-svd", 3.4, sample=1, windows=False)]
     row = table([cp, kv, *samples])["wikipedia", best, peer]
-    assert "ahead (8 windows) | [" in row and "] ahead (2 samples) | **ahead** |" in row
+    over = compare_on_shared_seeds({0: 3.0, 1: 3.05}, {0: 3.3, 1: 3.4})
+    assert (f"| {math.exp(-0.3):.3g}x [{1 + low:.3g}x, {1 + high:.3g}x] ahead (sample 0, 8 windows) | "
+            f"{math.exp(-0.325):.3g}x [{math.exp(over.interval[0]):.3g}x, {math.exp(over.interval[1]):.3g}x] ahead "
+            "(geometric mean of 2 samples) | **ahead** |") in row
     close = [fake_run("cp", 3.35, sample=1, windows=False), samples[1]]  # sample 1 turns the order round: a tie
-    assert table([cp, kv, *close])["wikipedia", best, peer].endswith("tie (2 samples) | tie |")
+    assert table([cp, kv, *close])["wikipedia", best, peer].endswith("tie (geometric mean of 2 samples) | tie |")
     assert table([fake_run("cp", 3.0), fake_run("kv-svd", 3.0)])["wikipedia", best, peer].endswith(
-        "| 1x | [1x, 1x] tie (8 windows) | one sample | tie |")
+        "| 1x [1x, 1x] tie (sample 0, 8 windows) | one sample | tie |")
 
     (tmp_path / "runs").mkdir()
     for r in (cp, kv):
@@ -687,8 +695,8 @@ def test_two_runs_are_compared_window_by_window(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     low, high = window_bootstrap(better["domains"]["wikipedia"]["windows"],
                                  worse["domains"]["wikipedia"]["windows"]).interval
-    interval = f"[{1 + low:.3g}x, {1 + high:.3g}x] ahead (8 windows)"
-    assert f"| wikipedia | {math.exp(-0.3):.3g}x | {interval} | one sample | **ahead** |" in lines
+    interval = f"{math.exp(-0.3):.3g}x [{1 + low:.3g}x, {1 + high:.3g}x] ahead (sample 0, 8 windows)"
+    assert f"| wikipedia | {interval} | one sample | **ahead** |" in lines
     assert sum("**ahead**" in line for line in lines) == len(heldout.DOMAINS)
     module.main([str(tmp_path / "worse.json"), str(tmp_path / "better.json")])
     assert capsys.readouterr().out.count("**behind**") == len(heldout.DOMAINS)
@@ -723,12 +731,13 @@ def test_two_conversions_are_compared_over_calibration_samples(tmp_path, capsys)
     low, high = compare_on_shared_seeds(*({s: math.log(runs[f"{m}{s}"]["domains"]["wikipedia"]["perplexity"])
                                            for s in range(3)} for m in ("cp", "kv"))).interval
     row = next(line for line in out.splitlines() if line.startswith("| wikipedia |"))
-    assert f"[{math.exp(low):.3g}x, {math.exp(high):.3g}x] ahead (3 samples) | **ahead** |" in row
-    assert "ahead (8 windows)" in row and f"| {math.exp(-(0.3 + 0.25 + 0.25) / 3):.3g}x |" in row
+    assert (f"| {math.exp(-(0.3 + 0.25 + 0.25) / 3):.3g}x [{math.exp(low):.3g}x, {math.exp(high):.3g}x] ahead "
+            "(geometric mean of 3 samples) | **ahead** |") in row
+    assert f"| wikipedia | {math.exp(-0.3):.3g}x [" in row and "ahead (sample 0, 8 windows) |" in row
     module.main([path["cp1"], path["cp0"]])  # one run a side: by window, whatever the samples
     out = capsys.readouterr().out
     assert out.startswith("cp-k8-calibrated16s1 against cp-k8-calibrated16:")
-    assert out.count("behind (8 windows) | one sample | **behind** |") == len(heldout.DOMAINS)
+    assert out.count("behind (samples 1 / 0, 8 windows) | one sample | **behind** |") == len(heldout.DOMAINS)
     (tmp_path / "cp0b.json").write_text(json.dumps(fake_run("cp", 3.02)))  # another run of sample 0
     for argv, message in (([path["cp0"], path["kv0"], path["kv1"], path["cp1"]], "runs of different conversions"),
                           ([path["cp0"], path["kv0"], str(tmp_path / "cp0b.json"), path["kv1"]],

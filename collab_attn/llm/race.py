@@ -453,13 +453,18 @@ def _ratio(x: float) -> str:
     return f"{1 + x:.3g}x"
 
 
-def _interval(comparison, windows: bool) -> str:
-    low, high = comparison.interval
+def _interval(comparison, windows: bool, sample: str = "") -> str:
+    """The estimate of ``comparison`` with its own interval and what both rest on: over windows, ``a / b`` of one
+    pair of runs (``sample``: which calibration sample, ``"sample 0, "``) with the window bootstrap's interval; over
+    calibration samples, the geometric mean of ``a / b`` over the samples with the t-interval over them."""
+    estimate, (low, high) = comparison.mean_difference, comparison.interval
     words = {"better": "ahead", "worse": "behind", "tie": "tie"}[comparison.verdict]
-    unit = f"{comparison.pairs} windows" if windows else f"{comparison.pairs} samples"
-    if not windows:  # log-perplexity differences: shown as ratios
-        low, high = math.expm1(low), math.expm1(high)
-    return f"[{_ratio(low)}, {_ratio(high)}] {words} ({unit})"
+    if windows:
+        unit = f"{sample}{comparison.pairs} windows"
+    else:  # log-perplexity differences: shown as ratios
+        estimate, low, high = math.expm1(estimate), math.expm1(low), math.expm1(high)
+        unit = f"geometric mean of {comparison.pairs} samples"
+    return f"{_ratio(estimate)} [{_ratio(low)}, {_ratio(high)}] {words} ({unit})"
 
 
 def measured_domains(results: list[dict]) -> list[str]:
@@ -485,16 +490,34 @@ def _at(runs: dict[int, dict], sample: int) -> dict | None:
     return only if len(runs) == 1 and not only["entry"].get("calibration_tokens") else None
 
 
+def _sample_label(a: dict, b: dict) -> str:
+    """Which calibration sample a pair of runs was calibrated on (``"sample 0, "``; ``"samples 1 / 0, "`` where they
+    differ), for the label of the window cell; nothing for two runs without calibration."""
+    calibrated = [r for r in (a, b) if r["entry"].get("calibration_tokens")]
+    if not calibrated:
+        return ""
+    if len({_sample(r) for r in calibrated}) == 1:
+        return f"sample {_sample(calibrated[0])}, "
+    return f"samples {_sample(a)} / {_sample(b)}, "
+
+
 def _versus(a: dict[int, dict], b: dict[int, dict], domain: str) -> list[str]:
-    """``a`` against ``b`` (calibration sample -> run) on ``domain``: the cells of one verdict row."""
+    """``a`` against ``b`` (calibration sample -> run) on ``domain``: the cells of one verdict row. Each estimate is
+    printed beside the interval of the same runs: the first shared sample's ``a / b`` (the first with per-window
+    data on both sides) beside its window bootstrap, and the geometric mean over the shared samples beside the
+    t-interval over them."""
     from collab_attn.stats import compare_on_shared_seeds, window_bootstrap
 
     shared = [s for s in sorted(set(a) | set(b)) if _at(a, s) is not None and _at(b, s) is not None]
-    ratio = math.expm1(_mean_log_perplexity(a, domain) - _mean_log_perplexity(b, domain))
+    if not shared:
+        return ["no shared calibration sample", "no shared calibration sample",
+                "no shared calibration sample: no verdict"]
     windowed = [s for s in shared if _at(a, s)["domains"][domain].get("windows")
                 and _at(b, s)["domains"][domain].get("windows")]
+    first = windowed[0] if windowed else shared[0]
+    label = _sample_label(_at(a, first), _at(b, first))
     by_windows = None if not windowed else window_bootstrap(
-        _at(a, windowed[0])["domains"][domain]["windows"], _at(b, windowed[0])["domains"][domain]["windows"],
+        _at(a, first)["domains"][domain]["windows"], _at(b, first)["domains"][domain]["windows"],
         resamples=RESAMPLES, seed=0)
     by_samples = None if len(shared) < 2 else compare_on_shared_seeds(
         *({s: _log_perplexity(_at(runs, s), domain) for s in shared} for runs in (a, b)))
@@ -505,8 +528,12 @@ def _versus(a: dict[int, dict], b: dict[int, dict], domain: str) -> list[str]:
         verdict = {"better": "**ahead**", "worse": "**behind**", "tie": "tie"}[judged[0]]
     else:
         verdict = "tie"
-    return [_ratio(ratio), "no per-window data" if by_windows is None else _interval(by_windows, True),
-            "one sample" if by_samples is None else _interval(by_samples, False), verdict]
+    if by_windows is None:
+        ratio = math.expm1(_log_perplexity(_at(a, first), domain) - _log_perplexity(_at(b, first), domain))
+        windows = f"{_ratio(ratio)} ({label}no per-window data)"
+    else:
+        windows = _interval(by_windows, True, label)
+    return [windows, "one sample" if by_samples is None else _interval(by_samples, False), verdict]
 
 
 def _by_sample(runs: list[dict]) -> dict[int, dict]:
@@ -526,9 +553,10 @@ def _by_sample(runs: list[dict]) -> dict[int, dict]:
 def comparison_markdown(a: list[dict], b: list[dict]) -> list[str]:
     """One conversion against another (each side: its runs, result files of ``run_entry``, one per calibration
     sample) on every domain all of them were measured on: a Markdown table with the same cells as the summary's
-    verdicts (the window bootstrap, on the first calibration sample both have, where both kept per-window sums; the
-    t-interval over the samples both have where there are two or more). One run a side is compared window by window
-    whatever its sample. Runs of different held-out splits are refused."""
+    verdicts (the perplexity ratio of the first calibration sample both have with its window bootstrap, where both
+    kept per-window sums; the geometric mean of the ratio over the samples both have with the t-interval over them,
+    where there are two or more). One run a side is compared window by window whatever its sample. Runs of different
+    held-out splits are refused."""
     one_split([*a, *b])
     if len(a) == len(b) == 1:  # one run each, whatever their samples (two samples of one conversion too)
         a_runs, b_runs, names = {0: a[0]}, {0: b[0]}, (a[0]["name"], b[0]["name"])
@@ -538,8 +566,8 @@ def comparison_markdown(a: list[dict], b: list[dict]) -> list[str]:
     domains = [d for d in measured_domains(runs) if all(d in r["domains"] for r in runs)]
     if not domains:
         raise ValueError(f"{names[0]} and {names[1]} share no evaluation domain: nothing to compare")
-    lines = [f"{names[0]} against {names[1]}:", "", "| domain | perplexity a / b | held-out "
-             "windows | calibration samples | verdict |", "|---|---:|---|---|---|"]
+    lines = [f"{names[0]} against {names[1]}:", "", "| domain | perplexity a / b on one sample, over held-out "
+             "windows | perplexity a / b over calibration samples | verdict |", "|---|---|---|---|"]
     for domain in domains:
         lines.append("| " + " | ".join([domain, *_versus(a_runs, b_runs, domain)]) + " |")
     return lines
@@ -555,14 +583,15 @@ def verdicts_markdown(results: list[dict], peer: str | None = "kv-svd") -> list[
     one_split(results)
     budgets = sorted({r["entry"]["budget"] for r in results}, reverse=True)
     lines = ["## Verdicts", "",
-             "`a / b`: a's perplexity over b's (below 1: a predicts the held-out text better; geometric means "
-             "over calibration samples where there are several). Over "
-             f"windows: a paired bootstrap over the held-out windows ({RESAMPLES:,} resamples, seed 0; the same "
-             "calibration sample on both sides), 95% percentile interval: it covers the choice of evaluation text, "
-             "not the calibration sample or a training seed. Over calibration samples: a 95% t-interval of the "
-             "log-perplexity differences paired by calibration sample (a conversion without calibration counts the "
-             "same for every sample), shown as ratios. Ahead or behind only when every interval available "
-             "excludes 1 the same way; a tie otherwise.", ""]
+             "`a / b`: a's perplexity over b's (below 1: a predicts the held-out text better), each printed beside "
+             "the interval of the same runs. Over windows: `a / b` on one calibration sample (the first both have "
+             "with per-window data, named) and a paired bootstrap over its held-out windows "
+             f"({RESAMPLES:,} resamples, seed 0), 95% percentile interval: it covers the choice of evaluation "
+             "text, not the calibration sample or a training seed. Over calibration samples: the geometric mean of "
+             "`a / b` over the samples both have and a 95% t-interval of the log-perplexity differences paired by "
+             "calibration sample (a conversion without calibration counts the same for every sample), shown as "
+             "ratios. Ahead or behind only when every interval available excludes 1 the same way; a tie "
+             "otherwise.", ""]
     if any(r["entry"].get("distill_tokens") for r in results):
         lines += ["Distilled runs: one run each (one distillation seed; the distilled weights were not kept), so no "
                   "interval covers the distillation itself; where a distilled run has per-window data, its window "
@@ -585,8 +614,8 @@ def verdicts_markdown(results: list[dict], peer: str | None = "kv-svd") -> list[
             rows += [f"| {domain} | {a} | {b} | " + " | ".join(_versus(conversions[a], conversions[b], domain))
                      + " |" for a, b in pairs]
         if rows:
-            lines += [f"### budget {budget:g}", "", "| domain | a | b | a / b | over windows "
-                      "| over calibration samples | a against b |", "|---|---|---|---:|---|---|---|", *rows, ""]
+            lines += [f"### budget {budget:g}", "", "| domain | a | b | a / b on one sample, over windows "
+                      "| a / b over calibration samples | a against b |", "|---|---|---|---|---|---|", *rows, ""]
     return lines
 
 
