@@ -280,11 +280,12 @@ def llm_models(args, dtype: torch.dtype) -> dict[str, transformers.PreTrainedMod
                 collab_attn.reparametrize(model, entry.rank, method=method, progress=False, **sizes, **entry.options,
                                           **shared)
                 name = f"{method} k{entry.rank}" + ("" if entry.value_rank is None else f" v{entry.value_rank}")
-                models[f"{name} ({fraction:g})"] = model
-                if args.export:  # the standard checkpoint it exports to: a plain Llama, one key/value head
+                if args.export:  # in its place the standard checkpoint it exports to: a plain Llama, one kv head
                     from collab_attn.serving import standard_model
 
                     models[f"{name} ({fraction:g}) {EXPORTED}"] = standard_model(model).model
+                else:
+                    models[f"{name} ({fraction:g})"] = model
     return {name: model.to(device=args.device, dtype=dtype).eval() for name, model in models.items()}
 
 
@@ -511,9 +512,9 @@ def main(argv=None) -> list[dict]:
                              "taking turns in this process (decoding, where the kernels run: a GPU with triton, or "
                              "the CPU under COLLAB_ATTN_TRITON=1 TRITON_INTERPRET=1)")
     parser.add_argument("--export", action="store_true",
-                        help="--size smollm2: convert with bands='shared' and add each conversion's standard "
-                             "checkpoint (collab_attn.export: a plain LlamaForCausalLM with one key/value head) as a "
-                             "model of its own; --race-methods among cp, tucker, key-svd")
+                        help="--size smollm2: convert with bands='shared' and decode each conversion's standard "
+                             "checkpoint instead (collab_attn.export: a plain LlamaForCausalLM with one key/value "
+                             "head); --race-methods among cp, key-svd")
     parser.add_argument("--out", type=Path, default=None,
                         help="a new output path without suffix (default: experiments/benchmarks/<decode or prefill>_"
                              "<device>_<dtype>_<UTC time>); an existing result is never overwritten")

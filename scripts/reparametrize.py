@@ -114,9 +114,10 @@ def check_export(settings: dict, method: MethodSettings, config) -> str | None:
             raise cli.BadInput("export=gguf takes the tokenizer from a GGUF file of the source model: set "
                                "export_vocabulary=<file.gguf>")
         vocabulary = str(smollm2_gguf())
-    from collab_attn.serving.gguf_file import check_vocabulary
+    from collab_attn.serving.gguf_file import check_architecture, check_vocabulary
 
     with cli.as_bad_input():
+        check_architecture(config.model_type, config)
         check_vocabulary(vocabulary)
     return vocabulary
 

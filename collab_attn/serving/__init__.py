@@ -90,11 +90,12 @@ def export(model, out_dir: str | os.PathLike, format: str = "transformers", toke
                          "saves tokenizer= instead")
     out = Path(out_dir).expanduser().absolute()
     _check_target(out, format, overwrite)
-    exportable(model)  # the reasons to refuse, before any work
+    family, _ = exportable(model)  # the reasons to refuse, before any work
     tokenizer = _tokenizer(tokenizer)
     if format == "gguf":
-        from collab_attn.serving.gguf_file import check_vocabulary, write_gguf
+        from collab_attn.serving.gguf_file import check_architecture, check_vocabulary, write_gguf
 
+        check_architecture(family, model.config)
         check_vocabulary(vocabulary)
         exported = standard_model(model, balance=balance)
         with replacing(out) as tmp:

@@ -41,9 +41,9 @@ def check_vocabulary(vocabulary) -> None:
         raise ValueError(f"vocabulary={str(vocabulary)!r} holds no tokenizer (no tokenizer.ggml.tokens field)")
 
 
-def _check_architecture(exported: Exported) -> None:
-    config = exported.model.config
-    if exported.family == "qwen2":
+def check_architecture(family: str, config) -> None:
+    """A clear error for a model the ``llama`` architecture of llama.cpp cannot hold (module doc)."""
+    if family == "qwen2":
         raise ValueError("format='gguf' writes llama.cpp's llama architecture, which has no place for Qwen2's "
                          "query/key/value biases, and llama.cpp's qwen2 architecture reads no per-pair frequency "
                          "factors: export Qwen2 with format='transformers'")
@@ -75,7 +75,7 @@ def write_gguf(exported: Exported, path: Path, vocabulary) -> None:
     """Write ``exported`` as a llama.cpp file at ``path`` (module doc)."""
     import gguf
 
-    _check_architecture(exported)
+    check_architecture(exported.family, exported.model.config)
     model, config = exported.model, exported.model.config
     heads, head_dim = config.num_attention_heads, exported.head_dim
     writer = gguf.GGUFWriter(str(path), "llama")
