@@ -10,7 +10,7 @@
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100   # + fitted to the original
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32  # + e2e
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32 \
-        collab.e2e_texts=more.txt                                  # the end-to-end fit on fresh text
+        collab.e2e_texts=more.txt                                  # the end-to-end fit on other text
 
 The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
 labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
@@ -18,9 +18,10 @@ labelled task examples to score the heads on, so it runs through the GLUE pipeli
 attention layer that many steps to give the original's attention output on the calibration texts
 (``collab_attn.fit_to_original``); its per-layer report is printed and saved under ``fit``. ``collab.e2e_steps``
 then trains all the converted layers together that many steps to give the original model's output on the same texts
-(``collab_attn.fit_end_to_end``), or with ``collab.e2e_texts`` on 16 texts of that file per step (fresh text: on
-SmolLM2 it gains more than more passes over the calibration texts, experiments/smollm2/LOG.md, "Long layer fits,
-then end to end on fresh text"); its report is saved under ``end_to_end``.
+(``collab_attn.fit_end_to_end``), or with ``collab.e2e_texts`` on 16 texts of that file per step (more text: on
+SmolLM2, 65,536 fitting tokens of which 49,152 were new gained more than passes over the calibration texts,
+experiments/smollm2/LOG.md, "Long layer fits, then end to end on fresh text"); its report is saved under
+``end_to_end``.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
