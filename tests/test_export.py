@@ -292,3 +292,13 @@ def test_the_gguf_file_holds_the_standard_layers_in_llama_cpp_layout(tmp_path):
     with pytest.raises(ValueError, match="pass vocabulary="):
         export(model, tmp_path / "none.gguf", format="gguf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_a_bfloat16_model_exports_in_float32_and_stays_as_it_was():
+    model = shared("llama", "cp", QUARTER).to(torch.bfloat16)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    exported = standard_model(model)
+    assert exported.logit_error <= 1e-4 and next(exported.model.parameters()).dtype == torch.float32
+    after = model.state_dict()
+    assert all(after[key].dtype == torch.bfloat16 or not after[key].is_floating_point() for key in after)
+    assert all(torch.equal(after[key], value) for key, value in before.items())

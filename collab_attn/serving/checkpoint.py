@@ -209,9 +209,13 @@ def _rope_base(model) -> float:
 
 @torch.no_grad()
 def _logit_error(model, exported) -> float:
-    ids = check_tokens(model).to(next(model.parameters()).device)
-    reference = model(ids).logits.float().cpu()
-    standard = exported(ids.cpu()).logits.float()
+    """The standard model against the converted one, both in float32 on the CPU (a half-precision model is compared
+    through a float32 copy)."""
+    if next(model.parameters()).dtype != torch.float32 or next(model.parameters()).device.type != "cpu":
+        model = copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
+    ids = check_tokens(model)
+    reference = model(ids).logits.float()
+    standard = exported(ids).logits.float()
     return float((standard - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
 
 

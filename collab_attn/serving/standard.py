@@ -28,6 +28,7 @@ smallest normal numbers or its largest.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -78,8 +79,8 @@ class StandardLayer:
 
 
 def _linear(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = module.weight.detach().double()
-    return weight, None if module.bias is None else module.bias.detach().double()
+    weight = module.weight.detach().cpu().double()
+    return weight, None if module.bias is None else module.bias.detach().cpu().double()
 
 
 def _shared_key_queries(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -92,17 +93,17 @@ def _collaborative_queries(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Head ``h``'s query weight ``M_h W_q``: the layer's own head mixing (``head_queries``, linear in what it mixes)
     applied to the shared query's weight columns as if they were rotated queries."""
     weight, bias = _linear(layer.query)
+    twin = copy.deepcopy(layer).to(device="cpu", dtype=torch.float64)  # the layer itself stays as it is
     with torch.no_grad():
-        mixed = layer.double().head_queries(weight.T[None])[0]  # (H, d, R)
-        mixed_bias = None if bias is None else layer.head_queries(bias[None, None])[0, :, 0]  # (H, R)
-    layer.float()
+        mixed = twin.head_queries(weight.cpu().T[None])[0]  # (H, d, R)
+        mixed_bias = None if bias is None else twin.head_queries(bias.cpu()[None, None])[0, :, 0]  # (H, R)
     return mixed.transpose(1, 2), mixed_bias
 
 
 def _shared_key_outputs(layer) -> torch.Tensor:
     """``[W_o,h U_g(h)]`` over the heads: (d, H R)."""
     out, _ = _linear(layer.output)
-    up = layer.value_up.weight.detach().double().view(layer.kv_heads, layer.head_dim, -1)
+    up = layer.value_up.weight.detach().cpu().double().view(layer.kv_heads, layer.head_dim, -1)
     up = up.repeat_interleave(layer.num_heads // layer.kv_heads, dim=0)  # (H, head_dim, R)
     blocks = out.view(out.shape[0], layer.num_heads, layer.head_dim)
     return torch.einsum("dhk,hkr->dhr", blocks, up).flatten(1)
@@ -112,9 +113,10 @@ def _collaborative_outputs(layer) -> torch.Tensor:
     """``[W_o N_h^T]`` over the heads (``N_h = diag(n_h)`` for CP, the head's Tucker matrix otherwise): (d, H R)."""
     out, _ = _linear(layer.output)
     if layer.value_core is not None:
-        mixing = torch.einsum("hg,gvw->hvw", layer.value_mixing.detach().double(), layer.value_core.detach().double())
+        mixing = torch.einsum("hg,gvw->hvw", *(p.detach().cpu().double() for p in (layer.value_mixing,
+                                                                                   layer.value_core)))
     else:
-        mixing = torch.diag_embed(layer.value_mixing.detach().double())  # (H, R, R)
+        mixing = torch.diag_embed(layer.value_mixing.detach().cpu().double())  # (H, R, R)
     return torch.einsum("dw,hvw->dhv", out, mixing).flatten(1)
 
 
@@ -141,7 +143,7 @@ def standard_layer(layer) -> StandardLayer:
     key, key_bias = _linear(layer.key)
     value, value_bias = _linear(layer.value)
     output = (_collaborative_outputs if collaborative else _shared_key_outputs)(layer)
-    output_bias = None if layer.output.bias is None else layer.output.bias.detach().double()
+    output_bias = None if layer.output.bias is None else layer.output.bias.detach().cpu().double()
     return StandardLayer(query * factor, None if query_bias is None else query_bias * factor, key, key_bias, value,
                          value_bias, output, output_bias, layer.pair_bands.detach().cpu().clone())
 
