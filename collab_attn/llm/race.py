@@ -308,18 +308,20 @@ def measure_export(model, original, rows: dict[str, torch.Tensor], path: Path, b
     tokens = batch * min(w.shape[1] for w in rows.values())
     short = min(w.shape[1] for w in rows.values())
 
-    def measured(candidate, domains):
-        return {domain: agreement(candidate, original, rows[domain], max(1, tokens // rows[domain].shape[1]))
-                .as_dict() for domain in domains}
+    def measured(candidate, domains, what):
+        with tqdm(total=sum(len(rows[d]) for d in domains), desc=what, unit="window") as progress:
+            return {domain: agreement(candidate, original, rows[domain], max(1, tokens // rows[domain].shape[1]),
+                                      progress).as_dict() for domain in domains}
 
     result = {"head_dim": standard.head_dim, "logit_error": standard.logit_error,
-              "frequency_error": standard.rope.frequency_error, "exported": measured(exported, rows), "half": {}}
+              "frequency_error": standard.rope.frequency_error, "exported": measured(exported, rows, "exported"),
+              "half": {}}
     for name, dtype in HALF_DTYPES.items():
         domains = [domain for domain, w in rows.items() if w.shape[1] == short]
         with rounded_cache(exported, dtype):
-            exported_half = measured(exported, domains)
+            exported_half = measured(exported, domains, f"exported, {name} cache")
         with rounded_cache(original, dtype):
-            original_half = measured(original, domains)
+            original_half = measured(original, domains, f"original, {name} cache")
         result["half"][name] = {"exported": exported_half, "original": original_half}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=2) + "\n")
