@@ -106,9 +106,21 @@ def export(model, out_dir: str | os.PathLike, format: str = "transformers", toke
         exported.model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+            _name_the_tokenizer_for_older_transformers(tmp / "tokenizer_config.json")
         _add_legacy_rope_fields(tmp / "config.json", exported)
         (tmp / "export.json").write_text(json.dumps(_record(model, exported), indent=2) + "\n")
     return out
+
+
+def _name_the_tokenizer_for_older_transformers(path: Path) -> None:
+    """Transformers 5 names a plain ``tokenizer.json`` tokenizer ``TokenizersBackend``, a class transformers 4 does not
+    have; ``PreTrainedTokenizerFast`` is the same tokenizer in both."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _add_legacy_rope_fields(path: Path, exported: Exported) -> None:
