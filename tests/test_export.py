@@ -255,6 +255,14 @@ def test_the_race_measures_the_exported_model_as_the_converted_one(tmp_path, mon
             assert exported[key] == pytest.approx(converted[key], rel=1e-4, abs=1e-6), (domain, key)
     assert set(measured["half"]) == {"float16", "bfloat16"}
     assert set(measured["half"]["bfloat16"]["exported"]) == {"wikipedia"}  # the race's own window length only
+    for name in ("float16", "bfloat16"):
+        for label in ("exported", "original"):  # each against itself in float32: a rounded cache moves it a little
+            half = measured["half"][name][label]["wikipedia"]
+            assert 0 < half["kl"] < 1e-2 and half["perplexity"] == pytest.approx(half["original_perplexity"],
+                                                                                  rel=1e-2)
+    original_ppl = result["domains"]["wikipedia"]["original_perplexity"]
+    assert measured["half"]["float16"]["original"]["wikipedia"]["original_perplexity"] == pytest.approx(
+        original_ppl, rel=1e-6)
     assert measured["head_dim"] == 12 and measured["logit_error"] <= 1e-4
 
 

@@ -298,8 +298,10 @@ def _measure_sensitivity(model, original, batches: dict[str, list[dict]], path: 
 def measure_export(model, original, rows: dict[str, torch.Tensor], path: Path, batch: int = 4) -> dict:
     """``model`` exported as a standard checkpoint (``collab_attn.serving.standard_model``), measured against the
     original on ``rows`` as the converted model is (``agreement``): its numbers must be the converted model's. Then,
-    on the domains of the race's own window length, the exported model and the original with their keys and values
-    rounded to float16 and to bfloat16 (``collab_attn.serving.precision.rounded_cache``). Written to ``path`` (JSON)."""
+    on the domains of the race's own window length, what a float16 and a bfloat16 key/value cache does to the exported
+    model and to the original (``collab_attn.serving.precision.rounded_cache``): each measured against itself in
+    float32 (``half[dtype][model]``: its perplexity with the rounded cache, its float32 perplexity as
+    ``original_perplexity``, and the KL from its float32 distribution). Written to ``path`` (JSON)."""
     from collab_attn.serving import standard_model
     from collab_attn.serving.precision import HALF_DTYPES, rounded_cache
 
@@ -308,21 +310,21 @@ def measure_export(model, original, rows: dict[str, torch.Tensor], path: Path, b
     tokens = batch * min(w.shape[1] for w in rows.values())
     short = min(w.shape[1] for w in rows.values())
 
-    def measured(candidate, domains, what):
+    def measured(candidate, reference, domains, what):
         with tqdm(total=sum(len(rows[d]) for d in domains), desc=what, unit="window") as progress:
-            return {domain: agreement(candidate, original, rows[domain], max(1, tokens // rows[domain].shape[1]),
+            return {domain: agreement(candidate, reference, rows[domain], max(1, tokens // rows[domain].shape[1]),
                                       progress).as_dict() for domain in domains}
 
     result = {"head_dim": standard.head_dim, "logit_error": standard.logit_error,
-              "frequency_error": standard.rope.frequency_error, "exported": measured(exported, rows, "exported"),
-              "half": {}}
+              "frequency_error": standard.rope.frequency_error,
+              "exported": measured(exported, original, list(rows), "exported"), "half": {}}
+    domains = [domain for domain, w in rows.items() if w.shape[1] == short]
     for name, dtype in HALF_DTYPES.items():
-        domains = [domain for domain, w in rows.items() if w.shape[1] == short]
-        with rounded_cache(exported, dtype):
-            exported_half = measured(exported, domains, f"exported, {name} cache")
-        with rounded_cache(original, dtype):
-            original_half = measured(original, domains, f"original, {name} cache")
-        result["half"][name] = {"exported": exported_half, "original": original_half}
+        result["half"][name] = {}
+        for label, full in (("exported", exported), ("original", original)):
+            rounded = copy.deepcopy(full)
+            with rounded_cache(rounded, dtype):
+                result["half"][name][label] = measured(rounded, full, domains, f"{label}, {name} cache")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=2) + "\n")
     print(f"{path.stem}: the exported model measured, written to {path}", flush=True)
