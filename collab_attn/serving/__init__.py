@@ -44,6 +44,7 @@ def _record(model, exported: Exported) -> dict:
         "frequency_error": exported.rope.frequency_error,
         "inexact_frequencies": exported.rope.inexact_pairs,
         "logit_error": exported.logit_error,
+        "converted_float32_error": exported.converted_float32_error,
         "output_bias": exported.output_bias,
     }
 

@@ -38,6 +38,7 @@ class Exported:
     head_dim: int
     logit_error: float  # max |standard - converted| / max |converted| on the check tokens
     output_bias: str | None  # Qwen2: where the converted output bias went ("value bias", "one more pair", None)
+    converted_float32_error: float | None = None  # the converted model's own, where logit_error needed it
 
 
 def exportable(model) -> tuple[str, list]:
@@ -162,8 +163,8 @@ def check_tokens(model, length: int = 24) -> torch.Tensor:
 def standard_model(model, balance: bool = True) -> Exported:
     """The converted causal LM ``model`` as the standard model of its family (module doc), in float32 on the CPU,
     checked against ``model`` on fixed tokens (a ValueError when its logits differ by more than ``CHECK_TOLERANCE``
-    of their scale). ``balance``: choose the free scales so that each cached coordinate has the same size
-    (``balance_scales``)."""
+    of their scale, or 4 x the converted model's own float32 error where that is larger: ``_logit_errors``).
+    ``balance``: choose the free scales so that each cached coordinate has the same size (``balance_scales``)."""
     family, layers = exportable(model)
     standard = [standard_layer(layer) for layer in layers]
     if balance:
@@ -192,11 +193,13 @@ def standard_model(model, balance: bool = True) -> Exported:
     if model.config.tie_word_embeddings:
         exported.tie_weights()
     exported.generation_config = copy.deepcopy(model.generation_config)
-    error = _logit_error(model, exported)
-    if not error <= CHECK_TOLERANCE:
+    error, own = _logit_errors(model, exported)
+    if not error <= max(CHECK_TOLERANCE, 4 * (own or 0.0)):
         raise ValueError(f"the standard model's logits differ from the converted model's by {error:.2e} of their "
-                         f"scale (more than {CHECK_TOLERANCE:g}); nothing was written")
-    return Exported(exported, family, rope, head_dim, error, placed)
+                         f"scale, more than {CHECK_TOLERANCE:g}" + ("" if own is None else
+                         f" and than 4 x the converted model's own float32 error ({own:.2e})") + "; nothing was "
+                         "written")
+    return Exported(exported, family, rope, head_dim, error, placed, own)
 
 
 def _rope_base(model) -> float:
@@ -208,15 +211,21 @@ def _rope_base(model) -> float:
 
 
 @torch.no_grad()
-def _logit_error(model, exported) -> float:
-    """The standard model against the converted one, both in float32 on the CPU (a half-precision model is compared
-    through a float32 copy)."""
+def _logit_errors(model, exported) -> tuple[float, float | None]:
+    """The standard model against the converted one on ``check_tokens``, both in float32 on the CPU (a half-precision
+    model is compared through a float32 copy): max |difference| / max |converted logit|. Where that exceeds
+    ``CHECK_TOLERANCE``, also the converted model's own float32 error, against itself in float64 (a model whose
+    float32 logits are that far from exact cannot be checked closer); None where it was not needed."""
     if next(model.parameters()).dtype != torch.float32 or next(model.parameters()).device.type != "cpu":
         model = copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
     ids = check_tokens(model)
-    reference = model(ids).logits.float()
-    standard = exported(ids).logits.float()
-    return float((standard - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+    reference = model(ids).logits.double()
+    scale = reference.abs().max().clamp_min(1e-30)
+    error = float((exported(ids).logits.double() - reference).abs().max() / scale)
+    if error <= CHECK_TOLERANCE:
+        return error, None
+    exact = copy.deepcopy(model).double()(ids).logits
+    return error, float((reference - exact).abs().max() / scale)
 
 
 def bytes_per_token(config, dtype_bytes: int = 2) -> int:
