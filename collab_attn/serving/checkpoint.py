@@ -171,12 +171,14 @@ def standard_model(model, balance: bool = True) -> Exported:
         standard = [balance_scales(layer) for layer in standard]
     slots = _bias_slots(family, model.config)
     placed = None
-    if not slots[3]:
+    if not slots[3]:  # no output bias in the family: move the converted one onto the values
         moved = [_absorb_output_bias(layer) for layer in standard]
-        placed = "one more pair" if any(m[1] == "one more pair" for m in moved) else (
-            "value bias" if any(m[1] for m in moved) else None)
-        standard = [m[0] if placed != "one more pair" or m[1] == "one more pair" else widened(m[0])
-                    for m in moved]  # one head size for all layers
+        places = {where for _, where in moved} - {None}
+        placed = "one more pair" if "one more pair" in places else next(iter(places), None)
+        if placed == "one more pair":  # one head size for all layers: the others widened by a zero pair too
+            standard = [layer if where == "one more pair" else widened(layer) for layer, where in moved]
+        else:
+            standard = [layer for layer, _ in moved]
     rope = long_rope(standard[0].bands, source_frequencies(model), _rope_base(model))
     head_dim = standard[0].head_dim
     config = standard_config(model, family, head_dim, rope)
