@@ -100,6 +100,10 @@ def template(tmp_path_factory) -> Path:
             (root / "glue" / task / f"{split}.tsv").write_text("\n".join(rows) + "\n")
     text = "".join(f"the quick brown fox number {i} jumps over the lazy dog\n" + "\n" * (i % 10 == 9)
                    for i in range(12_000))
+    for task in ("SST-2", "MRPC"):  # what benchmarks/activation_aware.py reads, for the cases past its --glue-dir
+        (root / "sst_glue" / task).mkdir(parents=True)
+        for split in ("train", "dev"):
+            (root / "sst_glue" / task / f"{split}.tsv").write_text("sentence\tlabel\na sentence\t1\n")
     (root / "shakespeare.txt").write_text(text)
     (root / "shakespeare2.txt").write_text(text.replace("lazy", "idle", 1))  # other texts
     (root / "text.txt").write_text(LM_TEXT)
@@ -416,7 +420,9 @@ BENCHMARK_CASES = {
                          (["--glue-dir", "afile"], "--glue-dir=afile is a file; pass a folder"),
                          (["--glue-dir", "no/glue"], "--glue-dir=no/glue: no such folder"),
                          (["--glue-dir", "glue"], "--glue-dir=glue/SST-2/train.tsv: no such file"),
-                         (["--threads", "0"], "argument --threads: must be a positive integer"), UNDER_A_FILE],
+                         (["--threads", "0"], "argument --threads: must be a positive integer"),
+                         # its own GLUE folder: the default (../shared/data/glue) is absent on some machines
+                         (["--glue-dir", "sst_glue", *UNDER_A_FILE[0]], UNDER_A_FILE[1])],
     "decomposition": [(["--minilm-ranks", "0"], "argument --minilm-ranks: must be a positive integer"),
                       (["--minilm-ranks", "500"], "--minilm-ranks 500: the model's query/key width is 384"),
                       (["--bert-rank", "1000"], "--bert-rank 1000: the model's query/key width is 768"),
