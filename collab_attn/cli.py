@@ -302,37 +302,31 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _argument(text: str, parse, holds, expected: str, must: str):
+    """``parse(text)`` where it parses and ``holds`` the value, else the ``ArgumentTypeError`` argparse reports,
+    naming the option."""
+    try:
+        value = parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not holds(value):
+        raise argparse.ArgumentTypeError(f"must be {must}, got {text if parse is float else value}")
+    return value
+
+
 def positive_arg(text: str) -> int:
     """argparse type of sizes and counts: ``--heads 0`` and ``--heads x`` are refused, naming the option."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+    return _argument(text, int, lambda v: v > 0, "a positive integer", "a positive integer")
 
 
 def count_arg(text: str) -> int:
     """argparse type of counts where 0 means none (``--warmup``, ``--distill-tokens``): ``-1`` and ``x`` refused."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+    return _argument(text, int, lambda v: v >= 0, "an integer >= 0", "an integer >= 0")
 
 
 def positive_number_arg(text: str) -> float:
     """argparse type of a rate, a tolerance or an amount: a finite number > 0 (``nan``, ``inf``, ``0`` refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
+    return _argument(text, float, lambda v: math.isfinite(v) and v > 0, "a positive number", "a finite number > 0")
 
 
 def device(name: str, value) -> str:

@@ -122,14 +122,20 @@ def _evaluation_parts(domain: str, glue_dir, shakespeare) -> tuple[str, str, str
     return held[:blank + 2], "", held[blank + 2:]
 
 
+def _renamed(split: str) -> str:
+    """``"eval"``, the former name of ``"validation"``, with a ``DeprecationWarning``; other names as given."""
+    if split == "eval":
+        warnings.warn("split='eval' is now 'validation' (the same windows; the text after them is 'test')",
+                      DeprecationWarning, stacklevel=3)
+        return "validation"
+    return split
+
+
 def texts(domain: str, split: str, glue_dir: str | Path | None = None,
           shakespeare: str | Path | None = None) -> str:
     """The ``fit``, ``validation`` or ``test`` text (``SPLITS``) of ``domain`` (``TEST_DOMAINS``; ``code`` has a
     ``test`` split only), one string. ``"eval"``: the former name of ``"validation"`` (a ``DeprecationWarning``)."""
-    if split == "eval":
-        warnings.warn("split='eval' is now 'validation' (the same windows; the text after them is 'test')",
-                      DeprecationWarning, stacklevel=2)
-        split = "validation"
+    split = _renamed(split)
     if split not in SPLITS:
         raise ValueError(f"split={split!r}: use 'fit' (calibration, re-training), 'validation' (held out: every "
                          "choice of recipe is made here) or 'test' (held out: read once, to report)")
@@ -191,10 +197,7 @@ def evaluation_windows(tokenizer, domain: str, split: str, length: int, count: i
                        glue_dir: str | Path | None = None, shakespeare: str | Path | None = None) -> torch.Tensor:
     """``count`` windows of ``length`` tokens of ``domain``'s ``validation`` or ``test`` text (``windows``), all
     that it holds when ``count`` is None; refused when it holds fewer (never filled from another split)."""
-    if split == "eval":
-        warnings.warn("split='eval' is now 'validation' (the same windows; the text after them is 'test')",
-                      DeprecationWarning, stacklevel=2)
-        split = "validation"
+    split = _renamed(split)
     if split not in EVALUATION_SPLITS:
         raise ValueError(f"split={split!r}: evaluation windows come from 'validation' (every choice of recipe is "
                          "made there) or 'test' (read once, to report); the fit text is windowed by "

@@ -228,9 +228,3 @@ def _logit_errors(model, exported) -> tuple[float, float | None]:
         return error, None
     exact = copy.deepcopy(model).double()(ids).logits
     return error, float((reference - exact).abs().max() / scale)
-
-
-def bytes_per_token(config, dtype_bytes: int = 2) -> int:
-    """The key/value cache of the standard model per token, all layers: keys and values of one head of head_dim."""
-    return 2 * config.num_key_value_heads * config.head_dim * config.num_hidden_layers * dtype_bytes
-
