@@ -5,6 +5,7 @@ layer, before anything is written."""
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -310,3 +311,22 @@ def test_a_bfloat16_model_exports_in_float32_and_stays_as_it_was():
     after = model.state_dict()
     assert all(after[key].dtype == torch.bfloat16 or not after[key].is_floating_point() for key in after)
     assert all(torch.equal(after[key], value) for key, value in before.items())
+
+
+@pytest.mark.parametrize("command, message", [
+    (["scripts/race_smollm2.py", "--out", "race", "--export"], "--export writes the standard checkpoint"),
+    (["scripts/race_smollm2.py", "--out", "race", "--bands", "shared", "--methods", "kv-svd"],
+     "--bands shared: ['kv-svd'] split no pairs"),
+    (["benchmarks/decode.py", "--export", "--out", "result"], "--export writes rotary conversions"),
+    (["benchmarks/decode.py", "--size", "smollm2", "--export", "--race-methods", "kv-svd", "--out", "result"],
+     "--export: ['kv-svd'] have no standard form"),
+])
+def test_bad_export_options_are_one_error_line_and_leave_nothing(command, message, tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / command[0]), *command[1:]], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:") or "error:" in line]
+    assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []
