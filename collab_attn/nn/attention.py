@@ -482,13 +482,7 @@ class CollaborativeAttention(_Attention):
         super().__init__(d_model, num_heads, **common)
         bias = self.projection_bias
         if value_rank is not None:
-            if not isinstance(value_rank, int) or isinstance(value_rank, bool) or value_rank <= 0:
-                raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
-            # one value per token for all heads, mixed per head on its way to the output projection
-            self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
-            self.value_mixing, self.value_core = _head_mixing(num_heads, value_rank, tucker_core_size)
-            if self.output is not None:
-                self.output = nn.Linear(value_rank, d_model, bias=self.output_bias)
+            _share_values(self, value_rank, tucker_core_size)
         else:
             self.value_mixing = self.value_core = None
         self.value_rank = value_rank
@@ -737,6 +731,17 @@ def _head_mixing(heads: int, width: int, core_size: int | None) -> tuple[nn.Para
     if core_size is None:
         return nn.Parameter(torch.empty(heads, width)), None
     return nn.Parameter(torch.empty(heads, core_size)), nn.Parameter(torch.empty(core_size, width, width))
+
+
+def _share_values(module: _Attention, value_rank, core_size: int | None) -> None:
+    """Give ``module`` one value of width ``value_rank`` per token for every head, mixed per head on its way to the
+    output projection (``value_mixing``, through ``value_core`` with a Tucker core of ``core_size`` slices)."""
+    if not isinstance(value_rank, int) or isinstance(value_rank, bool) or value_rank <= 0:
+        raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
+    module.value = nn.Linear(module.kv_dim, value_rank, bias=module.projection_bias)
+    module.value_mixing, module.value_core = _head_mixing(module.num_heads, value_rank, core_size)
+    if module.output is not None:
+        module.output = nn.Linear(value_rank, module.d_model, bias=module.output_bias)
 
 
 @torch.no_grad()

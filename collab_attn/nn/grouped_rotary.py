@@ -21,22 +21,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from collab_attn.nn.attention import AttentionArguments, grouped_attend
-from collab_attn.nn.rotary import check_rotary_head_dim, rotate_pairs
+from collab_attn.nn.rotary import _RotaryAttention, check_rotary_head_dim, given_positions, rotate_pairs
 from collab_attn.nn.variants import GroupedQueryAttention
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-class RotaryGroupedQueryAttention(GroupedQueryAttention):
+class RotaryGroupedQueryAttention(_RotaryAttention, GroupedQueryAttention):
     """``GroupedQueryAttention`` whose queries and keys rotate with their positions (RoPE).
 
     ``bias``: biases of the query, key and value projections; ``output_bias`` (default: ``bias``) that of the output
     projection (Qwen2 has q/k/v biases and no o_proj bias). ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
-    kv_cache=None, position_embeddings=None) -> (output, weights or None)``; ``position_embeddings`` is required
-    (the keys sit at the queries' positions, or at those of ``key_value_states`` when its length is the same)."""
+    ``forward``: every rotary kind's (``collab_attn.nn.rotary._RotaryAttention``); the keys sit at the queries'
+    positions (no ``key_position_embeddings``), ``key_value_states`` as long as the queries."""
+
+    takes_key_positions = False
 
     def __init__(self, d_model: int, num_heads: int, kv_heads: int, **common: Unpack[AttentionArguments]):
         super().__init__(d_model, num_heads, kv_heads, **common)
@@ -45,12 +46,7 @@ class RotaryGroupedQueryAttention(GroupedQueryAttention):
     def _rotated(self, heads: torch.Tensor, position_embeddings) -> torch.Tensor:
         """Heads (B, heads, S, head_dim) rotated at the positions of ``position_embeddings`` = (cos, sin), each
         (B, S, head_dim) with band ``i`` at columns ``i`` and ``i + head_dim/2``."""
-        if position_embeddings is None:
-            raise ValueError(
-                f"{type(self).__name__} needs position_embeddings=(cos, sin), each (batch, seq, head_dim) as a "
-                "transformers rotary embedding computes them; none were given"
-            )
-        cos, sin = position_embeddings
+        cos, sin = given_positions(self, position_embeddings)
         if cos.shape[-1] != self.head_dim or sin.shape[-1] != self.head_dim or cos.shape[-2] != heads.shape[-2]:
             raise ValueError(
                 f"position_embeddings must be (cos, sin) of shape (batch, {heads.shape[-2]} positions, head_dim "
@@ -60,23 +56,12 @@ class RotaryGroupedQueryAttention(GroupedQueryAttention):
         cos, sin = cos[..., None, :, :half].to(heads.dtype), sin[..., None, :, :half].to(heads.dtype)
         return rotate_pairs(heads, cos, sin)
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keys_from = query_states if key_value_states is None else key_value_states
-        keys = self._rotated(self._heads(self.key(keys_from), self.kv_heads), position_embeddings)  # as cached
-        values = self._heads(self.value(keys_from), self.kv_heads)
-        if kv_cache is not None:
-            keys, values = kv_cache(keys, values)
-        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
+    def _keys_values(self, keys_from: torch.Tensor, key_positions) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self._rotated(self._heads(self.key(keys_from), self.kv_heads), key_positions)  # as cached
+        return keys, self._heads(self.value(keys_from), self.kv_heads)
+
+    def _attend(self, query_states, position_embeddings, keys, values, mask, causal, need_weights):
         queries = self._rotated(self._heads(self.query(query_states), self.num_heads), position_embeddings)
         context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights,
                                           causal)
-        return self._finish(context.flatten(2)), weights
+        return context.flatten(2), weights

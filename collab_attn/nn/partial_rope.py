@@ -53,8 +53,7 @@ from torch import nn
 
 from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import AttentionArguments, _needs_grad, grouped_attend
-from collab_attn.nn.rotary import bands_as_built, check_rotary_head_dim, rotate_pairs
-from collab_attn.nn.variants import _SharedKeyValueAttention
+from collab_attn.nn.rotary import _RotaryAttention, bands_as_built, check_rotary_head_dim, given_positions, rotate_pairs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -82,7 +81,7 @@ def dimension_order(rope_bands: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.argsort(1 - kept, dim=1, stable=True)  # kept dimensions first, each part ascending
 
 
-class PartialRotaryLatentAttention(_SharedKeyValueAttention):
+class PartialRotaryLatentAttention(_RotaryAttention):
     """Latent attention whose keys keep ``rope_pairs`` rotary pairs per key/value group (the module docstring has
     the computation and the layout).
 
@@ -91,10 +90,8 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
     band indices. ``bias``: biases of the query, kept-key and nope-key projections; ``output_bias`` (default
     ``bias``) that of the output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
-    kv_cache=None, position_embeddings=None, key_position_embeddings=None) -> (output, weights or None)``;
-    ``position_embeddings`` is required; ``key_position_embeddings`` gives the keys' positions where they differ from
-    the queries'.
+    ``forward``: every rotary kind's (``collab_attn.nn.rotary._RotaryAttention``), keys at
+    ``key_position_embeddings`` where given.
     """
 
     takes_kv_dim = False  # reads keys and values at d_model's width
@@ -171,10 +168,7 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
     def band_angles(self, position_embeddings, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cosines and sines of each group's kept bands, (batch, kv_heads, seq, rope_pairs) each, from
         transformers' ``(cos, sin)`` (batch, seq, head_dim) covering ``length`` positions."""
-        if position_embeddings is None:
-            raise ValueError(f"{type(self).__name__} needs position_embeddings=(cos, sin), each (batch, seq, head_dim) "
-                             "as a transformers rotary embedding computes them; none were given")
-        cos, sin = position_embeddings
+        cos, sin = given_positions(self, position_embeddings)
         if cos.shape[-1] != self.head_dim or sin.shape[-1] != self.head_dim:
             raise ValueError(f"position_embeddings must be (cos, sin) of last size head_dim ({self.head_dim}), got "
                              f"{tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -199,27 +193,16 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
         """(B, S, kv_heads * width) -> (B, kv_heads, S, width), also for width 0."""
         return x.unflatten(-1, (self.kv_heads, x.shape[-1] // self.kv_heads)).transpose(1, 2)
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keys_from = query_states if key_value_states is None else key_value_states
-        key_positions = position_embeddings if key_position_embeddings is None else key_position_embeddings
+    def _keys_values(self, keys_from: torch.Tensor, key_positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed row (B, 1, S, 2 r G + latent_size) and no values (B, 1, S, 0): what the cache holds."""
         cos, sin = self.band_angles(key_positions, keys_from.shape[1])
         rope_keys = self._groups(self.rope_key(keys_from))  # (B, G, S, 2r)
         rope_keys = rotate_pairs(rope_keys, cos.to(rope_keys.dtype), sin.to(rope_keys.dtype))
         latent = self.latent(keys_from)  # (B, S, latent_size)
         packed = torch.cat([rope_keys.transpose(1, 2).flatten(2), latent], dim=-1)[:, None]  # (B, 1, S, width)
-        if kv_cache is not None:
-            packed, _ = kv_cache(packed, packed.new_empty(*packed.shape[:3], 0))
-        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, packed.shape[2])
+        return packed, packed.new_empty(*packed.shape[:3], 0)
+
+    def _attend(self, query_states, position_embeddings, packed, _values, mask, causal, need_weights):
         queries = self.head_queries(query_states, position_embeddings)  # (B, H, T, head_dim): kept bands first
         rope_width = 2 * self.rope_pairs * self.kv_heads
         needs_grad = _needs_grad(queries, packed)
@@ -246,7 +229,7 @@ class PartialRotaryLatentAttention(_SharedKeyValueAttention):
             values = self._groups(self.value(latent))
             context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights,
                                               causal)
-        return self._finish(context.flatten(2)), weights
+        return context.flatten(2), weights
 
     def _absorbed_queries(self, queries: torch.Tensor) -> torch.Tensor:
         """Each head's query against the packed row, (B, H, T, 2 r G + latent_size): its rotated kept-band part in its

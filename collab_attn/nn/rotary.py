@@ -36,13 +36,13 @@ rotated, (batch, 1, seq, 2R), and the values, (batch, kv_heads, seq, head_dim) o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
 from collab_attn.nn import triton_kernels
-from collab_attn.nn.attention import AttentionArguments, _head_mixing, _init_head_mixing, grouped_attend
+from collab_attn.nn.attention import AttentionArguments, _init_head_mixing, _share_values, grouped_attend
 from collab_attn.nn.variants import _SharedKeyValueAttention
 
 if TYPE_CHECKING:
@@ -94,7 +94,146 @@ def attend_shared_pairs(queries, keys, values, mask, scale: float, dropout: floa
                           causal)
 
 
-class RotaryCollaborativeAttention(_SharedKeyValueAttention):
+def given_positions(module: nn.Module, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """``position_embeddings`` = (cos, sin) as given, or the clear error where there are none."""
+    if position_embeddings is None:
+        raise ValueError(f"{type(module).__name__} needs position_embeddings=(cos, sin), each (batch, seq, head_dim) "
+                         "as a transformers rotary embedding computes them; none were given")
+    return position_embeddings
+
+
+class _RotaryAttention(_SharedKeyValueAttention):
+    """The forward every rotary kind runs: its keys and values as the cache holds them (rotated at the keys'
+    positions), the cache, the mask over every key, then its attention at the queries' positions. Nothing reaches
+    the cache before the positions are there.
+
+    A kind gives ``_keys_values(keys_from, key_positions) -> (keys, values)`` and ``_attend(query_states,
+    position_embeddings, keys, values, mask, causal, need_weights) -> (context (B, T, width), weights or None)``,
+    the context before the output projection; it may refuse states in ``_check_states``. ``takes_key_positions =
+    False``: its keys sit at the queries' positions and it refuses ``key_position_embeddings``.
+
+    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
+    kv_cache=None, position_embeddings=None, key_position_embeddings=None) -> (output, weights or None)``;
+    ``position_embeddings`` is required; ``key_position_embeddings`` gives the keys' positions where they differ from
+    the queries' (by default the keys sit at the queries' positions).
+    """
+
+    takes_key_positions: ClassVar[bool] = True
+
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if key_position_embeddings is not None and not self.takes_key_positions:
+            raise TypeError(f"{type(self).__name__}.forward() got an unexpected keyword argument "
+                            "'key_position_embeddings'")
+        self._check_states(query_states, key_value_states)
+        given_positions(self, position_embeddings)
+        keys_from = query_states if key_value_states is None else key_value_states
+        key_positions = position_embeddings if key_position_embeddings is None else key_position_embeddings
+        keys, values = self._keys_values(keys_from, key_positions)
+        if kv_cache is not None:
+            keys, values = kv_cache(keys, values)
+        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
+        context, weights = self._attend(query_states, position_embeddings, keys, values, mask, causal, need_weights)
+        return self._finish(context), weights
+
+    def _check_states(self, query_states: torch.Tensor, key_value_states: torch.Tensor | None) -> None:
+        """A kind's own refusal of the states, before anything is computed (none here)."""
+
+
+class _SharedPairsAttention(_RotaryAttention):
+    """What the layers whose shared key is ``pairs`` rotary pairs share: the ``pair_bands`` buffer (each pair's
+    band, checked when built, loaded and after any change), the pairs' rotation, and the cache width (the rotated
+    shared key, 2R, and the values: ``kv_heads head_dim``, or D_v when shared)."""
+
+    def _register_pair_bands(self, pair_bands, pairs: int) -> None:
+        """Build, check and register ``pair_bands`` (None: ``default_pair_bands``)."""
+        if pair_bands is None:
+            pair_bands = default_pair_bands(pairs, self.head_dim)
+        self._bands_as_built = bands_as_built(pair_bands)
+        pair_bands = torch.as_tensor(pair_bands)
+        if pair_bands.shape != (pairs,):
+            raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
+        self._check_bands(pair_bands)
+        self.register_buffer("pair_bands", pair_bands.to(torch.int64).clone(), persistent=True)
+        self._bands_checked: tuple | None = None
+
+    def _check_bands(self, bands: torch.Tensor) -> None:
+        """A clear error for bands that are not integers in ``0 .. head_dim/2 - 1``."""
+        if bands.device.type == "meta":
+            return
+        if bands.dtype.is_floating_point or bands.dtype.is_complex or bands.dtype == torch.bool:
+            raise ValueError(f"pair_bands must hold integers (RoPE band indices), got dtype {bands.dtype}")
+        bands_count = self.head_dim // 2
+        if bands.numel() and (int(bands.min()) < 0 or int(bands.max()) >= bands_count):
+            raise ValueError(
+                f"pair_bands must lie in 0 .. {bands_count - 1} (head_dim {self.head_dim} has {bands_count} RoPE "
+                f"bands), got values from {int(bands.min())} to {int(bands.max())}"
+            )
+
+    def default_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers as the constructor made them (its ``pair_bands``, or the default): what a model's
+        ``_init_weights`` writes back into a layer built on the meta device (a checkpoint's bands then load over
+        them). Empty where the constructor got the bands as a tensor without data."""
+        return {} if self._bands_as_built is None else {"pair_bands": torch.tensor(self._bands_as_built)}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        bands = state_dict.get(prefix + "pair_bands")
+        if bands is not None and bands.shape == self.pair_bands.shape:
+            self._check_bands(bands)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _checked_bands(self) -> torch.Tensor:
+        """``pair_bands``, checked once after each change (construction, ``load_state_dict``, a replaced or written
+        buffer: a new tensor or a bumped in-place version); never under ``torch.compile``."""
+        bands = self.pair_bands
+        if not torch.compiler.is_compiling():
+            key = (bands.data_ptr(), bands.device, None if bands.is_inference() else bands._version)
+            if key != self._bands_checked:
+                self._check_bands(bands)
+                self._bands_checked = key
+        return bands
+
+    def pair_angles(self, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cosines and sines of each pair's angle, (batch, seq, R) each, from transformers' ``(cos, sin)``
+        (batch, seq, head_dim): band ``i`` sits at column ``i`` (and again at ``i + head_dim/2``)."""
+        cos, sin = given_positions(self, position_embeddings)
+        if cos.shape[-1] != self.head_dim or sin.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"position_embeddings must be (cos, sin) of last size head_dim ({self.head_dim}), got "
+                f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+            )
+        bands = self._checked_bands()
+        return cos.index_select(-1, bands), sin.index_select(-1, bands)
+
+    def _rotated(self, z: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """``z`` (B, [H,] S, 2R) rotated pair by pair at the positions of ``position_embeddings`` (their length must
+        be S), every head alike."""
+        cos, sin = self.pair_angles(position_embeddings)
+        if cos.shape[-2] != z.shape[-2]:
+            raise ValueError(
+                f"position_embeddings cover {cos.shape[-2]} positions but the input has {z.shape[-2]} tokens"
+            )
+        cos, sin = cos.to(z.dtype), sin.to(z.dtype)
+        if z.dim() == 4:  # (B, H, S, 2R): one angle per token and pair for every head
+            cos, sin = cos[:, None], sin[:, None]
+        return rotate_pairs(z, cos, sin)
+
+    def cache_width(self) -> int:
+        """Numbers the ``kv_cache`` hook is handed per token: the rotated shared key (2R) and the values
+        (``kv_heads head_dim``, or D_v when shared)."""
+        return self.rank + (self.kv_heads * self.head_dim if self.value_rank is None else self.value_rank)
+
+
+class RotaryCollaborativeAttention(_SharedPairsAttention):
     """Collaborative heads with rotary-exact shared keys: ``pairs`` shared query/key pairs, each rotating with its
     RoPE band (``pair_bands``), and a complex mixing number per head and pair (the module docstring has the layout).
 
@@ -111,10 +250,7 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
     pair slices (module doc) instead of one complex number per pair; "concatenate" then needs one slice per head
     (slice ``h`` the identity on head ``h``'s block); "ones" gives identity slices weighted ``1 / K``.
 
-    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
-    kv_cache=None, position_embeddings=None, key_position_embeddings=None) -> (output, weights or None)``;
-    ``position_embeddings`` is required. ``key_position_embeddings`` gives the keys' positions when they differ
-    from the queries' (cross-attention); by default the keys sit at the queries' positions.
+    ``forward``: every rotary kind's (``_RotaryAttention``), keys at ``key_position_embeddings`` where given.
     """
 
     def __init__(
@@ -162,23 +298,10 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         else:
             self.mixing = nn.Parameter(torch.empty(num_heads, tucker_core_size))
             self.mixing_core = nn.Parameter(torch.empty(tucker_core_size, 2, pairs, pairs))
-        if pair_bands is None:
-            pair_bands = default_pair_bands(pairs, self.head_dim)
-        self._bands_as_built = bands_as_built(pair_bands)
-        pair_bands = torch.as_tensor(pair_bands)
-        if pair_bands.shape != (pairs,):
-            raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
-        self._check_bands(pair_bands)
-        self.register_buffer("pair_bands", pair_bands.to(torch.int64).clone(), persistent=True)
-        self._bands_checked: tuple | None = None
+        self._register_pair_bands(pair_bands, pairs)
         self.value_rank = value_rank
         if value_rank is not None:
-            if not isinstance(value_rank, int) or isinstance(value_rank, bool) or value_rank <= 0:
-                raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
-            self.value = nn.Linear(self.kv_dim, value_rank, bias=bias)
-            self.value_mixing, self.value_core = _head_mixing(num_heads, value_rank, tucker_core_size)
-            if self.output is not None:
-                self.output = nn.Linear(value_rank, d_model, bias=self.output_bias)
+            _share_values(self, value_rank, tucker_core_size)
         else:
             self.value = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)
             self.value_mixing = self.value_core = None
@@ -223,68 +346,6 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         matrices = torch.einsum("hg,gcrs->chrs", self.mixing, self.mixing_core) * same_band
         return matrices[0], matrices[1]
 
-    def _check_bands(self, bands: torch.Tensor) -> None:
-        """A clear error for bands that are not integers in ``0 .. head_dim/2 - 1``."""
-        if bands.device.type == "meta":
-            return
-        if bands.dtype.is_floating_point or bands.dtype.is_complex or bands.dtype == torch.bool:
-            raise ValueError(f"pair_bands must hold integers (RoPE band indices), got dtype {bands.dtype}")
-        bands_count = self.head_dim // 2
-        if bands.numel() and (int(bands.min()) < 0 or int(bands.max()) >= bands_count):
-            raise ValueError(
-                f"pair_bands must lie in 0 .. {bands_count - 1} (head_dim {self.head_dim} has {bands_count} RoPE "
-                f"bands), got values from {int(bands.min())} to {int(bands.max())}"
-            )
-
-    def default_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers as the constructor made them (its ``pair_bands``, or the default): what a model's
-        ``_init_weights`` writes back into a layer built on the meta device (a checkpoint's bands then load over
-        them). Empty where the constructor got the bands as a tensor without data."""
-        return {} if self._bands_as_built is None else {"pair_bands": torch.tensor(self._bands_as_built)}
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        bands = state_dict.get(prefix + "pair_bands")
-        if bands is not None and bands.shape == self.pair_bands.shape:
-            self._check_bands(bands)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def _checked_bands(self) -> torch.Tensor:
-        """``pair_bands``, checked once after each change (construction, ``load_state_dict``, a replaced or written
-        buffer: a new tensor or a bumped in-place version); never under ``torch.compile``."""
-        bands = self.pair_bands
-        if not torch.compiler.is_compiling():
-            key = (bands.data_ptr(), bands.device, None if bands.is_inference() else bands._version)
-            if key != self._bands_checked:
-                self._check_bands(bands)
-                self._bands_checked = key
-        return bands
-
-    def pair_angles(self, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cosines and sines of each pair's angle, (batch, seq, R) each, from transformers' ``(cos, sin)``
-        (batch, seq, head_dim): band ``i`` sits at column ``i`` (and again at ``i + head_dim/2``)."""
-        if position_embeddings is None:
-            raise ValueError(
-                "RotaryCollaborativeAttention needs position_embeddings=(cos, sin), each (batch, seq, head_dim) as "
-                "a transformers rotary embedding computes them; none were given"
-            )
-        cos, sin = position_embeddings
-        if cos.shape[-1] != self.head_dim or sin.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"position_embeddings must be (cos, sin) of last size head_dim ({self.head_dim}), got "
-                f"{tuple(cos.shape)} and {tuple(sin.shape)}"
-            )
-        bands = self._checked_bands()
-        return cos.index_select(-1, bands), sin.index_select(-1, bands)
-
-    def _rotated(self, z: torch.Tensor, position_embeddings) -> torch.Tensor:
-        """``z`` (B, S, 2R) rotated at the positions of ``position_embeddings`` (their length must be S)."""
-        cos, sin = self.pair_angles(position_embeddings)
-        if cos.shape[-2] != z.shape[-2]:
-            raise ValueError(
-                f"position_embeddings cover {cos.shape[-2]} positions but the input has {z.shape[-2]} tokens"
-            )
-        return rotate_pairs(z, cos.to(z.dtype), sin.to(z.dtype))
-
     def head_queries(self, rotated_queries: torch.Tensor) -> torch.Tensor:
         """Each head's queries (B, H, T, 2R) from the rotated shared ones (B, T, 2R): pair ``r`` times the head's
         complex mixing number ``m_hr`` (a rotation commutes with it, so rotating first is the same)."""
@@ -298,44 +359,22 @@ class RotaryCollaborativeAttention(_SharedKeyValueAttention):
         m_re, m_im = self.mixing[:, None].to(re.dtype).chunk(2, dim=-1)  # (H, 1, R); autocast: the queries' dtype
         return torch.cat([re * m_re - im * m_im, re * m_im + im * m_re], dim=-1)
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if position_embeddings is None:
-            self.pair_angles(None)  # raises the clear error
-        keys_from = query_states if key_value_states is None else key_value_states
-        key_positions = position_embeddings if key_position_embeddings is None else key_position_embeddings
+    def _keys_values(self, keys_from: torch.Tensor, key_positions) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self._rotated(self.key(keys_from), key_positions)[:, None]  # (B, 1, S, 2R), rotated as cached
         values = self.value(keys_from)
+        return keys, values[:, None] if self.value_mixing is not None else self._heads(values, self.kv_heads)
+
+    def _attend(self, query_states, position_embeddings, keys, values, mask, causal, need_weights):
         shared_values = self.value_mixing is not None
-        values = values[:, None] if shared_values else self._heads(values, self.kv_heads)
-        if kv_cache is not None:
-            keys, values = kv_cache(keys, values)
-        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self.head_queries(self._rotated(self.query(query_states), position_embeddings))
         context, weights = attend_shared_pairs(queries, keys, values, mask, self.scale, self._dropout(),
                                                need_weights, shared_values, causal)
         if shared_values and self.value_core is not None:  # (B, T, H, D_v) -> sum_h context_h N_h: (B, T, D_v)
-            context = torch.einsum("bthv,hvw->btw", context, self.value_mixing_matrices())
-        elif shared_values:  # (B, T, H, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
-            context = torch.einsum("bthv,hv->btv", context, self.value_mixing)
-        else:
-            context = context.flatten(2)
-        return self._finish(context), weights
+            return torch.einsum("bthv,hvw->btw", context, self.value_mixing_matrices()), weights
+        if shared_values:  # (B, T, H, D_v) -> sum_h context_h diag(n_h): (B, T, D_v)
+            return torch.einsum("bthv,hv->btv", context, self.value_mixing), weights
+        return context.flatten(2), weights
 
     def value_mixing_matrices(self) -> torch.Tensor:
         """Tucker values: each head's (D_v, D_v) mixing ``N_h = sum_g value_mixing[h, g] value_core[g]``."""
         return torch.einsum("hg,gvw->hvw", self.value_mixing, self.value_core)
-
-    def cache_width(self) -> int:
-        """Numbers the ``kv_cache`` hook is handed per token: the rotated shared key (2R) and the values
-        (``kv_heads head_dim``, or D_v when shared)."""
-        return self.rank + (self.kv_heads * self.head_dim if self.value_rank is None else self.value_rank)

@@ -37,21 +37,13 @@ import torch
 from torch import nn
 
 from collab_attn.nn.attention import AttentionArguments
-from collab_attn.nn.rotary import (
-    RotaryCollaborativeAttention,
-    attend_shared_pairs,
-    bands_as_built,
-    check_rotary_head_dim,
-    default_pair_bands,
-    rotate_pairs,
-)
-from collab_attn.nn.variants import _SharedKeyValueAttention
+from collab_attn.nn.rotary import _SharedPairsAttention, attend_shared_pairs, check_rotary_head_dim
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-class RotarySharedKeyAttention(_SharedKeyValueAttention):
+class RotarySharedKeyAttention(_SharedPairsAttention):
     """Every head scores against one shared key of ``pairs`` rotary pairs with a query of its own (the module
     docstring has the computation and the layout).
 
@@ -60,17 +52,11 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
     2)``). ``bias``: biases of the query, key and (grouped) value projections; ``output_bias`` (default ``bias``)
     that of the output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
-    kv_cache=None, position_embeddings=None, key_position_embeddings=None) -> (output, weights or None)``;
-    ``position_embeddings`` is required; ``key_position_embeddings`` gives the keys' positions where they differ from
-    the queries'.
+    ``forward``: every rotary kind's (``collab_attn.nn.rotary._RotaryAttention``), keys at
+    ``key_position_embeddings`` where given.
     """
 
     takes_kv_dim = False  # reads keys and values at d_model's width
-
-    # the pair bookkeeping is the rotary collaborative layer's: the same buffer, checked the same way
-    _check_bands = RotaryCollaborativeAttention._check_bands
-    _checked_bands = RotaryCollaborativeAttention._checked_bands
 
     def __init__(
         self,
@@ -104,63 +90,15 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
         else:
             self.value = nn.Linear(d_model, value_rank, bias=False)
             self.value_up = nn.Linear(value_rank, grouped, bias=False)
-        if pair_bands is None:
-            pair_bands = default_pair_bands(pairs, self.head_dim)
-        self._bands_as_built = bands_as_built(pair_bands)
-        pair_bands = torch.as_tensor(pair_bands)
-        if pair_bands.shape != (pairs,):
-            raise ValueError(f"pair_bands must have one band per pair, shape ({pairs},), got {tuple(pair_bands.shape)}")
-        self._check_bands(pair_bands)
-        self.register_buffer("pair_bands", pair_bands.to(torch.int64).clone(), persistent=True)
-        self._bands_checked: tuple | None = None
+        self._register_pair_bands(pair_bands, pairs)
 
-    default_buffers = RotaryCollaborativeAttention.default_buffers
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        bands = state_dict.get(prefix + "pair_bands")
-        if bands is not None and bands.shape == self.pair_bands.shape:
-            self._check_bands(bands)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def _rotated(self, z: torch.Tensor, position_embeddings) -> torch.Tensor:
-        """``z`` (B, [H,] S, 2R) rotated pair by pair at the positions of ``position_embeddings`` = (cos, sin), each
-        (B, S, head_dim): pair ``r`` by the angle of its band, column ``pair_bands[r]``."""
-        if position_embeddings is None:
-            raise ValueError(f"{type(self).__name__} needs position_embeddings=(cos, sin), each (batch, seq, head_dim) "
-                             "as a transformers rotary embedding computes them; none were given")
-        cos, sin = position_embeddings
-        if cos.shape[-1] != self.head_dim or sin.shape[-1] != self.head_dim:
-            raise ValueError(f"position_embeddings must be (cos, sin) of last size head_dim ({self.head_dim}), got "
-                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-        if cos.shape[-2] != z.shape[-2]:
-            raise ValueError(f"position_embeddings cover {cos.shape[-2]} positions but the input has {z.shape[-2]} "
-                             "tokens")
-        bands = self._checked_bands()
-        cos, sin = cos.index_select(-1, bands).to(z.dtype), sin.index_select(-1, bands).to(z.dtype)
-        if z.dim() == 4:  # (B, H, S, 2R): one angle per token and pair for every head
-            cos, sin = cos[:, None], sin[:, None]
-        return rotate_pairs(z, cos, sin)
-
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keys_from = query_states if key_value_states is None else key_value_states
-        key_positions = position_embeddings if key_position_embeddings is None else key_position_embeddings
+    def _keys_values(self, keys_from: torch.Tensor, key_positions) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self._rotated(self.key(keys_from), key_positions)[:, None]  # (B, 1, S, 2R), rotated as cached
         values = self.value(keys_from)
+        return keys, values[:, None] if self.value_up is not None else self._heads(values, self.kv_heads)
+
+    def _attend(self, query_states, position_embeddings, keys, values, mask, causal, need_weights):
         shared_values = self.value_up is not None
-        values = values[:, None] if shared_values else self._heads(values, self.kv_heads)
-        if kv_cache is not None:
-            keys, values = kv_cache(keys, values)
-        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
         queries = self._rotated(self._heads(self.query(query_states), self.num_heads), position_embeddings)
         context, weights = attend_shared_pairs(queries, keys, values, mask, self.scale, self._dropout(),
                                                need_weights, shared_values, causal)
@@ -168,9 +106,4 @@ class RotarySharedKeyAttention(_SharedKeyValueAttention):
             up = self.value_up.weight.view(self.kv_heads, self.head_dim, -1)
             up = up.repeat_interleave(self.num_heads // self.kv_heads, dim=0)  # (H, head_dim, D_v)
             context = torch.einsum("bthv,hdv->bthd", context, up.to(context.dtype))
-        return self._finish(context.flatten(2)), weights
-
-    def cache_width(self) -> int:
-        """Numbers the ``kv_cache`` hook is handed per token: the rotated shared key (2R) and the values
-        (``kv_heads head_dim``, or D_v when shared)."""
-        return self.rank + (self.kv_heads * self.head_dim if self.value_rank is None else self.value_rank)
+        return context.flatten(2), weights

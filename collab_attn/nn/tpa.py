@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collab_attn.nn.attention import AttentionArguments, grouped_attend
-from collab_attn.nn.rotary import check_rotary_head_dim
-from collab_attn.nn.variants import _SharedKeyValueAttention
+from collab_attn.nn.rotary import _RotaryAttention, check_rotary_head_dim, given_positions
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -55,18 +54,19 @@ def rotate_dims(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-class TensorProductAttention(_SharedKeyValueAttention):
+class TensorProductAttention(_RotaryAttention):
     """Tensor product attention with rank ``key_rank`` keys and ``value_rank`` values (default: ``key_rank``) and
     rank ``query_rank`` queries (None: dense queries); the module docstring has the computation and the layout.
 
     ``bias``: biases of the factor projections (and of dense queries); ``output_bias`` (default ``bias``) that of the
     output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
-    kv_cache=None, position_embeddings=None) -> (output, weights or None)``; ``position_embeddings`` is required.
+    ``forward``: every rotary kind's (``collab_attn.nn.rotary._RotaryAttention``); the keys sit at the queries'
+    positions (no ``key_position_embeddings``), ``key_value_states`` as long as the queries.
     """
 
     takes_kv_dim = False  # reads keys and values at d_model's width
+    takes_key_positions = False
 
     def __init__(
         self,
@@ -99,10 +99,7 @@ class TensorProductAttention(_SharedKeyValueAttention):
         del self.value  # _Attention's dense value projection: the factors replace it
 
     def _angles(self, position_embeddings, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if position_embeddings is None:
-            raise ValueError(f"{type(self).__name__} needs position_embeddings=(cos, sin), each (batch, seq, head_dim) "
-                             "as a transformers rotary embedding computes them; none were given")
-        cos, sin = position_embeddings
+        cos, sin = given_positions(self, position_embeddings)
         if cos.shape[-1] != self.head_dim or cos.shape[-2] != length:
             raise ValueError(f"position_embeddings must be (cos, sin) of shape (batch, {length}, {self.head_dim}), got "
                              f"{tuple(cos.shape)}")
@@ -140,28 +137,21 @@ class TensorProductAttention(_SharedKeyValueAttention):
         context = torch.einsum("bthsr,bsrd->bthd", per_rank, value_dims) / self.value_rank
         return context, weights if need_weights else None
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _check_states(self, query_states: torch.Tensor, key_value_states: torch.Tensor | None) -> None:
         if key_value_states is not None and key_value_states.shape[1] != query_states.shape[1]:
             raise ValueError("TensorProductAttention rotates keys at the queries' positions: key_value_states must "
                              f"have as many tokens as the queries ({query_states.shape[1]}), got "
                              f"{key_value_states.shape[1]}")
-        keys_from = query_states if key_value_states is None else key_value_states
-        cos, sin = self._angles(position_embeddings, query_states.shape[1])
+
+    def _keys_values(self, keys_from: torch.Tensor, key_positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key factors, the dimension ones rotated, and the value factors, packed (``_pack``)."""
+        cos, sin = self._angles(key_positions, keys_from.shape[1])
         key_heads, key_dims = self._factors(self.key_heads, self.key_dims, keys_from, self.key_rank)
         keys = self._pack(key_heads, rotate_dims(key_dims, cos.to(key_dims.dtype), sin.to(key_dims.dtype)))
-        values = self._pack(*self._factors(self.value_heads, self.value_dims, keys_from, self.value_rank))
-        if kv_cache is not None:
-            keys, values = kv_cache(keys, values)
-        mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
+        return keys, self._pack(*self._factors(self.value_heads, self.value_dims, keys_from, self.value_rank))
+
+    def _attend(self, query_states, position_embeddings, keys, values, mask, causal, need_weights):
+        cos, sin = self._angles(position_embeddings, query_states.shape[1])
         if self.query_rank is None:
             queries = self.query(query_states).unflatten(-1, (self.num_heads, self.head_dim))  # (B, T, H, d_h)
         else:
@@ -170,11 +160,11 @@ class TensorProductAttention(_SharedKeyValueAttention):
         queries = rotate_dims(queries, cos.to(queries.dtype), sin.to(queries.dtype)).transpose(1, 2)
         if queries.shape[2] == 1:  # a decoding step: scored against the factors
             context, weights = self._factored_step(queries, keys, values, mask, need_weights)
-            return self._finish(context.flatten(2)), weights
-        context, weights = grouped_attend(queries, self._expand(keys, self.key_rank),
-                                          self._expand(values, self.value_rank), mask, self.scale, self._dropout(),
-                                          need_weights, causal)
-        return self._finish(context.flatten(2)), weights
+        else:
+            context, weights = grouped_attend(queries, self._expand(keys, self.key_rank),
+                                              self._expand(values, self.value_rank), mask, self.scale,
+                                              self._dropout(), need_weights, causal)
+        return context.flatten(2), weights
 
     def query_key_params(self) -> int:
         """Parameters that form the attention scores: the query and key factor projections (or dense queries)."""
