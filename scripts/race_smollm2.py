@@ -66,7 +66,16 @@ from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.identity import write_folder_identity  # noqa: E402
 from collab_attn.llm import race_inputs  # noqa: E402
 from collab_attn.llm.heldout import DOMAINS, TEST_DOMAINS, evaluation_windows  # noqa: E402
-from collab_attn.llm.race import Entry, entries_at, load_runs, measured_domains, plot, run_entry, summary_markdown  # noqa: E402,F401
+from collab_attn.llm.race import (  # noqa: E402,F401
+    FIT_TEXTS,
+    Entry,
+    entries_at,
+    load_runs,
+    measured_domains,
+    plot,
+    run_entry,
+    summary_markdown,
+)
 
 METHODS = ("cp", "tucker", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 CALIBRATED = ("cp", "tucker", "key-svd", "kv-svd")  # fitted to the attention inputs with --calibration-tokens
@@ -117,7 +126,9 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
     if args.bands == "shared":  # one split of the pairs among the bands for every layer (runs named -bandsshared)
         entries = [dataclasses.replace(e, options=e.options | {"bands": "shared"}) if e.method != "none" else e
                    for e in entries]
-    return [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
+    entries = [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
+               for e in entries]
+    return [dataclasses.replace(e, fit_text=args.fit_text) if e.calibration_tokens or e.distill_tokens else e
             for e in entries]
 
 
@@ -288,9 +299,22 @@ def main(argv=None) -> None:
                              "bands (reparametrize(..., bands='shared'): what a standard checkpoint can hold, "
                              "collab_attn.export; runs named -bandsshared; only cp, tucker and key-svd split pairs "
                              "among bands); default per-layer")
+    parser.add_argument("--fit-text", default="mixed", choices=sorted(FIT_TEXTS),
+                        help="what every fit reads (calibration, layer fit, end to end, distillation): 'mixed' "
+                             "(default: the wikipedia and shakespeare fit splits, interleaved), one domain's fit split "
+                             "('wikipedia', 'shakespeare', 'code'), 'all' three interleaved, or 'own': the original's "
+                             "own samples (collab_attn.own_text; kept in <out>/own_text/). Runs named -text<name> "
+                             "unless mixed")
+    parser.add_argument("--domains", nargs="+", default=None, choices=TEST_DOMAINS,
+                        help="the held-out domains to measure (default: wikipedia and shakespeare on validation, "
+                             "every domain on test; docs has a test split only)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (float32 on both)")
     args = parser.parse_args(argv)
+    if args.split == "validation" and args.domains and "docs" in args.domains:
+        parser.error("--domains docs: a test-only domain (no choice reads it); measure it with --split test")
+    if args.fit_text != "mixed" and not (args.calibration_tokens or args.distill_tokens):
+        parser.error(f"--fit-text {args.fit_text}: no fit reads text without --calibration-tokens or --distill-tokens")
     if args.split == "test" and args.sensitivity:
         parser.error("--sensitivity is a diagnostic that guides choices: measure it on --split validation, not test")
     if not 0 <= args.sensitivity <= args.windows:
@@ -373,7 +397,7 @@ def main(argv=None) -> None:
 
     import transformers
 
-    from collab_attn.llm.distill import fit_windows
+    from collab_attn.llm.distill import fit_windows, own_fit_windows
     from collab_attn.llm.race import split_dir
     from collab_attn.models.checkpoints import resolve_model
 
@@ -385,7 +409,7 @@ def main(argv=None) -> None:
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     original_cache = 2 * kv_heads * head_dim
-    domains = DOMAINS if args.split == "validation" else TEST_DOMAINS  # code: a test-only domain
+    domains = args.domains or (DOMAINS if args.split == "validation" else TEST_DOMAINS)
     try:
         rows = {domain: evaluation_windows(tokenizer, domain, args.split, args.length, args.windows, args.glue_dir,
                                            args.shakespeare) for domain in domains}
@@ -404,13 +428,14 @@ def main(argv=None) -> None:
 
     def fit_rows(tokens, length=args.length):
         if (tokens, length) not in fitting:
-            fitting[tokens, length] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens)
+            fitting[tokens, length] = (
+                own_fit_windows(original, tokenizer, length, tokens, args.out / "own_text") if args.fit_text == "own"
+                else fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens, FIT_TEXTS[args.fit_text]))
         return fitting[tokens, length]
 
     def calibration_rows():
         if "calibration_rows" not in fitting:
-            blocks = fit_windows(tokenizer, args.glue_dir, args.shakespeare, args.length,
-                                 (args.calibration_sample + 1) * args.calibration_tokens)
+            blocks = fit_rows((args.calibration_sample + 1) * args.calibration_tokens)
             per_block = len(blocks) // (args.calibration_sample + 1)
             fitting["calibration_rows"] = blocks[args.calibration_sample * per_block:].to(args.device)
         return fitting["calibration_rows"]

@@ -6,6 +6,7 @@ split (collab_attn.llm.race, scripts/race_smollm2.py --split)."""
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,19 +133,43 @@ def test_the_code_domain_is_the_pinned_torchs_source_and_checked(tmp_path):
         heldout.code_text(altered)
 
 
-def test_the_code_domain_is_never_fitted_on_nor_chosen_on(tmp_path):
-    for split in ("fit", "validation"):
-        with pytest.raises(ValueError, match=f"domain 'code' is a test-only domain: .* no '{split}' split; use "
-                                             "split='test'"):
-            heldout.texts("code", split)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="no 'validation' split"):
-        heldout.texts("code", "eval")
-    with pytest.raises(ValueError, match="domain 'code' is a test-only domain"):
-        heldout.evaluation_windows(CharTokenizer(), "code", "validation", 16, 4)
-    assert "code" not in heldout.DOMAINS and heldout.TEST_DOMAINS == (*heldout.DOMAINS, "code")
-    from collab_attn.llm import distill  # the fitting windows read DOMAINS only
+@pytest.mark.skipif(not PINNED_TORCH, reason="the code domain is the source of torch 2.13.0 (pyproject.toml)")
+def test_each_code_split_reads_its_own_files_and_the_test_files_are_fitted_on_by_no_split():
+    texts = {split: heldout.texts("code", split) for split in heldout.SPLITS}
+    files = {split: set(heldout.CODE_SPLITS[split][0]) for split in heldout.SPLITS}
+    assert not (files["fit"] & files["validation"] or files["fit"] & files["test"] or
+                files["validation"] & files["test"])
+    assert texts["test"] == heldout.code_text()  # the test-only text of issue 88, unchanged
+    assert texts["fit"].startswith((Path(torch.__file__).parent / "nn" / "modules" / "module.py").read_text()[:500])
+    assert len({texts[split][:2000] for split in heldout.SPLITS}) == 3
+    with pytest.warns(DeprecationWarning):
+        assert heldout.texts("code", "eval") == texts["validation"]
 
-    assert distill.DOMAINS == heldout.DOMAINS
+
+def test_the_docs_domain_is_never_fitted_on_nor_chosen_on():
+    for split in ("fit", "validation"):
+        with pytest.raises(ValueError, match=f"domain 'docs' is a test-only domain: .* no '{split}' split; use "
+                                             "split='test'"):
+            heldout.texts("docs", split)
+    with pytest.raises(ValueError, match="domain 'docs' is a test-only domain"):
+        heldout.evaluation_windows(CharTokenizer(), "docs", "validation", 16, 4)
+    assert heldout.FIT_DOMAINS == (*heldout.DOMAINS, "code")
+    assert heldout.TEST_DOMAINS == (*heldout.FIT_DOMAINS, "docs")
+    from collab_attn.llm import distill  # the fitting windows read FIT_DOMAINS only
+
+    with pytest.raises(ValueError, match="fitting domains \\['docs'\\]: choose among wikipedia, shakespeare, code"):
+        distill.fit_windows(CharTokenizer(), None, None, 16, 64, ("docs",))
+
+
+@pytest.mark.skipif(sys.version.split()[0] != "3.11.7", reason="the docs domain is Python 3.11.7's pydoc topics")
+def test_the_docs_domain_is_the_python_reference_and_checked():
+    from pydoc_data.topics import topics
+
+    text = heldout.docs_text()
+    assert heldout.texts("docs", "test") == text and text.startswith(topics["assert"])
+    altered = dict(topics, assert_=topics["assert"] + " ")
+    with pytest.raises(ValueError, match="has SHA-256 [0-9a-f]{64}, not " + heldout.DOCS_SHA256):
+        heldout.docs_text(altered)
 
 
 @needs_data
@@ -177,13 +202,14 @@ def test_validation_windows_are_the_former_evaluation_windows(smollm2_tokenizer)
 def test_the_test_split_holds_at_least_64_windows_of_256_per_domain(smollm2_tokenizer):
     counts = {}
     for domain in heldout.TEST_DOMAINS:
-        splits = heldout.EVALUATION_SPLITS if domain != "code" else ("test",)
+        splits = heldout.EVALUATION_SPLITS if domain != "docs" else ("test",)
         for split in splits:
             text = heldout.texts(domain, split, GLUE_DIR, SHAKESPEARE)
             counts[domain, split] = tuple(heldout.window_count(smollm2_tokenizer, text, n) for n in (256, 2048))
     assert counts == {("wikipedia", "validation"): (67, 8), ("wikipedia", "test"): (739, 92),
                       ("shakespeare", "validation"): (66, 8), ("shakespeare", "test"): (74, 9),
-                      ("code", "test"): (252, 31)}  # the table of collab_attn/llm/heldout.py's docstring
+                      ("code", "validation"): (150, 18), ("code", "test"): (252, 31),
+                      ("docs", "test"): (443, 55)}  # the table of collab_attn/llm/heldout.py's docstring
     assert all(test >= 64 for (domain, split), (test, _) in counts.items() if split == "test")
 
 
@@ -204,7 +230,7 @@ def test_race_runs_of_each_split_are_kept_apart(tmp_path, monkeypatch):
     paths = [tmp_path / "runs" / "cp-k16-v8.json", tmp_path / "test" / "runs" / "cp-k16-v8.json"]
     assert [json.loads(p.read_text())["split"] for p in paths] == ["validation", "test"]
     assert validation["split"] == "validation" and test["split"] == "test" and "code" in test["domains"]
-    assert race.measured_domains([test]) == ["wikipedia", "shakespeare", "code"]
+    assert race.measured_domains([test]) == ["wikipedia", "shakespeare", "code", "docs"]
     assert [r["split"] for r in race.load_runs(tmp_path / "test")] == ["test"]
     again = race.run_entry(entry, original, None, {}, tmp_path, original_cache=48, split="test")  # read back
     assert again == test
@@ -267,7 +293,8 @@ def test_the_race_script_measures_the_test_split_apart(tmp_path, smollm2_tokeniz
               "--windows", "2", "--length", "16", "--threads", "1", "--glue-dir", str(GLUE_DIR), "--shakespeare",
               str(SHAKESPEARE)]
     race_script().main(common)
-    race_script().main([*common, "--split", "test", "--long-length", "32", "--long-windows", "2"])
+    race_script().main([*common, "--split", "test", "--long-length", "32", "--long-windows", "2", "--domains",
+                        "wikipedia", "shakespeare", "code"])  # docs: Python 3.11.7's text, tested on its own
     validation = race.load_runs(tmp_path / "race")
     test = race.load_runs(tmp_path / "race" / "test")
     assert [r["name"] for r in validation] == [r["name"] for r in test] == ["cp-k12-v12", "original"]

@@ -249,7 +249,8 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
     from types import SimpleNamespace
 
     race_script = script()
-    args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
+    args = SimpleNamespace(
+        fit_text="mixed", methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=0, allocate=False, bands="per-layer")
     extra = [race.Entry("key-svd", 192, 96), race.Entry("drop-kv", 128)]
@@ -272,7 +273,8 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
 def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it():
     from types import SimpleNamespace
 
-    args = SimpleNamespace(methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
+    args = SimpleNamespace(
+        fit_text="mixed", methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=30, fit_target="layer", fit_solve_output=False, allocate=False, e2e_steps=0,
                            bands="per-layer")
@@ -624,7 +626,8 @@ def test_the_script_refuses_bad_input_in_one_line(argv, message, tmp_path, capsy
 def test_fit_targets_and_allocations_are_named_and_sized_for_what_they_do():
     from types import SimpleNamespace
 
-    args = SimpleNamespace(methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
+    args = SimpleNamespace(
+        fit_text="mixed", methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
                            distill_tokens=0, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=30, fit_target="residual", fit_solve_output=False, allocate=True, e2e_steps=0,
                            bands="per-layer")
@@ -753,7 +756,8 @@ def test_rows_runs_only_the_rows_it_names_besides_the_original():
     import re
     from types import SimpleNamespace
 
-    args = SimpleNamespace(methods=["key-svd", "kv-svd"], budgets=[0.5, 0.25], distill_budgets=[0.5, 0.25],
+    args = SimpleNamespace(
+        fit_text="mixed", methods=["key-svd", "kv-svd"], budgets=[0.5, 0.25], distill_budgets=[0.5, 0.25],
                            rope_pairs=4, distill_tokens=0, calibration_tokens=64, calibration_sample=0,
                            pairs_by_budget=False, fit_steps=30, fit_target="layer", fit_solve_output=False,
                            allocate=False, e2e_steps=0, bands="per-layer")

@@ -13,17 +13,22 @@ from pathlib import Path
 import torch
 
 from collab_attn.distillation import DistillationTrainer, DistillSettings
-from collab_attn.llm.heldout import DOMAINS, texts, windows
+from collab_attn.llm.heldout import DOMAINS, FIT_DOMAINS, texts, windows
 from collab_attn.training import TrainingRun, train
 
 TEACHER_ONLY = DistillSettings(alpha=0.0, temperature=1.0)
 
 
-def fit_windows(tokenizer, glue_dir, shakespeare, length: int, tokens: int) -> torch.Tensor:
-    """Windows of ``length`` tokens from the fitting text, half from each domain, ``tokens`` in all (rounded up to
-    whole windows), interleaved so that every batch sees both."""
-    per_domain = -(-tokens // (len(DOMAINS) * length))
-    parts = [windows(tokenizer, texts(domain, "fit", glue_dir, shakespeare), length, per_domain) for domain in DOMAINS]
+def fit_windows(tokenizer, glue_dir, shakespeare, length: int, tokens: int,
+                domains: tuple[str, ...] = DOMAINS) -> torch.Tensor:
+    """Windows of ``length`` tokens from the fitting text of ``domains`` (``FIT_DOMAINS``; default the race's two),
+    as many from each, ``tokens`` in all (rounded up to whole windows of every domain), interleaved so that every
+    batch sees each domain."""
+    unknown = [d for d in domains if d not in FIT_DOMAINS]
+    if not domains or unknown:
+        raise ValueError(f"fitting domains {list(domains)}: choose among {', '.join(FIT_DOMAINS)}")
+    per_domain = -(-tokens // (len(domains) * length))
+    parts = [windows(tokenizer, texts(domain, "fit", glue_dir, shakespeare), length, per_domain) for domain in domains]
     return torch.stack(parts, dim=1).flatten(0, 1)
 
 
@@ -56,3 +61,26 @@ def distill(student, teacher, rows: torch.Tensor, checkpoints: Path, batch: int 
                 trainer_class=DistillationTrainer, teacher=teacher, distill=TEACHER_ONLY, regression=False)
     student.eval()
     return run
+
+
+def own_fit_windows(original, tokenizer, length: int, tokens: int, folder: Path | None = None,
+                    seed: int = 0) -> torch.Tensor:
+    """``tokens`` fitting tokens (rounded up to whole windows of ``length``) of ``original``'s own samples
+    (``collab_attn.own_text.own_windows``, seeded by ``seed``). With ``folder``, kept there as
+    ``own-len<length>-seed<seed>.pt`` and reused: a longer request samples again from the start (the same samples
+    first), so a shorter one is always the start of a longer one."""
+    from collab_attn.files import replacing
+    from collab_attn.own_text import own_windows
+
+    count = -(-tokens // length)
+    path = None if folder is None else Path(folder) / f"own-len{length}-seed{seed}.pt"
+    if path is not None and path.is_file():
+        kept = torch.load(path)
+        if len(kept) >= count:
+            return kept[:count]
+    rows = own_windows(original, tokenizer, length, count, seed=seed)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(path) as temporary:
+            torch.save(rows, temporary)
+    return rows

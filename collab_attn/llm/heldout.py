@@ -13,7 +13,8 @@ Text per domain and split (``texts``), three splits that share no text:
 - ``test``: the rest of the evaluation text, after the validation part, which nothing read before issue 88. It is
   read once, to report rows chosen on validation (``scripts/race_smollm2.py --split test``).
 
-Domains (``DOMAINS`` have all three splits, ``TEST_DOMAINS`` adds the test-only one):
+Domains (``DOMAINS``: the race's first two, its default fitting mixture and validation domains; ``FIT_DOMAINS``
+adds ``code``, which has all three splits too; ``TEST_DOMAINS`` adds the test-only ``docs``):
 
 - ``wikipedia``: fit on RTE and MRPC train sentences (news and Wikipedia); the QNLI dev sentences (Wikipedia; GLUE
   ships QNLI's dev split only, and no conversion reads it) are the evaluation text: validation the first
@@ -21,10 +22,13 @@ Domains (``DOMAINS`` have all three splits, ``TEST_DOMAINS`` adds the test-only 
 - ``shakespeare``: Tiny Shakespeare split 90% / 10% in order, as nanoGPT splits it: fit on the first part; the last
   part is the evaluation text: validation up to the first blank line at or after its character
   ``SHAKESPEARE_VALIDATION_CHARACTERS`` (52,000; 52,043 characters), test the rest (59,497 characters).
-- ``code``: test only, never fitted on nor chosen on (``fit`` and ``validation`` are refused): the Python source of
-  the pinned torch (``CODE_FILES``, from the installed package), concatenated in that order and checked against
-  ``CODE_SHA256`` so that every machine reads the same text (``code_text``). Held out from every conversion and fit
-  here; like the other domains' text, not necessarily from the model's pretraining.
+- ``code``: the Python source of the pinned torch (from the installed package), each split its own files,
+  concatenated in order and checked against a SHA-256 so that every machine reads the same text (``code_text``):
+  fit ``CODE_FIT_FILES`` (``torch.nn`` modules), validation ``CODE_VALIDATION_FILES`` (``torch.optim``), test
+  ``CODE_FILES`` (the test-only domain of issue 88: no fit and no choice read them).
+- ``docs``: test only (``fit`` and ``validation`` are refused): the Python language reference as ``pydoc`` ships it
+  (``pydoc_data.topics`` of Python 3.11.7, its topics in name order, checked against ``DOCS_SHA256``; ``docs_text``).
+  English technical prose with code examples, which no fit and no choice reads: the domain "no fit read".
 
 The cut between validation and test is a cut of the text, before any tokenizer: a window of one split holds tokens of
 that split's text only, whatever its length and count (``evaluation_windows`` windows one split's text; asking for
@@ -37,7 +41,8 @@ validation read the scripts made (8 windows of 2,048 tokens: 16,376 tokens) with
 |---|---:|---:|
 | wikipedia | 67 / 8 (17,161) | 739 / 92 (188,466) |
 | shakespeare | 66 / 8 (16,911) | 74 / 9 (19,071) |
-| code | refused | 252 / 31 (64,455) |
+| code | 150 / 18 (38,352) | 252 / 31 (64,455) |
+| docs | refused | 443 / 55 (113,108) |
 
 Evaluation windows are consecutive, non-overlapping token windows of a split's text (sentences joined by a space),
 so every model sees the same tokens; each window starts from the tokenizer's beginning-of-text token. ``agreement``
@@ -50,6 +55,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+import sys
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
@@ -59,16 +65,26 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-DOMAINS = ("wikipedia", "shakespeare")  # fitted on, chosen on (validation) and tested on
-TEST_DOMAINS = (*DOMAINS, "code")  # code: the test split only
+DOMAINS = ("wikipedia", "shakespeare")  # the race's default fitting mixture and validation domains
+FIT_DOMAINS = (*DOMAINS, "code")  # fitted on, chosen on (validation) and tested on
+TEST_DOMAINS = (*FIT_DOMAINS, "docs")  # docs: the test split only
 SPLITS = ("fit", "validation", "test")
 EVALUATION_SPLITS = ("validation", "test")
 WIKIPEDIA_VALIDATION_SENTENCES = 450  # the first QNLI dev sentences: validation; the rest: test
 SHAKESPEARE_VALIDATION_CHARACTERS = 52_000  # validation: the evaluation text up to the first blank line from here
-# The code domain: these files of torch==2.13.0 (pinned in pyproject.toml), in this order, concatenated as they are.
+# The code domain: these files of torch==2.13.0 (pinned in pyproject.toml), in this order, concatenated as they are;
+# each split's own files and the SHA-256 of their text.
 CODE_FILES = ("torch/functional.py", "torch/serialization.py", "torch/hub.py", "torch/random.py",
-              "torch/quasirandom.py", "torch/_lowrank.py")
+              "torch/quasirandom.py", "torch/_lowrank.py")  # test
 CODE_SHA256 = "ff69f86a2444e0a260cc8d321d5da1f658dbc80ea414cb660533a0cc60ddc09e"
+CODE_FIT_FILES = tuple(f"torch/nn/modules/{name}.py" for name in ("module", "conv", "rnn", "activation", "loss",
+                                                                   "transformer"))
+CODE_VALIDATION_FILES = ("torch/optim/optimizer.py", "torch/optim/lr_scheduler.py")
+CODE_SPLITS = {"fit": (CODE_FIT_FILES, "4ed2a2bc7269473d948df504b7edd931d9faf895160586f722e886c0a2a2a207"),
+               "validation": (CODE_VALIDATION_FILES,
+                              "f6171a66f171169317cf2cb4bd3418a84f68741b96248f383d0152f8aa7ae9c9"),
+               "test": (CODE_FILES, CODE_SHA256)}
+DOCS_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"  # pydoc_data.topics, Python 3.11.7
 
 
 def _tsv_column(path: Path, columns: Sequence[str]) -> list[str]:
@@ -80,21 +96,36 @@ def _tsv_column(path: Path, columns: Sequence[str]) -> list[str]:
         return [row[c].strip() for row in rows for c in columns if row[c] and row[c].strip()]
 
 
-def code_text(root: str | Path | None = None) -> str:
-    """The ``code`` domain's text: ``CODE_FILES`` read from ``root`` (default: the folder holding the installed
-    ``torch`` package), concatenated in order; refused unless its SHA-256 is ``CODE_SHA256`` (another torch than the
-    pinned 2.13.0, or edited files, would give other text)."""
+def code_text(root: str | Path | None = None, split: str = "test") -> str:
+    """The ``code`` domain's ``split`` text: its files (``CODE_SPLITS``) read from ``root`` (default: the folder
+    holding the installed ``torch`` package), concatenated in order; refused unless its SHA-256 is the recorded one
+    (another torch than the pinned 2.13.0, or edited files, would give other text)."""
+    files, sha256 = CODE_SPLITS[split]
     root = Path(torch.__file__).resolve().parents[1] if root is None else Path(root)
-    missing = [name for name in CODE_FILES if not (root / name).is_file()]
+    missing = [name for name in files if not (root / name).is_file()]
     if missing:
-        raise ValueError(f"the code domain reads {', '.join(CODE_FILES)} under {root}: {missing[0]} is missing "
-                         "(it needs torch==2.13.0, pinned in pyproject.toml)")
-    text = "".join((root / name).read_text(encoding="utf-8") for name in CODE_FILES)
+        raise ValueError(f"the code domain's {split} split reads {', '.join(files)} under {root}: {missing[0]} is "
+                         "missing (it needs torch==2.13.0, pinned in pyproject.toml)")
+    text = "".join((root / name).read_text(encoding="utf-8") for name in files)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    if digest != CODE_SHA256:
-        raise ValueError(f"the code domain's text ({', '.join(CODE_FILES)} under {root}, torch {torch.__version__}) "
-                         f"has SHA-256 {digest}, not {CODE_SHA256}: it is not the text of torch==2.13.0 that every "
-                         "code measurement read; install the pinned torch (pyproject.toml)")
+    if digest != sha256:
+        raise ValueError(f"the code domain's {split} text ({', '.join(files)} under {root}, torch "
+                         f"{torch.__version__}) has SHA-256 {digest}, not {sha256}: it is not the text of "
+                         "torch==2.13.0 that every code measurement read; install the pinned torch (pyproject.toml)")
+    return text
+
+
+def docs_text(topics: dict[str, str] | None = None) -> str:
+    """The ``docs`` domain's text: the topics of ``pydoc_data.topics`` (default: the running Python's), in name order,
+    joined by blank lines; refused unless its SHA-256 is ``DOCS_SHA256`` (Python 3.11.7's)."""
+    if topics is None:
+        from pydoc_data.topics import topics
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if digest != DOCS_SHA256:
+        raise ValueError(f"the docs domain's text (pydoc_data.topics of Python {sys.version.split()[0]}) has SHA-256 "
+                         f"{digest}, not {DOCS_SHA256}: it is not the Python 3.11.7 language reference that every docs "
+                         "measurement read; run under Python 3.11.7")
     return text
 
 
@@ -133,7 +164,7 @@ def _renamed(split: str) -> str:
 
 def texts(domain: str, split: str, glue_dir: str | Path | None = None,
           shakespeare: str | Path | None = None) -> str:
-    """The ``fit``, ``validation`` or ``test`` text (``SPLITS``) of ``domain`` (``TEST_DOMAINS``; ``code`` has a
+    """The ``fit``, ``validation`` or ``test`` text (``SPLITS``) of ``domain`` (``TEST_DOMAINS``; ``docs`` has a
     ``test`` split only), one string. ``"eval"``: the former name of ``"validation"`` (a ``DeprecationWarning``)."""
     split = _renamed(split)
     if split not in SPLITS:
@@ -141,11 +172,13 @@ def texts(domain: str, split: str, glue_dir: str | Path | None = None,
                          "choice of recipe is made here) or 'test' (held out: read once, to report)")
     if domain not in TEST_DOMAINS:
         raise ValueError(f"domain={domain!r}: choose one of {', '.join(TEST_DOMAINS)}")
-    if domain == "code":
+    if domain == "docs":
         if split != "test":
-            raise ValueError(f"domain 'code' is a test-only domain: no fit and no choice reads it, so it has no "
+            raise ValueError(f"domain 'docs' is a test-only domain: no fit and no choice reads it, so it has no "
                              f"{split!r} split; use split='test'")
-        return code_text()
+        return docs_text()
+    if domain == "code":
+        return code_text(split=split)
     if split == "fit":
         if domain == "wikipedia":
             if glue_dir is None:

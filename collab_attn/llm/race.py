@@ -32,7 +32,11 @@ from tqdm.auto import tqdm
 
 from collab_attn.files import replacing, write_text_atomic
 from collab_attn.llm.answers import PROMPTS, answer_agreement, answers
-from collab_attn.llm.heldout import DOMAINS, EVALUATION_SPLITS, TEST_DOMAINS, agreement
+from collab_attn.llm.heldout import DOMAINS, EVALUATION_SPLITS, FIT_DOMAINS, TEST_DOMAINS, agreement
+
+# What a race's fits read: the fit split of one domain, of several (interleaved), or the original's own samples.
+FIT_TEXTS = {"mixed": DOMAINS, "wikipedia": ("wikipedia",), "shakespeare": ("shakespeare",), "code": ("code",),
+             "all": FIT_DOMAINS, "own": ()}
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class Entry:
     e2e_check_tokens: int = 0  # its loss before and after (keep or not) on the first this many of them (0: all)
     e2e_held_out_tokens: int = 0  # or on this many fitting tokens right after them, which it does not train on
     e2e_length: int = 0  # its windows of this many tokens (0: the calibration windows' length)
+    fit_text: str = "mixed"  # what every fit reads (FIT_TEXTS): "mixed", the race's two domains, unless named
 
     def __post_init__(self):
         for key in ("e2e_tokens", "e2e_check_tokens"):
@@ -69,6 +74,11 @@ class Entry:
         if self.e2e_held_out_tokens and not self.e2e_tokens:
             raise ValueError(f"e2e_held_out_tokens={self.e2e_held_out_tokens} are the fitting tokens after the "
                              "end-to-end fit's own: give it e2e_tokens too")
+        if self.fit_text not in FIT_TEXTS:
+            raise ValueError(f"fit_text={self.fit_text!r}: choose one of {', '.join(FIT_TEXTS)}")
+        if self.fit_text != "mixed" and not (self.calibration_tokens or self.distill_tokens):
+            raise ValueError(f"fit_text={self.fit_text!r} names the text of a fit the entry does not make: give it "
+                             "calibration_tokens or distill_tokens too")
         if self.e2e_held_out_tokens and self.e2e_check_tokens:
             raise ValueError("an end-to-end fit is judged on its first e2e_check_tokens or on e2e_held_out_tokens "
                              "after them, not both")
@@ -92,7 +102,8 @@ class Entry:
         tokens += f"len{self.e2e_length}" if self.e2e_length else ""  # "-e2e64on131072check16384len2048"
         e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
-        return f"{self.method}{sizes}{extra}{calibrated}{fitted}{e2e}{distilled}"
+        text = "" if self.fit_text == "mixed" else f"-text{self.fit_text}"  # "-textown": the original's own samples
+        return f"{self.method}{sizes}{extra}{calibrated}{fitted}{e2e}{distilled}{text}"
 
 
 def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3, head_dim: int = 64,

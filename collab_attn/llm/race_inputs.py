@@ -144,14 +144,24 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
     if args.distill_tokens:
         options.setdefault((args.distill_tokens, args.length), "--distill-tokens")
     made = {}
+    if getattr(args, "fit_text", "mixed") == "own":  # the original's samples: as many as asked, sampled once the
+        # model is loaded; their window counts checked here
+        if args.e2e_steps:
+            _check_end_to_end(args, {(tokens, length): range(-(-tokens // length))
+                                     for tokens, length in fitting_blocks(args)})
+        return made
+    from collab_attn.llm.race import FIT_TEXTS
+
+    domains = FIT_TEXTS[getattr(args, "fit_text", "mixed")]
     for tokens, length in fitting_blocks(args):
         try:
-            made[tokens, length] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens)
+            made[tokens, length] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens, domains)
         except ValueError as err:
             option = options.get((tokens, length), "--e2e-tokens" + (" + --e2e-held-out-tokens"
                                                                       if tokens != args.e2e_tokens else ""))
-            raise cli.BadInput(f"{option}: {tokens:,} fitting tokens in windows of {length}, half from each domain, "
-                               f"are more than the fitting text holds ({err}); ask for fewer") from None
+            raise cli.BadInput(f"{option}: {tokens:,} fitting tokens in windows of {length}, as many from each of "
+                               f"{', '.join(domains)}, are more than the fitting text holds ({err}); ask for fewer") \
+                from None
     if args.calibration_tokens and args.calibration_sample:
         blocks = len(made[(args.calibration_sample + 1) * args.calibration_tokens, args.length])
         if blocks // (args.calibration_sample + 1) < 1:
