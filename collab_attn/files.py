@@ -32,12 +32,16 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
-def write_section(path: str | Path, section: str, begin: str, end: str, new_file: str) -> Path:
+def write_section(path: str | Path, section: str, begin: str, end: str, new_file: str,
+                  earlier_begins: tuple[str, ...] = ()) -> Path:
     """Put ``section`` (which starts with the ``begin`` marker and ends with the ``end`` marker) in place of the part
     of the text file ``path`` between those markers, or append it when they are missing; the rest of the file is kept
-    as written. A missing file starts as ``new_file``. All or nothing."""
+    as written. ``earlier_begins``: what the ``begin`` marker said before, read as ``begin``. A missing file starts
+    as ``new_file``. All or nothing."""
     path = Path(path)
     text = path.read_text() if path.exists() else new_file
+    for earlier in earlier_begins:
+        text = text.replace(earlier, begin)
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         tail = rest.split(end, 1)[1].lstrip("\n")

@@ -149,7 +149,9 @@ CASES = [
     ("accounting", ["--output", "empty"], "--output"),  # a folder where a file goes
     ("summarize", ["empty"], "sweep_dir"),  # a folder without results
     ("summarize", ["sweep", "--seeds", "one"], "--seeds"),
-    ("summarize_lm", ["scratch"], "root="),  # results of another script
+    ("summarize_runs", ["lm", "scratch"], "root="),  # results of another script
+    ("summarize_runs", ["race", "scratch"], "root="),
+    ("summarize_runs", ["glue", "scratch"], "mode"),  # no such pipeline
     ("fit_check", ["mrpc=lm/model", "--batch-size", "0"], "--batch-size"),
 ]
 

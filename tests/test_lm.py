@@ -1,5 +1,5 @@
 """Character-level language modelling (collab_attn/lm, scripts/train_lm.py, scripts/convert_lm.py,
-scripts/summarize_lm.py) on tiny models and a made-up text; the real Tiny Shakespeare where it is present."""
+scripts/summarize_runs.py lm) on tiny models and a made-up text; the real Tiny Shakespeare where it is present."""
 
 import importlib.util
 import json
@@ -277,6 +277,9 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     results.write_text("# notes\n\nkept\n\n" + text)
     assert summary.write_summary(tmp_path / "shakespeare_char").read_text().count(summary.RESULTS_BEGIN) == 1
     assert "kept" in results.read_text()
+    # a page written before the one summarize script: its section is replaced, not written again beside it
+    results.write_text(text.replace(summary.RESULTS_BEGIN, summary.EARLIER_BEGINS[0]))
+    assert summary.write_summary(tmp_path / "shakespeare_char").read_text() == text
 
 
 def test_long_enough_compares_the_last_tenth_of_training_with_the_spread_over_seeds():

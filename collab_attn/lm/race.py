@@ -231,11 +231,12 @@ def plot(records: Sequence[dict], path: Path, title: str) -> Path:
     return path
 
 
-RESULTS_BEGIN = "<!-- race results: written by scripts/summarize_race.py -->"
+RESULTS_BEGIN = "<!-- race results: written by scripts/summarize_runs.py race -->"
+EARLIER_BEGINS = ("<!-- race results: written by scripts/summarize_race.py -->",)  # before issue 90's one script
 RESULTS_END = "<!-- end of race results -->"
 RESULTS_FILE = "results.md"  # the generated page; README.md links it
 RESULTS_HEADER = ("# The cache race: every table\n\n"
-                  "Written by `python scripts/summarize_race.py experiments/kv_cache` from the runs' JSON files "
+                  "Written by `python scripts/summarize_runs.py race experiments/kv_cache` from the runs' JSON files "
                   "(do not edit between the markers). The current answer is in [`README.md`](README.md).\n\n")
 
 
@@ -272,4 +273,4 @@ def write_summary(root: str | Path) -> Path:
                   head_to_head(records), "",
                   "Per budget and seed, the best method:", "", winners(records), ""]
     generated = "\n".join(parts + [RESULTS_END]) + "\n"
-    return write_section(root / RESULTS_FILE, generated, RESULTS_BEGIN, RESULTS_END, RESULTS_HEADER)
+    return write_section(root / RESULTS_FILE, generated, RESULTS_BEGIN, RESULTS_END, RESULTS_HEADER, EARLIER_BEGINS)
