@@ -13,17 +13,13 @@ from collections.abc import Sequence
 
 from collab_attn.models.methods import METHODS as CONVERSION_METHODS
 from collab_attn.models.methods import PAPER_METHOD
+from collab_attn.nn.attention import head_size
 
 METHODS = tuple(name for name, method in CONVERSION_METHODS.items() if method.collaborative)
 
 
 def _check(d_model: int, num_heads: int, head_dim: int | None, rank: int | None, method: str) -> int:
-    if d_model <= 0 or num_heads <= 0:
-        raise ValueError(f"d_model and num_heads must be positive, got {d_model} and {num_heads}")
-    if head_dim is None:
-        if d_model % num_heads:
-            raise ValueError(f"d_model ({d_model}) is not a multiple of num_heads ({num_heads}); pass head_dim")
-        head_dim = d_model // num_heads
+    head_dim = head_size(d_model, num_heads, head_dim)
     if rank is not None and rank <= 0:
         raise ValueError(f"rank must be positive, got {rank}")
     if method not in METHODS:

@@ -274,6 +274,17 @@ class AttentionArguments(TypedDict, total=False):
     logit_scale: float | None
 
 
+def head_size(d_model: int, num_heads: int, head_dim: int | None) -> int:
+    """``head_dim``, by default ``d_model / num_heads``; a clear error for sizes that cannot be."""
+    if num_heads <= 0 or d_model <= 0:
+        raise ValueError(f"d_model and num_heads must be positive, got {d_model} and {num_heads}")
+    if head_dim is None:
+        if d_model % num_heads:
+            raise ValueError(f"d_model ({d_model}) is not a multiple of num_heads ({num_heads}); pass head_dim")
+        head_dim = d_model // num_heads
+    return head_dim
+
+
 class _Attention(nn.Module):
     """What every attention module shares: sizes, masks, the output projection, parameter counts."""
 
@@ -293,12 +304,7 @@ class _Attention(nn.Module):
         logit_scale: float | None = None,
     ):
         super().__init__()
-        if num_heads <= 0 or d_model <= 0:
-            raise ValueError(f"d_model and num_heads must be positive, got {d_model} and {num_heads}")
-        if head_dim is None:
-            if d_model % num_heads:
-                raise ValueError(f"d_model ({d_model}) is not a multiple of num_heads ({num_heads}); pass head_dim")
-            head_dim = d_model // num_heads
+        head_dim = head_size(d_model, num_heads, head_dim)
         if kv_dim is not None and not self.takes_kv_dim:
             raise ValueError(f"{type(self).__name__} reads its keys and values from states of d_model's width: "
                              f"kv_dim must be None, got {kv_dim}")

@@ -90,8 +90,8 @@ class PartialRotaryLatentAttention(_RotaryAttention):
     band indices. ``bias``: biases of the query, kept-key and nope-key projections; ``output_bias`` (default
     ``bias``) that of the output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward``: every rotary kind's (``collab_attn.nn.rotary._RotaryAttention``), keys at
-    ``key_position_embeddings`` where given.
+    ``forward`` (``collab_attn.nn.rotary._RotaryAttention``'s) caches the packed row of each token: its kept keys,
+    rotated at ``key_position_embeddings`` where given, and its latent.
     """
 
     takes_kv_dim = False  # reads keys and values at d_model's width
