@@ -428,9 +428,13 @@ def main(argv=None) -> None:
 
     def fit_rows(tokens, length=args.length):
         if (tokens, length) not in fitting:
-            fitting[tokens, length] = (
-                own_fit_windows(original, tokenizer, length, tokens, args.out / "own_text") if args.fit_text == "own"
-                else fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens, FIT_TEXTS[args.fit_text]))
+            if args.fit_text == "own":  # sampled once, as many as the longest block of this length asks for
+                most = max([tokens] + [t for t, n in race_inputs.fitting_blocks(args) if n == length])
+                fitting[tokens, length] = own_fit_windows(original, tokenizer, length, most, args.out / "own_text")[
+                    :-(-tokens // length)]
+            else:
+                fitting[tokens, length] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens,
+                                                      FIT_TEXTS[args.fit_text])
         return fitting[tokens, length]
 
     def calibration_rows():

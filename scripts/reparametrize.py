@@ -47,7 +47,14 @@ from omegaconf import DictConfig
 from collab_attn import cli, reparametrize
 from collab_attn.cli import hydra_main, settings_of
 from collab_attn.files import atomic_directory
-from collab_attn.glue.calibrate import calibrate, check_calibration, end_to_end_batches, fit_batches
+from collab_attn.glue.calibrate import (
+    calibrate,
+    check_calibration,
+    end_to_end_batches,
+    end_to_end_held_out,
+    fit_batches,
+    own_text,
+)
 from collab_attn.models.checkpoints import (
     checked_model,
     load_model_and_tokenizer,
@@ -78,7 +85,7 @@ def method_settings(collab: dict) -> MethodSettings:
             f"collab={method.method} collab.rank=<rank> refit=none data.glue_dir=<glue folder> (refit=none stops "
             "after the conversion)"
         )
-    check_calibration(method, task_allowed=False)
+    check_calibration(method, task_allowed=False, own_allowed=True)
     return method
 
 
@@ -129,6 +136,10 @@ def check(settings: dict) -> tuple[MethodSettings, str]:
     method = method_settings(settings["collab"])
     path, config = checked_model(settings["model"])
     method.check_model(config)
+    if method.calibration is not None and method.calibration.from_own and not family_of(config).decoder:
+        raise cli.BadInput(f"collab.calibration=own (what collab.fit_steps and collab.e2e_steps read without "
+                           f"collab.calibration) samples the model's own text, which {config.model_type}, an encoder, "
+                           "does not write: set collab.calibration to a text file or a GLUE train.tsv/dev.tsv")
     check_export(settings, method, config)
     cli.output_dir("output_dir", settings["output_dir"], overwrite=cli.boolean("overwrite", settings["overwrite"]))
     cli.integer("seed", settings["seed"], 0)
@@ -205,21 +216,23 @@ def run(cfg: DictConfig) -> dict:
     log.info("loading %s (%s)", settings["model"], path)
     model, tokenizer = load_model_and_tokenizer(path, model_class=None)
     original = copy.deepcopy(model)
+    own = own_text(model, tokenizer, method, settings["seed"])  # collab.calibration=own: the original's samples
     with cli.as_bad_input():  # what only the loaded weights show (NaN or Inf): one error line, nothing written
-        calibration = calibrate(model, tokenizer, method, settings["seed"])
+        calibration = calibrate(model, tokenizer, method, settings["seed"], own=own)
         report = reparametrize(
             model, seed=settings["seed"], calibration=calibration, progress=True, **method.reparametrize_kwargs()
         )
     print(report.table())
     fit = None
     if method.fit_steps:  # each converted layer trained to give the original's attention output
-        fit = fit_to_original(model, original, fit_batches(tokenizer, method, settings["seed"]),
+        fit = fit_to_original(model, original, fit_batches(tokenizer, method, settings["seed"], own),
                               steps=method.fit_steps, seed=settings["seed"])
         print(fit.table())
     end_to_end = None
     if method.e2e_steps:  # then all of them together, to give the original's output
-        end_to_end = fit_end_to_end(model, original, end_to_end_batches(tokenizer, method, settings["seed"]),
-                                    steps=method.e2e_steps, seed=settings["seed"])
+        end_to_end = fit_end_to_end(model, original, end_to_end_batches(tokenizer, method, settings["seed"], own),
+                                    steps=method.e2e_steps, seed=settings["seed"],
+                                    held_out=end_to_end_held_out(method, own))
         print(end_to_end.table())
 
     if is_decoder(model):
@@ -252,6 +265,7 @@ def run(cfg: DictConfig) -> dict:
     result = {
         **report.to_dict(), "comparison": comparison, "model": settings["model"], "model_path": path,
         "rank": method.rank_request, "seed": settings["seed"], "config": settings,
+        "collab": method.to_group(),  # as run: collab.calibration=own where fits read the model's own text
     }
     result["fit"] = None if fit is None else fit.to_dict()
     result["end_to_end"] = None if end_to_end is None else end_to_end.to_dict()

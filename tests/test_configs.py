@@ -468,8 +468,9 @@ def test_glue_stage_passes_the_composed_values(option, extra, monkeypatch):
     if not calibrated:
         assert texts == calibrations == []
     else:
-        assert texts == [{"limit": collab["calibration_samples"], "seed": settings["seed"]}]
-        assert calibrations == [{"max_length": collab["calibration_max_length"]}]
+        assert collab["calibration_samples"] is collab["calibration_max_length"] is None  # null: 512 texts of 128
+        assert texts == [{"limit": 512, "seed": settings["seed"]}]
+        assert calibrations == [{"max_length": 128}]
 
 
 @pytest.mark.parametrize("option", options("collab"))

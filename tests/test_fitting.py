@@ -217,7 +217,7 @@ def test_bad_arguments_say_what_to_pass():
 
 
 def test_fit_steps_in_the_method_settings():
-    """``collab.fit_steps`` (scripts/reparametrize.py): fits on the calibration texts, so it needs them; 0 and null
+    """``collab.fit_steps`` (scripts/reparametrize.py): fits on the calibration texts, the model's own without them; 0 and null
     are off (and leave a GLUE job's key as it was); a method without calibration texts does not take it, and an
     entry point that does not fit refuses it rather than ignoring it."""
     group = {"method": "key-svd", "rank": 8, "calibration": "texts.txt", "fit_steps": 50}
@@ -225,8 +225,9 @@ def test_fit_steps_in_the_method_settings():
     assert settings.fit_steps == 50 and settings.to_group()["fit_steps"] == 50
     for off in (0, None):
         assert MethodSettings.from_config({**group, "fit_steps": off}).to_group()["fit_steps"] is None
-    with pytest.raises(ValueError, match="collab.fit_steps=5 fits the converted layers on the calibration texts"):
-        MethodSettings.from_config({"method": "cp", "rank": 8, "fit_steps": 5})
+    own = MethodSettings.from_config({"method": "cp", "rank": 8, "fit_steps": 5})  # no texts: the model's own
+    assert own.calibration.from_own and (own.calibration.samples, own.calibration.max_length) == (64, 256)
+    assert own.to_group()["calibration"] == "own"
     with pytest.raises(ValueError, match="collab.fit_steps must be a number of steps per layer"):
         MethodSettings.from_config({**group, "fit_steps": "many"})
     with pytest.raises(ValueError, match="collab.fit_steps does not apply to collab.method=drop-kv"):
@@ -237,8 +238,7 @@ def test_fit_steps_in_the_method_settings():
     both = MethodSettings.from_config({**group, "e2e_steps": 32})  # collab.e2e_steps: the same rules
     assert both.e2e_steps == 32 and both.to_group()["e2e_steps"] == 32 and settings.to_group()["e2e_steps"] is None
     assert MethodSettings.from_config({**group, "e2e_steps": 0}).e2e_steps is None
-    with pytest.raises(ValueError, match="collab.e2e_steps=5 fits the converted layers on the calibration texts"):
-        MethodSettings.from_config({"method": "cp", "rank": 8, "e2e_steps": 5})
+    assert MethodSettings.from_config({"method": "cp", "rank": 8, "e2e_steps": 5}).calibration.from_own
     with pytest.raises(ValueError, match="collab.e2e_steps must be a number of optimizer steps"):
         MethodSettings.from_config({**group, "e2e_steps": 2.5})
     with pytest.raises(ValueError, match="collab.e2e_steps=32: scripts/visualize.py does not fit"):

@@ -52,8 +52,8 @@ def test_default_config_composes_and_resolves():
     # the default conversion stops by the solver's own rule (tol 5e-4); only collab=cp_legacy keeps tol 1e-8
     assert dict(cfg.collab) == {
         "method": "cp", "rank": 192, "value_rank": None, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL,
-        "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": 512,
-        "calibration_max_length": 128, "fit_steps": None, "e2e_steps": None, "e2e_texts": None, "bands": None,
+        "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": None,
+        "calibration_max_length": None, "fit_steps": None, "e2e_steps": None, "e2e_texts": None, "bands": None,
     }
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["output_dir"].startswith("outputs/reparametrized/cp-")
@@ -380,9 +380,10 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path):
         (["collab=svd", "collab.rank=100"], ValueError, "not a multiple of the 12 heads"),
         (["collab.calibration=task"], ValueError, "only for the GLUE pipeline"),
         (["collab.calibration=/no/texts.txt"], FileNotFoundError, "collab.calibration=/no/texts.txt: no such file"),
-        (["collab.fit_steps=10"], ValueError, "collab.fit_steps=10 fits the converted layers on the calibration texts"),
+        (["collab.fit_steps=10"], ValueError, "collab.calibration=own .* samples the model's own text, which bert, "
+                                              "an encoder, does not write: set collab.calibration"),
         (["collab.fit_steps=-1"], ValueError, r"collab.fit_steps must be a number of steps per layer \(0 or null"),
-        (["collab.e2e_steps=10"], ValueError, "collab.e2e_steps=10 fits the converted layers on the calibration"),
+        (["collab.e2e_steps=10"], ValueError, "collab.calibration=own .* which bert, an encoder, does not write"),
         (["collab.e2e_steps=-1"], ValueError, r"collab.e2e_steps must be a number of optimizer steps \(0 or null"),
         (["+collab.importance_data=x.tsv"], ValueError, "unknown key collab.importance_data"),
         (["model=/no/such/checkpoint"], FileNotFoundError, "no checkpoint at /no/such/checkpoint"),

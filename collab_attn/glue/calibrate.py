@@ -3,23 +3,31 @@ train.tsv/dev.tsv (its task's text fields), or ``task`` (the task's training tex
 in). ``load_texts`` reads a file, ``check_calibration`` checks the source before any work, ``calibrate`` samples
 the texts and collects the attention layers' input statistics, ``fit_batches`` tokenizes the same texts for
 ``collab.fit_steps`` and ``collab.e2e_steps`` (``collab_attn.fit_to_original``, ``collab_attn.fit_end_to_end``),
-``end_to_end_batches`` the texts of ``collab.e2e_texts`` instead where they are set. The
-GLUE pipeline and the scripts that convert a model (``scripts/reparametrize.py``, ``scripts/visualize.py``) use it."""
+``end_to_end_batches`` the texts of ``collab.e2e_texts`` instead where they are set. With ``collab.calibration=own``
+(a decoder's own samples, ``own_text``: sampled once from the original before the conversion) every fit reads those
+windows, ``OWN_BATCH`` a step as the SmolLM2 race does, and the end-to-end fit is judged on the ``OWN_HELD_OUT``
+batches after its own (``end_to_end_held_out``). The GLUE pipeline and the scripts that convert a model
+(``scripts/reparametrize.py``, ``scripts/visualize.py``) use it."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+import torch
+
 from collab_attn import cli
 from collab_attn.glue.tasks import get_task, task_texts
-from collab_attn.models.calibration import calibration_from_texts, text_batches
+from collab_attn.models.calibration import calibration_from_texts, collect_calibration, text_batches
 from collab_attn.models.settings import MethodSettings
+from collab_attn.own_text import own_windows
 from collab_attn.texts import CALIBRATION_SAMPLES, read_texts
 
 log = logging.getLogger(__name__)
 GLUE_SPLITS = {"train.tsv": "train", "dev.tsv": "validation"}  # the GLUE files a calibration source may be
 FIT_BATCH_SIZE = 16  # texts per batch of fitting tokens: one optimizer step of the layer or end-to-end fit
+OWN_BATCH = 4  # windows of own text per step (4 x 256 tokens, about FIT_BATCH_SIZE GLUE texts)
+OWN_HELD_OUT = 4  # batches of own text after the end-to-end fit's own, which decide whether it is kept
 
 
 def load_texts(
@@ -37,9 +45,18 @@ def load_texts(
     return task_texts(path.parent.name, path.parent.parent, split, limit=limit, seed=seed)
 
 
-def check_calibration(method: MethodSettings, task_allowed: bool) -> None:
+def check_calibration(method: MethodSettings, task_allowed: bool, own_allowed: bool = False) -> None:
     """The calibration texts of ``collab.calibration`` (and the end-to-end fit's, ``collab.e2e_texts``) are there and
-    are text (a GLUE train.tsv/dev.tsv in its task folder, or a file of one text per line), before any work."""
+    are text (a GLUE train.tsv/dev.tsv in its task folder, or a file of one text per line), before any work.
+    ``own_allowed``: whether the caller can sample a decoder's own text (``collab.calibration=own``)."""
+    if method.calibration is not None and method.calibration.from_own:
+        if not own_allowed:
+            raise cli.BadInput("collab.calibration=own (also what collab.fit_steps or collab.e2e_steps read without "
+                               "collab.calibration) samples a decoder's own text, which this pipeline does not: set "
+                               "collab.calibration to a text file or a GLUE train.tsv/dev.tsv")
+        if method.e2e_texts is not None:
+            _check_texts("collab.e2e_texts", Path(method.e2e_texts))
+        return
     sources = {"collab.calibration": None if method.calibration is None else method.calibration.source,
                "collab.e2e_texts": method.e2e_texts}
     for key, source in sources.items():
@@ -64,13 +81,35 @@ def _check_texts(key: str, path: Path) -> None:
     cli.text_file(key, path, limit=1 << 20)
 
 
-def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=None):
-    """Input statistics for activation-aware fitting (``collab.calibration``: a text file, a GLUE .tsv, or ``task``,
-    whose texts ``task_texts(limit, seed)`` draws), or None when it is off or when every layer keeps its full
-    key/query size (an exact conversion has nothing to fit)."""
+def own_text(model, tokenizer, method: MethodSettings, seed: int) -> torch.Tensor | None:
+    """With ``collab.calibration=own``, every window of ``model``'s own text the fits of ``method`` read (sample it
+    before the conversion): the calibration windows, then the end-to-end fit's beyond them, then its held-out
+    batches; None for other calibrations."""
+    settings = method.calibration
+    if settings is None or not settings.from_own:
+        return None
+    count = settings.samples
+    if method.e2e_steps and method.e2e_texts is None:
+        count = max(count, (method.e2e_steps + OWN_HELD_OUT) * OWN_BATCH)
+    return own_windows(model, tokenizer, settings.max_length, count, seed=seed)
+
+
+def _own_batches(windows: torch.Tensor) -> list[dict]:
+    return [{"input_ids": windows[i:i + OWN_BATCH]} for i in range(0, len(windows), OWN_BATCH)]
+
+
+def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=None, own=None):
+    """Input statistics for activation-aware fitting (``collab.calibration``: a text file, a GLUE .tsv, ``task``,
+    whose texts ``task_texts(limit, seed)`` draws, or ``own``, the windows ``own_text`` sampled), or None when it is
+    off or when every layer keeps its full key/query size (an exact conversion has nothing to fit)."""
     settings = method.calibration
     if settings is None or method.keeps_full_size(model.config.hidden_size):
         return None
+    if settings.from_own:
+        if own is None:
+            raise ValueError("collab.calibration=own: pass own=own_text(...), sampled from the original")
+        log.info("calibrating on %d windows of the model's own text", settings.samples)
+        return collect_calibration(model, _own_batches(own[:settings.samples].to(model.device)))
     if settings.from_task:
         if task_texts is None:
             method.check_calibration_source(task_allowed=False)
@@ -81,11 +120,16 @@ def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=No
     return calibration_from_texts(model, tokenizer, texts, max_length=settings.max_length)
 
 
-def fit_batches(tokenizer, method: MethodSettings, seed: int) -> list[dict]:
+def fit_batches(tokenizer, method: MethodSettings, seed: int, own=None) -> list[dict]:
     """The texts of ``collab.calibration`` (a file; the same sample ``calibrate`` draws), tokenized in batches of
     ``FIT_BATCH_SIZE`` for ``collab.fit_steps`` and ``collab.e2e_steps``: the fitting tokens of
-    ``collab_attn.fit_to_original`` and ``collab_attn.fit_end_to_end``."""
+    ``collab_attn.fit_to_original`` and ``collab_attn.fit_end_to_end``; with own text its calibration windows,
+    ``OWN_BATCH`` a batch."""
     settings = method.calibration
+    if settings is not None and settings.from_own:
+        if own is None:
+            raise ValueError("collab.calibration=own: pass own=own_text(...), sampled from the original")
+        return _own_batches(own[:settings.samples])
     if settings is None or settings.from_task:
         raise ValueError("collab.fit_steps and collab.e2e_steps fit on the texts of collab.calibration: set it to a "
                          "text file or a GLUE train.tsv/dev.tsv")
@@ -93,11 +137,23 @@ def fit_batches(tokenizer, method: MethodSettings, seed: int) -> list[dict]:
     return list(text_batches(tokenizer, texts, batch_size=FIT_BATCH_SIZE, max_length=settings.max_length))
 
 
-def end_to_end_batches(tokenizer, method: MethodSettings, seed: int) -> list[dict]:
+def end_to_end_batches(tokenizer, method: MethodSettings, seed: int, own=None) -> list[dict]:
     """What ``collab.e2e_steps`` trains on: with ``collab.e2e_texts``, ``FIT_BATCH_SIZE`` texts of that file per
     step (one pass over fresh text, drawn with ``seed``; all of them, in passes, when the file holds fewer), cut at
-    ``collab.calibration_max_length``; else the calibration texts (``fit_batches``)."""
+    ``collab.calibration_max_length``; with own text, ``OWN_BATCH`` windows a step, one pass from its first window;
+    else the calibration texts (``fit_batches``)."""
+    if method.e2e_texts is None and own is not None:
+        return _own_batches(own[:method.e2e_steps * OWN_BATCH])
     if method.e2e_texts is None:
         return fit_batches(tokenizer, method, seed)
     texts = load_texts(method.e2e_texts, seed=seed, limit=FIT_BATCH_SIZE * method.e2e_steps)
     return list(text_batches(tokenizer, texts, batch_size=FIT_BATCH_SIZE, max_length=method.calibration.max_length))
+
+
+def end_to_end_held_out(method: MethodSettings, own=None) -> list[dict] | None:
+    """With own text (and no ``collab.e2e_texts``), the ``OWN_HELD_OUT`` batches after the end-to-end fit's own,
+    which judge it (``fit_end_to_end(held_out=...)``); None otherwise (it is judged on its own batches)."""
+    if own is None or method.e2e_texts is not None:
+        return None
+    start = method.e2e_steps * OWN_BATCH
+    return _own_batches(own[start:start + OWN_HELD_OUT * OWN_BATCH])

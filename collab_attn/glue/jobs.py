@@ -32,8 +32,10 @@ import transformers
 from collab_attn import cli
 from collab_attn.distillation import DistillSettings
 from collab_attn.glue import tasks as glue
+from collab_attn.models.calibration import DEFAULT_MAX_LENGTH
 from collab_attn.models.settings import MethodSettings, rank_tag
 from collab_attn.run_store import RunStore
+from collab_attn.texts import CALIBRATION_SAMPLES
 from collab_attn.tracking import check_logger
 
 KEY_VERSION = 1
@@ -218,6 +220,15 @@ class GlueJob:
                 / f"seed{self.seed}-{digest(recipe)}")
 
 
+def _method_key(method) -> dict:
+    """``method.to_group()`` without unset (None) keys, but for the calibration sizes: off, they are the sizes of a
+    text calibration, which the keys made before they could be null (own text) hold."""
+    group = method.to_group()
+    if "calibration_samples" in group and group["calibration_samples"] is None:
+        group.update(calibration_samples=CALIBRATION_SAMPLES, calibration_max_length=DEFAULT_MAX_LENGTH)
+    return {k: v for k, v in group.items() if v is not None}
+
+
 @dataclass(frozen=True)
 class JobKey:
     """Everything that identifies a job, as plain values (``asdict`` is what the index stores)."""
@@ -242,7 +253,7 @@ class JobKey:
         }
         return cls(
             task=job.task.name, model=job.model, weights=job.weights,
-            method={k: v for k, v in job.method.to_group().items() if v is not None}, seed=job.seed,
+            method=_method_key(job.method), seed=job.seed,
             finetune=job.finetune, trainer=without_logging(job.trainer), refit=refit, data=job.data.limits,
         )
 

@@ -56,25 +56,42 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"collab.{name} must be a positive integer, got {value!r}")
 
 
+OWN_TEXT = "own"  # collab.calibration=own: the original model's own samples (collab_attn.own_text)
+OWN_WINDOWS = 64  # own text: windows calibrated and layer-fitted on (16,384 tokens, as the SmolLM2 race)
+OWN_LENGTH = 256  # own text: tokens a window
+
+
 @dataclass(frozen=True)
 class CalibrationSettings:
     """Activation-aware fitting: the texts to calibrate on (``source``: a text file with one text per line, a GLUE
-    train.tsv/dev.tsv, or ``"task"``, the task's training texts in the GLUE pipeline), how many are sampled and how
-    long each may be in tokens."""
+    train.tsv/dev.tsv, ``"task"``, the task's training texts in the GLUE pipeline, or ``"own"``, the original
+    decoder's own samples), how many are sampled and how long each may be in tokens (None: ``CALIBRATION_SAMPLES``
+    texts of at most ``DEFAULT_MAX_LENGTH`` tokens, or ``OWN_WINDOWS`` windows of ``OWN_LENGTH`` of own text)."""
 
     source: str
-    samples: int = CALIBRATION_SAMPLES
-    max_length: int = DEFAULT_MAX_LENGTH
+    samples: int | None = None
+    max_length: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.source, str) and self.source.strip()):
-            raise ValueError(f"collab.calibration must be a file path, 'task' or null, got {self.source!r}")
+            raise ValueError(f"collab.calibration must be a file path, 'task', 'own' or null, got {self.source!r}")
+        if self.samples is None:
+            object.__setattr__(self, "samples", OWN_WINDOWS if self.from_own else CALIBRATION_SAMPLES)
+        if self.max_length is None:
+            object.__setattr__(self, "max_length", OWN_LENGTH if self.from_own else DEFAULT_MAX_LENGTH)
         _positive_int("calibration_samples", self.samples)
         _positive_int("calibration_max_length", self.max_length)
+        if self.from_own and self.max_length < 2:
+            raise ValueError(f"collab.calibration_max_length={self.max_length}: a window of own text holds the "
+                             "beginning-of-text token and at least one more")
 
     @property
     def from_task(self) -> bool:
         return self.source == "task"
+
+    @property
+    def from_own(self) -> bool:
+        return self.source == OWN_TEXT
 
 
 @dataclass(frozen=True)
@@ -114,7 +131,7 @@ def group_keys(method: ConversionMethod) -> dict:
         keys["bands"] = None  # null: per-layer
     keys.update(_defaults(method.options))
     if method.calibrated:
-        fields = {**_defaults(CalibrationSettings), "source": None}
+        fields = {**_defaults(CalibrationSettings), "source": None}  # sizes None: by source
         keys.update({key: fields[field] for key, field in CALIBRATION_KEYS.items()})
         keys["fit_steps"] = None  # fit_to_original on the calibration texts after the conversion (null or 0: off)
         keys["e2e_steps"] = None  # then fit_end_to_end on the same texts (null or 0: off)
@@ -188,8 +205,10 @@ class MethodSettings:
         except (TypeError, ValueError) as err:
             raise ValueError(f"collab.{err}") from err
         calibration = None
-        if method.calibrated and given.get("calibration") is not None:
-            calibration = CalibrationSettings(**{f: given[k] for k, f in CALIBRATION_KEYS.items() if k in given})
+        if method.calibrated and (given.get("calibration") is not None or given.get("fit_steps")
+                                  or given.get("e2e_steps")):  # a fit without texts reads the model's own
+            calibration = CalibrationSettings(**{"source": OWN_TEXT} | {
+                f: given[k] for k, f in CALIBRATION_KEYS.items() if k in given})
         importance = None
         if method.needs_importance:
             importance = ImportanceSettings(**{f: given[k] for k, f in IMPORTANCE_KEYS.items() if k in given})
