@@ -12,11 +12,15 @@ line, exit status 2, nothing written.
 Held-out splits (``collab_attn.llm.heldout``): every choice of recipe (``--methods``, ``--budgets``, the calibration,
 fit, end-to-end and distillation settings, ``--length``, ``--windows``) is made on the ``validation`` windows
 (``--split validation``, the default: the windows every run so far was measured on). ``--split test`` measures the
-rows so chosen once on the ``test`` windows after them, which nothing else reads, and on a third, test-only domain,
-``code`` (torch's own Python source at its pinned version), into ``<out>/test/runs``, ``<out>/test/summary.md`` and
-``<out>/test/perplexity.png``; the fitted weights in ``<out>/checkpoints`` serve both splits (a fit reads no held-out
-text). Runs of the two splits are never resumed as one another nor compared. Test windows per domain (SmolLM2's
-tokenizer): wikipedia 739 of 256 tokens / 92 of 2,048, shakespeare 74 / 9, code 252 / 31.
+rows so chosen once on the ``test`` windows after them, which nothing else reads, into ``<out>/test/runs``,
+``<out>/test/summary.md`` and ``<out>/test/perplexity.png``; the fitted weights in ``<out>/checkpoints`` serve both
+splits (a fit reads no held-out text). Runs of the two splits are never resumed as one another nor compared.
+``--domains`` picks the domains measured: by default wikipedia and shakespeare on validation, and on test those two,
+``code`` (torch's own Python source at its pinned version; its validation and fit splits are other files) and the
+test-only ``docs`` (Python's language reference). Test windows per domain (SmolLM2's tokenizer): wikipedia 739 of 256
+tokens / 92 of 2,048, shakespeare 74 / 9, code 252 / 31, docs 443 / 55. ``--fit-text`` picks what every fit reads:
+the race's two fit splits (``mixed``, the default), one domain's, ``all`` three, or the original's own samples
+(``own``).
 
     python scripts/race_smollm2.py --out experiments/smollm2/no_retraining
     python scripts/race_smollm2.py --out experiments/smollm2/distilled --budgets 0.25 --distill-tokens 204800
@@ -471,10 +475,11 @@ def main(argv=None) -> None:
                    "measured on them." for domain in measured_domains(results) if domain not in TEST_DOMAINS)
     held = {"validation": "the validation split, where every choice of recipe is made (wikipedia: the first 450 "
                           "QNLI dev sentences; shakespeare: the last 10% of Tiny Shakespeare, its first 52,043 "
-                          "characters)",
+                          "characters; code: torch 2.13.0's torch.optim source)",
             "test": "the test split, read once to report rows chosen on validation (wikipedia: the QNLI dev "
                     "sentences after the first 450; shakespeare: the last 10% of Tiny Shakespeare after its first "
-                    "52,043 characters; code: torch 2.13.0's Python source, collab_attn.llm.heldout.CODE_FILES)"}
+                    "52,043 characters; code: torch 2.13.0's Python source, collab_attn.llm.heldout.CODE_FILES; docs: "
+                    "Python 3.11.7's language reference as pydoc ships it)"}
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
              f"from {held[args.split]}, the same tokens for every model.{long}"
              " The command above is the last one run into this folder; every row's settings "

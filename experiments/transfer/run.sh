@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 91's transfer matrix: SmolLM2-135M converted by key-svd, fitted by the 10-minute recipe of the race
+# (experiments/smollm2/ten_minutes: calibration on 16,384 tokens, 150 layer-fit steps on them, 32 end-to-end steps
+# on the first 32,768 fitting tokens, kept only if the loss on the next 4,096 fell) on one fitting text at a time,
+# measured on every domain: validation (wikipedia, shakespeare, code; 16 windows of 256) where choices are made, and
+# the test split (the same three and docs, which no fit and no choice reads; 32 windows of 256), read once.
+#
+#   bash experiments/transfer/run.sh fit own mixed          # these fitting texts at 1/2 (BUDGET=0.25 for 1/4)
+#   bash experiments/transfer/run.sh stages mixed own       # their calibrated and layer-fitted stages (validation)
+#   python scripts/transfer_table.py experiments/transfer [--split test]   # the tables
+#
+# Fitting texts (scripts/race_smollm2.py --fit-text): own (the original's own samples, collab_attn.own_text; kept in
+# experiments/transfer/own_text/, not committed), all (the wikipedia, shakespeare and code fit splits interleaved),
+# mixed (wikipedia and shakespeare: the race's text so far), wikipedia, shakespeare, code. Resumable: a finished run
+# is skipped. One torch thread per command; two commands side by side on the project's 2-core CPU took about 30-35
+# minutes per fitting text (both splits).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON=${PYTHON:-python}
+what=${1:?usage: $0 fit|stages TEXT...}
+shift
+recipe=(--out experiments/transfer --budgets "${BUDGET:-0.5}" --methods key-svd --calibration-tokens 16384
+        --fit-steps 150 --threads 1)
+for text in "$@"; do
+  case "$what" in
+    fit)
+      e2e=("${recipe[@]}" --e2e-steps 32 --e2e-tokens 32768 --e2e-held-out-tokens 4096 --fit-text "$text"
+           --rows 'e2e32on32768held4096(-text[a-z]+)?$')
+      "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --domains wikipedia shakespeare code
+      "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --split test --windows 32 ;;
+    stages)
+      "$PYTHON" scripts/race_smollm2.py "${recipe[@]}" --fit-text "$text" \
+        --rows 'calibrated16384(-fitted150)?(-text[a-z]+)?$' --domains wikipedia shakespeare code ;;
+    *) echo "usage: $0 fit|stages TEXT..." >&2; exit 2 ;;
+  esac
+done
