@@ -265,6 +265,7 @@ def test_the_race_measures_the_exported_model_as_the_converted_one(tmp_path, mon
     assert measured["half"]["float16"]["original"]["wikipedia"]["original_perplexity"] == pytest.approx(
         original_ppl, rel=1e-6)
     assert measured["head_dim"] == 12 and measured["logit_error"] <= 1e-4
+    assert not any(module._forward_hooks for module in original.modules())  # rounded per call, never left on
 
 
 def test_the_gguf_file_holds_the_standard_layers_in_llama_cpp_layout(tmp_path):

@@ -314,7 +314,7 @@ def measure_export(model, original, rows: dict[str, torch.Tensor], path: Path, b
     float32 (``half[dtype][model]``: its perplexity with the rounded cache, its float32 perplexity as
     ``original_perplexity``, and the KL from its float32 distribution). Written to ``path`` (JSON)."""
     from collab_attn.serving import standard_model
-    from collab_attn.serving.precision import HALF_DTYPES, rounded_cache
+    from collab_attn.serving.precision import HALF_DTYPES, RoundedCall
 
     standard = standard_model(model)
     exported = standard.model.to(model.device)
@@ -332,10 +332,8 @@ def measure_export(model, original, rows: dict[str, torch.Tensor], path: Path, b
     domains = [domain for domain, w in rows.items() if w.shape[1] == short]
     for name, dtype in HALF_DTYPES.items():
         result["half"][name] = {}
-        for label, full in (("exported", exported), ("original", original)):
-            rounded = copy.deepcopy(full)
-            with rounded_cache(rounded, dtype):
-                result["half"][name][label] = measured(rounded, full, domains, f"{label}, {name} cache")
+        for label, full in (("exported", exported), ("original", original)):  # no copy of either model
+            result["half"][name][label] = measured(RoundedCall(full, dtype), full, domains, f"{label}, {name} cache")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=2) + "\n")
     print(f"{path.stem}: the exported model measured, written to {path}", flush=True)

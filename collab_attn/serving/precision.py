@@ -27,3 +27,19 @@ def rounded_cache(model, dtype: torch.dtype):
     finally:
         for hook in hooks:
             hook.remove()
+
+
+class RoundedCall:
+    """``model`` called with its keys and values rounded to ``dtype`` (``rounded_cache`` around each call), and as it
+    is otherwise: one model can be measured against itself in float32 without a copy of its weights."""
+
+    def __init__(self, model, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def __call__(self, *args, **kwargs):
+        with rounded_cache(self.model, self.dtype):
+            return self.model(*args, **kwargs)
