@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from collab_attn import cli, reparametrize  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.fitting.calibration import attention_inputs, calibration_from_texts, logit_errors  # noqa: E402
 from collab_attn.glue.calibrate import load_texts  # noqa: E402
-from collab_attn.models.calibration import attention_inputs, calibration_from_texts, logit_errors  # noqa: E402
 
 MINILM_WIDTH = 384  # 12 heads of 32
 

@@ -5,13 +5,13 @@ transformers Auto classes.
 """
 
 from collab_attn.decomposition.decompose import HeadDecomposition, decompose_heads
+from collab_attn.fitting.allocation import Allocation, allocate_cache
+from collab_attn.fitting.end_to_end import EndToEndFit, fit_end_to_end
+from collab_attn.fitting.layer_fit import FitReport, fit_to_original
+from collab_attn.fitting.sensitivity import Sensitivity, layer_sensitivity
 from collab_attn.models import hf as _hf  # noqa: F401  (registers the Auto classes)
 from collab_attn.models import scratch as _scratch  # noqa: F401  (registers the from-scratch classifier)
-from collab_attn.models.allocation import Allocation, allocate_cache
 from collab_attn.models.conversion import ReparamReport, reparametrize
-from collab_attn.models.end_to_end import EndToEndFit, fit_end_to_end
-from collab_attn.models.fitting import FitReport, fit_to_original
-from collab_attn.models.sensitivity import Sensitivity, layer_sensitivity
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 from collab_attn.serving import export
 

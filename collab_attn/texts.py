@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 CALIBRATION_SAMPLES = 512  # texts sampled from a file or a task to calibrate on, unless told otherwise
+DEFAULT_MAX_LENGTH = 128  # tokens per calibration text
 
 
 def read_texts(source: str | Path, limit: int | None = CALIBRATION_SAMPLES, seed: int = 0) -> list[str]:

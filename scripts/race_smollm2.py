@@ -450,7 +450,7 @@ def main(argv=None) -> None:
 
     def calibration():
         if "calibration" not in fitting:
-            from collab_attn.models.calibration import collect_calibration
+            from collab_attn.fitting.calibration import collect_calibration
 
             windows = calibration_rows()
             fitting["calibration"] = collect_calibration(

@@ -47,6 +47,8 @@ from omegaconf import DictConfig
 from collab_attn import cli, reparametrize
 from collab_attn.cli import hydra_main, settings_of
 from collab_attn.files import atomic_directory
+from collab_attn.fitting.end_to_end import fit_end_to_end
+from collab_attn.fitting.layer_fit import fit_to_original
 from collab_attn.glue.calibrate import (
     calibrate,
     check_calibration,
@@ -60,9 +62,7 @@ from collab_attn.models.checkpoints import (
     load_model_and_tokenizer,
     smollm2_gguf,
 )
-from collab_attn.models.end_to_end import fit_end_to_end
 from collab_attn.models.families import family_of
-from collab_attn.models.fitting import fit_to_original
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings

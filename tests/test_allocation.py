@@ -1,4 +1,4 @@
-"""``collab_attn.allocate_cache`` (collab_attn/models/allocation.py): the key/value split of each layer and the budget
+"""``collab_attn.allocate_cache`` (collab_attn/fitting/allocation.py): the key/value split of each layer and the budget
 across layers chosen by the output error each candidate size leaves after a short fit. On a tiny grouped-head Llama
 and GPT-2: the chosen sizes fit the budget and are what the dynamic programme says is best over the measured table,
 they beat the even split on the measured errors, and the converted model caches what was chosen."""
@@ -11,8 +11,8 @@ import torch
 from test_fitting import FIT, gpt2, kl, llama
 
 import collab_attn
+from collab_attn.fitting.allocation import candidate_sizes, choose
 from collab_attn.llm.race import cache_numbers_per_token
-from collab_attn.models.allocation import candidate_sizes, choose
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,14 +11,14 @@ from transformers import AutoModel
 
 from collab_attn import decompose_heads, reparametrize
 from collab_attn.decomposition.whitening import whitening_matrices
-from collab_attn.glue.calibrate import load_texts
-from collab_attn.models.calibration import (
+from collab_attn.fitting.calibration import (
     Calibration,
     attention_inputs,
     calibration_from_texts,
     collect_calibration,
     logit_errors,
 )
+from collab_attn.glue.calibrate import load_texts
 
 CALIBRATION_TEXTS = [
     "The film was a delight from start to finish.",

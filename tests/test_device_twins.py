@@ -22,7 +22,7 @@ from conftest import SENTENCES, random_batch, small_model
 from transformers import AutoModel
 
 from collab_attn import decompose_heads, reparametrize
-from collab_attn.models.calibration import (
+from collab_attn.fitting.calibration import (
     Calibration,
     accumulation_dtype,
     calibration_from_texts,

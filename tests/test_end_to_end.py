@@ -1,5 +1,5 @@
 """``collab_attn.fit_end_to_end``: all the converted attention layers at once trained so that the converted model's
-output matches the original's (collab_attn/models/end_to_end.py). On the tiny GPT-2 and grouped-head Llama of
+output matches the original's (collab_attn/fitting/end_to_end.py). On the tiny GPT-2 and grouped-head Llama of
 test_fitting, converted at half the cache after the layer-by-layer fit: the held-out KL falls, only the attention
 layers move, the cache stays; an exact conversion stays exact; a base encoder is fitted on its hidden states with
 padding left out; bad arguments are refused."""

@@ -1,5 +1,5 @@
 """``collab_attn.fit_to_original``: each converted attention layer trained to give the original's attention output on
-the inputs the converted model gives it (collab_attn/models/fitting.py). On tiny random GPT-2 and grouped-head Llama
+the inputs the converted model gives it (collab_attn/fitting/layer_fit.py). On tiny random GPT-2 and grouped-head Llama
 models converted at half the cache by every method: the held-out KL from the original falls, the cache and the
 parameter shapes stay, an exact conversion stays exact, the report has one record per layer; the other families run
 through the same routine; bad arguments are refused."""

@@ -370,7 +370,7 @@ def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_pa
 def test_a_calibrated_entry_is_fitted_to_the_originals_attention_inputs(tmp_path, monkeypatch):
     """The entry's conversion takes the calibration the race collected from the original once, and says so in its
     report; an entry asking for one without a way to get it is refused before anything is converted."""
-    from collab_attn.models.calibration import collect_calibration
+    from collab_attn.fitting.calibration import collect_calibration
 
     original = tiny_llama()
     windows = {domain: rows(seed=i) for i, domain in enumerate(heldout.DOMAINS)}
@@ -394,7 +394,7 @@ def test_a_calibrated_entry_is_fitted_to_the_originals_attention_inputs(tmp_path
 def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp_path, monkeypatch):
     """``fit_steps``: after the calibrated conversion, ``fit_to_original`` on the calibration windows; the run is named
     ``-fitted<N>``, records the fit per layer and is closer to the original than the calibrated run it starts from."""
-    from collab_attn.models.calibration import collect_calibration
+    from collab_attn.fitting.calibration import collect_calibration
 
     config = tiny_llama().config
     config.initializer_range = 0.2  # attention far from uniform: keys matter
@@ -505,7 +505,7 @@ def test_the_end_to_end_fit_takes_its_own_tokens_in_longer_windows_about_as_many
     """``e2e_length``: the end-to-end fit's fitting tokens asked of ``fit_rows`` in windows of that length, as many
     windows a step as hold about ``batch`` calibration windows' tokens, judged on as many of its first tokens; the
     layer fit it starts from is the run's without it; a length without its own tokens is refused."""
-    from collab_attn.models.calibration import collect_calibration
+    from collab_attn.fitting.calibration import collect_calibration
 
     original = tiny_llama()
     windows = {domain: rows(count=2, length=24, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
@@ -540,7 +540,7 @@ def test_the_end_to_end_fit_takes_its_own_tokens_in_longer_windows_about_as_many
 def a_finished_fitted_run(tmp_path, monkeypatch, windows):
     """A tiny Llama's fitted ``key-svd`` run, finished (its result file written), then its layer fit forbidden: where
     a later measurement of a finished run starts. Returns the original, the entry, the run's options and result."""
-    from collab_attn.models.calibration import collect_calibration
+    from collab_attn.fitting.calibration import collect_calibration
 
     original = tiny_llama()
     monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
@@ -648,7 +648,7 @@ def test_an_allocated_entry_measures_its_sizes_once_and_caches_them(tmp_path, mo
     kept under ``allocations/`` so the fitted run of the same conversion reads them instead of measuring again; the
     run records them, caches what they say, and stays within the budget."""
     import collab_attn
-    from collab_attn.models.calibration import collect_calibration
+    from collab_attn.fitting.calibration import collect_calibration
 
     config = tiny_llama().config
     config.initializer_range = 0.2

@@ -14,7 +14,7 @@ from test_rotary_models import HEAD_DIM, HEADS, KV_HEADS, VOCAB, converted, orig
 from collab_attn.decomposition.rotary import allocate_pairs, band_forms, rotary_decomposition, rotary_logits, rotate
 from collab_attn.decomposition.rotary_keys import thin_rotary_keys
 from collab_attn.decomposition.whitening import whitening_pair
-from collab_attn.models.calibration import collect_calibration
+from collab_attn.fitting.calibration import collect_calibration
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -279,7 +279,7 @@ def test_what_it_cannot_honour_is_refused_with_the_reason():
         converted(model, 12, value_rank=30)
     with pytest.raises(ValueError, match="a params:0.5 budget does not apply to rotary models"):
         converted(model, "params:0.5")
-    with pytest.raises(ValueError, match="calibration must be a models.calibration.Calibration"):
+    with pytest.raises(ValueError, match="calibration must be a fitting.calibration.Calibration"):
         converted(model, 12, calibration={"layers": []})
     bert = transformers.BertModel(transformers.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                                           intermediate_size=32, vocab_size=30))

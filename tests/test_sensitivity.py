@@ -1,4 +1,4 @@
-"""``collab_attn.layer_sensitivity`` (collab_attn/models/sensitivity.py): how much each converted attention layer adds
+"""``collab_attn.layer_sensitivity`` (collab_attn/fitting/sensitivity.py): how much each converted attention layer adds
 to a converted model's loss against the original. On two-layer models the identities that hold whatever the layers'
 errors are: putting layer 0's original attention back is the original with only layer 1 converted, every layer
 restored is the original (loss 0), an exact conversion costs nothing anywhere; the loss is the end-to-end fit's;

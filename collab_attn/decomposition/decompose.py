@@ -13,7 +13,7 @@ the same iterations; the paper's settings are ``solver="tensorly", init="random"
 Activation-aware fitting (``covariance=``): with ``S = (C + eps I)^{1/2}`` for the second-moment matrix ``C`` of
 the layer's inputs, the products are decomposed as ``S Wq_h^T Wk_h S`` (the projections ``Wq_h S``, ``Wk_h S``)
 and mapped back with ``S^{-1}``, so that the fit weights directions by how much the inputs use them: the error is
-then the expected error of the attention logits ``x^T Wq_h^T Wk_h y`` (see ``collab_attn.models.calibration``).
+then the expected error of the attention logits ``x^T Wq_h^T Wk_h y`` (see ``collab_attn.fitting.calibration``).
 
 Scale: every solver fits the tensor normalized to unit norm and scales the factors back (see ``cp_als``), so the
 relative error and the factors (up to that scale) do not depend on the scale of the weights or of the covariance.
@@ -137,7 +137,7 @@ def decompose_heads(
     default, the paper's setting).
 
     ``covariance``: activation-aware fitting. The (d_in, d_in) second moment ``E[x x^T]`` of the layer's inputs,
-    or a (query side, key side) pair; see ``collab_attn.models.calibration``. ``whitening_eps`` regularizes it (a
+    or a (query side, key side) pair; see ``collab_attn.fitting.calibration``. ``whitening_eps`` regularizes it (a
     fraction of its mean eigenvalue; default ``calibration.DEFAULT_EPS``). ``relative_error`` stays the error of
     the raw products; ``weighted_error`` is the error of the whitened ones.
 

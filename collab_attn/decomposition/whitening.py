@@ -2,7 +2,7 @@
 
 Decomposing the whitened products ``S_q T_h S_k`` and mapping the factors back with ``S^{-1}`` minimizes the error
 of the attention logits on the calibration inputs rather than of the raw weights (see
-``collab_attn.models.calibration`` for where the statistics come from).
+``collab_attn.fitting.calibration`` for where the statistics come from).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from collab_attn import cli
+from collab_attn.fitting.calibration import calibration_from_texts, collect_calibration, text_batches
 from collab_attn.glue.tasks import get_task, task_texts
-from collab_attn.models.calibration import calibration_from_texts, collect_calibration, text_batches
 from collab_attn.models.settings import MethodSettings
 from collab_attn.own_text import own_windows
 from collab_attn.texts import CALIBRATION_SAMPLES, read_texts

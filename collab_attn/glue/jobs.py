@@ -32,10 +32,9 @@ import transformers
 from collab_attn import cli
 from collab_attn.distillation import DistillSettings
 from collab_attn.glue import tasks as glue
-from collab_attn.models.calibration import DEFAULT_MAX_LENGTH
 from collab_attn.models.settings import MethodSettings, rank_tag
 from collab_attn.run_store import RunStore
-from collab_attn.texts import CALIBRATION_SAMPLES
+from collab_attn.texts import CALIBRATION_SAMPLES, DEFAULT_MAX_LENGTH
 from collab_attn.tracking import check_logger
 
 KEY_VERSION = 1

@@ -396,7 +396,7 @@ def _allocation(entry: Entry, original, out_dir: Path, batches: list[dict], cali
     """``collab_attn.allocate_cache`` for an ``"alloc:B"`` entry, measured once per conversion and settings and kept
     in ``<out>/allocations/`` (the calibrated and the fitted runs of one conversion share it)."""
     import collab_attn
-    from collab_attn.models.allocation import Allocation
+    from collab_attn.fitting.allocation import Allocation
 
     if tokens is not None:
         batches = batches[:max(1, -(-tokens // batches[0]["input_ids"].numel()))]

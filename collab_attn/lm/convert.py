@@ -33,6 +33,7 @@ from transformers import default_data_collator
 import collab_attn
 from collab_attn import cli
 from collab_attn.distillation import DistillationTrainer, DistillSettings
+from collab_attn.fitting.calibration import collect_calibration
 from collab_attn.lm import data as lm_data
 from collab_attn.lm.models import cache_bytes, parameter_counts
 from collab_attn.lm.runs import (
@@ -44,7 +45,6 @@ from collab_attn.lm.runs import (
     use_bf16,
 )
 from collab_attn.lm.sampling import sample_text
-from collab_attn.models.calibration import collect_calibration
 from collab_attn.models.checkpoints import resolve_model
 from collab_attn.models.conversion import check_request
 from collab_attn.models.importance import head_importance

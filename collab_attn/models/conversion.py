@@ -26,7 +26,6 @@ from collab_attn.decomposition.cp_als import HeadProducts
 from collab_attn.decomposition.decompose import check_finite
 from collab_attn.decomposition.rank_selection import RankBudget, is_budget
 from collab_attn.decomposition.rotary_budget import check_rotary_budget
-from collab_attn.models.calibration import Calibration
 from collab_attn.models.hf import (
     LAYER_KINDS,
     AttentionSite,
@@ -40,7 +39,7 @@ from collab_attn.models.hf import (
 )
 from collab_attn.models.methods import METHODS, PAPER_METHOD, ConversionMethod, get_method
 from collab_attn.models.methods.rotary import rotary_forms
-from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
+from collab_attn.models.plan import Calibration, LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import (
     band_forms_of,
     original_forms,
@@ -318,7 +317,7 @@ def reparametrize(
     ``options``: the method's own options (the fields of its options dataclass, e.g. ``solver``, ``init``,
     ``n_iter_max``, ``tol`` and ``tucker_core_size`` of the decompositions); unset ones take the dataclass's
     defaults. ``calibration``: input statistics of this model's attention layers
-    (``collab_attn.models.calibration``) for the methods that fit the logits (activation-aware); the report then
+    (``collab_attn.fitting.calibration``) for the methods that fit the logits (activation-aware); the report then
     also gives each layer's whitened error. ``importance``: the head scores a pruning method ranks heads by (a
     ``HeadImportance`` from ``collab_attn.models.importance.head_importance`` on task data, or one score tensor per
     layer). ``device``: where a decomposition runs (None: the model's device; ``"cuda"`` for a model on the CPU
@@ -349,7 +348,7 @@ def reparametrize(
     value_ranks = _check_value_ranks(conversion, value_rank, sites)
     if calibration is not None:
         if not isinstance(calibration, Calibration):
-            raise ValueError(f"calibration must be a models.calibration.Calibration, not {type(calibration)}")
+            raise ValueError(f"calibration must be a fitting.calibration.Calibration, not {type(calibration)}")
         calibration.check_matches([site.name for site in sites], sites[0].d_in)
     request = Request(
         [_layer_weights(site) for site in sites], ranks, budget, seed, options,

@@ -1,4 +1,6 @@
-"""What a conversion plans before it touches the model: per layer, one ``LayerPlan``; the request a method plans from.
+"""What a conversion plans before it touches the model: per layer, one ``LayerPlan``; the request a method plans from,
+with the input statistics an activation-aware request carries (``Calibration``, collected by
+``collab_attn.fitting.calibration``).
 
 A method (``collab_attn.models.methods``) reads every layer's query/key weights (``LayerWeights``) from a validated
 ``Request`` and returns a ``Plan``: the sizes the converted model's config records and, per layer, the new layer's
@@ -8,13 +10,17 @@ the plan and applies it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from collab_attn.decomposition.rank_selection import RankBudget, RankSelection
-from collab_attn.models.calibration import Calibration
+from collab_attn.decomposition.whitening import DEFAULT_EPS
 from collab_attn.models.hf import Layout
+
+KEY_STATISTICS = ("centered", "raw")
 
 
 @dataclass
@@ -126,6 +132,58 @@ class Plan:
 
     def layout(self, method: str, kind: str) -> Layout:
         return Layout(method, kind, self.sizes)
+
+
+@dataclass
+class Calibration:
+    """Per-layer input statistics of a model's self-attention layers (in ``attention_modules`` order).
+
+    ``second_moments[i]`` is ``E[x x^T]`` over the (non-padding) tokens entering layer ``i``;
+    ``centered_moments[i]`` the same for ``x`` minus the mean of its sequence. ``keys`` picks the key-side statistic
+    ``covariance`` returns (see ``collab_attn.fitting.calibration``, which collects them); ``eps`` the
+    regularization of the whitening.
+    """
+
+    names: list[str]
+    second_moments: list[torch.Tensor]
+    centered_moments: list[torch.Tensor]
+    tokens: int
+    sequences: int
+    keys: str = "centered"
+    eps: float = DEFAULT_EPS
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.keys not in KEY_STATISTICS:
+            raise ValueError(f"unknown key statistic {self.keys!r}; choose one of {KEY_STATISTICS}")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def covariance(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query side, key side) second-moment matrices of layer ``index``."""
+        keys = self.centered_moments[index] if self.keys == "centered" else self.second_moments[index]
+        return self.second_moments[index], keys
+
+    def check_matches(self, names: Sequence[str], d_in: int) -> None:
+        if list(names) != list(self.names):
+            raise ValueError(
+                f"the calibration was collected on attention layers {self.names[:2]}... ({len(self.names)}) but the "
+                f"model has {list(names)[:2]}... ({len(names)}); collect it on this model"
+            )
+        if self.second_moments[0].shape != (d_in, d_in):
+            raise ValueError(f"calibration statistics are {tuple(self.second_moments[0].shape)}, expected d_in={d_in}")
+
+    def summary(self) -> dict:
+        return {"tokens": self.tokens, "sequences": self.sequences, "keys": self.keys, "eps": self.eps,
+                **self.metadata}
+
+    def save(self, path: str | Path) -> None:
+        torch.save({**vars(self)}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibration:
+        return cls(**torch.load(path, weights_only=True))
 
 
 @dataclass

@@ -19,10 +19,9 @@ from pathlib import Path
 from collab_attn import cli
 from collab_attn.decomposition.rank_selection import RankBudget
 from collab_attn.models import importance
-from collab_attn.models.calibration import DEFAULT_MAX_LENGTH
 from collab_attn.models.conversion import BANDS, check_request, cuts_values_on_rotary_models
 from collab_attn.models.methods import METHODS, ConversionMethod, get_method
-from collab_attn.texts import CALIBRATION_SAMPLES
+from collab_attn.texts import CALIBRATION_SAMPLES, DEFAULT_MAX_LENGTH
 
 NO_CONVERSION = "none"  # keep the concatenated heads (a GLUE pipeline baseline)
 

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from collab_attn.models.end_to_end import _mask, _output, divergence
+from collab_attn.fitting.checks import check_seed_and_progress, check_source, checked_batches
+from collab_attn.fitting.end_to_end import divergence, model_output, token_mask
 from collab_attn.models.families import family_of
-from collab_attn.models.fitting import _batches, _check_source, check_seed_and_progress
 
 
 @dataclass
@@ -81,9 +81,9 @@ def layer_sensitivity(
     they were, with their own modules. ``converted`` may have been trained beyond its attention layers (distilled):
     its other weights must still be near ``original``'s (``collab_attn.identity.check_same_source``)."""
     check_seed_and_progress(0, progress)
-    names = _check_source(converted, original, trained=True)
+    names = check_source(converted, original, trained=True)
     device = next(converted.parameters()).device
-    batches = _batches(original, batches, device)
+    batches = checked_batches(original, batches, device)
     family = family_of(original.config)
     swapped = [[name] if family.output is not None else [name, family.output_projection_name(name)] for name in names]
     modes = [(m, m.training) for m in (converted, original)]
@@ -92,10 +92,10 @@ def layer_sensitivity(
     original.eval()
     try:
         with torch.no_grad():
-            references = [_output(original, batch) for batch in batches]
+            references = [model_output(original, batch) for batch in batches]
             kind = references[0][0]
             report = Sensitivity(_loss(converted, batches, references), "kl" if kind == "logits" else
-                                 "relative squared error", int(sum(_mask(b).sum() for b in batches)))
+                                 "relative squared error", int(sum(token_mask(b).sum() for b in batches)))
             for name, paths in tqdm(list(zip(names, swapped)), desc="layer sensitivity", disable=not progress):
                 with _swapped(converted, original, paths):
                     restored = _loss(converted, batches, references)
@@ -113,8 +113,8 @@ def _loss(model: nn.Module, batches: list[dict], references: list[tuple[str, tor
     """``model``'s loss against the held reference outputs, weighted by each batch's non-padding tokens."""
     total = weight = 0.0
     for batch, (kind, reference) in zip(batches, references):
-        tokens = float(_mask(batch).sum())
-        total += tokens * float(divergence(kind, reference, _output(model, batch)[1], _mask(batch)))
+        tokens = float(token_mask(batch).sum())
+        total += tokens * float(divergence(kind, reference, model_output(model, batch)[1], token_mask(batch)))
         weight += tokens
     return total / weight
 

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from collab_attn.fitting.checks import check_seed_and_progress, check_source, checked_batches
+from collab_attn.fitting.layer_fit import cosine_adam, forward_kwargs
 from collab_attn.models.families import family_of
-from collab_attn.models.fitting import _batches, _check_source, _forward_kwargs, check_seed_and_progress, cosine_adam
 
 DEFAULT_LEARNING_RATE = 1e-4
 
@@ -102,9 +103,9 @@ def fit_end_to_end(
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
     check_seed_and_progress(seed, progress)
-    names = _check_source(converted, original)
+    names = check_source(converted, original)
     device = next(converted.parameters()).device
-    batches = _batches(original, batches, device)
+    batches = checked_batches(original, batches, device)
     if check_batches is not None and check_batches > len(batches):
         raise ValueError(f"check_batches={check_batches} is more than the {len(batches)} batches given: pass at most "
                          f"{len(batches)}, or None to measure on all of them")
@@ -115,7 +116,7 @@ def fit_end_to_end(
         checked = batches[:check_batches]
     else:
         try:
-            checked = _batches(original, held_out, device)
+            checked = checked_batches(original, held_out, device)
         except ValueError as error:
             raise ValueError(f"held_out: {error}") from None
     params = _attention_parameters(converted, original, names)
@@ -165,17 +166,18 @@ def _attention_parameters(converted: nn.Module, original: nn.Module, names: list
     return params
 
 
-def _mask(batch: dict) -> torch.Tensor:
+def token_mask(batch: dict) -> torch.Tensor:
+    """The batch's ``attention_mask``, or ones where it has none: 1 for every token a loss counts."""
     return batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
 
 
 def _tokens(batches: list[dict]) -> int:
-    return int(sum(_mask(b).sum() for b in batches))
+    return int(sum(token_mask(b).sum() for b in batches))
 
 
-def _output(model: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
+def model_output(model: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
     """What the model outputs on a batch: its logits (as log-probabilities) or its last hidden states."""
-    out = model(**batch, **_forward_kwargs(model))
+    out = model(**batch, **forward_kwargs(model))
     logits = getattr(out, "logits", None)
     if logits is not None:
         return "logits", logits.float().log_softmax(-1)
@@ -185,13 +187,13 @@ def _output(model: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
 def _loss(converted: nn.Module, original: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
     """What the original outputs on ``batch`` ("logits" or "hidden"), and the converted model's loss against it."""
     with torch.no_grad():
-        kind, reference = _output(original, batch)
-    _, output = _output(converted, batch)
-    return kind, divergence(kind, reference, output, _mask(batch))
+        kind, reference = model_output(original, batch)
+    _, output = model_output(converted, batch)
+    return kind, divergence(kind, reference, output, token_mask(batch))
 
 
 def divergence(kind: str, reference: torch.Tensor, output: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The loss of ``output`` against ``reference`` (both as ``_output`` gives them, of ``kind``) over the tokens
+    """The loss of ``output`` against ``reference`` (both as ``model_output`` gives them, of ``kind``) over the tokens
     ``mask`` keeps: the mean KL per token (or per sequence, for a classifier's logits), or the relative squared
     error of hidden states."""
     mask = mask.to(output.dtype)
@@ -206,7 +208,7 @@ def divergence(kind: str, reference: torch.Tensor, output: torch.Tensor, mask: t
 def _mean_loss(converted: nn.Module, original: nn.Module, batches: list[dict], what: str,
                progress: bool) -> tuple[str, float]:
     """What the original outputs, and the loss over all ``batches`` weighted by their non-padding tokens."""
-    weights = [float(_mask(b).sum()) for b in batches]
+    weights = [float(token_mask(b).sum()) for b in batches]
     losses = [_loss(converted, original, b)
               for b in tqdm(batches, desc=f"end-to-end fit: {what}", unit="batch", disable=not progress)]
     return losses[0][0], sum(w * float(x) for w, (_, x) in zip(weights, losses)) / sum(weights)

@@ -139,9 +139,10 @@ def allocate_cache(original, method: str, budget: float, batches, *, steps: int 
     the output error each candidate leaves after a short fit (module doc). ``original`` is left as it is;
     ``calibration`` and ``options`` go to every candidate's ``reparametrize``."""
     from collab_attn import cli
+    from collab_attn.fitting.checks import check_seed_and_progress, checked_batches
+    from collab_attn.fitting.layer_fit import fit_to_original
     from collab_attn.models.conversion import reparametrize, takes_value_rank
     from collab_attn.models.families import find_attention
-    from collab_attn.models.fitting import _batches, check_seed_and_progress, fit_to_original
 
     if not hasattr(original, "config"):
         raise ValueError(f"original must be a transformers model, got {type(original).__name__}")
@@ -159,7 +160,7 @@ def allocate_cache(original, method: str, budget: float, batches, *, steps: int 
     candidates = candidate_sizes(budget, key_shares, scales)
     if isinstance(batches, Iterator):  # a generator is read once, here
         batches = list(batches)
-    _batches(original, batches, next(original.parameters()).device)  # checked before the first candidate
+    checked_batches(original, batches, next(original.parameters()).device)  # checked before the first candidate
     batches = list(batches)
     errors = [[math.inf] * len(candidates) for _ in layers]
     refused = {}

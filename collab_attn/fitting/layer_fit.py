@@ -47,18 +47,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from collab_attn.identity import check_same_source
-from collab_attn.models.calibration import MODEL_INPUTS
-from collab_attn.models.families import family_of, find_attention, is_collaborative
-from collab_attn.models.hf import forward_inputs
-from collab_attn.models.layers import ConvertedSelfAttention
+from collab_attn.fitting.checks import check_seed_and_progress, check_source, checked_batches
+from collab_attn.models.families import family_of
 
 TARGETS = ("layer", "prefix", "residual")
 DEFAULT_LEARNING_RATE = 3e-3  # SmolLM2-135M: 1e-3 and 3e-3 fit its layers, 1e-2 overshoots (kept the conversion)
-# config fields that say nothing about what a model computes, or that a conversion sets
-_IGNORED_CONFIG = ("model_type", "architectures", "transformers_version", "_name_or_path", "name_or_path", "dtype",
-                   "torch_dtype", "output_attentions", "output_hidden_states", "return_dict", "use_cache",
-                   "_commit_hash", "_attn_implementation_autoset", "_attn_implementation_internal")
 
 
 @dataclass
@@ -122,42 +115,6 @@ class FitReport:
 # Checks
 
 
-def _check_source(converted: nn.Module, original: nn.Module, trained: bool = False) -> list[str]:
-    """The names of the converted layers, once ``original`` is shown to be the model ``converted`` was made from: the
-    same family, layers and config, and the same weights outside the attention layers
-    (``collab_attn.identity.check_same_source``; ``trained``: a converted model trained further, e.g. distilled,
-    whose other weights moved a little)."""
-    for name, model in (("converted", converted), ("original", original)):
-        if not hasattr(model, "config"):
-            raise ValueError(f"{name} must be a transformers model, got {type(model).__name__}")
-    if is_collaborative(original.config):
-        raise ValueError("original must be the model before the conversion (its concatenated heads); pass the "
-                         "unconverted model, e.g. a copy made before reparametrize")
-    layers = [n for n, m in converted.named_modules() if isinstance(m, ConvertedSelfAttention)]
-    if not is_collaborative(converted.config) or not layers:
-        raise ValueError("converted has no converted attention layers: pass a model converted by "
-                         "collab_attn.reparametrize (and its original as original)")
-    family = family_of(original.config)
-    if family is not family_of(converted.config):
-        raise ValueError(f"original is a {original.config.model_type} model but converted was made from a "
-                         f"{converted.config.model_type.removeprefix('collab_attn_')} model: pass its own original")
-    names = [name for name, _ in find_attention(original)[1]]
-    if names != layers:
-        raise ValueError(f"converted has {len(layers)} converted layers ({layers[:1]}...) but original has "
-                         f"{len(names)} attention layers ({names[:1]}...): pass the model converted was made from")
-    ours, theirs = (_structural(model.config) for model in (converted, original))
-    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-    if differ:
-        raise ValueError(f"converted's config differs from original's in {differ[:5]}: pass the model converted was "
-                         "made from as original")
-    check_same_source(converted, original, trained=trained)
-    return layers
-
-
-def _structural(config) -> dict:
-    return {k: v for k, v in config.to_dict().items() if k not in _IGNORED_CONFIG and not k.startswith("collab_")}
-
-
 def _check_arguments(steps, learning_rate, target, inputs, solve_output, seed=0, progress=True) -> None:
     if not isinstance(solve_output, bool):
         raise ValueError(f"solve_output must be True or False, got {solve_output!r}")
@@ -175,56 +132,6 @@ def _check_arguments(steps, learning_rate, target, inputs, solve_output, seed=0,
                          "inputs='original' leaves out: use target='layer' with inputs='original'")
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
-
-
-def check_seed_and_progress(seed, progress) -> None:
-    """The arguments every fit and measurement takes: an integer ``seed`` and a ``progress`` flag."""
-    if type(seed) is not int:
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if not isinstance(progress, bool):
-        raise ValueError(f"progress must be True or False, got {progress!r}")
-
-
-def _check_ids(batch: Mapping, vocabulary: int | None) -> None:
-    """``input_ids`` a 2-D tensor of token ids the model has (an id past its vocabulary would fail deep in the
-    embedding, or on a GPU as a device-side assert); an ``attention_mask`` of the same shape."""
-    ids = batch["input_ids"]
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.is_complex():
-        raise ValueError("each batch's input_ids must be a 2-D tensor of token ids (batch, tokens), got "
-                         + (f"a {ids.dim()}-D {ids.dtype} tensor" if isinstance(ids, torch.Tensor)
-                            else type(ids).__name__))
-    if ids.numel() and (int(ids.min()) < 0 or (vocabulary is not None and int(ids.max()) >= vocabulary)):
-        raise ValueError(f"input_ids hold token ids from {int(ids.min())} to {int(ids.max())}, outside the model's "
-                         f"vocabulary of {vocabulary}: tokenize with the model's own tokenizer")
-    mask = batch.get("attention_mask")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape):
-        raise ValueError(f"each batch's attention_mask must be a tensor shaped like its input_ids {tuple(ids.shape)}, "
-                         f"got {tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
-
-
-def _batches(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], device) -> list[dict]:
-    if batches is None or isinstance(batches, (Mapping, torch.Tensor, str)):
-        raise ValueError("batches must be a list of tokenized batches (dicts with input_ids, attention_mask, ...), "
-                         "as collect_calibration takes; got "
-                         + ("None" if batches is None else f"one {type(batches).__name__}: pass [batch]"))
-    try:
-        vocabulary = model.get_input_embeddings().num_embeddings
-    except (AttributeError, NotImplementedError):
-        vocabulary = None
-    kept = []
-    for batch in batches:
-        if not isinstance(batch, Mapping) or "input_ids" not in batch:
-            raise ValueError("each batch must be a dict with input_ids (and attention_mask, ...), as "
-                             f"collect_calibration takes; got {type(batch).__name__}")
-        _check_ids(batch, vocabulary)
-        taken = forward_inputs(model, batch)  # what the model's forward names (no token_type_ids beside a Llama)
-        inputs = {k: v.to(device) for k, v in taken.items() if k in MODEL_INPUTS and v is not None}
-        if inputs["input_ids"].numel():
-            kept.append(inputs)
-    if not kept:
-        raise ValueError("no fitting tokens: pass at least one non-empty batch (dicts with input_ids, "
-                         "attention_mask, ...)")
-    return kept
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,7 +184,8 @@ def _hidden_of(output, like: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError("a block returned no hidden states shaped like its input")
 
 
-def _forward_kwargs(model: nn.Module) -> dict:
+def forward_kwargs(model: nn.Module) -> dict:
+    """``use_cache=False`` where ``model``'s forward takes it: every pass of a fit runs without a key/value cache."""
     import inspect
 
     return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
@@ -310,7 +218,7 @@ def _capture_blocks(model: nn.Module, blocks: dict[str, nn.Module], batches: lis
         for batch in batches:
             calls.append([])
             try:
-                model(**batch, **_forward_kwargs(model))
+                model(**batch, **forward_kwargs(model))
             except _Stop:
                 pass
             if not expected:
@@ -346,7 +254,7 @@ def _capture_attention(model: nn.Module, names: list[str], batches: list[dict]) 
                 calls[name].append([])
             count[0] = 0
             try:
-                model(**batch, **_forward_kwargs(model))
+                model(**batch, **forward_kwargs(model))
             except _Stop:
                 pass
             if index == 0:
@@ -476,9 +384,9 @@ def fit_to_original(
     before and after (the weights kept). ``solve_output``: the output projection also solved by least squares
     before and after the steps (see the module doc)."""
     _check_arguments(steps, learning_rate, target, inputs, solve_output, seed, progress)
-    names = _check_source(converted, original)
+    names = check_source(converted, original)
     device = next(converted.parameters()).device
-    batches = _batches(original, batches, device)
+    batches = checked_batches(original, batches, device)
     family = family_of(original.config)
     modes = [(m, m.training) for m in (converted, original)]
     converted.eval()

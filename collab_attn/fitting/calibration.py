@@ -17,7 +17,8 @@ Two choices for the key side (``Calibration.keys``):
 ``S = (C + eps * mean_eigenvalue(C) * I)^{1/2}``; ``eps`` keeps directions the calibration data never visit from
 being ignored entirely (and the inverse finite).
 
-Typical use::
+The statistics are a ``Calibration``, the input ``reparametrize`` takes (defined with the conversion's request,
+``collab_attn.models.plan``, and importable from here). Typical use::
 
     calibration = calibration_from_texts(model, tokenizer, texts)      # or collect_calibration(model, batches)
     reparametrize(model, rank=128, calibration=calibration)
@@ -26,73 +27,20 @@ Typical use::
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from collab_attn.decomposition.whitening import DEFAULT_EPS
 from collab_attn.models.hf import find_attention, forward_inputs, is_collaborative
+from collab_attn.models.plan import Calibration
+from collab_attn.texts import DEFAULT_MAX_LENGTH
 
-KEY_STATISTICS = ("centered", "raw")
-DEFAULT_MAX_LENGTH = 128  # tokens per calibration text
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Statistics
-
-
-@dataclass
-class Calibration:
-    """Per-layer input statistics of a model's self-attention layers (in ``attention_modules`` order).
-
-    ``second_moments[i]`` is ``E[x x^T]`` over the (non-padding) tokens entering layer ``i``;
-    ``centered_moments[i]`` the same for ``x`` minus the mean of its sequence. ``keys`` picks the key-side statistic
-    ``covariance`` returns (see the module doc); ``eps`` the regularization of the whitening.
-    """
-
-    names: list[str]
-    second_moments: list[torch.Tensor]
-    centered_moments: list[torch.Tensor]
-    tokens: int
-    sequences: int
-    keys: str = "centered"
-    eps: float = DEFAULT_EPS
-    metadata: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.keys not in KEY_STATISTICS:
-            raise ValueError(f"unknown key statistic {self.keys!r}; choose one of {KEY_STATISTICS}")
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def covariance(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query side, key side) second-moment matrices of layer ``index``."""
-        keys = self.centered_moments[index] if self.keys == "centered" else self.second_moments[index]
-        return self.second_moments[index], keys
-
-    def check_matches(self, names: Sequence[str], d_in: int) -> None:
-        if list(names) != list(self.names):
-            raise ValueError(
-                f"the calibration was collected on attention layers {self.names[:2]}... ({len(self.names)}) but the "
-                f"model has {list(names)[:2]}... ({len(names)}); collect it on this model"
-            )
-        if self.second_moments[0].shape != (d_in, d_in):
-            raise ValueError(f"calibration statistics are {tuple(self.second_moments[0].shape)}, expected d_in={d_in}")
-
-    def summary(self) -> dict:
-        return {"tokens": self.tokens, "sequences": self.sequences, "keys": self.keys, "eps": self.eps,
-                **self.metadata}
-
-    def save(self, path: str | Path) -> None:
-        torch.save({**vars(self)}, path)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Calibration:
-        return cls(**torch.load(path, weights_only=True))
 
 
 class _Accumulator:
