@@ -217,9 +217,9 @@ def test_bad_arguments_say_what_to_pass():
 
 
 def test_fit_steps_in_the_method_settings():
-    """``collab.fit_steps`` (scripts/reparametrize.py): fits on the calibration texts, the model's own without them; 0 and null
-    are off (and leave a GLUE job's key as it was); a method without calibration texts does not take it, and an
-    entry point that does not fit refuses it rather than ignoring it."""
+    """``collab.fit_steps`` (scripts/reparametrize.py): fits on the calibration texts, the model's own without them;
+    0 and null are off (and leave a GLUE job's key as it was); a method without calibration texts does not take it,
+    and an entry point that does not fit refuses it rather than ignoring it."""
     group = {"method": "key-svd", "rank": 8, "calibration": "texts.txt", "fit_steps": 50}
     settings = MethodSettings.from_config(group)
     assert settings.fit_steps == 50 and settings.to_group()["fit_steps"] == 50
