@@ -142,6 +142,17 @@ def boot(a: str, b: str, domain: str = "wikipedia", percent: bool = False) -> Va
     return Value(f"{_short(a)} against {_short(b)}, {domain}", compute)
 
 
+def against_original(path: str, domain: str) -> Value:
+    """A run's perplexity over the original's on one domain with the window bootstrap of its per-window
+    log-likelihoods against the original's (``collab_attn.llm.transfer.against_original``): three numbers."""
+    def compute():
+        from collab_attn.llm.transfer import against_original as measured
+
+        c = measured(run(path), domain)
+        return [1 + c.mean_difference, *(1 + x for x in c.interval)]
+    return Value(f"{_short(path)}, {domain}, against the original", compute)
+
+
 def verdict(a: str, b: str, domain: str = "wikipedia") -> str:
     """The window bootstrap's verdict in the words the pages use: ahead, behind or a tie."""
     return {"better": "ahead", "worse": "behind", "tie": "tie"}[_bootstrap(a, b, domain).verdict]
@@ -702,7 +713,67 @@ def claims_readme() -> None:
       ppl(from_calibrated), boot(from_fit, from_calibrated), boot(from_fit, from_calibrated, "shakespeare"))
 
 
-PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme]
+def claims_transfer() -> None:
+    """experiments/transfer/README.md (issue 91): every number, from its run files."""
+    P = "experiments/transfer/README.md"
+    strict(P)
+    name = "key-svd-k96-v96-calibrated16384-fitted150-e2e32on32768held4096"
+    test, val = "experiments/transfer/test/runs/", "experiments/transfer/runs/"
+    own, mixed = f"{name}-textown.json", f"{name}.json"
+    four = ("wikipedia", "shakespeare", "code", "docs")
+    cell = "{:.3f}x [{:.3f}, {:.3f}]"
+
+    def worst(path):
+        return formula(lambda r: [max(r["domains"][d]["perplexity"] / r["domains"][d]["original_perplexity"]
+                                      for d in four)], path)
+
+    claim(P, "the model is {:.3f}x / {:.3f}x the original's perplexity there but {:.3f}x on Python source and {:.3f}x",
+          ppl(test + mixed, *four))
+    claim(P, "it is {:.3f}x / {:.3f}x / {:.3f}x / {:.3f}x: at most {:.3f}x on any domain instead of {:.3f}x",
+          ppl(test + own, *four), worst(test + own), worst(test + mixed))
+    claim(P, "| own samples | " + " | ".join([cell, cell, "**" + cell.replace("x [", "x** ["),
+                                              "**" + cell.replace("x [", "x** [")]) + " | **{:.3f}x** |",
+          *(against_original(test + own, d) for d in four), worst(test + own))
+    claim(P, "| the race's text (wikipedia + Shakespeare) | " + " | ".join(["**" + cell.replace("x [", "x** [")] * 2
+                                                                            + [cell] * 2) + " | {:.3f}x |",
+          *(against_original(test + mixed, d) for d in four), worst(test + mixed))
+    claim(P, "The original: {:.2f} / {:.2f} / {:.2f} / {:.2f} on test",
+          formula(lambda r: [r["domains"][d]["perplexity"] for d in four], test + "original.json"))
+    bootstrap = "{:.3g}x [{:.3g}x, {:.3g}x]"
+    claim(P, f"wikipedia {bootstrap}, shakespeare {bootstrap} (**behind** on both), code {bootstrap}, docs "
+          f"{bootstrap} (**ahead** on both)", *(boot(test + own, test + mixed, d) for d in four))
+    three = ("wikipedia", "shakespeare", "code")
+    stage = "{:.3f}x / {:.3f}x / {:.3f}x"
+    for label, suffix in (("| calibrated on 16,384 tokens | none | ", "-calibrated16384"),
+                          ("| + each layer fitted, 150 steps | attention, one layer at a time | ",
+                           "-calibrated16384-fitted150"),
+                          ("| + end to end, 32 steps on 32,768 tokens | attention, together | ", "")):
+        base = f"key-svd-k96-v96{suffix}" if suffix else name
+        claim(P, label + stage + " | " + stage + " |", ppl(val + base + ".json", *three),
+              ppl(val + base + "-textown.json", *three))
+    calibrated = val + "key-svd-k96-v96-calibrated16384"
+    claim(P, "code is {:.3f}x, nearly twice what it is calibrated on own text ({:.3f}x)",
+          ppl(calibrated + ".json", "code"), ppl(calibrated + "-textown.json", "code"))
+    claim(P, "the layer fit takes code from {:.3f}x to {:.3f}x, the end\n  to end fit to {:.3f}x; on own text, from "
+          "{:.3f}x to {:.3f}x", ppl(calibrated + ".json", "code"), ppl(calibrated + "-fitted150.json", "code"),
+          ppl(val + mixed, "code"), ppl(calibrated + "-textown.json", "code"), ppl(val + own, "code"))
+    claim(P, "not met by either fit (own text: {:.3f}x on code)", ppl(test + own, "code"))
+    claim(P, "(the race's text, half Shakespeare, is\n  {:.2f}x better there)",
+          formula(lambda a, b: [math.exp(math.log(a["domains"]["shakespeare"]["perplexity"])
+                                         - math.log(b["domains"]["shakespeare"]["perplexity"]))],
+                  test + own, test + mixed))
+    cited(P, "(at\nmost 1.25x everywhere, an in-domain fit at most 10% better)", "the aims of issue 91")
+    cited(P, "at most 1.25x everywhere at 1/2", "the aim of issue 91")
+    cited(P, "most 10% better than the general one", "the aim of issue 91")
+    claim(P, "Trained: the attention layers only ({:.1f}M parameters)",
+          field(val + own, "end_to_end.parameters", scale=1e-6))
+    cited(P, "(the last 10% of Tiny Shakespeare)", "the split of collab_attn/llm/heldout.py")
+    cited(P, "(torch 2.13.0's Python source", "the pinned torch version")
+    cited(P, "(Python 3.11.7's language reference", "the Python version whose pydoc text the docs domain reads")
+    cited(P, "with the 95% paired bootstrap", "the confidence of collab_attn.stats")
+
+
+PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_transfer]
 
 
 def build(pages: Sequence[Callable[[], None]] | None = None) -> Registry:
