@@ -773,7 +773,18 @@ def claims_transfer() -> None:
     cited(P, "with the 95% paired bootstrap", "the confidence of collab_attn.stats")
 
 
-PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_transfer]
+def claims_readme_transfer() -> None:
+    """README.md's sentence on experiments/transfer (issue 91)."""
+    P = "README.md"
+    test = "experiments/transfer/test/runs/key-svd-k96-v96-calibrated16384-fitted150-e2e32on32768held4096"
+    claim(P, "fitted on wikipedia and Shakespeare, {:.3f}x on Python source\n  and {:.3f}x on Python's documentation",
+          ppl(test + ".json", "code", "docs"))
+    claim(P, "at most {:.3f}x on any of the four domains",
+          formula(lambda r: [max(m["perplexity"] / m["original_perplexity"] for m in r["domains"].values())],
+                  test + "-textown.json"))
+
+
+PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_transfer, claims_transfer]
 
 
 def build(pages: Sequence[Callable[[], None]] | None = None) -> Registry:

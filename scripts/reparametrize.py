@@ -7,6 +7,8 @@
     python scripts/reparametrize.py collab.budget=mean:128                   # per-layer ranks, same size as 128
     python scripts/reparametrize.py collab.calibration=../shared/data/glue/SST-2/train.tsv   # activation-aware
     python scripts/reparametrize.py model=path/to/gpt2-checkpoint collab.rank=192            # a decoder
+    python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96 \
+        collab.fit_steps=150 collab.e2e_steps=32                    # a decoder fitted on its own samples
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100   # + fitted to the original
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32  # + e2e
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32 \
@@ -14,7 +16,7 @@
 
 The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
 labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
-``collab=none`` converts nothing. ``collab.fit_steps`` (with ``collab.calibration``) then trains each converted
+``collab=none`` converts nothing. ``collab.fit_steps`` then trains each converted
 attention layer that many steps to give the original's attention output on the calibration texts
 (``collab_attn.fit_to_original``); its per-layer report is printed and saved under ``fit``. ``collab.e2e_steps``
 then trains all the converted layers together that many steps to give the original model's output on the same texts
@@ -22,6 +24,13 @@ then trains all the converted layers together that many steps to give the origin
 SmolLM2, 65,536 fitting tokens of which 49,152 were new gained more than passes over the calibration texts,
 experiments/smollm2/LOG.md, "Long layer fits, then end to end on fresh text"); its report is saved under
 ``end_to_end``.
+
+With ``collab.fit_steps`` or ``collab.e2e_steps`` and no ``collab.calibration``, a decoder is calibrated and fitted on
+the model's own samples
+(``collab.calibration=own``, ``collab_attn/own_text.py``; 64 windows of 256 tokens unless
+``collab.calibration_samples`` and ``collab.calibration_max_length`` say otherwise, the end-to-end fit 4 windows a
+step and judged on the 16 after its own): fitted on one domain's text, a model is far from the original on others
+(experiments/transfer/README.md). An encoder writes no text: it needs ``collab.calibration`` to fit.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
