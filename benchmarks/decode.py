@@ -89,7 +89,7 @@ SIZES = {"gpt2-small": (LAYERS, D_MODEL, HEADS, 50257), "tiny": (2, 192, HEADS, 
 TITLES = {"gpt2-small": "GPT-2 small", "tiny": "a tiny GPT-2 (2 layers, d_model 192, 12 heads)",
           "smollm2": "SmolLM2-135M's architecture (Llama: 30 layers, 9 heads and 3 key/value heads of 64, rotary)"}
 # --size smollm2: a rotary Llama with SmolLM2-135M's config, converted by the rotary methods of its cache race at each
-# --cache-fractions (collab_attn.llm.race.entries_at: the sizes scripts/race_smollm2.py uses)
+# --cache-fractions (collab_attn.pretrained.race.entries_at: the sizes scripts/race_smollm2.py uses)
 LLM_SIZES = {"smollm2": "smollm2"}
 LLM_METHODS = ("cp", "key-svd", "kv-svd", "merge-kv", "drop-kv")
 # The conversions of the cache race (experiments/kv_cache): keys and values shared (cp; tucker: mixed by a matrix per
@@ -263,8 +263,8 @@ def llm_models(args, dtype: torch.dtype) -> dict[str, transformers.PreTrainedMod
     each converted by ``reparametrize`` (the fits of random weights: decoding time does not depend on them)."""
     import copy
 
-    from collab_attn.llm.race import entries_at
     from collab_attn.models.checkpoints import resolve_model
+    from collab_attn.pretrained.race import entries_at
 
     config = transformers.AutoConfig.from_pretrained(resolve_model(LLM_SIZES[args.size]))
     torch.manual_seed(0)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from decode import cache_bytes, decode_step, filled_cache, repeated_seconds  # noqa: E402
 
 from collab_attn import cli  # noqa: E402
+from collab_attn.char_lm.models import build_model, gpt_config  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
-from collab_attn.lm.models import build_model, gpt_config  # noqa: E402
 from collab_attn.stats import timing_verdict  # noqa: E402
 
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0}

@@ -120,7 +120,7 @@ def window_bootstrap(a: Sequence, b: Sequence, resamples: int = 10_000, seed: in
 
     ``a``, ``b``: one record per window (mappings or objects with ``tokens``, the tokens predicted, and ``nll``, their
     summed negative log-likelihood; ``fingerprint`` where recorded, to check that window i is the same text in both:
-    ``collab_attn.llm.heldout.Window``), in the same window order. The statistic is the relative perplexity
+    ``collab_attn.pretrained.heldout.Window``), in the same window order. The statistic is the relative perplexity
     difference ``ppl(a) / ppl(b) - 1`` with ``ppl = exp(sum nll / sum tokens)``; ``mean_difference`` holds it on all
     windows. ``resamples`` draws of the windows with replacement (seeded: the same seed, the same interval), the same
     draw for both runs (paired), give its 95% percentile interval; the verdict follows ``paired_comparison``: a win or

@@ -120,7 +120,7 @@ def top1(path: str, *domains: str, length: int | None = None) -> Value:
     return Value(_short(path), lambda: [run(path)["domains"][d]["top1"] for d in names])
 
 
-RESAMPLES = 10_000  # the window bootstrap's draws, as collab_attn.llm.race.RESAMPLES (scripts/compare_runs.py)
+RESAMPLES = 10_000  # the window bootstrap's draws, as collab_attn.pretrained.race.RESAMPLES (scripts/compare_runs.py)
 
 
 @functools.cache
@@ -144,9 +144,9 @@ def boot(a: str, b: str, domain: str = "wikipedia", percent: bool = False) -> Va
 
 def against_original(path: str, domain: str) -> Value:
     """A run's perplexity over the original's on one domain with the window bootstrap of its per-window
-    log-likelihoods against the original's (``collab_attn.llm.transfer.against_original``): three numbers."""
+    log-likelihoods against the original's (``collab_attn.pretrained.transfer.against_original``): three numbers."""
     def compute():
-        from collab_attn.llm.transfer import against_original as measured
+        from collab_attn.pretrained.transfer import against_original as measured
 
         c = measured(run(path), domain)
         return [1 + c.mean_difference, *(1 + x for x in c.interval)]
@@ -443,8 +443,8 @@ def claims_smollm2() -> None:
       ppl(long_quarter))
     distilled = F + "key-svd-k48-v48-calibrated16384-fitted600-e2e64on65536-distilled204800.json"
     c(P, "on 204,800 tokens reaches {:.3f}x / {:.3f}x at 1/4 (section 4)", ppl(distilled))
-    cited(P, "the last 10% of Tiny Shakespeare", "the held-out split (collab_attn/llm/heldout.py)")
-    cited(P, "the first 90% of Tiny Shakespeare", "the fitting split (collab_attn/llm/heldout.py)")
+    cited(P, "the last 10% of Tiny Shakespeare", "the held-out split (collab_attn/pretrained/heldout.py)")
+    cited(P, "the first 90% of Tiny Shakespeare", "the fitting split (collab_attn/pretrained/heldout.py)")
     c(P, "perplexity over the original's ({:.2f} / {:.2f} at 256 tokens, {:.2f} / {:.2f} at 2,048)",
       field(F + "original.json", "domains.wikipedia.perplexity", "domains.shakespeare.perplexity"),
       field(L + "key-svd-k96-v96-calibrated16384-fitted100.json", "domains.wikipedia 2048.original_perplexity",
@@ -767,7 +767,7 @@ def claims_transfer() -> None:
     cited(P, "most 10% better than the general one", "the aim of issue 91")
     claim(P, "Trained: the attention layers only ({:.1f}M parameters)",
           field(val + own, "end_to_end.parameters", scale=1e-6))
-    cited(P, "(the last 10% of Tiny Shakespeare)", "the split of collab_attn/llm/heldout.py")
+    cited(P, "(the last 10% of Tiny Shakespeare)", "the split of collab_attn/pretrained/heldout.py")
     cited(P, "(torch 2.13.0's Python source", "the pinned torch version")
     cited(P, "(Python 3.11.7's language reference", "the Python version whose pydoc text the docs domain reads")
     cited(P, "with the 95% paired bootstrap", "the confidence of collab_attn.stats")

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from collab_attn import cli
-from collab_attn.llm.race import comparison_markdown
+from collab_attn.pretrained.race import comparison_markdown
 
 
 def read_run(path: Path) -> dict:

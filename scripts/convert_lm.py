@@ -1,6 +1,6 @@
 """Convert the trained concatenated character model at n_embd/2, /4, /8 with plain CP, activation-aware CP,
 SVD-truncated heads and head pruning; validation loss without and after a short re-training, and samples
-(configs/convert_lm.yaml, collab_attn/lm/convert.py).
+(configs/convert_lm.yaml, collab_attn/char_lm/convert.py).
 
     python scripts/convert_lm.py train_dir=experiments/shakespeare_char/cpu
     python scripts/convert_lm.py train_dir=experiments/shakespeare_char/cpu 'methods=[svd]' 'key_sizes=[64]'
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from collab_attn.char_lm.convert import check, run_conversions
 from collab_attn.cli import hydra_main, settings_of
-from collab_attn.lm.convert import check, run_conversions
 
 
 def run(cfg: DictConfig) -> list[dict]:

@@ -1,5 +1,5 @@
 """The sizes of every attention variant at matched key/value-cache bytes and at matched attention parameters
-(collab_attn/lm/budgets.py), read from the models built on the meta device.
+(collab_attn/char_lm/budgets.py), read from the models built on the meta device.
 
     python scripts/kv_budgets.py                       # the cpu recipe: 1/2, 1/4, 1/8 of the cache; 0.75, 0.625 params
     python scripts/kv_budgets.py --recipe gpu --fractions 0.25
@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from collab_attn import cli
-from collab_attn.lm.budgets import all_sizes, matched, table
+from collab_attn.char_lm.budgets import all_sizes, matched, table
 
 RECIPES = Path(__file__).resolve().parents[1] / "configs" / "recipe"
 

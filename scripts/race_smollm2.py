@@ -6,13 +6,13 @@ top-1 agreement) and on fixed prompts. One result file per run under ``<out>/run
 script resumes, and so does an interrupted distillation), then ``<out>/summary.md`` and ``<out>/perplexity.png``.
 ``<out>/identity.json`` records the model's weights and the texts the folder was made from: a command with another
 model or other texts is refused, naming both. Every option, path, the device and the tokens each option asks of the
-fitting text are checked before the model is loaded (``collab_attn.llm.race_inputs``): bad input is one ``error:``
-line, exit status 2, nothing written.
+fitting text are checked before the model is loaded (``collab_attn.pretrained.race_inputs``): bad input is one
+``error:`` line, exit status 2, nothing written.
 
-Held-out splits (``collab_attn.llm.heldout``): every choice of recipe (``--methods``, ``--budgets``, the calibration,
-fit, end-to-end and distillation settings, ``--length``, ``--windows``) is made on the ``validation`` windows
-(``--split validation``, the default: the windows every run so far was measured on). ``--split test`` measures the
-rows so chosen once on the ``test`` windows after them, which nothing else reads, into ``<out>/test/runs``,
+Held-out splits (``collab_attn.pretrained.heldout``): every choice of recipe (``--methods``, ``--budgets``, the
+calibration, fit, end-to-end and distillation settings, ``--length``, ``--windows``) is made on the ``validation``
+windows (``--split validation``, the default: the windows every run so far was measured on). ``--split test`` measures
+the rows so chosen once on the ``test`` windows after them, which nothing else reads, into ``<out>/test/runs``,
 ``<out>/test/summary.md`` and ``<out>/test/perplexity.png``; the fitted weights in ``<out>/checkpoints`` serve both
 splits (a fit reads no held-out text). Runs of the two splits are never resumed as one another nor compared.
 ``--domains`` picks the domains measured: by default wikipedia and shakespeare on validation, and on test those two,
@@ -68,9 +68,9 @@ sys.path.insert(0, str(ROOT))
 from collab_attn.cli import ArgumentParser, exit_on_bad_input  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.identity import write_folder_identity  # noqa: E402
-from collab_attn.llm import race_inputs  # noqa: E402
-from collab_attn.llm.heldout import DOMAINS, TEST_DOMAINS, evaluation_windows  # noqa: E402
-from collab_attn.llm.race import (  # noqa: E402,F401
+from collab_attn.pretrained import race_inputs  # noqa: E402
+from collab_attn.pretrained.heldout import DOMAINS, TEST_DOMAINS, evaluation_windows  # noqa: E402
+from collab_attn.pretrained.race import (  # noqa: E402,F401
     FIT_TEXTS,
     Entry,
     entries_at,
@@ -289,7 +289,7 @@ def main(argv=None) -> None:
                              "finished run is converted again for it, its fits read back (default 0: none)")
     parser.add_argument("--answer-detail", action="store_true",
                         help="also how far each conversion follows the original's answers to the prompts, token "
-                             "by token (collab_attn.llm.answers.answer_agreement: the original's answer read by "
+                             "by token (collab_attn.pretrained.answers.answer_agreement: the original's answer read by "
                              "both, the positions agreed and the original's margin at each), into "
                              "<out>/answers/<run>.json and .md; a finished run is converted again for it")
     parser.add_argument("--export", action="store_true",
@@ -401,9 +401,9 @@ def main(argv=None) -> None:
 
     import transformers
 
-    from collab_attn.llm.distill import fit_windows, own_fit_windows
-    from collab_attn.llm.race import split_dir
     from collab_attn.models.checkpoints import resolve_model
+    from collab_attn.pretrained.distill import fit_windows, own_fit_windows
+    from collab_attn.pretrained.race import split_dir
 
     folder = resolve_model(args.model)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -478,8 +478,8 @@ def main(argv=None) -> None:
                           "characters; code: torch 2.13.0's torch.optim source)",
             "test": "the test split, read once to report rows chosen on validation (wikipedia: the QNLI dev "
                     "sentences after the first 450; shakespeare: the last 10% of Tiny Shakespeare after its first "
-                    "52,043 characters; code: torch 2.13.0's Python source, collab_attn.llm.heldout.CODE_FILES; docs: "
-                    "Python 3.11.7's language reference as pydoc ships it)"}
+                    "52,043 characters; code: torch 2.13.0's Python source, collab_attn.pretrained.heldout.CODE_FILES; "
+                    "docs: Python 3.11.7's language reference as pydoc ships it)"}
     setup = (f"{name}, converted.{distilled} Held out: {args.windows} windows of {args.length} tokens per domain "
              f"from {held[args.split]}, the same tokens for every model.{long}"
              " The command above is the last one run into this folder; every row's settings "

@@ -1,5 +1,5 @@
 """Train GPT-2-architecture character models on Tiny Shakespeare with concatenated or collaborative heads
-(configs/train_lm.yaml, configs/recipe/{cpu,gpu}.yaml, collab_attn/lm/).
+(configs/train_lm.yaml, configs/recipe/{cpu,gpu}.yaml, collab_attn/char_lm/).
 
     python scripts/train_lm.py                                                   # cpu recipe, concatenated, seed 0
     python scripts/train_lm.py recipe=gpu attention=collab key_size=192 seed=1
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from collab_attn.char_lm.runs import check, run_many
 from collab_attn.cli import hydra_main, settings_of
-from collab_attn.lm.runs import check, run_many
 
 
 def run(cfg: DictConfig) -> list[dict]:

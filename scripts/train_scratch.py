@@ -1,6 +1,6 @@
 """Train a small transformer classifier from scratch with concatenated or collaborative heads at several key
 sizes, same budget, several seeds, through the Hugging Face Trainer (see configs/scratch.yaml,
-collab_attn/glue/scratch.py and the model in collab_attn/models/scratch.py).
+collab_attn/glue/scratch.py and the model in collab_attn/models/scratch_classifier.py).
 
     python scripts/train_scratch.py output_dir=experiments/scratch_sst2/trainer
     python scripts/train_scratch.py 'key_sizes=[128,16]' seeds=[0] train.max_steps=100 output_dir=outputs/scratch_try

@@ -1,6 +1,6 @@
 """The transfer matrix of a SmolLM2 race folder (scripts/race_smollm2.py --fit-text ...): each conversion's perplexity
 over the original's on every held-out domain, by the text it was fitted on, and each in-domain fit against the
-general ones (collab_attn/llm/transfer.py). Writes <folder>/transfer.md (validation) or <folder>/test/transfer.md
+general ones (collab_attn/pretrained/transfer.py). Writes <folder>/transfer.md (validation) or <folder>/test/transfer.md
 (--split test) and prints it.
 
     python scripts/transfer_table.py experiments/transfer
@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, help="a results folder of scripts/race_smollm2.py")
     parser.add_argument("--split", choices=("validation", "test"), default="validation")
     args = parser.parse_args(argv)
-    from collab_attn.llm.race import load_runs, split_dir
-    from collab_attn.llm.transfer import transfer_markdown
+    from collab_attn.pretrained.race import load_runs, split_dir
+    from collab_attn.pretrained.transfer import transfer_markdown
 
     folder = split_dir(args.folder, args.split)
     if not (folder / "runs").is_dir():

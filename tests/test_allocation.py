@@ -12,7 +12,7 @@ from test_fitting import FIT, gpt2, kl, llama
 
 import collab_attn
 from collab_attn.fitting.allocation import candidate_sizes, choose
-from collab_attn.llm.race import cache_numbers_per_token
+from collab_attn.pretrained.race import cache_numbers_per_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
-"""How far a converted model follows the original's greedy answers (collab_attn.llm.answers), on tiny random Llama
-models: the teacher-forced agreement recomputed against the two models' own greedy generations."""
+"""How far a converted model follows the original's greedy answers (collab_attn.pretrained.answers), on tiny random
+Llama models: the teacher-forced agreement recomputed against the two models' own greedy generations."""
 
 import json
 
@@ -9,8 +9,8 @@ import transformers
 from test_llm_race import a_finished_fitted_run, rows, tiny_llama
 
 import collab_attn
-from collab_attn.llm import heldout, race
-from collab_attn.llm.answers import answer_agreement
+from collab_attn.pretrained import heldout, race
+from collab_attn.pretrained.answers import answer_agreement
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ("abc", "hello there", "what is 12 plus 7?")

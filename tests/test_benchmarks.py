@@ -537,7 +537,7 @@ def test_tpa_decode_times_the_factored_step_against_the_expanded_heads_and_the_o
 
 
 def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tmp_path, monkeypatch):
-    from collab_attn.lm.models import build_model, cache_bytes, gpt_config
+    from collab_attn.char_lm.models import build_model, cache_bytes, gpt_config
 
     bench = load("race_decode")
     timings = iter(range(1, 1000))

@@ -1,12 +1,12 @@
-"""Matched key/value-cache and parameter budgets (collab_attn/lm/budgets.py, scripts/kv_budgets.py)."""
+"""Matched key/value-cache and parameter budgets (collab_attn/char_lm/budgets.py, scripts/kv_budgets.py)."""
 
 import importlib.util
 from pathlib import Path
 
 import pytest
 
-from collab_attn.lm import budgets
-from collab_attn.lm.models import build_model, cache_bytes, gpt_config, parameter_counts
+from collab_attn.char_lm import budgets
+from collab_attn.char_lm.models import build_model, cache_bytes, gpt_config, parameter_counts
 
 CPU = {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0}
 ROOT = Path(__file__).resolve().parents[1]

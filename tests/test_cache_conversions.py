@@ -13,8 +13,8 @@ import transformers
 from conftest import random_batch, small_model
 
 import collab_attn
+from collab_attn.char_lm.models import cache_bytes
 from collab_attn.fitting.calibration import collect_calibration
-from collab_attn.lm.models import cache_bytes
 from collab_attn.models.methods import METHODS
 from collab_attn.models.sizing import conversion_at, conversion_sizes, original_size
 from collab_attn.nn.attention import MultiHeadAttention

@@ -9,10 +9,10 @@ import torch
 from test_lm import TINY, compose_cfg, errorbars, load_script, saved_figures
 
 from collab_attn import cli
+from collab_attn.char_lm import race_summary
+from collab_attn.char_lm.convert import check
 from collab_attn.cli import settings_of
 from collab_attn.distillation import DistillSettings, distillation_loss
-from collab_attn.lm import race
-from collab_attn.lm.convert import check
 
 CONVERT = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "block_size=16", "eval_iters=2",
            "trainer.max_steps=10", "trainer.per_device_train_batch_size=4", "trainer.warmup_steps=1",
@@ -57,7 +57,7 @@ def test_the_race_sizes_every_method_for_each_budget_and_is_summarized(text_file
     assert distilled[0]["retrained_val_loss"] != plain["retrained_val_loss"]  # ... re-trained another way
 
     saved = saved_figures(monkeypatch)
-    results = race.write_summary(trained.parent)
+    results = race_summary.write_summary(trained.parent)
     assert results.name == "results.md"  # README.md stays the hand-written answer
     text = results.read_text()
     assert "| 2 x 4 x 16 = 128 |" in text  # re-trained: every weight, 2 steps x batch 4 x block 16 per seed

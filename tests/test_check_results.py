@@ -156,7 +156,7 @@ def test_attention_parameters_from_the_shapes_match_the_run_files():
 
 
 def test_the_bootstrap_is_the_one_compare_runs_prints():
-    from collab_attn.llm.race import RESAMPLES
+    from collab_attn.pretrained.race import RESAMPLES
 
     assert check_results.RESAMPLES == RESAMPLES
 

@@ -26,13 +26,13 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from collab_attn import tracking
+from collab_attn.char_lm import runs as lm_runs
+from collab_attn.char_lm.data import corpus_from_text, val_blocks
+from collab_attn.char_lm.models import MODEL_KEYS, gpt_config
 from collab_attn.distillation import DistillationTrainer, DistillSettings
 from collab_attn.glue import calibrate as calibrate_module
 from collab_attn.glue import pipeline
 from collab_attn.glue.jobs import GlueJob
-from collab_attn.lm import runs as lm_runs
-from collab_attn.lm.data import corpus_from_text, val_blocks
-from collab_attn.lm.models import MODEL_KEYS, gpt_config
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings, choices, group_keys
 from collab_attn.training import training_args

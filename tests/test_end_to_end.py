@@ -12,7 +12,7 @@ from conftest import random_batch, small_model
 from test_fitting import HELD_OUT, converted, gpt2, ids, kl, llama
 
 import collab_attn
-from collab_attn.llm.race import cache_numbers_per_token
+from collab_attn.pretrained.race import cache_numbers_per_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIT = [{"input_ids": ids(seed)} for seed in range(16)]  # enough fitting tokens that the fit carries to HELD_OUT

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from collab_attn import cli
-from collab_attn.lm import data, models
+from collab_attn.char_lm import data, models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -242,7 +242,7 @@ def test_the_race_measures_the_exported_model_as_the_converted_one(tmp_path, mon
     (perplexity, KL, top-1), and the half-precision caches are measured for it and the original."""
     from test_llm_race import rows, tiny_llama
 
-    from collab_attn.llm import race
+    from collab_attn.pretrained import race
 
     original = tiny_llama()
     monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])

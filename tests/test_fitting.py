@@ -12,9 +12,9 @@ import transformers
 from conftest import random_batch, small_model
 
 import collab_attn
-from collab_attn.llm.race import cache_numbers_per_token
 from collab_attn.models.layers import ConvertedSelfAttention
 from collab_attn.models.settings import MethodSettings
+from collab_attn.pretrained.race import cache_numbers_per_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 30

@@ -1,7 +1,7 @@
-"""The held-out text's three splits (collab_attn.llm.heldout): fit, validation (the windows every result so far was
-measured on, unchanged) and test (the text after them), which share no text at any window length or count; the
+"""The held-out text's three splits (collab_attn.pretrained.heldout): fit, validation (the windows every result so far
+was measured on, unchanged) and test (the text after them), which share no text at any window length or count; the
 test-only code domain, read from the pinned torch and checked by its checksum; and the race's runs kept apart by
-split (collab_attn.llm.race, scripts/race_smollm2.py --split)."""
+split (collab_attn.pretrained.race, scripts/race_smollm2.py --split)."""
 
 import importlib.util
 import json
@@ -14,7 +14,7 @@ import torch
 import transformers
 from conftest import GLUE_DIR
 
-from collab_attn.llm import heldout, race
+from collab_attn.pretrained import heldout, race
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = GLUE_DIR.parent / "tinyshakespeare" / "input.txt"
@@ -106,7 +106,7 @@ def test_windows_of_one_split_never_reach_into_the_other(shakespeare, length):
         assert len(heldout.evaluation_windows(tokenizer, "shakespeare", split, length, None, None, shakespeare)) == held
         with pytest.raises(ValueError, match=f"shakespeare, {split} split: the text has .* \\(it holds {held}\\)"):
             heldout.evaluation_windows(tokenizer, "shakespeare", split, length, held + 1, None, shakespeare)
-    with pytest.raises(ValueError, match="the fit text is windowed by collab_attn.llm.distill.fit_windows"):
+    with pytest.raises(ValueError, match="the fit text is windowed by collab_attn.pretrained.distill.fit_windows"):
         heldout.evaluation_windows(tokenizer, "shakespeare", "fit", length, 1, None, shakespeare)
 
 
@@ -155,7 +155,7 @@ def test_the_docs_domain_is_never_fitted_on_nor_chosen_on():
         heldout.evaluation_windows(CharTokenizer(), "docs", "validation", 16, 4)
     assert heldout.FIT_DOMAINS == (*heldout.DOMAINS, "code")
     assert heldout.TEST_DOMAINS == (*heldout.FIT_DOMAINS, "docs")
-    from collab_attn.llm import distill  # the fitting windows read FIT_DOMAINS only
+    from collab_attn.pretrained import distill  # the fitting windows read FIT_DOMAINS only
 
     with pytest.raises(ValueError, match="fitting domains \\['docs'\\]: choose among wikipedia, shakespeare, code"):
         distill.fit_windows(CharTokenizer(), None, None, 16, 64, ("docs",))
@@ -209,7 +209,7 @@ def test_the_test_split_holds_at_least_64_windows_of_256_per_domain(smollm2_toke
     assert counts == {("wikipedia", "validation"): (67, 8), ("wikipedia", "test"): (739, 92),
                       ("shakespeare", "validation"): (66, 8), ("shakespeare", "test"): (74, 9),
                       ("code", "validation"): (150, 18), ("code", "test"): (252, 31),
-                      ("docs", "test"): (443, 55)}  # the table of collab_attn/llm/heldout.py's docstring
+                      ("docs", "test"): (443, 55)}  # the table of collab_attn/pretrained/heldout.py's docstring
     assert all(test >= 64 for (domain, split), (test, _) in counts.items() if split == "test")
 
 

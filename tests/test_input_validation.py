@@ -31,7 +31,7 @@ import transformers
 from conftest import LM_TEXT, character_tokenizer
 
 from collab_attn import cli
-from collab_attn.llm import heldout
+from collab_attn.pretrained import heldout
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -326,7 +326,7 @@ def test_a_folder_made_before_identities_is_adopted_by_its_own_model(template, t
 def test_a_run_that_fails_leaves_nothing_a_later_run_reads_as_done(template, tmp_path, monkeypatch, capsys):
     """A failure in a run's work (here its answers, after its evaluation): no run file, summary or identity of that
     run; the runs finished before it stay, whole, and a later command resumes from them."""
-    from collab_attn.llm import race
+    from collab_attn.pretrained import race
 
     cwd = tmp_path / "work"
     shutil.copytree(template, cwd)

@@ -16,7 +16,7 @@ import transformers
 from conftest import GLUE_DIR
 
 import collab_attn
-from collab_attn.llm import distill, heldout, race
+from collab_attn.pretrained import distill, heldout, race
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")

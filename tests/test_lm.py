@@ -1,4 +1,4 @@
-"""Character-level language modelling (collab_attn/lm, scripts/train_lm.py, scripts/convert_lm.py,
+"""Character-level language modelling (collab_attn/char_lm, scripts/train_lm.py, scripts/convert_lm.py,
 scripts/summarize_runs.py lm) on tiny models and a made-up text; the real Tiny Shakespeare where it is present."""
 
 import importlib.util
@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 from transformers import default_data_collator
 
 import collab_attn
-from collab_attn.lm import data, models, runs, summary
-from collab_attn.lm.convert import validation_loss
-from collab_attn.lm.sampling import sample_text
+from collab_attn.char_lm import data, models, runs, runs_summary
+from collab_attn.char_lm.convert import validation_loss
+from collab_attn.char_lm.sampling import sample_text
 from collab_attn.stats import paired_comparison
 from collab_attn.training import training_args
 
@@ -257,11 +257,11 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     stored.write_text(svd)
 
     saved = saved_figures(monkeypatch)
-    results = summary.write_summary(tmp_path / "shakespeare_char")
+    results = runs_summary.write_summary(tmp_path / "shakespeare_char")
     assert results == tmp_path / "shakespeare_char" / "results.md"  # README.md stays the hand-written answer
     assert not (tmp_path / "shakespeare_char" / "README.md").exists()
     text = results.read_text()
-    assert summary.RESULTS_BEGIN in text and "| cp-aware | 4 |" in text and "| concat | 16 |" in text
+    assert runs_summary.RESULTS_BEGIN in text and "| cp-aware | 4 |" in text and "| concat | 16 |" in text
     # what was trained, on how many tokens: every weight from scratch, 10 steps x 4 x 16; the re-training 2 steps
     assert "| 10 x 4 x 16 = 640 |" in text and "| 2 x 4 x 16 = 128 |" in text
     assert "![learning curves](curves_cpu.png)" in text and (tmp_path / "shakespeare_char" / "curves_cpu.png").is_file()
@@ -275,11 +275,11 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     assert reference.get_label() == "nanoGPT 1.88" and list(reference.get_ydata()) == [1.88, 1.88]
     assert errorbars(right) == {"concat": ([16], [run["best_val_loss"]], [0.0])}
     results.write_text("# notes\n\nkept\n\n" + text)
-    assert summary.write_summary(tmp_path / "shakespeare_char").read_text().count(summary.RESULTS_BEGIN) == 1
+    assert runs_summary.write_summary(tmp_path / "shakespeare_char").read_text().count(runs_summary.RESULTS_BEGIN) == 1
     assert "kept" in results.read_text()
     # a page written before the one summarize script: its section is replaced, not written again beside it
-    results.write_text(text.replace(summary.RESULTS_BEGIN, summary.EARLIER_BEGINS[0]))
-    assert summary.write_summary(tmp_path / "shakespeare_char").read_text() == text
+    results.write_text(text.replace(runs_summary.RESULTS_BEGIN, runs_summary.EARLIER_BEGINS[0]))
+    assert runs_summary.write_summary(tmp_path / "shakespeare_char").read_text() == text
 
 
 def test_long_enough_compares_the_last_tenth_of_training_with_the_spread_over_seeds():
@@ -290,12 +290,12 @@ def test_long_enough_compares_the_last_tenth_of_training_with_the_spread_over_se
                 "best_val_loss": min(losses)}
 
     settled = [run([4.0, 2.0, 1.50, 1.49]), run([4.0, 2.1, 1.60, 1.59])]  # moved 0.01, spread 0.071
-    assert summary.late_change(settled[0]) == pytest.approx(-0.01)
-    assert summary.long_enough(settled) == "yes"
+    assert runs_summary.late_change(settled[0]) == pytest.approx(-0.01)
+    assert runs_summary.long_enough(settled) == "yes"
     falling = [run([4.0, 2.0, 1.60, 1.50]), run([4.0, 2.1, 1.65, 1.55])]  # moved 0.10, spread 0.035
-    assert summary.long_enough(falling) == "no"
-    assert summary.late_change(run([4.0, 2.0, 1.6, 1.5], steps=(0, 85, 95, 100))) == pytest.approx(-0.5)  # from 85
-    assert summary.long_enough(settled[:1]) == "one seed"
+    assert runs_summary.long_enough(falling) == "no"
+    assert runs_summary.late_change(run([4.0, 2.0, 1.6, 1.5], steps=(0, 85, 95, 100))) == pytest.approx(-0.5)  # from 85
+    assert runs_summary.long_enough(settled[:1]) == "one seed"
 
 
 def test_learning_curves_are_means_over_seeds(tmp_path, monkeypatch):
@@ -311,8 +311,8 @@ def test_learning_curves_are_means_over_seeds(tmp_path, monkeypatch):
                run("collab", 4, 0, [4.0, 3.5, 3.0]), run("collab", 4, 1, [4.0, 3.3, 3.1]),
                run("collab", 16, 0, [4.0, 3.0, 2.5], mixing="ones")]
     saved = saved_figures(monkeypatch)
-    assert summary.plot_curves(records, "cpu", tmp_path / "cpu.png") == tmp_path / "cpu.png"
-    summary.plot_curves(records, "mine", tmp_path / "mine.png")
+    assert runs_summary.plot_curves(records, "cpu", tmp_path / "cpu.png") == tmp_path / "cpu.png"
+    runs_summary.plot_curves(records, "mine", tmp_path / "mine.png")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.png", "mine.png"]
     (left, right), (other_left, other_right) = (fig.axes for fig in saved)
     drawn = [(line.get_label(), line.get_linestyle(), line.get_color(), list(line.get_xdata()),
@@ -483,7 +483,7 @@ def test_cache_race_plot_draws_loss_against_cache_per_variant(tmp_path, monkeypa
             run("collab", 30, 0, 1.95, 512, values=30), run("collab", 14, 0, 2.05, 256, values=14)]
     grid = [run("concat", 128, 0, 1.88, 2048), run("concat", 64, 0, 1.93, 1536)]
     figures = saved_figures(monkeypatch)
-    summary.plot_cache_race(race, tmp_path / "cache.png", grid)
+    runs_summary.plot_cache_race(race, tmp_path / "cache.png", grid)
     (figure,) = figures
     bars = errorbars(figure.axes[0])
     assert bars["mqa"] == ([512], [pytest.approx(1.91)], [pytest.approx(0.0141421, rel=1e-4)])
@@ -505,7 +505,7 @@ def test_the_verdicts_table_ranks_each_budget_by_the_paired_rule():
     race += [run("collab", 30, s, loss, 512, values=30) for s, loss in enumerate((1.944, 1.948, 1.941))]
     race += [run("mla", 32, s, loss, 256) for s, loss in enumerate((2.03, 2.02, 2.03))]
     race += [run("collab", 14, s, loss, 256, values=14) for s, loss in enumerate((1.98, 2.01, 2.00))]  # mixed: a tie
-    lines = summary.verdicts_table(race).splitlines()
+    lines = runs_summary.verdicts_table(race).splitlines()
     assert lines[0].startswith("| cache B/token | best (mean) | runner-up (mean) |")
     # the last column: what a larger cache buys, its best against the best of the next size down
     down = paired_comparison([1.900, 1.905, 1.910], [1.904, 1.908, 1.914])
@@ -519,7 +519,7 @@ def test_the_verdicts_table_ranks_each_budget_by_the_paired_rule():
     assert lines[4].startswith("| 256 | collab 14/14 (1.9967) | mla 32 (2.0267) |") and "| mla 32 |" in lines[4]
     assert lines[4].endswith(" | - |")  # nothing smaller
     grid = [run("concat", 16, 0, 1.95, 1184), run("collab", 16, 0, 1.94, 1184)]
-    assert summary.verdicts_table(grid).splitlines()[2] == (
+    assert runs_summary.verdicts_table(grid).splitlines()[2] == (
         "| 16 | collab 16 (1.9400) | concat 16 (1.9500) | -0.0100, 1 seed: tie | concat 16 | -0.0100, 1 seed: tie "
         "| - |")
 
@@ -603,10 +603,11 @@ def test_a_rotary_race_is_labelled_and_measured_against_its_rotary_original():
     race += [run("concat", 128, s, 2.21 + s / 200, 2048, rope=False) for s in range(3)]  # learned positions
     race += [run("mla", 48, s, 1.71 + s / 90, 512, rope_dim=16) for s in range(3)]
     race += [run("tpa", 1, s, 1.75 + s / 80, 576, value_size=1, query_rank=6) for s in range(3)]
-    assert summary.variant(race[6]) == "mla (rotary key 16, rope)" and summary.family(race[6]) == "mla rope"
-    assert summary.variant(race[9]) == "tpa (values 1, queries 6, rope)" and summary.family(race[9]) == "tpa rope"
-    assert summary.variant(race[3]) == "concat" and summary._short_label(race[6]) == "mla 48+16 rope"
-    lines = summary.verdicts_table(race).splitlines()
+    assert runs_summary.variant(race[6]) == "mla (rotary key 16, rope)" and runs_summary.family(race[6]) == "mla rope"
+    assert runs_summary.variant(race[9]) == "tpa (values 1, queries 6, rope)"
+    assert runs_summary.family(race[9]) == "tpa rope"
+    assert runs_summary.variant(race[3]) == "concat" and runs_summary._short_label(race[6]) == "mla 48+16 rope"
+    lines = runs_summary.verdicts_table(race).splitlines()
     assert lines[2].startswith("| 2,048 | concat 128 rope (1.6900) | concat 128 (2.2150) |")
     original = paired_comparison([1.75, 1.7625, 1.775], [1.68, 1.69, 1.70])
     assert lines[3].startswith("| 576 | tpa 1/1 q6 rope (1.7625) |") and f"| {original.describe()} |" in lines[3]

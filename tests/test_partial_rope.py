@@ -26,7 +26,7 @@ import collab_attn
 from collab_attn.models.conversion import check_request
 from collab_attn.models.layers import PartialRotaryLatentSelfAttention
 from collab_attn.models.methods import METHODS
-from collab_attn.models.methods.partial_rope import default_rope_pairs, pair_scores
+from collab_attn.models.methods.rotary_kv_svd import default_rope_pairs, pair_scores
 from collab_attn.models.sizing import conversion_at, conversion_sizes, original_size
 from collab_attn.nn import cache_numbers_per_token
 from collab_attn.nn.partial_rope import PartialRotaryLatentAttention
@@ -119,7 +119,7 @@ def test_the_criterion_keeps_the_pairs_that_contribute_most_to_each_group(family
 
 
 def dense_error(model, converted_model) -> float:
-    """The relative error of the per-band logit forms (methods/partial_rope.py), from dense d x d complex forms: a
+    """The relative error of the per-band logit forms (methods/rotary_kv_svd.py), from dense d x d complex forms: a
     kept band ``a conj(b)^T`` with the installed key rows, a dropped one ``q1 k1^T + q2 k2^T`` (real) with the key
     rows the latent gives back; biases as an input column."""
     total, distance = 0.0, 0.0

@@ -14,7 +14,7 @@ from test_rotary_models import HEAD_DIM, HEADS, KV_HEADS, converted, original
 
 from collab_attn.decomposition.rotary_budget import allocate_budget, relative_spectra
 from collab_attn.fitting.calibration import collect_calibration
-from collab_attn.llm.race import cache_numbers_per_token
+from collab_attn.pretrained.race import cache_numbers_per_token
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_rotary_models import HEAD_DIM, HEADS, KV_HEADS, VOCAB, converted, original
 
-from collab_attn.decomposition.rotary import allocate_pairs, band_forms, rotary_decomposition, rotary_logits, rotate
+from collab_attn.decomposition.rotary_cp import allocate_pairs, band_forms, rotary_decomposition, rotary_logits, rotate
 from collab_attn.decomposition.rotary_keys import thin_rotary_keys
 from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.fitting.calibration import collect_calibration

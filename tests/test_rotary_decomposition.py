@@ -1,9 +1,9 @@
-"""The maths of rotary-exact collaborative keys (collab_attn/decomposition/rotary.py), in float64 on small layers."""
+"""The maths of rotary-exact collaborative keys (collab_attn/decomposition/rotary_cp.py), in float64 on small layers."""
 
 import pytest
 import torch
 
-from collab_attn.decomposition.rotary import (
+from collab_attn.decomposition.rotary_cp import (
     _error_sq,
     _update_key,
     _update_mixing,

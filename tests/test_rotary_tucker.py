@@ -25,7 +25,7 @@ from test_rotary_models import (
 )
 from test_static_cache import assert_compiled_static_decoding_equals_eager
 
-from collab_attn.decomposition.rotary import rotary_logits, rotate
+from collab_attn.decomposition.rotary_cp import rotary_logits, rotate
 from collab_attn.decomposition.rotary_tucker import complex_tucker, rotary_tucker
 from collab_attn.models.families import FAMILIES
 from collab_attn.models.hf import head_classes

@@ -1,4 +1,4 @@
-"""Training from scratch: the classifier (collab_attn.models.scratch) and its sweep through the Trainer
+"""Training from scratch: the classifier (collab_attn.models.scratch_classifier) and its sweep through the Trainer
 (collab_attn.glue.scratch)."""
 
 import json
@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 import collab_attn.glue.scratch as scratch
 from collab_attn import CollaborativeAttention, MultiHeadAttention
 from collab_attn.glue.scratch import accuracy, learning_curve, run_sweep, trainer_fields
-from collab_attn.models.scratch import ScratchConfig, ScratchForSequenceClassification
+from collab_attn.models.scratch_classifier import ScratchConfig, ScratchForSequenceClassification
 from collab_attn.training import train
 
 

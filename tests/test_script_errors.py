@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, BertConfig, BertForSequenceClassificatio
 from transformers.utils import logging as hf_logging
 
 from collab_attn import cli
-from collab_attn.lm import data, models
+from collab_attn.char_lm import data, models
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "".join(f"{w} to be, or not to be: that is the question {i % 7}.\n" for i, w in enumerate(["To", "Or"] * 40))

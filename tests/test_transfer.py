@@ -1,5 +1,5 @@
-"""The transfer matrix (collab_attn/llm/transfer.py, scripts/transfer_table.py): each fit text's perplexity over the
-original's per domain with the window bootstrap, and the in-domain fit against the general ones."""
+"""The transfer matrix (collab_attn/pretrained/transfer.py, scripts/transfer_table.py): each fit text's perplexity over
+the original's per domain with the window bootstrap, and the in-domain fit against the general ones."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from collab_attn.llm.transfer import against_original, transfer_markdown
+from collab_attn.pretrained.transfer import against_original, transfer_markdown
 
 
 def run(name, fit_text, ratios, budget=0.5, windows=8):

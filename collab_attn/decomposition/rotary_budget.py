@@ -2,7 +2,7 @@
 
 A rotary conversion (``cp``'s complex CP per band, ``key-svd``'s per-band SVD) spends its key width pair by pair, and
 a pair serves one band of one layer. Per band the error that ``R`` pairs leave is bounded (equal, for the SVD) by the
-tail of a spectrum: the eigenvalues of the band's head Gram (``collab_attn.decomposition.rotary.band_spectra``) for
+tail of a spectrum: the eigenvalues of the band's head Gram (``collab_attn.decomposition.rotary_cp.band_spectra``) for
 ``cp``, the squared singular values of its key forms for ``key-svd``; whitened by the layer's inputs with a
 calibration. Dividing each layer's spectra by its total energy makes the tails relative squared errors, the
 quantity per-layer ranks minimize on the other families (``collab_attn.decomposition.rank_selection``), so:

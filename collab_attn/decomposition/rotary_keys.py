@@ -1,6 +1,6 @@
 """Thin rotary keys: one key shared by every head, from an SVD of the key forms of each rotary frequency band
 (TransMLA's per-frequency PCA of the keys; docs/design.md, "Rotary positions"). The layout of the bands and pairs is
-``collab_attn.decomposition.rotary``'s.
+``collab_attn.decomposition.rotary_cp``'s.
 
 In band ``i`` (frequency ``theta_i``) key group ``g`` has the complex key vector ``b_gi`` (d entries: row ``i`` +
 j row ``i + d_h/2`` of ``Wk_g``; a bias is one more input column) and query head ``h`` the vector ``a_hi``; head ``h``
@@ -24,7 +24,7 @@ error of the logit forms (the measure of ``collab_attn.models.products.BandForms
 
     sqrt( sum_i sum_h ||a_hi||^2 ||b_gi - U_i U_i^H b_gi||^2  /  sum_i sum_h ||a_hi||^2 ||b_gi||^2 ).
 
-Activation-aware (``whitening``, as ``collab_attn.decomposition.rotary.whiten_forms``): the SVD is of the whitened
+Activation-aware (``whitening``, as ``collab_attn.decomposition.rotary_cp.whiten_forms``): the SVD is of the whitened
 key forms ``S_y b_gi``, and the shared key maps back, ``U_i = S_y^{-1} U'_i`` with ``c_gi = U'^H_i S_y b_gi``; the
 error is then that of the logits on inputs with the calibration's statistics (``weighted_error``, the queries'
 whitened norms ``||S_x a_hi||^2`` as the weights), while ``relative_error`` stays that of the forms themselves.
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collab_attn.decomposition.rotary import band_forms, whiten_forms
+from collab_attn.decomposition.rotary_cp import band_forms, whiten_forms
 
 
 @dataclass

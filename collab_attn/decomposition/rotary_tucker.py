@@ -1,5 +1,5 @@
 """Rotary-exact collaborative keys with Tucker mixing: per frequency band, every head's complex form (the layout and
-the notation of ``collab_attn.decomposition.rotary``) is
+the notation of ``collab_attn.decomposition.rotary_cp``) is
 
     M_h = a_h conj(b_h)^T  ~=  A C_h conj(B)^T        (A, B: d x R complex, orthonormal columns; C_h: R x R complex)
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from collab_attn.decomposition.rotary import RotaryDecomposition, _energies, _overall, band_forms, whiten_forms
+from collab_attn.decomposition.rotary_cp import RotaryDecomposition, _energies, _overall, band_forms, whiten_forms
 
 
 @dataclass

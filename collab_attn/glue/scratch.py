@@ -1,10 +1,10 @@
 """Training from scratch on a GLUE classification task: is collaborative attention a drop-in replacement for
 concatenated heads?
 
-``run_sweep`` trains ``ScratchForSequenceClassification`` (``collab_attn.models.scratch``) for every (attention, key
-size, seed) with one recipe through ``collab_attn.training.train`` (Hugging Face ``Trainer``: AdamW, linear warmup
-then linear decay, gradient clipping; the dev split is evaluated every ``eval_steps`` and at the start and end, and
-the learning curve is read from the Trainer's log history). Each run writes one JSON (atomically) when it has
+``run_sweep`` trains ``ScratchForSequenceClassification`` (``collab_attn.models.scratch_classifier``) for every
+(attention, key size, seed) with one recipe through ``collab_attn.training.train`` (Hugging Face ``Trainer``: AdamW,
+linear warmup then linear decay, gradient clipping; the dev split is evaluated every ``eval_steps`` and at the start and
+end, and the learning curve is read from the Trainer's log history). Each run writes one JSON (atomically) when it has
 finished and is skipped when that file exists; with ``checkpoint_every`` an interrupted run continues from its last
 checkpoint. ``write_summary`` turns the runs into ``results.md`` and ``curves.png``. The Hydra entry point is
 ``scripts/train_scratch.py`` (settings: ``configs/scratch.yaml``).
@@ -26,7 +26,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from collab_attn import cli, run_store
 from collab_attn.files import replacing, write_text_atomic
-from collab_attn.models.scratch import ATTENTION_KINDS, ScratchConfig, ScratchForSequenceClassification
+from collab_attn.models.scratch_classifier import ATTENTION_KINDS, ScratchConfig, ScratchForSequenceClassification
 from collab_attn.run_store import RunStore, key_sizes_for, mean_curve, mean_std
 from collab_attn.training import train, training_args
 

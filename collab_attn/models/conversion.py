@@ -38,7 +38,7 @@ from collab_attn.models.hf import (
     put_layers,
 )
 from collab_attn.models.methods import METHODS, PAPER_METHOD, ConversionMethod, get_method
-from collab_attn.models.methods.rotary import rotary_forms
+from collab_attn.models.methods.rotary_collab import rotary_forms
 from collab_attn.models.plan import Calibration, LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import (
     band_forms_of,

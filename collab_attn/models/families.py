@@ -6,7 +6,7 @@ embeddings, so ``Wq_h^T Wk_h`` is what each head's logits are made of; and the r
 and Mistral (grouped key/value heads: head h reads key/value group h // (heads / kv_heads)), whose heads rotate each
 pair of query/key dimensions by its frequency band's angle between the projections: per band, each head's logit form
 is one complex rank-1 matrix, and a conversion that mixes heads within a band keeps the rotation exactly
-(docs/design.md, "Rotary positions"; ``collab_attn.decomposition.rotary``).
+(docs/design.md, "Rotary positions"; ``collab_attn.decomposition.rotary_cp``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from collab_attn.decomposition.rotary import band_forms
+from collab_attn.decomposition.rotary_cp import band_forms
 from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
 from collab_attn.nn.partial_rope import PartialRotaryLatentAttention
@@ -213,7 +213,7 @@ def rotary_grouped_forms(layer: RotaryGroupedQueryAttention) -> BandForms:
 
 
 def partial_rope_forms(layer: PartialRotaryLatentAttention) -> BandForms:
-    """A partial-RoPE latent layer's forms (the measure: ``collab_attn.models.methods.partial_rope``): per band, a
+    """A partial-RoPE latent layer's forms (the measure: ``collab_attn.models.methods.rotary_kv_svd``): per band, a
     kept band is each head's query pair against its group's key pair as complex vectors (it rotates); a dropped band
     is the static real form of the head's two query rows against the two key rows the latent gives back, compared
     as ``N + 0j``. Biases are an input column, as in the original's forms."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The headline rows of the SmolLM2 race (README.md's table, experiments/smollm2/README.md), measured once on the test
 # split (issue 88): the held-out windows after the validation ones, which no choice of recipe read, and the test-only
-# code domain (torch 2.13.0's own source; collab_attn/llm/heldout.py). Every recipe here was chosen on validation
+# code domain (torch 2.13.0's own source; collab_attn/pretrained/heldout.py). Every recipe here was chosen on validation
 # (fitted_2048/runs, fitted/runs); nothing is chosen from what this prints.
 #
 #   bash experiments/smollm2/test_split.sh              # everything, in order (resumable: a finished run is skipped)

@@ -20,7 +20,7 @@ import transformers
 from safetensors.torch import save_file
 
 import collab_attn
-from collab_attn.lm.models import build_model, gpt_config
+from collab_attn.char_lm.models import build_model, gpt_config
 
 FOLDER = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent / "saved_checkpoints"
 ONLY = set(sys.argv[2:])

@@ -1,12 +1,12 @@
 """``cp``, the paper's method: collaborative heads with one mixing vector each, from a CP decomposition of the
 stacked head products (``collab_attn.models.methods.decomposition``); on rotary models, of each frequency band's
-(``collab_attn.models.methods.rotary``)."""
+(``collab_attn.models.methods.rotary_collab``)."""
 
 from __future__ import annotations
 
 from collab_attn.models.methods.base import ConversionMethod, even_split, register
 from collab_attn.models.methods.decomposition import DecompositionOptions, plan_decomposition
-from collab_attn.models.methods.rotary import plan_rotary
+from collab_attn.models.methods.rotary_collab import plan_rotary
 from collab_attn.models.plan import Plan, Request
 
 NAME = "cp"

@@ -33,7 +33,7 @@ import torch
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register
-from collab_attn.models.methods.rotary import rotary_forms
+from collab_attn.models.methods.rotary_collab import rotary_forms
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request, ValueWeights
 from collab_attn.models.products import band_forms_of, original_forms, original_value_forms, relative_error
 

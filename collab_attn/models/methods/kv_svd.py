@@ -10,7 +10,7 @@ raw second moments (the values' means reach the output).
 
 On rotary-position models (Llama, Qwen2, Mistral) it is MHA2MLA whole: ``rope_pairs`` rotary frequency pairs per
 key/value group stay rotary and are cached as they are, the rest of the keys and the values share the latent
-(``collab_attn.models.methods.partial_rope``; the ``rotary-mla`` layer): ``2 rope_pairs kv_heads + rank`` numbers per
+(``collab_attn.models.methods.rotary_kv_svd``; the ``rotary-mla`` layer): ``2 rope_pairs kv_heads + rank`` numbers per
 token and layer."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register, uniform_layout
-from collab_attn.models.methods.partial_rope import partial_rope_layout, plan_partial_rope
+from collab_attn.models.methods.rotary_kv_svd import partial_rope_layout, plan_partial_rope
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
 

@@ -34,7 +34,7 @@ from collab_attn.decomposition.rotary_keys import key_band_svd, thin_rotary_keys
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
-from collab_attn.models.methods.rotary import budget_pairs, rotary_forms, rotary_whitening, with_bias_column
+from collab_attn.models.methods.rotary_collab import budget_pairs, rotary_forms, rotary_whitening, with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.models.products import Factor, HeadForms, original_value_forms, relative_error

@@ -1,7 +1,7 @@
 """``tucker``: collaborative heads with mixing matrices built from a core of ``tucker_core_size`` slices (default: the
 heads), from a Tucker decomposition of the stacked head products (``collab_attn.models.methods.decomposition``); with
 a value rank, the values shared the same way (a Tucker decomposition of the value-output products). On rotary
-models a complex Tucker per frequency band, one core slice per head (``collab_attn.models.methods.rotary``)."""
+models a complex Tucker per frequency band, one core slice per head (``collab_attn.models.methods.rotary_collab``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from collab_attn.models.methods.base import ConversionMethod, even_split, register
 from collab_attn.models.methods.decomposition import DecompositionOptions, plan_decomposition
-from collab_attn.models.methods.rotary import plan_rotary
+from collab_attn.models.methods.rotary_collab import plan_rotary
 from collab_attn.models.plan import Plan, Request
 
 NAME = "tucker"

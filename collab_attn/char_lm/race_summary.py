@@ -1,5 +1,5 @@
 """The conversion race at matched key/value-cache bytes: tables and a plot from ``scripts/convert_lm.py`` runs with
-``cache_fractions`` (``collab_attn.lm.convert``), one folder per seed.
+``cache_fractions`` (``collab_attn.char_lm.convert``), one folder per seed.
 
 Layout read: ``<model folder>/<variant>/seed<N>/runs/*.json``, e.g. ``experiments/kv_cache/shakespeare_cpu/convert/
 seed0/runs/cp-k30-v30.json``; a variant is one way of re-training (``convert``: the plain loss, ``convert_distill``:

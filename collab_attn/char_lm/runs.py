@@ -19,9 +19,8 @@ import torch
 from transformers import default_data_collator
 
 from collab_attn import cli, run_store
-from collab_attn.files import write_text_atomic
-from collab_attn.lm import data as lm_data
-from collab_attn.lm.models import (
+from collab_attn.char_lm import data as lm_data
+from collab_attn.char_lm.models import (
     KINDS,
     MIXING_INITS,
     MODEL_KEYS,
@@ -34,7 +33,8 @@ from collab_attn.lm.models import (
     gpt_config,
     parameter_counts,
 )
-from collab_attn.lm.sampling import sample_text
+from collab_attn.char_lm.sampling import sample_text
+from collab_attn.files import write_text_atomic
 from collab_attn.run_store import RunStore, key_sizes_for
 from collab_attn.tracking import check_logger, make_tracker
 from collab_attn.training import train, training_args

@@ -1,7 +1,7 @@
 """Tables, learning curves and samples of the Tiny Shakespeare runs, from their result JSONs.
 
-Layout read (``experiments/shakespeare_char/``): ``<recipe>/runs/*.json`` (from scratch, ``collab_attn.lm.runs``)
-and ``<recipe>/convert/runs/*.json`` (conversions, ``collab_attn.lm.convert``) for each recipe folder found.
+Layout read (``experiments/shakespeare_char/``): ``<recipe>/runs/*.json`` (from scratch, ``collab_attn.char_lm.runs``)
+and ``<recipe>/convert/runs/*.json`` (conversions, ``collab_attn.char_lm.convert``) for each recipe folder found.
 ``write_summary`` writes ``curves_<recipe>.png`` per recipe and replaces the part of ``results.md`` between
 ``RESULTS_BEGIN`` and ``RESULTS_END`` (appended when missing) with the tables and samples; the rest of that file is
 left as written. The folder's ``README.md`` is written by hand (the current answer) and links ``results.md``.
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from collab_attn import cli
+from collab_attn.char_lm.models import KINDS
+from collab_attn.char_lm.race_summary import LOSS_RESOLUTION
 from collab_attn.files import replacing, write_section
-from collab_attn.lm.models import KINDS
-from collab_attn.lm.race import LOSS_RESOLUTION
 from collab_attn.models.settings import NO_CONVERSION, labels
 from collab_attn.run_store import mean_curve, mean_std, read_results
 from collab_attn.stats import compare_on_shared_seeds, rank

@@ -1,6 +1,6 @@
 """A short distillation of a converted language model from its original: the student (the converted model, every
 weight trainable) learns the original's next-token distributions on the fitting text of both domains
-(``collab_attn.llm.heldout.texts(..., "fit")``), never on the evaluation text. Loss: the KL divergence from the
+(``collab_attn.pretrained.heldout.texts(..., "fit")``), never on the evaluation text. Loss: the KL divergence from the
 original's distribution at temperature 1 (``distillation.DistillationTrainer`` with ``alpha=0``: the teacher alone,
 no labels), through the library's one training path (``training.train``: AdamW, linear decay after warm-up,
 resumable checkpoints).
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from collab_attn.distillation import DistillationTrainer, DistillSettings
-from collab_attn.llm.heldout import DOMAINS, FIT_DOMAINS, texts, windows
+from collab_attn.pretrained.heldout import DOMAINS, FIT_DOMAINS, texts, windows
 from collab_attn.training import TrainingRun, train
 
 TEACHER_ONLY = DistillSettings(alpha=0.0, temperature=1.0)

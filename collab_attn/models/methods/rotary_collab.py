@@ -4,7 +4,7 @@ numbers, values shared by a Tucker decomposition as on any model).
 
 Per frequency band, each head's logit form is one complex rank-1 matrix ``a_hi conj(b_gi)^T`` (its query and key
 pair as complex vectors; a bias is one more input column). A complex CP of each band's stacked head forms
-(``collab_attn.decomposition.rotary``) gives shared query/key pairs that rotate with the band's angle and a complex
+(``collab_attn.decomposition.rotary_cp``) gives shared query/key pairs that rotate with the band's angle and a complex
 mixing number per head and pair: the rotation is kept exactly, whatever the number of pairs. ``rank`` is the shared
 width in numbers, 2 x the pairs; at heads x head_dim every head keeps its own pairs (exact). Below it, the pairs are
 spread over the bands by their energy (``allocate_pairs``). The values stay grouped as the source's, or are shared
@@ -22,14 +22,14 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from collab_attn.decomposition.rotary import (
+from collab_attn.decomposition.rotary_budget import allocate_budget, shared_pairs
+from collab_attn.decomposition.rotary_cp import (
     allocate_pairs,
     band_forms,
     band_spectra,
     rotary_decomposition,
     whiten_forms,
 )
-from collab_attn.decomposition.rotary_budget import allocate_budget, shared_pairs
 from collab_attn.decomposition.rotary_tucker import rotary_tucker
 from collab_attn.decomposition.whitening import whitening_pair
 from collab_attn.models.methods.decomposition import DecompositionOptions, shared_values

@@ -6,7 +6,8 @@ trained model converted by ``collab_attn.reparametrize``.
 - ``models``: the model configs (concatenated heads, reduced-key concatenated heads, collaborative heads);
 - ``runs``: one training run and the sweep, one result JSON per run;
 - ``convert``: the conversion grid on a trained model, before and after a short re-training;
-- ``summary``: tables, learning curves and the README fragments.
+- ``runs_summary``: tables, learning curves and the README fragments;
+- ``race_summary``: the cache race's tables and plot.
 
 Nothing in the library imports this package; the scripts do (``scripts/train_lm.py``, ``scripts/convert_lm.py``).
 """

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from collab_attn.lm.models import KINDS, cache_bytes, gpt_config, parameter_counts
+from collab_attn.char_lm.models import KINDS, cache_bytes, gpt_config, parameter_counts
 
 REACH = 0.1  # a size counts as matching when its ratio is within 10% of the target fraction
 # Every attention option, and collaborative heads that share their values too at value_size = key_size.

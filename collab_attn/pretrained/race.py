@@ -1,11 +1,12 @@
 """The key/value-cache race on a pretrained rotary decoder (SmolLM2-135M): each conversion at a fraction of the
-original's cache, without retraining or after a short distillation from the original (``collab_attn.llm.distill``),
-measured against the original on held-out text (``collab_attn.llm.heldout``) and on a fixed set of prompts, one
-result file per run (resumable: a finished run is skipped), and a summary table and plot. The summary's verdicts
-(``verdicts_markdown``) come from ``collab_attn.stats``: a paired bootstrap over the held-out windows, and the
-spread over calibration samples where there are several.
+original's cache, without retraining or after a short distillation from the original
+(``collab_attn.pretrained.distill``), measured against the original on held-out text
+(``collab_attn.pretrained.heldout``) and on a fixed set of prompts, one result file per run (resumable: a finished run
+is skipped), and a summary table and plot. The summary's verdicts (``verdicts_markdown``) come from
+``collab_attn.stats``: a paired bootstrap over the held-out windows, and the spread over calibration samples where there
+are several.
 
-Each run is measured on one split of the held-out text (``collab_attn.llm.heldout``): ``validation``, where every
+Each run is measured on one split of the held-out text (``collab_attn.pretrained.heldout``): ``validation``, where every
 choice of recipe is made (``<out>/runs/``, ``<out>/summary.md``: the runs so far, whose files have no ``split``), or
 ``test``, read once to report (``<out>/test/runs/``, ``<out>/test/summary.md``: ``split_dir``). A run file records its
 split; runs of different splits are never resumed as one another nor compared (``run_entry``, ``summary_markdown`` and
@@ -31,8 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.files import replacing, write_text_atomic
-from collab_attn.llm.answers import PROMPTS, answer_agreement, answers
-from collab_attn.llm.heldout import DOMAINS, EVALUATION_SPLITS, FIT_DOMAINS, TEST_DOMAINS, agreement
+from collab_attn.pretrained.answers import PROMPTS, answer_agreement, answers
+from collab_attn.pretrained.heldout import DOMAINS, EVALUATION_SPLITS, FIT_DOMAINS, TEST_DOMAINS, agreement
 
 # What a race's fits read: the fit split of one domain, of several (interleaved), or the original's own samples.
 FIT_TEXTS = {"mixed": DOMAINS, "wikipedia": ("wikipedia",), "shakespeare": ("shakespeare",), "code": ("code",),
@@ -163,7 +164,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     (``collab_attn.layer_sensitivity``), on the first N held-out windows of each domain, into
     ``sensitivity/<name>.json`` and ``.md`` (a finished run is converted again for it, its fits read back).
     ``answer_detail``: also how far it follows the original's answers to the prompts, token by token
-    (``collab_attn.llm.answers.answer_agreement``), into ``answers/<name>.json`` and ``.md`` (the same way).
+    (``collab_attn.pretrained.answers.answer_agreement``), into ``answers/<name>.json`` and ``.md`` (the same way).
     ``split``: the held-out split ``rows`` come from (``validation`` or ``test``), recorded in the run file, which is
     kept in ``split_dir(out_dir, split) / "runs"``; a run file there of another split is refused, not resumed.
     ``export_detail``: also the model exported as the standard checkpoint of its family (``collab_attn.export``)
@@ -250,7 +251,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         e2e = _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original, end_to_end)
     training = None
     if entry.distill_tokens:
-        from collab_attn.llm.distill import distill
+        from collab_attn.pretrained.distill import distill
 
         fitting = fit_rows(entry.distill_tokens)
         run = distill(model, original, fitting, out_dir / "checkpoints" / entry.name, batch)

@@ -30,7 +30,7 @@ RUN_KEYS = ("name", "entry", "domains")
 
 
 def text_files(glue_dir, shakespeare) -> dict[str, Path]:
-    """The files the race's fitting and held-out texts are read from (``collab_attn.llm.heldout.texts``)."""
+    """The files the race's fitting and held-out texts are read from (``collab_attn.pretrained.heldout.texts``)."""
     glue = Path(glue_dir)
     return {"QNLI/dev.tsv": glue / "QNLI" / "dev.tsv", "RTE/train.tsv": glue / "RTE" / "train.tsv",
             "MRPC/train.tsv": glue / "MRPC" / "train.tsv", "shakespeare": Path(shakespeare)}
@@ -93,8 +93,8 @@ def check_conversions(args, config) -> None:
     """The conversions the command asks for, against the model's config (on the meta device, no weights read): each
     ``--extra`` converts as given, ``--allocate`` has at least 4 numbers per token and layer to share, and the
     command has at least one conversion (a budget no method reaches leaves only the original)."""
-    from collab_attn.llm.race import entries_at
     from collab_attn.models.conversion import check_request
+    from collab_attn.pretrained.race import entries_at
 
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -135,7 +135,7 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
     """Every block of fitting tokens the options ask for, made into windows (``fit_windows``) before the model is
     loaded: a fitting text too short for one is refused naming the option, and so is an end-to-end check (or
     held-out part) that the fit's own tokens cannot hold. Returns the windows by (tokens, length)."""
-    from collab_attn.llm.distill import fit_windows
+    from collab_attn.pretrained.distill import fit_windows
 
     options = {}
     if args.calibration_tokens:
@@ -150,7 +150,7 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
             _check_end_to_end(args, {(tokens, length): range(-(-tokens // length))
                                      for tokens, length in fitting_blocks(args)})
         return made
-    from collab_attn.llm.race import FIT_TEXTS
+    from collab_attn.pretrained.race import FIT_TEXTS
 
     domains = FIT_TEXTS[getattr(args, "fit_text", "mixed")]
     for tokens, length in fitting_blocks(args):
@@ -216,7 +216,7 @@ def check_identity(args, identity: dict, model, rows: dict[str, torch.Tensor]) -
     records its identity already."""
     import json
 
-    from collab_attn.llm.heldout import fingerprint
+    from collab_attn.pretrained.heldout import fingerprint
 
     if check_folder_identity(args.out, identity):
         return True

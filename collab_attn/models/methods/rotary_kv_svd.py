@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
-from collab_attn.models.methods.rotary import with_bias_column
+from collab_attn.models.methods.rotary_collab import with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
 from collab_attn.nn.partial_rope import default_rope_pairs, dimension_order

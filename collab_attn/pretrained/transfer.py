@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from collab_attn.llm.race import one_split
+from collab_attn.pretrained.race import one_split
 from collab_attn.stats import window_bootstrap
 
 GENERAL = ("own", "all", "mixed")  # fitting texts that are no single evaluation domain's

@@ -234,7 +234,7 @@ def evaluation_windows(tokenizer, domain: str, split: str, length: int, count: i
     if split not in EVALUATION_SPLITS:
         raise ValueError(f"split={split!r}: evaluation windows come from 'validation' (every choice of recipe is "
                          "made there) or 'test' (read once, to report); the fit text is windowed by "
-                         "collab_attn.llm.distill.fit_windows")
+                         "collab_attn.pretrained.distill.fit_windows")
     text = texts(domain, split, glue_dir, shakespeare)
     if count is None:
         count = window_count(tokenizer, text, length)

@@ -1,7 +1,7 @@
 """Convert a trained character model (concatenated heads) at smaller query/key sizes, then re-train it briefly.
 
 For each method and key size: load the trained model, convert it with ``collab_attn.reparametrize``, measure the
-validation loss (the fixed validation blocks of ``collab_attn.lm.data``), re-train it for ``retrain_fraction`` of
+validation loss (the fixed validation blocks of ``collab_attn.char_lm.data``), re-train it for ``retrain_fraction`` of
 the recipe's iterations (same recipe otherwise: warm-up, cosine schedule over the shorter run, batch, clipping;
 training blocks drawn with ``seed + 1``, evaluation every quarter of the re-training) and sample text with the
 cache before and after. Methods (``collab_attn.models.settings.labels``): every conversion method
@@ -32,11 +32,9 @@ from transformers import default_data_collator
 
 import collab_attn
 from collab_attn import cli
-from collab_attn.distillation import DistillationTrainer, DistillSettings
-from collab_attn.fitting.calibration import collect_calibration
-from collab_attn.lm import data as lm_data
-from collab_attn.lm.models import cache_bytes, parameter_counts
-from collab_attn.lm.runs import (
+from collab_attn.char_lm import data as lm_data
+from collab_attn.char_lm.models import cache_bytes, parameter_counts
+from collab_attn.char_lm.runs import (
     check_model_settings,
     checked_corpus,
     learning_curve,
@@ -44,7 +42,9 @@ from collab_attn.lm.runs import (
     trainer_fields,
     use_bf16,
 )
-from collab_attn.lm.sampling import sample_text
+from collab_attn.char_lm.sampling import sample_text
+from collab_attn.distillation import DistillationTrainer, DistillSettings
+from collab_attn.fitting.calibration import collect_calibration
 from collab_attn.models.checkpoints import resolve_model
 from collab_attn.models.conversion import check_request
 from collab_attn.models.importance import head_importance
