@@ -754,8 +754,9 @@ def claims_transfer() -> None:
         words = [verdict(test + a, test + b, d) for d in four]
         quote = f"| {label} | " + " | ".join(f"{{:.3g}}x [{{:.3g}}x, {{:.3g}}x] {w}" for w in words) + " |"
         claim(P, quote, *(boot(test + a, test + b, d) for d in four))
-    claim(P, "the three\ndomains' text {:.3f}x / {:.3f}x / {:.3f}x, own samples {:.3f}x / {:.3f}x / {:.3f}x, the race's "
-          "text {:.3f}x / {:.3f}x /\n{:.3f}x", ppl(val + every, *three), ppl(val + own, *three), ppl(val + mixed, *three))
+    claim(P, "the three\ndomains' text {:.3f}x / {:.3f}x / {:.3f}x, own samples {:.3f}x / {:.3f}x / {:.3f}x, the "
+          "race's text {:.3f}x / {:.3f}x /\n{:.3f}x",
+          ppl(val + every, *three), ppl(val + own, *three), ppl(val + mixed, *three))
     # section 2
     stage = "{:.3f}x / {:.3f}x / {:.3f}x"
     for label, suffix in (("| calibrated on 16,384 tokens | none | ", "-calibrated16384"),
