@@ -777,6 +777,17 @@ def claims_transfer() -> None:
     claim(P, "the layer fit takes code from {:.3f}x to {:.3f}x, the end\n  to end fit to {:.3f}x; on own text, from "
           "{:.3f}x to {:.3f}x", ppl(calibrated + ".json", "code"), ppl(calibrated + "-fitted150.json", "code"),
           ppl(val + mixed, "code"), ppl(calibrated + "-textown.json", "code"), ppl(val + own, "code"))
+    # section 4
+    one = "experiments/transfer/one_call/"
+    claim(P, "the same end-to-end loss, {:.4f} before and {:.4f} after (the race's run: {:.4f} and\n{:.4f})",
+          field(one + "reparam_report.json", "end_to_end.loss_before", "end_to_end.loss_after"),
+          field(val + own, "end_to_end.loss_before", "end_to_end.loss_after"))
+    claim(P, "It took {:,.0f} s of wall time on the 2-core CPU", field(one + "timing.json", "wall_seconds"))
+    claim(P, "{:.0f} s sampling the {:,.0f} tokens of own text", field(one + "timing.json", "sampling_seconds"),
+          formula(lambda r: [(r["end_to_end"]["steps"] + 4) * 4 * 255], one + "reparam_report.json"))
+    claim(P, "then {:.0f} s of layer fit and\n{:.0f} s of end-to-end fit alone",
+          field(one + "reparam_report.json", "fit.seconds", "end_to_end.seconds"))
+    cited(P, "the issue's 20-minute aim", "the aim of issue 91")
     # section 3
     claim(P, "(the three-domain fit: {:.3f}x on code, {:.3f}x on\n  wikipedia)", ppl(test + every, "code", "wikipedia"))
     claim(P, "is {:.2f}x better than own text there, and its perplexity on Shakespeare {:.3f}x the "
@@ -805,6 +816,8 @@ def claims_readme_transfer() -> None:
 
     claim(P, "fitted on those two and Python source, at most {:.3f}x on any of the four\n  domains ({:.3f}x on the "
           "documentation", worst(test + "-textall.json"), ppl(test + "-textall.json", "docs"))
+    claim(P, "`export` took {:,.0f} s on the project's 2-core CPU",
+          field("experiments/transfer/one_call/timing.json", "wall_seconds"))
     claim(P, "fitted on when no text is given), at most {:.3f}x on any of the four domains",
           worst(test + "-textown.json"))
 
