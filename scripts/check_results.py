@@ -757,11 +757,11 @@ def claims_transfer() -> None:
     claim(P, "the three\ndomains' text {:.3f}x / {:.3f}x / {:.3f}x, own samples {:.3f}x / {:.3f}x / {:.3f}x, the "
           "race's text {:.3f}x / {:.3f}x /\n{:.3f}x",
           ppl(val + every, *three), ppl(val + own, *three), ppl(val + mixed, *three))
-    code = val + f"{name}-textcode.json"
-    claim(P, "Fitted on code alone (validation only; its test run was stopped to time section 4's command): "
-          "{:.3f}x / {:.3f}x /\n{:.3f}x", ppl(code, *three))
-    claim(P, "On code it ties the three-domain fit ({:.3f}x [{:.3f}, {:.3f}] of its perplexity",
-          boot(code, val + every, "code"))
+    code = f"{name}-textcode.json"
+    claim(P, "Fitted on code alone: on test {:.3f}x / {:.3f}x / {:.3f}x / {:.3f}x (validation: {:.3f}x / {:.3f}x / "
+          "{:.3f}x)", ppl(test + code, *four), ppl(val + code, *three))
+    claim(P, "ties the three-domain fit, on test {:.3f}x [{:.3f}, {:.3f}] of its perplexity and on validation {:.3f}x "
+          "[{:.3f}, {:.3f}]", boot(test + code, test + every, "code"), boot(val + code, val + every, "code"))
     # section 2
     stage = "{:.3f}x / {:.3f}x / {:.3f}x"
     for label, suffix in (("| calibrated on 16,384 tokens | none | ", "-calibrated16384"),
