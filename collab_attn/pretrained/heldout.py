@@ -107,11 +107,16 @@ def code_text(root: str | Path | None = None, split: str = "test") -> str:
         raise ValueError(f"the code domain's {split} split reads {', '.join(files)} under {root}: {missing[0]} is "
                          "missing (it needs torch==2.13.0, pinned in pyproject.toml)")
     text = "".join((root / name).read_text(encoding="utf-8") for name in files)
+    return _pinned(text, sha256, f"the code domain's {split} text ({', '.join(files)} under {root}, torch "
+                   f"{torch.__version__})", "torch==2.13.0 that every code measurement read; install the pinned "
+                   "torch (pyproject.toml)")
+
+
+def _pinned(text: str, sha256: str, what: str, expected: str) -> str:
+    """``text`` when its SHA-256 is ``sha256``; else refused, naming ``what`` it is and the ``expected`` text."""
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     if digest != sha256:
-        raise ValueError(f"the code domain's {split} text ({', '.join(files)} under {root}, torch "
-                         f"{torch.__version__}) has SHA-256 {digest}, not {sha256}: it is not the text of "
-                         "torch==2.13.0 that every code measurement read; install the pinned torch (pyproject.toml)")
+        raise ValueError(f"{what} has SHA-256 {digest}, not {sha256}: it is not the text of {expected}")
     return text
 
 
@@ -121,12 +126,8 @@ def docs_text(topics: dict[str, str] | None = None) -> str:
     if topics is None:
         from pydoc_data.topics import topics
     text = "\n\n".join(topics[name] for name in sorted(topics))
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    if digest != DOCS_SHA256:
-        raise ValueError(f"the docs domain's text (pydoc_data.topics of Python {sys.version.split()[0]}) has SHA-256 "
-                         f"{digest}, not {DOCS_SHA256}: it is not the Python 3.11.7 language reference that every docs "
-                         "measurement read; run under Python 3.11.7")
-    return text
+    return _pinned(text, DOCS_SHA256, f"the docs domain's text (pydoc_data.topics of Python {sys.version.split()[0]})",
+                   "the Python 3.11.7 language reference that every docs measurement read; run under Python 3.11.7")
 
 
 def _evaluation_parts(domain: str, glue_dir, shakespeare) -> tuple[str, str, str]:
