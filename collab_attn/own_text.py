@@ -10,6 +10,8 @@ cuts the stream into windows that start with the beginning-of-text token, as
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tqdm.auto import tqdm
 
@@ -88,6 +90,7 @@ def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch:
         raise ValueError("the tokenizer has neither a padding nor an end-of-text token to pad prompts with")
     body = length - 1
     needed = body * count
+    cycle = prompts(tokenizer, 2 * math.lcm(len(REQUESTS), len(OPENINGS)))  # every prompt in order, tokenized once
     stream: list[int] = []
     was_training = model.training
     model.eval()
@@ -97,7 +100,7 @@ def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch:
     try:
         with tqdm(total=needed, desc="sampling the model's own text", unit="tok", disable=not progress) as bar:
             while len(stream) < needed:
-                batch_prompts = prompts(tokenizer, done + batch)[done:]
+                batch_prompts = [cycle[(done + i) % len(cycle)] for i in range(batch)]
                 for sample in _sample(model, batch_prompts, length, pad, eos):
                     stream += sample
                 done += batch
