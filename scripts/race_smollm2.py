@@ -306,9 +306,9 @@ def main(argv=None) -> None:
     parser.add_argument("--fit-text", default="mixed", choices=sorted(FIT_TEXTS),
                         help="what every fit reads (calibration, layer fit, end to end, distillation): 'mixed' "
                              "(default: the wikipedia and shakespeare fit splits, interleaved), one domain's fit split "
-                             "('wikipedia', 'shakespeare', 'code'), 'all' three interleaved, or 'own': the original's "
-                             "own samples (collab_attn.own_text; kept in <out>/own_text/). Runs named -text<name> "
-                             "unless mixed")
+                             "('wikipedia', 'shakespeare', 'code'), 'all' three interleaved, 'own': the original's "
+                             "own samples (collab_attn.own_text; kept in <out>/own_text/), or 'every': own samples "
+                             "and the three, a quarter each. Runs named -text<name> unless mixed")
     parser.add_argument("--domains", nargs="+", default=None, choices=TEST_DOMAINS,
                         help="the held-out domains to measure (default: wikipedia and shakespeare on validation, "
                              "every domain on test; docs has a test split only)")
@@ -402,7 +402,7 @@ def main(argv=None) -> None:
     import transformers
 
     from collab_attn.models.checkpoints import resolve_model
-    from collab_attn.pretrained.distill import fit_windows, own_fit_windows
+    from collab_attn.pretrained.distill import own_fit_windows, text_windows
     from collab_attn.pretrained.race import split_dir
 
     folder = resolve_model(args.model)
@@ -430,15 +430,17 @@ def main(argv=None) -> None:
         except ValueError as error:
             parser.error(str(error))
 
+    texts = FIT_TEXTS[args.fit_text]
+
+    def own(count, length):  # sampled once, as many as the longest block of this length asks for
+        most = max([count] + [-(-t // (len(texts) * length)) for t, n in race_inputs.fitting_blocks(args)
+                              if n == length])
+        return own_fit_windows(original, tokenizer, length, most * length, args.out / "own_text")[:count]
+
     def fit_rows(tokens, length=args.length):
         if (tokens, length) not in fitting:
-            if args.fit_text == "own":  # sampled once, as many as the longest block of this length asks for
-                most = max([tokens] + [t for t, n in race_inputs.fitting_blocks(args) if n == length])
-                fitting[tokens, length] = own_fit_windows(original, tokenizer, length, most, args.out / "own_text")[
-                    :-(-tokens // length)]
-            else:
-                fitting[tokens, length] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens,
-                                                      FIT_TEXTS[args.fit_text])
+            fitting[tokens, length] = text_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens, texts,
+                                                   lambda count: own(count, length))
         return fitting[tokens, length]
 
     def calibration_rows():

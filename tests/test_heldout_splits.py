@@ -306,3 +306,28 @@ def test_the_race_script_measures_the_test_split_apart(tmp_path, smollm2_tokeniz
     assert "(test split)" in summary and "from the test split, read once" in summary and "## code" in summary
     assert (tmp_path / "race" / "test" / "perplexity.png").is_file()
     assert "from the validation split" in (tmp_path / "race" / "summary.md").read_text()
+
+
+@needs_data
+@pytest.mark.skipif(not PINNED_TORCH, reason="the code domain is the source of torch 2.13.0 (pyproject.toml)")
+def test_a_fitting_text_with_own_samples_interleaves_them_with_the_fit_splits():
+    """--fit-text every: the original's own samples and the three fit splits, a quarter each, one of each in turn;
+    without own samples, the same windows as fit_windows gives."""
+    from collab_attn.pretrained import distill
+
+    tokenizer, length = CharTokenizer(), 16
+    given = []
+
+    def own(count):
+        given.append(count)
+        return torch.full((count, length), 2)
+
+    rows = distill.text_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 130, race.FIT_TEXTS["every"], own)
+    assert given == [3] and rows.shape == (12, length)  # 130 tokens: 3 windows of 16 from each of the four texts
+    assert (rows[0::4] == 2).all() and not (rows[1::4] == 2).all()
+    text = distill.fit_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 3 * 3 * length, heldout.FIT_DOMAINS)
+    assert torch.equal(rows.view(3, 4, length)[:, 1:].flatten(0, 1), text)
+    assert torch.equal(distill.text_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 130, heldout.FIT_DOMAINS),
+                       distill.fit_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 130, heldout.FIT_DOMAINS))
+    with pytest.raises(ValueError, match="name 'own': pass own, what gives the original's own samples"):
+        distill.text_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 130, race.FIT_TEXTS["every"])

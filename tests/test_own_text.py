@@ -75,9 +75,11 @@ def test_bad_requests_are_refused(model, tokenizer, kwargs, message):
         own_windows(model, tokenizer, progress=False, **kwargs)
 
 
-def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path):
+@pytest.mark.parametrize(("text", "sampled"), [("own", 10), ("every", 3)])
+def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path, text, sampled):
     """scripts/race_smollm2.py --fit-text own: the calibration and the end-to-end fit read the original's samples
-    (kept in <out>/own_text/, sampled once for the longest block), and the runs are named -textown."""
+    (kept in <out>/own_text/, sampled once for the longest block), and the runs are named -textown; --fit-text every
+    reads a quarter as many of them, beside the three fit splits."""
     from test_heldout_splits import GLUE_DIR, SHAKESPEARE, needs_data, race_script
 
     if needs_data.args[0]:
@@ -89,14 +91,14 @@ def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path):
     race_script().main(["--out", str(out), "--model", str(folder), "--budgets", "0.5", "--methods", "key-svd",
                         "--windows", "2", "--length", "16", "--threads", "1", "--glue-dir", str(GLUE_DIR),
                         "--shakespeare", str(SHAKESPEARE), "--calibration-tokens", "64", "--fit-steps", "2",
-                        "--e2e-steps", "2", "--e2e-tokens", "128", "--e2e-held-out-tokens", "32", "--fit-text", "own",
-                        "--rows", "e2e2on128held32-textown$"])
+                        "--e2e-steps", "2", "--e2e-tokens", "128", "--e2e-held-out-tokens", "32", "--fit-text", text,
+                        "--rows", f"e2e2on128held32-text{text}$"])
     kept = torch.load(out / "own_text" / "own-len16-seed0.pt")
-    assert kept.shape == (10, 16)  # (128 + 32) / 16 windows, sampled once
-    assert torch.equal(kept, own_windows(model, tokenizer, 16, 10, progress=False))
-    (run,) = [json.loads(p.read_text()) for p in (out / "runs").glob("*-textown.json")]
-    assert run["name"] == "key-svd-k12-v12-calibrated64-fitted2-e2e2on128held32-textown"
-    assert run["entry"]["fit_text"] == "own"
+    assert kept.shape == (sampled, 16)  # (128 + 32) / 16 windows (a quarter of them for every), sampled once
+    assert torch.equal(kept, own_windows(model, tokenizer, 16, sampled, progress=False))
+    (run,) = [json.loads(p.read_text()) for p in (out / "runs").glob(f"*-text{text}.json")]
+    assert run["name"] == f"key-svd-k12-v12-calibrated64-fitted2-e2e2on128held32-text{text}"
+    assert run["entry"]["fit_text"] == text
 
 
 def test_reparametrize_fits_on_own_text_without_texts(model, tokenizer, tmp_path):

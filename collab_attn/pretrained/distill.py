@@ -8,12 +8,13 @@ resumable checkpoints).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from collab_attn.distillation import DistillationTrainer, DistillSettings
-from collab_attn.pretrained.heldout import DOMAINS, FIT_DOMAINS, texts, windows
+from collab_attn.pretrained.heldout import DOMAINS, FIT_DOMAINS, OWN, texts, windows
 from collab_attn.training import TrainingRun, train
 
 TEACHER_ONLY = DistillSettings(alpha=0.0, temperature=1.0)
@@ -30,6 +31,27 @@ def fit_windows(tokenizer, glue_dir, shakespeare, length: int, tokens: int,
     per_domain = -(-tokens // (len(domains) * length))
     parts = [windows(tokenizer, texts(domain, "fit", glue_dir, shakespeare), length, per_domain) for domain in domains]
     return torch.stack(parts, dim=1).flatten(0, 1)
+
+
+def text_windows(tokenizer, glue_dir, shakespeare, length: int, tokens: int, texts: tuple[str, ...],
+                 own: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """Windows of ``length`` tokens from ``texts`` (fit domains, ``FIT_DOMAINS``, and ``OWN``), as many from each,
+    ``tokens`` in all (rounded up to whole windows of every text), interleaved in the order of ``texts``. ``own(n)``
+    gives ``n`` windows of the original's own samples when ``texts`` names ``OWN``."""
+    if not texts:
+        raise ValueError(f"no fitting texts named: choose among {', '.join((OWN, *FIT_DOMAINS))}")
+    count = -(-tokens // (len(texts) * length))  # windows per text
+    domains = tuple(t for t in texts if t != OWN)
+    parts = {}
+    if domains:
+        rows = fit_windows(tokenizer, glue_dir, shakespeare, length, count * len(domains) * length, domains)
+        parts = dict(zip(domains, rows.view(count, len(domains), length).unbind(1)))
+    if OWN in texts:
+        if own is None:
+            raise ValueError(f"the fitting texts {list(texts)} name {OWN!r}: pass own, what gives the original's own "
+                             "samples")
+        parts[OWN] = own(count)
+    return torch.stack([parts[t] for t in texts], dim=1).flatten(0, 1)
 
 
 class _Windows(torch.utils.data.Dataset):

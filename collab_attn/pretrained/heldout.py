@@ -68,6 +68,7 @@ import torch.nn.functional as F
 DOMAINS = ("wikipedia", "shakespeare")  # the race's default fitting mixture and validation domains
 FIT_DOMAINS = (*DOMAINS, "code")  # fitted on, chosen on (validation) and tested on
 TEST_DOMAINS = (*FIT_DOMAINS, "docs")  # docs: the test split only
+OWN = "own"  # a fitting text that is no domain: the original's own samples (collab_attn.own_text)
 SPLITS = ("fit", "validation", "test")
 EVALUATION_SPLITS = ("validation", "test")
 WIKIPEDIA_VALIDATION_SENTENCES = 450  # the first QNLI dev sentences: validation; the rest: test

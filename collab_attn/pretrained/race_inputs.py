@@ -132,10 +132,12 @@ def fitting_blocks(args) -> list[tuple[int, int]]:
 
 
 def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
-    """Every block of fitting tokens the options ask for, made into windows (``fit_windows``) before the model is
+    """Every block of fitting tokens the options ask for, made into windows (``text_windows``) before the model is
     loaded: a fitting text too short for one is refused naming the option, and so is an end-to-end check (or
     held-out part) that the fit's own tokens cannot hold. Returns the windows by (tokens, length)."""
-    from collab_attn.pretrained.distill import fit_windows
+    from collab_attn.pretrained.distill import text_windows
+    from collab_attn.pretrained.heldout import OWN
+    from collab_attn.pretrained.race import FIT_TEXTS
 
     options = {}
     if args.calibration_tokens:
@@ -144,23 +146,18 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
     if args.distill_tokens:
         options.setdefault((args.distill_tokens, args.length), "--distill-tokens")
     made = {}
-    if getattr(args, "fit_text", "mixed") == "own":  # the original's samples: as many as asked, sampled once the
-        # model is loaded; their window counts checked here
-        if args.e2e_steps:
-            _check_end_to_end(args, {(tokens, length): range(-(-tokens // length))
-                                     for tokens, length in fitting_blocks(args)})
-        return made
-    from collab_attn.pretrained.race import FIT_TEXTS
-
-    domains = FIT_TEXTS[getattr(args, "fit_text", "mixed")]
+    texts = FIT_TEXTS[getattr(args, "fit_text", "mixed")]
     for tokens, length in fitting_blocks(args):
+        def own(count, length=length):  # the original's samples are made once it is loaded: their count only here
+            return torch.zeros(count, length, dtype=torch.long)
+
         try:
-            made[tokens, length] = fit_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens, domains)
+            made[tokens, length] = text_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens, texts, own)
         except ValueError as err:
             option = options.get((tokens, length), "--e2e-tokens" + (" + --e2e-held-out-tokens"
                                                                       if tokens != args.e2e_tokens else ""))
             raise cli.BadInput(f"{option}: {tokens:,} fitting tokens in windows of {length}, as many from each of "
-                               f"{', '.join(domains)}, are more than the fitting text holds ({err}); ask for fewer") \
+                               f"{', '.join(texts)}, are more than the fitting text holds ({err}); ask for fewer") \
                 from None
     if args.calibration_tokens and args.calibration_sample:
         blocks = len(made[(args.calibration_sample + 1) * args.calibration_tokens, args.length])
@@ -170,7 +167,7 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
                                f"{args.calibration_sample + 1} samples, less than one each; raise --calibration-tokens")
     if args.e2e_steps:
         _check_end_to_end(args, made)
-    return made
+    return {} if OWN in texts else made  # the original's samples: counted here, made once it is loaded
 
 
 def _check_end_to_end(args, made: dict) -> None:

@@ -16,7 +16,7 @@ from collections import defaultdict
 from collab_attn.pretrained.race import one_split
 from collab_attn.stats import window_bootstrap
 
-GENERAL = ("own", "all", "mixed")  # fitting texts that are no single evaluation domain's
+GENERAL = ("own", "every", "all", "mixed")  # fitting texts that are no single evaluation domain's
 
 
 def _fit_text(run: dict) -> str:

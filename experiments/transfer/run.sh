@@ -7,11 +7,13 @@
 #
 #   bash experiments/transfer/run.sh fit own mixed          # these fitting texts at 1/2 (BUDGET=0.25 for 1/4)
 #   bash experiments/transfer/run.sh stages mixed own       # their calibrated and layer-fitted stages (validation)
+#   E2E_STEPS=128 E2E_TOKENS=131072 bash experiments/transfer/run.sh fit all   # a longer end-to-end fit
 #   python scripts/transfer_table.py experiments/transfer [--split test]   # the tables
 #
 # Fitting texts (scripts/race_smollm2.py --fit-text): own (the original's own samples, collab_attn.own_text; kept in
 # experiments/transfer/own_text/, not committed), all (the wikipedia, shakespeare and code fit splits interleaved),
-# mixed (wikipedia and shakespeare: the race's text so far), wikipedia, shakespeare, code. Resumable: a finished run
+# mixed (wikipedia and shakespeare: the race's text so far), wikipedia, shakespeare, code, every (own samples and the
+# three fit splits, a quarter each). Resumable: a finished run
 # is skipped. One torch thread per command; two commands side by side on the project's 2-core CPU took about 30-35
 # minutes per fitting text (both splits).
 set -euo pipefail
@@ -24,8 +26,9 @@ recipe=(--out experiments/transfer --budgets "${BUDGET:-0.5}" --methods key-svd 
 for text in "$@"; do
   case "$what" in
     fit)
-      e2e=("${recipe[@]}" --e2e-steps 32 --e2e-tokens 32768 --e2e-held-out-tokens 4096 --fit-text "$text"
-           --rows 'e2e32on32768held4096(-text[a-z]+)?$')
+      steps=${E2E_STEPS:-32} tokens=${E2E_TOKENS:-32768}
+      e2e=("${recipe[@]}" --e2e-steps "$steps" --e2e-tokens "$tokens" --e2e-held-out-tokens 4096 --fit-text "$text"
+           --rows "e2e${steps}on${tokens}held4096(-text[a-z]+)?\$")
       "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --domains wikipedia shakespeare code
       "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --split test --windows 32 ;;
     stages)
