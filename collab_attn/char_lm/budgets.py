@@ -18,12 +18,15 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from collab_attn.char_lm.models import KINDS, cache_bytes, gpt_config, parameter_counts
+from collab_attn.char_lm.kinds import ATTENTION
+from collab_attn.char_lm.models import cache_bytes, gpt_config, parameter_counts
 
 REACH = 0.1  # a size counts as matching when its ratio is within 10% of the target fraction
-# Every attention option, and collaborative heads that share their values too at value_size = key_size.
+# Every attention option, and collaborative heads that share their values too at value_size = key_size: each variant
+# as the kind it builds and whether its values take the keys' size.
 SHARED_VALUES = "collab-kv"
-VARIANTS = (*KINDS, SHARED_VALUES)
+_BUILDS = {**{name: (kind, False) for name, kind in ATTENTION.items()}, SHARED_VALUES: (ATTENTION["collab"], True)}
+VARIANTS = tuple(_BUILDS)
 
 
 @dataclass(frozen=True)
@@ -47,19 +50,8 @@ class Match:
 
 def candidate_sizes(kind: str, n_embd: int, n_head: int, positions: str = "learned") -> list[int]:
     """Every ``key_size`` a variant takes at this width (``positions="rope"``: as a rotary model takes it)."""
-    head_dim = n_embd // n_head
-    rope = positions == "rope"
-    if kind == "concat":
-        return [n_embd] if rope else list(range(n_head, n_embd + 1, n_head))
-    if kind == "mqa":
-        return [head_dim]
-    if kind == "gqa":
-        return [kv * head_dim for kv in range(1, n_head + 1) if n_head % kv == 0]
-    if kind == "tpa":  # ranks, up to where the factors cache more than the heads they make
-        return list(range(1, head_dim * n_head // (head_dim + n_head) + 1))
-    if rope and kind in ("collab", SHARED_VALUES):
-        return list(range(2, n_embd + 1, 2))  # query/key pairs
-    return list(range(1, n_embd + 1))  # collab, collab-kv, mla
+    attention, _ = _BUILDS[kind]
+    return attention.key_sizes(n_embd, n_head, positions == "rope")
 
 
 def sized(kind: str, key_size: int, model: dict, positions: str = "learned") -> Sized:
@@ -72,10 +64,9 @@ def sized(kind: str, key_size: int, model: dict, positions: str = "learned") -> 
 @functools.cache
 def _sized(kind: str, key_size: int, model_items: tuple, positions: str) -> Sized:
     model = dict(model_items, positions=positions)
-    if kind == SHARED_VALUES:
-        config = gpt_config(2, 8, **model, kind="collab", key_size=key_size, value_size=key_size)
-    else:
-        config = gpt_config(2, 8, **model, kind=kind, key_size=key_size)
+    attention, shares_values = _BUILDS[kind]
+    config = gpt_config(2, 8, **model, kind=attention.name, key_size=key_size,
+                        value_size=key_size if shares_values else None)
     with torch.device("meta"):
         built = transformers.AutoModelForCausalLM.from_config(config)
     return Sized(kind, key_size, cache_bytes(built), parameter_counts(built)["attention_params"])
@@ -85,7 +76,7 @@ def all_sizes(model: dict, kinds: Sequence[str] | None = None, positions: str = 
     """Every size of every variant for ``model`` (``n_layer``, ``n_head``, ``n_embd``, ``dropout``); by default
     every variant the positions take (tensor product attention needs rotary ones)."""
     if kinds is None:
-        kinds = [kind for kind in VARIANTS if positions == "rope" or kind != "tpa"]
+        kinds = [kind for kind, (attention, _) in _BUILDS.items() if positions == "rope" or not attention.needs_rope]
     return {kind: [sized(kind, k, model, positions)
                    for k in candidate_sizes(kind, model["n_embd"], model["n_head"], positions)]
             for kind in kinds}

@@ -20,16 +20,13 @@ from transformers import default_data_collator
 
 from collab_attn import cli, run_store
 from collab_attn.char_lm import data as lm_data
+from collab_attn.char_lm.kinds import ATTENTION, KINDS, MIXING_INITS
 from collab_attn.char_lm.models import (
-    KINDS,
-    MIXING_INITS,
     MODEL_KEYS,
     POSITIONS,
     ROPE_THETA,
-    TPA_QUERY_RANK,
     build_model,
     cache_bytes,
-    default_key_size,
     gpt_config,
     parameter_counts,
 )
@@ -94,17 +91,12 @@ def run_name(kind: str, key_size: int, seed: int, mixing_init: str = "random", v
     rotary key (``-r<rope_dim>``, its default resolved from ``head_dim``) and tensor product attention's value and
     query ranks (``-v``, ``-q``) always named. ``rope_theta`` is not in the name: the run's signature records it, so
     a stored run made with another theta is refused rather than reused."""
-    mixing = "-ones" if kind == "collab" and mixing_init == "ones" else ""
-    if kind == "tpa":
-        value_size = key_size if value_size is None else value_size
-    values = "" if value_size is None else f"-v{value_size}"
-    extra = ""
-    if positions == "rope" and kind == "mla":
-        extra = f"-r{head_dim // 2 if rope_dim is None else rope_dim}"
-    if kind == "tpa":
-        extra = f"-q{TPA_QUERY_RANK if query_rank is None else query_rank}"
+    attention = ATTENTION[kind]
+    mixing = "-ones" if "mixing_init" in attention.takes and mixing_init == "ones" else ""
+    named = attention.named_sizes(key_size, value_size, rope_dim, query_rank, head_dim, positions == "rope")
+    sizes = "".join(f"-{letter}{size}" for letter, size in named.items() if size is not None)
     prefix = "rope-" if positions == "rope" else ""
-    return f"{prefix}{kind}{mixing}-k{key_size}{values}{extra}-seed{seed}"
+    return f"{prefix}{kind}{mixing}-k{key_size}{sizes}-seed{seed}"
 
 
 def name_of(settings: dict, kind: str, key_size: int, seed: int) -> str:
@@ -164,7 +156,8 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     """Train one variant (or read its stored result) and return its record."""
     out = Path(settings["output_dir"])
     shape = shape_of(settings)
-    mixing, values = shape["mixing_init"], shape["value_size"]
+    mixing = shape["mixing_init"] if "mixing_init" in ATTENTION[kind].takes else None
+    values = shape["value_size"]
     name = name_of(settings, kind, key_size, seed)
     store = RunStore(out, signature(settings))
     record = store.finished(name)
@@ -182,7 +175,7 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     train_seconds = run.seconds - eval_seconds
     best = min(curve, key=lambda p: p["val_loss"])
     record = {
-        "name": name, "attention": kind, "key_size": key_size, "mixing_init": mixing if kind == "collab" else None,
+        "name": name, "attention": kind, "key_size": key_size, "mixing_init": mixing,
         **({} if values is None else {"value_size": values}),
         **({} if shape["positions"] == "learned" else {"positions": "rope", **rotary_sizes(model)}),
         "seed": seed, "recipe": settings.get("recipe_name"), "signature": store.signature,
@@ -246,13 +239,13 @@ def runs_of(settings: dict) -> list[tuple[str, int, int]]:
     key = cli.positive_int("key_size", settings["key_size"], nullable=True)
     kind, model = cli.choice("attention", settings["attention"], KINDS), settings["model"]
     key = size_alias(settings, kind, model, key)
-    key = default_key_size(kind, model["n_embd"], model["n_head"]) if key is None else key
+    key = ATTENTION[kind].default_key_size(model["n_embd"], model["n_head"]) if key is None else key
     return [(kind, key, cli.integer("seed", settings["seed"], 0))]
 
 
 # The sizes that name a variant's cache width in its own terms: grouped-query attention's number of key/value heads
-# (key_size = kv_heads x head size) and latent attention's latent width (key_size itself).
-SIZE_ALIASES = {"kv_heads": "gqa", "latent_size": "mla"}
+# and latent attention's latent width (each kind's ``size_alias``).
+SIZE_ALIASES = {kind.size_alias: name for name, kind in ATTENTION.items() if kind.size_alias}
 
 
 def size_alias(settings: dict, kind: str, model: dict, key_size: int | None) -> int | None:
@@ -262,10 +255,10 @@ def size_alias(settings: dict, kind: str, model: dict, key_size: int | None) -> 
         value = cli.positive_int(name, settings.get(name), nullable=True)
         if value is None:
             continue
-        if kind != owner:
+        if ATTENTION[kind].size_alias != name:
             raise cli.BadInput(f"{name}={value} is a size of attention={owner}, not of attention={kind}; remove it "
                                "or set key_size")
-        size = value * (model["n_embd"] // model["n_head"]) if name == "kv_heads" else value
+        size = ATTENTION[owner].key_size_from(value, model["n_embd"] // model["n_head"])
         if key_size is not None and key_size != size:
             raise cli.BadInput(f"{name}={value} means key_size={size}, but key_size={key_size} is set; give one")
         key_size = size

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from collab_attn import cli
-from collab_attn.char_lm.models import KINDS
+from collab_attn.char_lm.kinds import KINDS
 from collab_attn.char_lm.race_summary import LOSS_RESOLUTION
 from collab_attn.files import replacing, write_section
 from collab_attn.models.settings import NO_CONVERSION, labels
