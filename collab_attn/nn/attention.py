@@ -339,6 +339,28 @@ class _Attention(nn.Module):
         counts = self.parameter_counts()
         return sum(counts.get(part, 0) for part in QUERY_KEY_PARTS)
 
+    def forward(
+        self,
+        query_states: torch.Tensor,
+        key_value_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache=None,
+        **positions,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(output, weights or None)`` from the inputs the module docstring describes: the layer's own attention
+        (``_context``), then the output projection. ``positions``: the keywords of the rotary kinds
+        (``collab_attn.nn.rotary._RotaryAttention``); the others take none."""
+        context, weights = self._context(query_states, key_value_states, attention_mask, is_causal, need_weights,
+                                         kv_cache, **positions)
+        return self._finish(context), weights
+
+    def _context(self, query_states, key_value_states, attention_mask, is_causal, need_weights, kv_cache):
+        """The context (B, T, width) before the output projection and the weights (B, H, T, S), or None where they
+        were not asked for."""
+        raise NotImplementedError
+
     def _keys_values_mask(self, query_states, key_value_states, attention_mask, is_causal, kv_cache,
                           scale_content: bool = True, build_mask: bool = True):
         """Keys, values, the additive mask over every key the queries attend to, and the content logits (B, H, 1, S)
@@ -414,22 +436,13 @@ class MultiHeadAttention(_Attention):
         self.key = nn.Linear(self.kv_dim, num_heads * query_key_head_dim, bias=query_key_bias)
         self.content_bias = nn.Linear(self.kv_dim, num_heads, bias=False) if content_bias else None
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _context(self, query_states, key_value_states, attention_mask, is_causal, need_weights, kv_cache):
         keys, values, mask, content = self._keys_values_mask(
             query_states, key_value_states, attention_mask, is_causal, kv_cache
         )
         queries = self._key_heads(self.query(query_states))
         bias = _plus(mask, content)
-        context, weights = attend(queries, keys, values, bias, self.scale, self._dropout(), need_weights)
-        return self._finish(context), weights
+        return attend(queries, keys, values, bias, self.scale, self._dropout(), need_weights)
 
     def _key_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, H * k) -> (B, H, S, k)."""
@@ -557,15 +570,7 @@ class CollaborativeAttention(_Attention):
         self._built_mixing[side] = (mixing.detach(), core.detach(), versions, built)
         return built
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _context(self, query_states, key_value_states, attention_mask, is_causal, need_weights, kv_cache):
         batch, tgt_len, _ = query_states.shape
         # a decoding step that may go through the Triton kernels: they scale the content logits as they read them
         maybe_triton = (not need_weights and tgt_len == 1 and query_states.dtype in triton_kernels.DTYPES
@@ -596,7 +601,7 @@ class CollaborativeAttention(_Attention):
             # a decoding step on the CPU: the scores in one pass over the shared keys (cpu_kernels), (B, H, T, D)
             context, weights = self._through_cpu_kernels(shared_queries, keys, values, _plus(mask, content)), None
         elif not need_weights and not shared_values and _blocks_pay(shared_queries, keys, values, self.num_heads):
-            return self._finish(self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2)), None
+            return self._in_cpu_blocks(shared_queries, keys, values, mask, content).flatten(2), None
         elif not need_weights and shared_values and (prompt or _fused_pays(shared_queries, keys, values)):
             # every head attends over the one shared key/value head: multi-query attention, its heads stacked as
             # the query rows of one head through the fused kernel, which reads the cache once (B, T, H, D_v); a
@@ -613,7 +618,7 @@ class CollaborativeAttention(_Attention):
             context = torch.einsum("bhtv,hv->btv", context, self.value_mixing)
         else:
             context = context.transpose(1, 2).reshape(batch, tgt_len, -1)
-        return self._finish(context), (weights if need_weights else None)
+        return context, (weights if need_weights else None)
 
     def _mixed(self, shared_queries: torch.Tensor) -> torch.Tensor:
         """Each head's queries (B, H, T, rank) from the shared ones (B, T, rank): q_t (scale * M_h), M_h = diag(m_h)

@@ -103,9 +103,9 @@ def given_positions(module: nn.Module, position_embeddings) -> tuple[torch.Tenso
 
 
 class _RotaryAttention(_SharedKeyValueAttention):
-    """The forward every rotary kind runs: its keys and values as the cache holds them (rotated at the keys'
-    positions), the cache, the mask over every key, then its attention at the queries' positions. Nothing reaches
-    the cache before the positions are there.
+    """The forward every rotary kind runs (``_context``, under ``_Attention.forward``): its keys and values as the
+    cache holds them (rotated at the keys' positions), the cache, the mask over every key, then its attention at the
+    queries' positions. Nothing reaches the cache before the positions are there.
 
     A kind gives ``_keys_values(keys_from, key_positions) -> (keys, values)`` and ``_attend(query_states,
     position_embeddings, keys, values, mask, causal, need_weights) -> (context (B, T, width), weights or None)``,
@@ -114,23 +114,15 @@ class _RotaryAttention(_SharedKeyValueAttention):
 
     ``forward(query_states, key_value_states=None, attention_mask=None, is_causal=False, need_weights=False,
     kv_cache=None, position_embeddings=None, key_position_embeddings=None) -> (output, weights or None)``;
-    ``position_embeddings`` is required; ``key_position_embeddings`` gives the keys' positions where they differ from
-    the queries' (by default the keys sit at the queries' positions).
+    ``position_embeddings`` (a keyword, as ``key_position_embeddings``) is required; ``key_position_embeddings``
+    gives the keys' positions where they differ from the queries' (by default the keys sit at the queries' positions).
     """
 
     takes_key_positions: ClassVar[bool] = True
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _context(self, query_states, key_value_states, attention_mask, is_causal, need_weights, kv_cache,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 key_position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None):
         if key_position_embeddings is not None and not self.takes_key_positions:
             raise TypeError(f"{type(self).__name__}.forward() got an unexpected keyword argument "
                             "'key_position_embeddings'")
@@ -142,17 +134,29 @@ class _RotaryAttention(_SharedKeyValueAttention):
         if kv_cache is not None:
             keys, values = kv_cache(keys, values)
         mask, causal = self._mask_or_causal(query_states, attention_mask, is_causal, keys.shape[2])
-        context, weights = self._attend(query_states, position_embeddings, keys, values, mask, causal, need_weights)
-        return self._finish(context), weights
+        return self._attend(query_states, position_embeddings, keys, values, mask, causal, need_weights)
 
     def _check_states(self, query_states: torch.Tensor, key_value_states: torch.Tensor | None) -> None:
         """A kind's own refusal of the states, before anything is computed (none here)."""
 
 
 class _SharedPairsAttention(_RotaryAttention):
-    """What the layers whose shared key is ``pairs`` rotary pairs share: the ``pair_bands`` buffer (each pair's
-    band, checked when built, loaded and after any change), the pairs' rotation, and the cache width (the rotated
-    shared key, 2R, and the values: ``kv_heads head_dim``, or D_v when shared)."""
+    """What the layers whose shared key is ``pairs`` rotary pairs share: their sizes, the ``pair_bands`` buffer
+    (each pair's band, checked when built, loaded and after any change), the pairs' rotation, the keys and values as
+    the cache holds them, and the cache width (the rotated shared key, 2R, and the values: ``kv_heads head_dim``, or
+    D_v when shared)."""
+
+    def __init__(self, d_model: int, num_heads: int, pairs: int, kv_heads: int | None,
+                 **common: Unpack[AttentionArguments]):
+        """The opening every kind shares: the sizes checked first (an even ``head_dim``, ``pairs`` a positive
+        integer, ``kv_heads`` by ``_kv_heads``) and kept, with the shared key's width ``rank``."""
+        super().__init__(d_model, num_heads, **common)
+        check_rotary_head_dim(self.head_dim)
+        if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs <= 0:
+            raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
+        self.kv_heads = self._kv_heads(kv_heads)
+        self.pairs = pairs
+        self.rank = 2 * pairs  # the shared key's width in numbers (and the shared queries' in collaborative heads)
 
     def _register_pair_bands(self, pair_bands, pairs: int) -> None:
         """Build, check and register ``pair_bands`` (None: ``default_pair_bands``)."""
@@ -227,6 +231,13 @@ class _SharedPairsAttention(_RotaryAttention):
             cos, sin = cos[:, None], sin[:, None]
         return rotate_pairs(z, cos, sin)
 
+    def _keys_values(self, keys_from: torch.Tensor, key_positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared key rotated as cached (B, 1, S, 2R), and the values: one per token (B, 1, S, D_v) where they
+        are shared (``value_rank``), else grouped (B, kv_heads, S, head_dim)."""
+        keys = self._rotated(self.key(keys_from), key_positions)[:, None]
+        values = self.value(keys_from)
+        return keys, values[:, None] if self.value_rank is not None else self._heads(values, self.kv_heads)
+
     def cache_width(self) -> int:
         """Numbers the ``kv_cache`` hook is handed per token: the rotated shared key (2R) and the values
         (``kv_heads head_dim``, or D_v when shared)."""
@@ -266,12 +277,8 @@ class RotaryCollaborativeAttention(_SharedPairsAttention):
         tucker_core_size: int | None = None,
         **common: Unpack[AttentionArguments],
     ):
-        super().__init__(d_model, num_heads, **common)
-        check_rotary_head_dim(self.head_dim)
+        super().__init__(d_model, num_heads, pairs, kv_heads, **common)
         bias = self.projection_bias
-        if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs <= 0:
-            raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
-        kv_heads = self._kv_heads(kv_heads)
         if mixing_init not in ROTARY_MIXING_INITS:
             raise ValueError(f"unknown mixing_init {mixing_init!r}; choose one of {ROTARY_MIXING_INITS}")
         if tucker_core_size is not None and (not isinstance(tucker_core_size, int)
@@ -285,9 +292,6 @@ class RotaryCollaborativeAttention(_SharedPairsAttention):
                 f"mixing_init='concatenate' splits the pairs ({pairs}) into num_heads ({num_heads}) equal blocks; "
                 "choose a number of pairs that is a multiple of num_heads or mixing_init='ones'/'random'"
             )
-        self.pairs = pairs
-        self.rank = 2 * pairs  # the shared query/key width in numbers, as ``CollaborativeAttention.rank``
-        self.kv_heads = kv_heads
         self.mixing_init = mixing_init
         self.query = nn.Linear(d_model, 2 * pairs, bias=bias)
         self.key = nn.Linear(self.kv_dim, 2 * pairs, bias=bias)
@@ -303,7 +307,7 @@ class RotaryCollaborativeAttention(_SharedPairsAttention):
         if value_rank is not None:
             _share_values(self, value_rank, tucker_core_size)
         else:
-            self.value = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)
+            self.value = nn.Linear(self.kv_dim, self.kv_heads * self.head_dim, bias=bias)
             self.value_mixing = self.value_core = None
         self.reset_mixing()
 
@@ -358,11 +362,6 @@ class RotaryCollaborativeAttention(_SharedPairsAttention):
         re, im = rotated_queries[:, None].chunk(2, dim=-1)  # (B, 1, T, R)
         m_re, m_im = self.mixing[:, None].to(re.dtype).chunk(2, dim=-1)  # (H, 1, R); autocast: the queries' dtype
         return torch.cat([re * m_re - im * m_im, re * m_im + im * m_re], dim=-1)
-
-    def _keys_values(self, keys_from: torch.Tensor, key_positions) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self._rotated(self.key(keys_from), key_positions)[:, None]  # (B, 1, S, 2R), rotated as cached
-        values = self.value(keys_from)
-        return keys, values[:, None] if self.value_mixing is not None else self._heads(values, self.kv_heads)
 
     def _attend(self, query_states, position_embeddings, keys, values, mask, causal, need_weights):
         shared_values = self.value_mixing is not None

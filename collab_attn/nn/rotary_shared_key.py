@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from collab_attn.nn.attention import AttentionArguments
-from collab_attn.nn.rotary import _SharedPairsAttention, attend_shared_pairs, check_rotary_head_dim
+from collab_attn.nn.rotary import _SharedPairsAttention, attend_shared_pairs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -58,32 +58,17 @@ class RotarySharedKeyAttention(_SharedPairsAttention):
 
     takes_kv_dim = False  # reads keys and values at d_model's width
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        pairs: int,
-        *,
-        kv_heads: int | None = None,
-        pair_bands: torch.Tensor | list[int] | None = None,
-        value_rank: int | None = None,
-        **common: Unpack[AttentionArguments],
-    ):
-        super().__init__(d_model, num_heads, **common)
-        check_rotary_head_dim(self.head_dim)
+    def __init__(self, d_model: int, num_heads: int, pairs: int, *, kv_heads: int | None = None,
+                 pair_bands: torch.Tensor | list[int] | None = None, value_rank: int | None = None,
+                 **common: Unpack[AttentionArguments]):
+        super().__init__(d_model, num_heads, pairs, kv_heads, **common)
         bias = self.projection_bias
-        if type(pairs) is not int or pairs <= 0:
-            raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
-        kv_heads = self._kv_heads(kv_heads)
         if value_rank is not None and (type(value_rank) is not int or value_rank <= 0):
             raise ValueError(f"value_rank must be a positive integer or None, got {value_rank!r}")
-        self.pairs = pairs
-        self.rank = 2 * pairs  # the shared key's width in numbers
-        self.kv_heads = kv_heads
         self.value_rank = value_rank
         self.query = nn.Linear(d_model, num_heads * 2 * pairs, bias=bias)
         self.key = nn.Linear(d_model, 2 * pairs, bias=bias)
-        grouped = kv_heads * self.head_dim
+        grouped = self.kv_heads * self.head_dim
         if value_rank is None:
             self.value = nn.Linear(d_model, grouped, bias=bias)  # replaces _Attention's heads x head_dim one
             self.value_up = None
@@ -92,13 +77,8 @@ class RotarySharedKeyAttention(_SharedPairsAttention):
             self.value_up = nn.Linear(value_rank, grouped, bias=False)
         self._register_pair_bands(pair_bands, pairs)
 
-    def _keys_values(self, keys_from: torch.Tensor, key_positions) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self._rotated(self.key(keys_from), key_positions)[:, None]  # (B, 1, S, 2R), rotated as cached
-        values = self.value(keys_from)
-        return keys, values[:, None] if self.value_up is not None else self._heads(values, self.kv_heads)
-
     def _attend(self, query_states, position_embeddings, keys, values, mask, causal, need_weights):
-        shared_values = self.value_up is not None
+        shared_values = self.value_rank is not None
         queries = self._rotated(self._heads(self.query(query_states), self.num_heads), position_embeddings)
         context, weights = attend_shared_pairs(queries, keys, values, mask, self.scale, self._dropout(),
                                                need_weights, shared_values, causal)

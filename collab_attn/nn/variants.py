@@ -45,6 +45,13 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
+def _positive_size(name: str, size) -> int:
+    """The size argument ``name`` checked: a positive integer."""
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    return size
+
+
 class _SharedKeyValueAttention(_Attention):
     """What the variants share beyond ``_Attention``: splitting heads and the mask over every key attended to."""
 
@@ -79,13 +86,7 @@ class GroupedQueryAttention(_SharedKeyValueAttention):
     multi-query attention. ``bias`` gives the query, key, value and output projections biases. The cache holds
     keys and values (B, kv_heads, S, head_dim)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        kv_heads: int,
-        **common: Unpack[AttentionArguments],
-    ):
+    def __init__(self, d_model: int, num_heads: int, kv_heads: int, **common: Unpack[AttentionArguments]):
         super().__init__(d_model, num_heads, **common)
         bias = self.projection_bias
         self.kv_heads = self._kv_heads(kv_heads)
@@ -93,15 +94,7 @@ class GroupedQueryAttention(_SharedKeyValueAttention):
         self.key = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)
         self.value = nn.Linear(self.kv_dim, kv_heads * self.head_dim, bias=bias)  # narrower than _Attention's
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _context(self, query_states, key_value_states, attention_mask, is_causal, need_weights, kv_cache):
         keys_from = query_states if key_value_states is None else key_value_states
         keys = self._heads(self.key(keys_from), self.kv_heads)  # (B, G, S, head_dim)
         values = self._heads(self.value(keys_from), self.kv_heads)
@@ -111,7 +104,7 @@ class GroupedQueryAttention(_SharedKeyValueAttention):
         queries = self._heads(self.query(query_states), self.num_heads)
         context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights,
                                           causal)
-        return self._finish(context.flatten(2)), weights
+        return context.flatten(2), weights
 
     def cache_width(self) -> int:
         return 2 * self.kv_heads * self.head_dim
@@ -145,18 +138,10 @@ class LatentAttention(_SharedKeyValueAttention):
 
     The cache holds the latent alone: packed keys (B, 1, S, latent_size) and empty values (B, 1, S, 0)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        latent_size: int,
-        **common: Unpack[AttentionArguments],
-    ):
+    def __init__(self, d_model: int, num_heads: int, latent_size: int, **common: Unpack[AttentionArguments]):
         super().__init__(d_model, num_heads, **common)
         bias = self.projection_bias
-        if not isinstance(latent_size, int) or latent_size <= 0:
-            raise ValueError(f"latent_size must be a positive integer, got {latent_size!r}")
-        self.latent_size = latent_size
+        self.latent_size = _positive_size("latent_size", latent_size)
         self.absorb: bool | None = None
         width = num_heads * self.head_dim
         self.query = nn.Linear(d_model, width, bias=bias)
@@ -164,15 +149,7 @@ class LatentAttention(_SharedKeyValueAttention):
         self.key = nn.Linear(latent_size, width, bias=False)
         self.value = nn.Linear(latent_size, width, bias=False)  # replaces _Attention's kv_dim -> width projection
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _context(self, query_states, key_value_states, attention_mask, is_causal, need_weights, kv_cache):
         keys_from = query_states if key_value_states is None else key_value_states
         latent = self.latent(keys_from)[:, None]  # (B, 1, S, latent_size)
         if kv_cache is not None:
@@ -200,7 +177,7 @@ class LatentAttention(_SharedKeyValueAttention):
             values = self._heads(self.value(latent[:, 0]), self.num_heads)
             context, weights = grouped_attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights,
                                               causal)
-        return self._finish(context.flatten(2)), weights
+        return context.flatten(2), weights
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_uk`` and ``W_uv`` per head, (heads, head_dim, latent_size) each."""
@@ -218,30 +195,14 @@ class SharedKeyAttention(_SharedKeyValueAttention):
     ``value`` (kv_dim -> heads x head_dim), ``output``. The logit scale stays ``1/sqrt(head_dim)``. The cache holds
     the shared key (B, 1, S, key_size) and the values (B, heads, S, head_dim)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        key_size: int,
-        **common: Unpack[AttentionArguments],
-    ):
+    def __init__(self, d_model: int, num_heads: int, key_size: int, **common: Unpack[AttentionArguments]):
         super().__init__(d_model, num_heads, **common)
         bias = self.projection_bias
-        if not isinstance(key_size, int) or key_size <= 0:
-            raise ValueError(f"key_size must be a positive integer, got {key_size!r}")
-        self.key_size = key_size
+        self.key_size = _positive_size("key_size", key_size)
         self.query = nn.Linear(d_model, num_heads * key_size, bias=bias)
         self.key = nn.Linear(self.kv_dim, key_size, bias=False)
 
-    def forward(
-        self,
-        query_states: torch.Tensor,
-        key_value_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        need_weights: bool = False,
-        kv_cache=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _context(self, query_states, key_value_states, attention_mask, is_causal, need_weights, kv_cache):
         keys_from = query_states if key_value_states is None else key_value_states
         keys = self.key(keys_from)[:, None]  # (B, 1, S, key_size)
         values = self._heads(self.value(keys_from), self.num_heads)
@@ -253,9 +214,8 @@ class SharedKeyAttention(_SharedKeyValueAttention):
                                                           self._dropout()):
             # a decoding step through the Triton kernels: one shared key, a value per head, (B, 1, H head_dim)
             context = triton_kernels.step(queries, keys[:, 0], values, mask, scale=self.scale)[:, None].flatten(2)
-            return self._finish(context), None
-        context, weights = attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
-        return self._finish(context), weights
+            return context, None
+        return attend(queries, keys, values, mask, self.scale, self._dropout(), need_weights)
 
     def cache_width(self) -> int:
         return self.key_size + self.num_heads * self.head_dim
