@@ -121,7 +121,8 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
             return dataclasses.replace(fitted(entry), e2e_steps=args.e2e_steps,
                                        e2e_learning_rate=args.e2e_learning_rate, e2e_tokens=args.e2e_tokens,
                                        e2e_check_tokens=args.e2e_check_tokens,
-                                       e2e_held_out_tokens=args.e2e_held_out_tokens, e2e_length=args.e2e_length)
+                                       e2e_held_out_tokens=args.e2e_held_out_tokens, e2e_length=args.e2e_length,
+                                       e2e_check_every=args.e2e_check_every)
 
         start = end_to_end if args.e2e_steps else fitted  # where the distilled ones start
         entries = [start(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
@@ -180,7 +181,9 @@ def rows_described(entries: list[dict], batch: int) -> str:
                  + (" ...held<H>: measured on the H fitting tokens after them instead, which it does not train on."
                     if having("e2e_held_out_tokens") else "")
                  + (" ...len<L>: its fitting tokens in windows of L tokens, about as many tokens a step."
-                    if having("e2e_length") else ""))
+                    if having("e2e_length") else "")
+                 + (" ...stop<K>: that loss measured every K steps too, and the weights where it was lowest kept "
+                    "(early stopping)." if having("e2e_check_every") else ""))
     if any(str(e.get("rank", "")).startswith("alloc:") for e in entries):
         text += (" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
                  "collab_attn.allocate_cache (its fitting steps per candidate and layer: the run file's "
@@ -261,6 +264,10 @@ def main(argv=None) -> None:
                         help="--e2e-tokens: in windows of this many tokens instead of --length, about --batch x "
                              "--length tokens a step (at least one window; runs named -e2e<M>on<T>...len<L>; "
                              "default 0: --length)")
+    parser.add_argument("--e2e-check-every", type=int, default=0,
+                        help="--e2e-steps: also measure the loss that judges the fit (held out with "
+                             "--e2e-held-out-tokens) every this many steps, and keep the weights where it was lowest: "
+                             "early stopping (runs named -e2e<M>...stop<K>; default 0: before and after only)")
     parser.add_argument("--pairs-by-budget", action="store_true",
                         help="also cp, tucker and key-svd with their key width as a budget ('mean:R': the same "
                              "cache, the pairs spread over the bands of all layers by the spectra), calibrated with "
@@ -362,6 +369,9 @@ def main(argv=None) -> None:
             args.e2e_held_out_tokens and args.e2e_check_tokens):
         parser.error(f"--e2e-held-out-tokens must be 0 (judged on the fitting tokens) or positive, with --e2e-tokens "
                      f"and without --e2e-check-tokens; got {args.e2e_held_out_tokens}")
+    if args.e2e_check_every < 0 or (args.e2e_check_every and not args.e2e_check_every < args.e2e_steps):
+        parser.error(f"--e2e-check-every must be 0 (no early stopping) or from 1 to --e2e-steps - 1; got "
+                     f"{args.e2e_check_every} with --e2e-steps {args.e2e_steps}")
     if not args.e2e_learning_rate > 0:
         parser.error(f"--e2e-learning-rate must be positive, got {args.e2e_learning_rate}")
     if args.calibration_sample < 0 or (args.calibration_sample and not args.calibration_tokens):

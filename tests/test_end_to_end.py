@@ -109,6 +109,30 @@ def test_judging_on_held_out_batches_measures_only_them_and_trains_the_same():
         collab_attn.fit_end_to_end(judged, original, FIT[:8], steps=2, held_out=[])
 
 
+def test_early_stopping_keeps_the_weights_of_the_lowest_held_out_loss():
+    """``check_every``: the held-out loss every few steps too; fitted to one batch, the held-out loss is lowest after
+    the first steps and rises after them, and the weights of that step are kept, not the last ones. The steps are
+    the same as without the checks."""
+    original, model = converted(llama, "key-svd", 12, value_rank=12)
+    collab_attn.fit_to_original(model, original, FIT, steps=5, progress=False)
+    last = copy.deepcopy(model)
+    plain = collab_attn.fit_end_to_end(last, original, FIT[:1], steps=24, learning_rate=1e-3, held_out=FIT[8:10],
+                                       progress=False)
+    fit = collab_attn.fit_end_to_end(model, original, FIT[:1], steps=24, learning_rate=1e-3, held_out=FIT[8:10],
+                                     check_every=3, progress=False)
+    assert fit.history == plain.history and [step for step, _ in fit.checks] == list(range(3, 25, 3))
+    assert fit.checks[-1][1] == pytest.approx(plain.fitted_loss, rel=1e-6)
+    lowest = min(fit.checks, key=lambda check: check[1])
+    assert fit.best_step == lowest[0] < 24 and fit.fitted_loss == lowest[1] < fit.checks[-1][1]
+    assert fit.kept_fit and fit.loss_after == fit.fitted_loss < fit.loss_before
+    held_kl = sum(kl(original, model, b["input_ids"]) for b in FIT[8:10]) / 2
+    assert held_kl == pytest.approx(fit.fitted_loss, rel=1e-5)
+    assert f"| {fit.fitted_loss:.4f} (step {fit.best_step}) |" in fit.table()
+    for every in (0, 24, 2.0):
+        with pytest.raises(ValueError, match="check_every must be a number of steps from 1 to steps - 1 = 23"):
+            collab_attn.fit_end_to_end(model, original, FIT[:1], steps=24, check_every=every)
+
+
 def test_a_base_encoder_is_fitted_on_its_hidden_states_without_the_padding():
     """BERT without a head has no logits: the relative squared error of its last hidden states, over the
     non-padding tokens (the padding positions may do anything)."""

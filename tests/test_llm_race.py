@@ -285,7 +285,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
                      "key-svd-k192-v96-calibrated64", "kv-svd-k264-rope_pairs4-calibrated64-fitted30",
                      "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
     args.e2e_steps, args.e2e_learning_rate, args.e2e_tokens = 8, 3e-4, 0  # then each fitted one end to end too
-    args.e2e_check_tokens = args.e2e_held_out_tokens = args.e2e_length = 0
+    args.e2e_check_tokens = args.e2e_held_out_tokens = args.e2e_length = args.e2e_check_every = 0
     assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
         "kv-svd-k264-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003",
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003"]
@@ -302,6 +302,13 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     args.e2e_length = 2048  # in windows of 2,048 tokens
     assert script().race_entries(args, 3, 64, [])[-1].name == (
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256len2048")
+    args.e2e_check_every = 4  # its held-out loss every 4 steps too, the lowest's weights kept
+    assert script().race_entries(args, 3, 64, [])[-1].name == (
+        "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256len2048stop4")
+    for every in (8, -1):
+        with pytest.raises(ValueError, match=f"e2e_check_every={every} checks an end-to-end fit every that many "
+                                             "steps: give e2e_steps above it"):
+            race.Entry("key-svd", 96, 96, calibration_tokens=64, fit_steps=3, e2e_steps=8, e2e_check_every=every)
     with pytest.raises(ValueError, match="e2e_check_tokens=512 names the tokens of an end-to-end fit the entry does"):
         race.Entry("key-svd", 96, 96, calibration_tokens=64, fit_steps=3, e2e_check_tokens=512)
 
@@ -327,6 +334,9 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
     longer = dataclasses.replace(long_fit, e2e_length=2048)
     assert "...len<L>: its fitting tokens in windows of L tokens" in script().rows_described(
         [dataclasses.asdict(longer)], 4) and "len<L>" not in text
+    stopped = dataclasses.replace(held, e2e_check_every=16)
+    assert "...stop<K>: that loss measured every K steps too" in script().rows_described(
+        [dataclasses.asdict(stopped)], 4) and "stop<K>" not in text
     for absent in ("Distilled", "-ls", "-kalloc"):
         assert absent not in text
     assert script().rows_described(entries[:1], 4) == ""
@@ -359,6 +369,8 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
       "--e2e-check-tokens", "512", "--e2e-held-out-tokens", "512"], "and without --e2e-check-tokens"),
     (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-length", "2048"],
      "--e2e-length must be 0 (--length) or positive, with --e2e-tokens; got 2048"),
+    (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-check-every", "2"],
+     "--e2e-check-every must be 0 (no early stopping) or from 1 to --e2e-steps - 1; got 2 with --e2e-steps 2"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:

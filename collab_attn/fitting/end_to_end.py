@@ -11,7 +11,9 @@ on all the fitting tokens (or on the first ``check_batches`` of them, or on ``he
 on) is measured before and after; when it did not fall the weights before are put back, so an exact conversion stays
 exact. Each measurement runs both models over the batches it reads: over all of them, the two cost about as much as
 one pass of steps, so a fit over many fresh tokens judges itself on a part of them, or on held-out tokens: the
-fitting tokens say whether the fit learned them, held-out ones whether it learned the original.
+fitting tokens say whether the fit learned them, held-out ones whether it learned the original. With
+``check_every``, that loss is also measured every that many steps, and the weights where it was lowest are kept
+(early stopping).
 
 The original's output is computed batch by batch when a step or a measurement needs it, never held for all the
 fitting tokens at once: a language model's next-token distributions take 4 bytes per token and vocabulary entry
@@ -56,6 +58,9 @@ class EndToEndFit:
     fitted_loss: float = math.nan
     kept_fit: bool = False
     history: list[tuple[int, float]] = field(default_factory=list)  # (step, the batch's loss)
+    check_every: int | None = None  # the checked loss measured every this many steps too, its best weights kept
+    checks: list[tuple[int, float]] = field(default_factory=list)  # (step, the checked loss), the last step's too
+    best_step: int | None = None  # with check_every: the step whose weights ``fitted_loss`` is of
     seconds: float = 0.0
     cpu_seconds: float = 0.0
 
@@ -72,7 +77,8 @@ class EndToEndFit:
             "| end-to-end fit | loss before | after | fit reached | kept fit | seconds |",
             "|---|---:|---:|---:|:---:|---:|",
             f"| {self.steps} steps, {self.tokens:,} tokens{judged}, {self.parameters:,} parameters ({self.loss}) | "
-            f"{self.loss_before:.4f} | {self.loss_after:.4f} | {self.fitted_loss:.4f} | "
+            f"{self.loss_before:.4f} | {self.loss_after:.4f} | {self.fitted_loss:.4f}"
+            f"{'' if self.best_step is None else f' (step {self.best_step})'} | "
             f"{'yes' if self.kept_fit else 'no'} | {self.seconds:.1f} |"])
 
 
@@ -86,6 +92,7 @@ def fit_end_to_end(
     seed: int = 0,
     check_batches: int | None = None,
     held_out: Iterable[Mapping[str, torch.Tensor]] | None = None,
+    check_every: int | None = None,
     progress: bool = True,
 ) -> EndToEndFit:
     """Train the converted attention layers of ``converted`` (in place, all together) so that the model's output
@@ -94,12 +101,16 @@ def fit_end_to_end(
     ``learning_rate`` the initial rate (cosine decay to 0). Both models run in eval mode (no dropout) and are left in
     the mode they were in; ``original`` is not changed. ``check_batches``: the loss before and after, which decides
     whether the fit is kept, on the first this many batches (default: all of them); ``held_out``: on these batches
-    instead (tokens the fit does not train on, batched alike)."""
+    instead (tokens the fit does not train on, batched alike). ``check_every``: that loss measured every this many
+    steps (fewer than ``steps``) as well, and the weights where it was lowest kept (early stopping)."""
     if type(steps) is not int or steps < 1:
         raise ValueError(f"steps must be a positive number of optimizer steps, got {steps!r}")
     if check_batches is not None and (type(check_batches) is not int or check_batches < 1):
         raise ValueError(f"check_batches must be a positive number of batches (or None: all of them), got "
                          f"{check_batches!r}")
+    if check_every is not None and (type(check_every) is not int or not 1 <= check_every < steps):
+        raise ValueError(f"check_every must be a number of steps from 1 to steps - 1 = {steps - 1} (or None: the loss "
+                         f"measured before and after only), got {check_every!r}")
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
     check_seed_and_progress(seed, progress)
@@ -133,11 +144,14 @@ def fit_end_to_end(
         kind, loss_before = _mean_loss(converted, original, checked, "loss before", progress)
         fit = EndToEndFit(steps, float(learning_rate), _tokens(batches), _tokens(checked), held_out is not None,
                           "kl" if kind == "logits" else "relative squared error", sum(p.numel() for p in params),
-                          loss_before)
+                          loss_before, check_every=check_every)
         saved = [p.detach().clone() for p in params]
+        best = _Best(params, checked, fit, progress) if check_every else None
         with torch.enable_grad():
-            _train(converted, original, params, batches, steps, learning_rate, seed, fit, progress)
+            _train(converted, original, params, batches, steps, learning_rate, seed, fit, progress, best)
         _, fit.fitted_loss = _mean_loss(converted, original, checked, "loss after", progress)
+        if best is not None:
+            best.keep_lowest(converted, original, steps)
         fit.kept_fit = fit.fitted_loss < fit.loss_before
         if not fit.kept_fit:
             with torch.no_grad():
@@ -214,7 +228,39 @@ def _mean_loss(converted: nn.Module, original: nn.Module, batches: list[dict], w
     return losses[0][0], sum(w * float(x) for w, (_, x) in zip(weights, losses)) / sum(weights)
 
 
-def _train(model, original, params, batches, steps, learning_rate, seed, fit, progress) -> None:
+class _Best:
+    """Early stopping: the checked loss every ``fit.check_every`` steps, and the weights where it was lowest."""
+
+    def __init__(self, params, checked, fit, progress):
+        self.params, self.checked, self.fit, self.progress = params, checked, fit, progress
+        self.state: list[torch.Tensor] | None = None
+
+    def after_step(self, model, original, step: int) -> None:
+        if step % self.fit.check_every or step == self.fit.steps:
+            return
+        _, loss = _mean_loss(model, original, self.checked, f"loss at step {step}", self.progress)
+        self._record(step, loss)
+
+    def keep_lowest(self, model, original, steps: int) -> None:
+        """After the last step (``fit.fitted_loss`` measured): the weights of the lowest checked loss put back."""
+        last = self.fit.fitted_loss
+        self._record(steps, last)
+        if self.fit.best_step != steps:
+            with torch.no_grad():
+                for param, value in zip(self.params, self.state):
+                    param.copy_(value)
+            self.fit.fitted_loss = min(loss for _, loss in self.fit.checks)
+
+    def _record(self, step: int, loss: float) -> None:
+        lowest = min((value for _, value in self.fit.checks), default=math.inf)
+        self.fit.checks.append((step, loss))
+        if loss < lowest:
+            self.fit.best_step = step
+            if step != self.fit.steps:
+                self.state = [p.detach().clone() for p in self.params]
+
+
+def _train(model, original, params, batches, steps, learning_rate, seed, fit, progress, best=None) -> None:
     optimizer, schedule = cosine_adam(params, learning_rate, steps)
     generator = torch.Generator().manual_seed(seed)
     every = max(1, steps // 20)
@@ -233,3 +279,5 @@ def _train(model, original, params, batches, steps, learning_rate, seed, fit, pr
         bar.set_postfix(loss=f"{value:.4f}", refresh=False)
         if step % every == 0 or step == steps - 1:
             fit.history.append((step + 1, value))
+        if best is not None:
+            best.after_step(model, original, step + 1)

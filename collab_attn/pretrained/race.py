@@ -62,6 +62,7 @@ class Entry:
     e2e_check_tokens: int = 0  # its loss before and after (keep or not) on the first this many of them (0: all)
     e2e_held_out_tokens: int = 0  # or on this many fitting tokens right after them, which it does not train on
     e2e_length: int = 0  # its windows of this many tokens (0: the calibration windows' length)
+    e2e_check_every: int = 0  # its checked loss every this many steps too, the lowest's weights kept (0: not)
     fit_text: str = "mixed"  # what every fit reads (FIT_TEXTS): "mixed", the race's two domains, unless named
 
     def __post_init__(self):
@@ -69,6 +70,9 @@ class Entry:
             if getattr(self, key) and not self.e2e_steps:
                 raise ValueError(f"{key}={getattr(self, key)} names the tokens of an end-to-end fit the entry does "
                                  "not make: give it e2e_steps too")
+        if self.e2e_check_every and not 0 < self.e2e_check_every < self.e2e_steps:
+            raise ValueError(f"e2e_check_every={self.e2e_check_every} checks an end-to-end fit every that many steps: "
+                             f"give e2e_steps above it (got {self.e2e_steps})")
         if self.e2e_length and not self.e2e_tokens:
             raise ValueError(f"e2e_length={self.e2e_length} sets the windows of the end-to-end fit's own fitting "
                              "tokens: give it e2e_tokens too")
@@ -101,6 +105,7 @@ class Entry:
         tokens += f"check{self.e2e_check_tokens}" if self.e2e_check_tokens else ""  # "-e2e256on262144check16384"
         tokens += f"held{self.e2e_held_out_tokens}" if self.e2e_held_out_tokens else ""  # "-e2e32on32768held4096"
         tokens += f"len{self.e2e_length}" if self.e2e_length else ""  # "-e2e64on131072check16384len2048"
+        tokens += f"stop{self.e2e_check_every}" if self.e2e_check_every else ""  # "-e2e128on131072held4096stop32"
         e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         text = "" if self.fit_text == "mixed" else f"-text{self.fit_text}"  # "-textown": the original's own samples
@@ -246,7 +251,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
                 held_out = e2e_batches(after.to(model.device))
             return collab_attn.fit_end_to_end(model, original, batches, steps=entry.e2e_steps,
                                               learning_rate=entry.e2e_learning_rate, check_batches=check,
-                                              held_out=held_out)
+                                              held_out=held_out, check_every=entry.e2e_check_every or None)
 
         e2e = _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original, end_to_end)
     training = None
@@ -356,7 +361,7 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     ``"end-to-end"``, after ``fit_end_to_end`` too (before any distillation)."""
     if stage == "layer":
         start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
-                                    e2e_held_out_tokens=0, e2e_length=0, distill_tokens=0)
+                                    e2e_held_out_tokens=0, e2e_length=0, e2e_check_every=0, distill_tokens=0)
     elif stage == "end-to-end":
         start = dataclasses.replace(entry, distill_tokens=0)
     else:
