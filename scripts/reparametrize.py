@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -217,6 +218,7 @@ def compare_generation(original, converted, tokenizer, prompts, max_new_tokens: 
 
 def run(cfg: DictConfig) -> dict:
     """Convert ``cfg.model``, compare it with the original, save it to ``cfg.output_dir``; return the report."""
+    start = time.perf_counter()
     settings = settings_of(cfg)  # resolve once: the default output_dir has a timestamp
     method, path = check(settings)
     vocabulary = check_export(settings, method, checked_model(settings["model"])[1])
@@ -225,7 +227,9 @@ def run(cfg: DictConfig) -> dict:
     log.info("loading %s (%s)", settings["model"], path)
     model, tokenizer = load_model_and_tokenizer(path, model_class=None)
     original = copy.deepcopy(model)
+    sampling = time.perf_counter()
     own = own_text(model, tokenizer, method, settings["seed"])  # collab.calibration=own: the original's samples
+    sampling = time.perf_counter() - sampling
     with cli.as_bad_input():  # what only the loaded weights show (NaN or Inf): one error line, nothing written
         calibration = calibrate(model, tokenizer, method, settings["seed"], own=own)
         report = reparametrize(
@@ -278,6 +282,8 @@ def run(cfg: DictConfig) -> dict:
     }
     result["fit"] = None if fit is None else fit.to_dict()
     result["end_to_end"] = None if end_to_end is None else end_to_end.to_dict()
+    result["wall_seconds"] = {"own_text": sampling if own is not None else None,  # sampling the original's text
+                              "before_saving": time.perf_counter() - start}  # from the call to the model's saving
 
     with atomic_directory(settings["output_dir"], settings["overwrite"]) as folder:
         model.save_pretrained(folder)

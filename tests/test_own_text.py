@@ -114,6 +114,8 @@ def test_reparametrize_fits_on_own_text_without_texts(model, tokenizer, tmp_path
                                "collab.fit_steps=2", "collab.e2e_steps=2", "collab.calibration_samples=4",
                                "collab.calibration_max_length=16", f"output_dir={tmp_path / 'out'}"))
     assert report["collab"]["calibration"] == "own" and report["collab"]["calibration_samples"] == 4
+    timing = report["wall_seconds"]
+    assert 0 < timing["own_text"] < timing["before_saving"]
     assert report["fit"]["steps"] == 2 and report["fit"]["tokens"] == 4 * 16
     assert report["end_to_end"]["held_out"] is True and report["end_to_end"]["tokens"] == 2 * 4 * 16
     assert report["end_to_end"]["check_tokens"] == 4 * 4 * 16

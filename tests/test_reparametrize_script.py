@@ -132,6 +132,7 @@ def test_low_rank(tmp_path, minilm_path):
     assert result["comparison"]["max_abs_diff"] > 0
     assert result["attention_params_after"] < result["attention_params_before"]
     assert json.loads((out / "config.json").read_text())["collab_ranks"] == [128] * 6
+    assert result["wall_seconds"]["own_text"] is None and result["wall_seconds"]["before_saving"] > 0
 
 
 def test_svd_writes_a_checkpoint_like_cp(tmp_path, minilm_path):
