@@ -821,8 +821,8 @@ def claims_transfer() -> None:
           field(val + long, "end_to_end.check_tokens", *(f"end_to_end.checks.{i}.1" for i in range(4)),
                 *(f"end_to_end.checks.{i}.0" for i in range(4))))
     claim(P, "Its end-to-end fit took {:,.0f} s of wall time\n  on one thread beside another run (the 32 steps: {:.0f} "
-          "s, {:.1f} times less)", field(val + long, "end_to_end.seconds"), field(val + general, "end_to_end.seconds"),
-          times_as_long(val + long, val + general))
+          "s, {:.1f} times less; single timings", field(val + long, "end_to_end.seconds"),
+          field(val + general, "end_to_end.seconds"), times_as_long(val + long, val + general))
     cited(P, "`E2E_STEPS=128 E2E_TOKENS=131072 E2E_CHECK_EVERY=32 run.sh fit all`", "the command")
     cited(P, "(at\n  most 1.25x everywhere)", "the aim of issue 91")
     words = [verdict(val + mixture, val + general, d) for d in three]

@@ -151,7 +151,7 @@ def fit_end_to_end(
             _train(converted, original, params, batches, steps, learning_rate, seed, fit, progress, best)
         _, fit.fitted_loss = _mean_loss(converted, original, checked, "loss after", progress)
         if best is not None:
-            best.keep_lowest(converted, original, steps)
+            best.keep_lowest()
         fit.kept_fit = fit.fitted_loss < fit.loss_before
         if not fit.kept_fit:
             with torch.no_grad():
@@ -241,11 +241,10 @@ class _Best:
         _, loss = _mean_loss(model, original, self.checked, f"loss at step {step}", self.progress)
         self._record(step, loss)
 
-    def keep_lowest(self, model, original, steps: int) -> None:
+    def keep_lowest(self) -> None:
         """After the last step (``fit.fitted_loss`` measured): the weights of the lowest checked loss put back."""
-        last = self.fit.fitted_loss
-        self._record(steps, last)
-        if self.fit.best_step != steps:
+        self._record(self.fit.steps, self.fit.fitted_loss)
+        if self.fit.best_step != self.fit.steps:
             with torch.no_grad():
                 for param, value in zip(self.params, self.state):
                     param.copy_(value)
