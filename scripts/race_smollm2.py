@@ -69,7 +69,7 @@ from collab_attn.cli import ArgumentParser, exit_on_bad_input  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.identity import write_folder_identity  # noqa: E402
 from collab_attn.pretrained import race_inputs  # noqa: E402
-from collab_attn.pretrained.heldout import DOMAINS, TEST_DOMAINS, evaluation_windows  # noqa: E402
+from collab_attn.pretrained.heldout import DOMAINS, FIT_DOMAINS, TEST_DOMAINS, evaluation_windows  # noqa: E402
 from collab_attn.pretrained.race import (  # noqa: E402,F401
     FIT_TEXTS,
     Entry,
@@ -121,8 +121,9 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
             return dataclasses.replace(fitted(entry), e2e_steps=args.e2e_steps,
                                        e2e_learning_rate=args.e2e_learning_rate, e2e_tokens=args.e2e_tokens,
                                        e2e_check_tokens=args.e2e_check_tokens,
-                                       e2e_held_out_tokens=args.e2e_held_out_tokens, e2e_length=args.e2e_length,
-                                       e2e_check_every=args.e2e_check_every)
+                                       e2e_held_out_tokens=args.e2e_held_out_tokens,
+                                       e2e_held_out_text=args.e2e_held_out_text, fit_text=args.fit_text,
+                                       e2e_length=args.e2e_length, e2e_check_every=args.e2e_check_every)
 
         start = end_to_end if args.e2e_steps else fitted  # where the distilled ones start
         entries = [start(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
@@ -180,6 +181,8 @@ def rows_described(entries: list[dict], batch: int) -> str:
                     "first C of those tokens (else on all of them)." if having("e2e_check_tokens") else "")
                  + (" ...held<H>: measured on the H fitting tokens after them instead, which it does not train on."
                     if having("e2e_held_out_tokens") else "")
+                 + (" ...held<H><domain>: on the first H tokens of that domain's fit split instead, a domain the fit "
+                    "does not read." if having("e2e_held_out_text") else "")
                  + (" ...len<L>: its fitting tokens in windows of L tokens, about as many tokens a step."
                     if having("e2e_length") else "")
                  + (" ...stop<K>: that loss measured every K steps too, and the weights where it was lowest kept "
@@ -260,6 +263,11 @@ def main(argv=None) -> None:
     parser.add_argument("--e2e-held-out-tokens", type=int, default=0,
                         help="--e2e-tokens: measure its loss before and after on this many fitting tokens right "
                              "after its own instead, which it does not train on (runs named -e2e<M>on<T>held<H>)")
+    parser.add_argument("--e2e-held-out-text", default="", choices=("", *FIT_DOMAINS),
+                        help="--e2e-held-out-tokens: take them from the start of this domain's fit split, one that "
+                             "--fit-text does not read, instead of after the fit's own tokens: the fit judged, and "
+                             "with --e2e-check-every stopped early, on another domain (runs named "
+                             "-e2e<M>on<T>held<H><domain>)")
     parser.add_argument("--e2e-length", type=int, default=0,
                         help="--e2e-tokens: in windows of this many tokens instead of --length, about --batch x "
                              "--length tokens a step (at least one window; runs named -e2e<M>on<T>...len<L>; "
@@ -369,6 +377,12 @@ def main(argv=None) -> None:
             args.e2e_held_out_tokens and args.e2e_check_tokens):
         parser.error(f"--e2e-held-out-tokens must be 0 (judged on the fitting tokens) or positive, with --e2e-tokens "
                      f"and without --e2e-check-tokens; got {args.e2e_held_out_tokens}")
+    if args.e2e_held_out_text and not args.e2e_held_out_tokens:
+        parser.error(f"--e2e-held-out-text {args.e2e_held_out_text} names where the held-out tokens come from: give "
+                     "--e2e-held-out-tokens too")
+    if args.e2e_held_out_text in FIT_TEXTS[args.fit_text]:
+        parser.error(f"--e2e-held-out-text {args.e2e_held_out_text}: --fit-text {args.fit_text} reads that domain; "
+                     "choose a domain the fit does not read, to judge it on another domain")
     if args.e2e_check_every < 0 or (args.e2e_check_every and not args.e2e_check_every < args.e2e_steps):
         parser.error(f"--e2e-check-every must be 0 (no early stopping) or from 1 to --e2e-steps - 1; got "
                      f"{args.e2e_check_every} with --e2e-steps {args.e2e_steps}")
@@ -447,11 +461,12 @@ def main(argv=None) -> None:
                               if n == length])
         return own_fit_windows(original, tokenizer, length, most * length, args.out / "own_text")[:count]
 
-    def fit_rows(tokens, length=args.length):
-        if (tokens, length) not in fitting:
-            fitting[tokens, length] = text_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens, texts,
-                                                   lambda count: own(count, length))
-        return fitting[tokens, length]
+    def fit_rows(tokens, length=args.length, text=None):  # text: another fitting text than --fit-text's
+        key = (tokens, length) if text is None else (tokens, length, text)
+        if key not in fitting:
+            fitting[key] = text_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens,
+                                        texts if text is None else FIT_TEXTS[text], lambda count: own(count, length))
+        return fitting[key]
 
     def calibration_rows():
         if "calibration_rows" not in fitting:

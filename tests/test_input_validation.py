@@ -290,6 +290,8 @@ RACE_CASES = [
      "--e2e-check-tokens 100000 is more than the end-to-end fit's own tokens hold (the calibration tokens", None),
     ([*FITTED, "--e2e-tokens", "60", "--e2e-held-out-tokens", "4"],
      "--e2e-held-out-tokens 4 adds no window after the end-to-end fit's own 4 windows of 16", None),
+    ([*FITTED, "--e2e-tokens", "60", "--e2e-held-out-tokens", "100000000", "--e2e-held-out-text", "code"],
+     "--e2e-held-out-tokens 100000000 of --e2e-held-out-text code in windows of 16: more than its fit split", None),
     # mixed up: another model, other texts, a folder made before identities were recorded
     (["--model", "other", "--out", "race"], "not of this command's model 'other' (weights ", None),
     (["--shakespeare", "shakespeare2.txt", "--out", "race"],

@@ -286,6 +286,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
                      "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
     args.e2e_steps, args.e2e_learning_rate, args.e2e_tokens = 8, 3e-4, 0  # then each fitted one end to end too
     args.e2e_check_tokens = args.e2e_held_out_tokens = args.e2e_length = args.e2e_check_every = 0
+    args.e2e_held_out_text = ""
     assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
         "kv-svd-k264-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003",
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003"]
@@ -305,6 +306,9 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     args.e2e_check_every = 4  # its held-out loss every 4 steps too, the lowest's weights kept
     assert script().race_entries(args, 3, 64, [])[-1].name == (
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256len2048stop4")
+    args.e2e_held_out_text = "code"  # held out from code's fit split, which the fit does not read
+    assert script().race_entries(args, 3, 64, [])[-1].name == (
+        "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256codelen2048stop4")
     for every in (8, -1):
         with pytest.raises(ValueError, match=f"e2e_check_every={every} checks an end-to-end fit every that many "
                                              "steps: give e2e_steps above it"):
@@ -371,6 +375,11 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
      "--e2e-length must be 0 (--length) or positive, with --e2e-tokens; got 2048"),
     (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-check-every", "2"],
      "--e2e-check-every must be 0 (no early stopping) or from 1 to --e2e-steps - 1; got 2 with --e2e-steps 2"),
+    (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-held-out-text", "code"],
+     "--e2e-held-out-text code names where the held-out tokens come from: give --e2e-held-out-tokens too"),
+    (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-tokens", "4096",
+      "--e2e-held-out-tokens", "512", "--e2e-held-out-text", "wikipedia"],
+     "--e2e-held-out-text wikipedia: --fit-text mixed reads that domain; choose a domain the fit does not read"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -494,6 +503,27 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     assert judged["end_to_end"]["loss_before"] != on_fresh["end_to_end"]["loss_before"]
     with pytest.raises(ValueError, match="on its first e2e_check_tokens or on e2e_held_out_tokens after them, not"):
         dataclasses.replace(held, e2e_check_tokens=100)
+    # or on the first 48 tokens of another domain's fit split, one the fit does not read (early stopping there)
+    elsewhere = dataclasses.replace(held, e2e_held_out_text="code")
+    assert elsewhere.name == "key-svd-k12-v12-calibrated128-fitted20-e2e30lr0.003on480held48code"
+    texts = []
+
+    def fit_rows_of(tokens, text=None):
+        texts.append((tokens, text))
+        return rows(count=tokens // 24, length=24, seed=7 if text is None else 11)
+
+    away = race.run_entry(elsewhere, original, None, windows, tmp_path, original_cache=48, calibration=calibration,
+                          calibration_rows=lambda: fitting, fit_rows=fit_rows_of)
+    assert sorted(set(texts), key=str) == [(48, "code"), (480, None)] and away["end_to_end"]["held_out"]
+    assert (away["end_to_end"]["tokens"], away["end_to_end"]["check_tokens"]) == (480, 48)
+    assert away["end_to_end"]["loss_before"] != judged["end_to_end"]["loss_before"]  # judged on other tokens
+    assert away["entry"]["e2e_held_out_text"] == "code"
+    with pytest.raises(ValueError, match="e2e_held_out_text='wikipedia': the end-to-end fit is judged on another "
+                                         "domain's fit split, one that fit_text='mixed' does not read: choose one of "
+                                         "code"):
+        dataclasses.replace(elsewhere, e2e_held_out_text="wikipedia")
+    with pytest.raises(ValueError, match="names where the end-to-end fit's held-out tokens come from"):
+        dataclasses.replace(fresh, e2e_held_out_text="code")
     with pytest.raises(ValueError, match="e2e_held_out_tokens=48 are the fitting tokens after .* give it e2e_tokens"):
         dataclasses.replace(both, e2e_held_out_tokens=48)
     # the end-to-end fit is kept too, and read back by a run that starts from it

@@ -61,6 +61,7 @@ class Entry:
     e2e_tokens: int = 0  # its fitting tokens: the first this many of the fitting text (0: the calibration tokens)
     e2e_check_tokens: int = 0  # its loss before and after (keep or not) on the first this many of them (0: all)
     e2e_held_out_tokens: int = 0  # or on this many fitting tokens right after them, which it does not train on
+    e2e_held_out_text: str = ""  # or on the first that many of another domain's fit split, which the fit never reads
     e2e_length: int = 0  # its windows of this many tokens (0: the calibration windows' length)
     e2e_check_every: int = 0  # its checked loss every this many steps too, the lowest's weights kept (0: not)
     fit_text: str = "mixed"  # what every fit reads (FIT_TEXTS): "mixed", the race's two domains, unless named
@@ -84,6 +85,15 @@ class Entry:
         if self.fit_text != "mixed" and not (self.calibration_tokens or self.distill_tokens):
             raise ValueError(f"fit_text={self.fit_text!r} names the text of a fit the entry does not make: give it "
                              "calibration_tokens or distill_tokens too")
+        if self.e2e_held_out_text and not self.e2e_held_out_tokens:
+            raise ValueError(f"e2e_held_out_text={self.e2e_held_out_text!r} names where the end-to-end fit's "
+                             "held-out tokens come from: give it e2e_held_out_tokens too")
+        if self.e2e_held_out_text and (self.e2e_held_out_text not in FIT_DOMAINS
+                                       or self.e2e_held_out_text in FIT_TEXTS[self.fit_text]):
+            others = [d for d in FIT_DOMAINS if d not in FIT_TEXTS[self.fit_text]]
+            raise ValueError(f"e2e_held_out_text={self.e2e_held_out_text!r}: the end-to-end fit is judged on another "
+                             f"domain's fit split, one that fit_text={self.fit_text!r} does not read: choose one of "
+                             f"{', '.join(others) or '(none: this text reads every domain)'}")
         if self.e2e_held_out_tokens and self.e2e_check_tokens:
             raise ValueError("an end-to-end fit is judged on its first e2e_check_tokens or on e2e_held_out_tokens "
                              "after them, not both")
@@ -104,6 +114,7 @@ class Entry:
         tokens = f"on{self.e2e_tokens}" if self.e2e_tokens else ""
         tokens += f"check{self.e2e_check_tokens}" if self.e2e_check_tokens else ""  # "-e2e256on262144check16384"
         tokens += f"held{self.e2e_held_out_tokens}" if self.e2e_held_out_tokens else ""  # "-e2e32on32768held4096"
+        tokens += self.e2e_held_out_text  # "-e2e32on32768held4096code": held out from code's fit split
         tokens += f"len{self.e2e_length}" if self.e2e_length else ""  # "-e2e64on131072check16384len2048"
         tokens += f"stop{self.e2e_check_every}" if self.e2e_check_every else ""  # "-e2e128on131072held4096stop32"
         e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
@@ -159,15 +170,17 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
     the original's output (``collab_attn.fit_end_to_end``, ``entry.e2e_steps``) on the same windows when it asks for
     that (or on ``fit_rows(entry.e2e_tokens)`` when it names its tokens, ``fit_rows(entry.e2e_tokens,
     entry.e2e_length)`` in windows of that length, about as many tokens a step; judged on the first
-    ``entry.e2e_check_tokens`` of them when it names those), distil it on
-    ``fit_rows(entry.distill_tokens)`` (``fit_rows(tokens)``: the first ``tokens`` fitting tokens as windows) when
-    it asks for it, measure it, write ``runs/<name>.json``; a finished run is read back instead. An ``"alloc:B"``
-    rank first chooses the layers' key and value widths (``collab_attn.allocate_cache``, ``allocation_steps`` per
-    candidate and layer, on the first ``allocation_tokens`` of the calibration windows, default all). A layer fit's
-    weights, and an end-to-end fit's, are kept (``fitted_state_path``) and read back by every later run that starts
-    from the same fit. ``sensitivity_windows=N``: also where the model's KL from the original sits, layer by layer
-    (``collab_attn.layer_sensitivity``), on the first N held-out windows of each domain, into
-    ``sensitivity/<name>.json`` and ``.md`` (a finished run is converted again for it, its fits read back).
+    ``entry.e2e_check_tokens`` of them when it names those, or on held-out windows: the fitting tokens after them, or
+    with ``entry.e2e_held_out_text`` the first of another domain's fit split, ``fit_rows(tokens, text=domain)``),
+    distil it on ``fit_rows(entry.distill_tokens)`` (``fit_rows(tokens)``: the first ``tokens`` fitting tokens as
+    windows) when it asks for it, measure it, write ``runs/<name>.json``; a finished run is read back instead. An
+    ``"alloc:B"`` rank first chooses the layers' key and value widths (``collab_attn.allocate_cache``,
+    ``allocation_steps`` per candidate and layer, on the first ``allocation_tokens`` of the calibration windows,
+    default all). A layer fit's weights, and an end-to-end fit's, are kept (``fitted_state_path``) and read back by
+    every later run that starts from the same fit. ``sensitivity_windows=N``: also where the model's KL from the
+    original sits, layer by layer (``collab_attn.layer_sensitivity``), on the first N held-out windows of each
+    domain, into ``sensitivity/<name>.json`` and ``.md`` (a finished run is converted again for it, its fits read
+    back).
     ``answer_detail``: also how far it follows the original's answers to the prompts, token by token
     (``collab_attn.pretrained.answers.answer_agreement``), into ``answers/<name>.json`` and ``.md`` (the same way).
     ``split``: the held-out split ``rows`` come from (``validation`` or ``test``), recorded in the run file, which is
@@ -233,8 +246,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
             solve_output=entry.fit_solve_output))
     e2e = None
     if entry.e2e_steps:
-        def e2e_rows(tokens):
-            return fit_rows(tokens, entry.e2e_length) if entry.e2e_length else fit_rows(tokens)
+        def e2e_rows(tokens, **text):
+            return fit_rows(tokens, entry.e2e_length, **text) if entry.e2e_length else fit_rows(tokens, **text)
 
         def e2e_batches(windows):
             if not entry.e2e_length:
@@ -246,7 +259,10 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
                 fitting_batches()
             check = -(-entry.e2e_check_tokens // batches[0]["input_ids"].numel()) if entry.e2e_check_tokens else None
             held_out = None
-            if entry.e2e_held_out_tokens:  # the windows after the fit's own
+            if entry.e2e_held_out_text:  # the first windows of another domain's fit split
+                other = e2e_rows(entry.e2e_held_out_tokens, text=entry.e2e_held_out_text)
+                held_out = e2e_batches(other.to(model.device))
+            elif entry.e2e_held_out_tokens:  # the windows after the fit's own
                 after = e2e_rows(entry.e2e_tokens + entry.e2e_held_out_tokens)[len(e2e_rows(entry.e2e_tokens)):]
                 held_out = e2e_batches(after.to(model.device))
             return collab_attn.fit_end_to_end(model, original, batches, steps=entry.e2e_steps,
@@ -361,7 +377,8 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     ``"end-to-end"``, after ``fit_end_to_end`` too (before any distillation)."""
     if stage == "layer":
         start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
-                                    e2e_held_out_tokens=0, e2e_length=0, e2e_check_every=0, distill_tokens=0)
+                                    e2e_held_out_tokens=0, e2e_held_out_text="", e2e_length=0, e2e_check_every=0,
+                                    distill_tokens=0)
     elif stage == "end-to-end":
         start = dataclasses.replace(entry, distill_tokens=0)
     else:

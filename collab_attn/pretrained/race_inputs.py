@@ -126,7 +126,7 @@ def fitting_blocks(args) -> list[tuple[int, int]]:
     if args.e2e_steps and args.e2e_tokens:
         length = args.e2e_length or args.length
         blocks.append((args.e2e_tokens, length))
-        if args.e2e_held_out_tokens:
+        if args.e2e_held_out_tokens and not getattr(args, "e2e_held_out_text", ""):
             blocks.append((args.e2e_tokens + args.e2e_held_out_tokens, length))
     return list(dict.fromkeys(blocks))
 
@@ -165,6 +165,15 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
             raise cli.BadInput(f"--calibration-sample {args.calibration_sample}: --calibration-tokens "
                                f"{args.calibration_tokens} make {blocks} windows of {args.length} for "
                                f"{args.calibration_sample + 1} samples, less than one each; raise --calibration-tokens")
+    if getattr(args, "e2e_held_out_text", ""):
+        length = args.e2e_length or args.length
+        try:
+            text_windows(tokenizer, args.glue_dir, args.shakespeare, length, args.e2e_held_out_tokens,
+                         FIT_TEXTS[args.e2e_held_out_text])
+        except ValueError as err:
+            raise cli.BadInput(f"--e2e-held-out-tokens {args.e2e_held_out_tokens} of --e2e-held-out-text "
+                               f"{args.e2e_held_out_text} in windows of {length}: more than its fit split holds "
+                               f"({err}); ask for fewer") from None
     if args.e2e_steps:
         _check_end_to_end(args, made)
     return {} if OWN in texts else made  # the original's samples: counted here, made once it is loaded
@@ -189,7 +198,7 @@ def _check_end_to_end(args, made: dict) -> None:
         raise cli.BadInput(f"--e2e-check-tokens {args.e2e_check_tokens} is more than the end-to-end fit's own tokens "
                            f"hold ({what}: {windows} windows of {length}, {batches} batches of {step}): pass at most "
                            f"{most}, or 0 to measure on all of them")
-    if args.e2e_tokens and args.e2e_held_out_tokens:
+    if args.e2e_tokens and args.e2e_held_out_tokens and not getattr(args, "e2e_held_out_text", ""):
         after = len(made[args.e2e_tokens + args.e2e_held_out_tokens, length]) - windows
         if after < 1:
             least = 2 * length * -(-args.e2e_tokens // (2 * length)) - args.e2e_tokens + 1

@@ -9,6 +9,8 @@
 #   bash experiments/transfer/run.sh stages mixed own       # their calibrated and layer-fitted stages (validation)
 #   E2E_STEPS=128 E2E_TOKENS=131072 E2E_CHECK_EVERY=32 bash experiments/transfer/run.sh fit all
 #       # a longer end-to-end fit, its held-out loss every 32 steps, the lowest's weights kept (early stopping)
+#   E2E_CHECK_EVERY=4 E2E_HELD_OUT_TEXT=code SPLITS=validation bash experiments/transfer/run.sh fit wikipedia
+#       # judged, and stopped early, on another domain's fit split (code) that the fit does not read; validation only
 #   python scripts/transfer_table.py experiments/transfer [--split test]   # the tables
 #
 # Fitting texts (scripts/race_smollm2.py --fit-text): own (the original's own samples, collab_attn.own_text; kept in
@@ -27,12 +29,14 @@ recipe=(--out experiments/transfer --budgets "${BUDGET:-0.5}" --methods key-svd 
 for text in "$@"; do
   case "$what" in
     fit)
-      steps=${E2E_STEPS:-32} tokens=${E2E_TOKENS:-32768} every=${E2E_CHECK_EVERY:-0}
+      steps=${E2E_STEPS:-32} tokens=${E2E_TOKENS:-32768} every=${E2E_CHECK_EVERY:-0} held=${E2E_HELD_OUT_TEXT:-}
       stop=$( ((every)) && echo "stop$every" || true)
       e2e=("${recipe[@]}" --e2e-steps "$steps" --e2e-tokens "$tokens" --e2e-held-out-tokens 4096 --fit-text "$text"
-           --e2e-check-every "$every" --rows "e2e${steps}on${tokens}held4096${stop}(-text[a-z]+)?\$")
+           --e2e-held-out-text "$held" --e2e-check-every "$every"
+           --rows "e2e${steps}on${tokens}held4096${held}${stop}(-text[a-z]+)?\$")
       "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --domains wikipedia shakespeare code
-      "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --split test --windows 32 ;;
+      [ "${SPLITS:-validation test}" = validation ] ||
+        "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --split test --windows 32 ;;
     stages)
       "$PYTHON" scripts/race_smollm2.py "${recipe[@]}" --fit-text "$text" \
         --rows 'calibrated16384(-fitted150)?(-text[a-z]+)?$' --domains wikipedia shakespeare code ;;
