@@ -201,11 +201,11 @@ config = transformers.LlamaConfig(hidden_size=48, num_attention_heads=4, num_key
 transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1])
 tokenizer.save_pretrained(sys.argv[1])
 EOF
-    run_job smollm2 "$PYTHON" scripts/race_smollm2.py --model "$tiny" --out "$out" --budgets 0.5 --methods cp \
+    run_job smollm2 "$PYTHON" scripts/race_smollm2.py --fit-text mixed --model "$tiny" --out "$out" --budgets 0.5 --methods cp \
       merge-kv --windows 2 --length 16 --batch 2 --distill-tokens 64 --calibration-tokens 32 --threads 1 \
       "--glue-dir=$GLUE_DIR" \
       "--shakespeare=$LM_DATA"
-    run_job smollm2 "$PYTHON" scripts/race_smollm2.py --model "$tiny" --out "$out"_fitted --budgets 0.5 --methods cp \
+    run_job smollm2 "$PYTHON" scripts/race_smollm2.py --fit-text mixed --model "$tiny" --out "$out"_fitted --budgets 0.5 --methods cp \
       kv-svd --windows 2 --length 16 --long-length 32 --long-windows 2 --batch 2 --calibration-tokens 64 \
       --fit-steps 1 --e2e-steps 1 --e2e-tokens 64 --allocate --allocation-steps 1 --allocation-tokens 32 --threads 1 "--glue-dir=$GLUE_DIR" \
       "--shakespeare=$LM_DATA"
@@ -213,11 +213,11 @@ EOF
   fi
   # fitted to the original's attention outputs first (issue 65): every method calibrated and fitted the same way
   # (layer by layer, then end to end), and the keys/values sized by measurement; then the long distillation
-  run_job smollm2 "$PYTHON" scripts/race_smollm2.py --out "$out"_fitted --device cuda --windows 128 --length 512 \
+  run_job smollm2 "$PYTHON" scripts/race_smollm2.py --fit-text mixed --out "$out"_fitted --device cuda --windows 128 --length 512 \
     --long-length 2048 --long-windows 32 --batch 8 --calibration-tokens 65536 --fit-steps 300 --e2e-steps 64 \
     --e2e-tokens 262144 --allocate --distill-tokens 204800 --distill-budgets 0.25 --methods cp tucker key-svd kv-svd "--glue-dir=$GLUE_DIR" \
     "--shakespeare=$LM_DATA"
-  run_job smollm2 "$PYTHON" scripts/race_smollm2.py --out "$out" --device cuda --windows 128 --length 512 --batch 8 \
+  run_job smollm2 "$PYTHON" scripts/race_smollm2.py --fit-text mixed --out "$out" --device cuda --windows 128 --length 512 --batch 8 \
     --distill-tokens 2048000 --calibration-tokens 262144 "--glue-dir=$GLUE_DIR" "--shakespeare=$LM_DATA"
 }
 

@@ -318,12 +318,14 @@ def main(argv=None) -> None:
                              "bands (reparametrize(..., bands='shared'): what a standard checkpoint can hold, "
                              "collab_attn.export; runs named -bandsshared; only cp, tucker and key-svd split pairs "
                              "among bands); default per-layer")
-    parser.add_argument("--fit-text", default="mixed", choices=sorted(FIT_TEXTS),
-                        help="what every fit reads (calibration, layer fit, end to end, distillation): 'mixed' "
-                             "(default: the wikipedia and shakespeare fit splits, interleaved), one domain's fit split "
-                             "('wikipedia', 'shakespeare', 'code'), 'all' three interleaved, 'own': the original's "
-                             "own samples (collab_attn.own_text; kept in <out>/own_text/), or 'every': own samples "
-                             "and the three, a quarter each. Runs named -text<name> unless mixed")
+    parser.add_argument("--fit-text", default=None, choices=sorted(FIT_TEXTS),
+                        help="what every fit reads (calibration, layer fit, end to end, distillation): 'all' "
+                             "(default: the wikipedia, shakespeare and code fit splits interleaved, the text chosen on "
+                             "validation in experiments/transfer), 'mixed' (the wikipedia and shakespeare fit splits: "
+                             "the race's text before it; pass it to resume or reproduce the runs named without "
+                             "-text), one domain's fit split ('wikipedia', 'shakespeare', 'code'), 'own': the "
+                             "original's own samples (collab_attn.own_text; kept in <out>/own_text/), or 'every': own "
+                             "samples and the three, a quarter each. Runs named -text<name> unless mixed")
     parser.add_argument("--domains", nargs="+", default=None, choices=TEST_DOMAINS,
                         help="the held-out domains to measure (default: wikipedia and shakespeare on validation, "
                              "every domain on test; docs has a test split only)")
@@ -332,8 +334,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.split == "validation" and args.domains and "docs" in args.domains:
         parser.error("--domains docs: a test-only domain (no choice reads it); measure it with --split test")
-    if args.fit_text != "mixed" and not (args.calibration_tokens or args.distill_tokens):
+    fits = bool(args.calibration_tokens or args.distill_tokens)
+    if args.fit_text not in (None, "mixed") and not fits:
         parser.error(f"--fit-text {args.fit_text}: no fit reads text without --calibration-tokens or --distill-tokens")
+    args.fit_text = args.fit_text or ("all" if fits else "mixed")  # "mixed": no fit, no text named
     if args.split == "test" and args.sensitivity:
         parser.error("--sensitivity is a diagnostic that guides choices: measure it on --split validation, not test")
     if not 0 <= args.sensitivity <= args.windows:

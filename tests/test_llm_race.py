@@ -379,7 +379,7 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
      "--e2e-held-out-text code names where the held-out tokens come from: give --e2e-held-out-tokens too"),
     (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-tokens", "4096",
       "--e2e-held-out-tokens", "512", "--e2e-held-out-text", "wikipedia"],
-     "--e2e-held-out-text wikipedia: --fit-text mixed reads that domain; choose a domain the fit does not read"),
+     "--e2e-held-out-text wikipedia: --fit-text all reads that domain; choose a domain the fit does not read"),
 ])
 def test_bad_race_options_give_one_error_and_write_nothing(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:

@@ -182,6 +182,8 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
 def _check_end_to_end(args, made: dict) -> None:
     """The end-to-end fit's batches as ``run_entry`` makes them: its check tokens within them, its held-out tokens
     at least one window after them."""
+    from collab_attn.pretrained.race import FIT_TEXTS
+
     if args.e2e_tokens:
         length = args.e2e_length or args.length
         windows = len(made[args.e2e_tokens, length])
@@ -201,7 +203,8 @@ def _check_end_to_end(args, made: dict) -> None:
     if args.e2e_tokens and args.e2e_held_out_tokens and not getattr(args, "e2e_held_out_text", ""):
         after = len(made[args.e2e_tokens + args.e2e_held_out_tokens, length]) - windows
         if after < 1:
-            least = 2 * length * -(-args.e2e_tokens // (2 * length)) - args.e2e_tokens + 1
+            block = len(FIT_TEXTS[getattr(args, "fit_text", "mixed")]) * length  # a window of every text
+            least = block * -(-args.e2e_tokens // block) - args.e2e_tokens + 1
             raise cli.BadInput(f"--e2e-held-out-tokens {args.e2e_held_out_tokens} adds no window after the end-to-end "
                                f"fit's own {windows} windows of {length} (the fitting text is cut into windows, one "
                                f"from each domain at a time): pass at least {least}")

@@ -31,7 +31,7 @@ cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python}
 part=${1:-all}
 [ $# -gt 0 ] && shift
-common=(--out experiments/smollm2/fitted_2048 --split test --windows 64 --long-length 2048 --long-windows 8
+common=(--fit-text mixed --out experiments/smollm2/fitted_2048 --split test --windows 64 --long-length 2048 --long-windows 8
         --calibration-tokens 16384 --threads 1)
 
 short() {  # README.md's rows "calibrated on 16,384 tokens" and "+ each attention layer fitted ... 100 steps"
