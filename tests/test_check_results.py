@@ -173,3 +173,24 @@ def test_a_missing_page_is_one_error_line(tmp_path):
                           capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: {tmp_path / 'none.md'}: no such page (claims cite it)"
+
+
+BENCHMARKS = "experiments/benchmarks/README.md"
+
+
+def test_the_benchmark_pages_are_strict(registry):
+    assert {(s.page, s.section, s.tables_only) for s in registry.strict} >= {(BENCHMARKS, None, False),
+                                                                                ("docs/benchmarks.md", None, False)}
+
+
+@pytest.mark.parametrize("page, old, new, said", [
+    # a ratio recomputed from the rounds' raw timings, and a verdict word the timing rule does not give
+    (BENCHMARKS, "| 1 x 512 | 1.48x **slower** (1.39)", "| 1 x 512 | 1.46x **slower** (1.39)",
+     "1.46 where the run files give 1.48"),
+    (BENCHMARKS, "| 1 x 512 | 1.48x **slower** (1.39)", "| 1 x 512 | 1.48x tie (1.39)", "not on the page"),
+    ("docs/benchmarks.md", "0.57x the original's time per token", "0.55x the original's time per token",
+     "0.55 where the run files give 0.57"),
+])
+def test_the_benchmark_pages_fail_on_a_number_or_verdict_altered(tmp_path, registry, page, old, new, said):
+    problems = check_results.check(registry, {page: _altered(tmp_path, page, old, new)})
+    assert problems and said in problems[0], problems
