@@ -102,7 +102,7 @@ def test_a_quote_gone_fails(tmp_path, registry):
     assert "MQA was ahead of them at 4,000 steps (-0.0219 [-0.0346, -0.0092])" in problems[0]
     assert [p.split(": ", 1)[1] for p in problems[1:]] == [
         f"{n!r} cites no run file: add a claim for it (or cited(...) with where it comes from) in "
-        "scripts/check_results.py" for n in ("-0.0219", "-0.0346", "-0.0092", "-0.0088", "-0.0216", "+0.0040")]
+        "scripts/result_pages/" for n in ("-0.0219", "-0.0346", "-0.0092", "-0.0088", "-0.0216", "+0.0040")]
 
 
 def test_a_page_of_its_own(tmp_path):
@@ -132,7 +132,7 @@ def test_a_page_of_its_own(tmp_path):
     page.write_text(page.read_text().replace("212 s", "211 s") + "| other | 9.99x |\n")
     assert check_results.check(registry) == [
         f"{page}:9: '9.99x' cites no run file: add a claim for it (or cited(...) with where it comes from) in "
-        "scripts/check_results.py"]
+        "scripts/result_pages/"]
 
     def wrong():
         check_results.claim(str(page), "took {:.0f} s", check_results.field(str(run), "fit.cpu_seconds"))
