@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -123,7 +124,8 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
                                        e2e_check_tokens=args.e2e_check_tokens,
                                        e2e_held_out_tokens=args.e2e_held_out_tokens,
                                        e2e_held_out_text=args.e2e_held_out_text, fit_text=args.fit_text,
-                                       e2e_length=args.e2e_length, e2e_check_every=args.e2e_check_every)
+                                       e2e_length=args.e2e_length, e2e_check_every=args.e2e_check_every,
+                                       e2e_anchor=args.e2e_anchor)
 
         start = end_to_end if args.e2e_steps else fitted  # where the distilled ones start
         entries = [start(e) if e.calibration_tokens and e.distill_tokens else e for e in entries] + [
@@ -186,7 +188,9 @@ def rows_described(entries: list[dict], batch: int) -> str:
                  + (" ...len<L>: its fitting tokens in windows of L tokens, about as many tokens a step."
                     if having("e2e_length") else "")
                  + (" ...stop<K>: that loss measured every K steps too, and the weights where it was lowest kept "
-                    "(early stopping)." if having("e2e_check_every") else ""))
+                    "(early stopping)." if having("e2e_check_every") else "")
+                 + (" ...anchor<A>: each step's loss plus A times the relative squared distance of the attention "
+                    "weights from where the fit starts." if having("e2e_anchor") else ""))
     if any(str(e.get("rank", "")).startswith("alloc:") for e in entries):
         text += (" -kallocB rows: keys and values sized per layer within B numbers per token and layer by "
                  "collab_attn.allocate_cache (its fitting steps per candidate and layer: the run file's "
@@ -263,6 +267,10 @@ def main(argv=None) -> None:
     parser.add_argument("--e2e-held-out-tokens", type=int, default=0,
                         help="--e2e-tokens: measure its loss before and after on this many fitting tokens right "
                              "after its own instead, which it does not train on (runs named -e2e<M>on<T>held<H>)")
+    parser.add_argument("--e2e-anchor", type=float, default=0.0,
+                        help="--e2e-steps: add this times the relative squared distance of the attention weights from "
+                             "where the fit starts to each step's loss, a pull toward the conversion (regularisation; "
+                             "runs named -e2e<M>...anchor<A>; default 0: none)")
     parser.add_argument("--e2e-held-out-text", default="", choices=("", *FIT_DOMAINS),
                         help="--e2e-held-out-tokens: take them from the start of this domain's fit split, one that "
                              "--fit-text does not read, instead of after the fit's own tokens: the fit judged, and "
@@ -390,6 +398,8 @@ def main(argv=None) -> None:
     if args.e2e_check_every < 0 or (args.e2e_check_every and not args.e2e_check_every < args.e2e_steps):
         parser.error(f"--e2e-check-every must be 0 (no early stopping) or from 1 to --e2e-steps - 1; got "
                      f"{args.e2e_check_every} with --e2e-steps {args.e2e_steps}")
+    if not (math.isfinite(args.e2e_anchor) and args.e2e_anchor >= 0) or (args.e2e_anchor and not args.e2e_steps):
+        parser.error(f"--e2e-anchor must be 0 (none) or a finite number > 0, with --e2e-steps; got {args.e2e_anchor}")
     if not args.e2e_learning_rate > 0:
         parser.error(f"--e2e-learning-rate must be positive, got {args.e2e_learning_rate}")
     if args.calibration_sample < 0 or (args.calibration_sample and not args.calibration_tokens):

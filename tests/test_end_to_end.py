@@ -133,6 +133,32 @@ def test_early_stopping_keeps_the_weights_of_the_lowest_held_out_loss():
             collab_attn.fit_end_to_end(model, original, FIT[:1], steps=24, check_every=every)
 
 
+def test_the_anchor_holds_the_weights_near_where_the_fit_starts():
+    """``anchor``: the relative squared distance from the starting weights in each step's loss. The weights move less
+    the larger it is (and exactly as without it at 0); the recorded losses stay the divergence alone."""
+    original, model = converted(llama, "key-svd", 12, value_rank=12)
+    collab_attn.fit_to_original(model, original, FIT, steps=5, progress=False)
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def drift(anchor):
+        fitted = copy.deepcopy(model)
+        fit = collab_attn.fit_end_to_end(fitted, original, FIT[:8], steps=12, learning_rate=3e-3, anchor=anchor,
+                                         progress=False)
+        moved = sum(float((p - w).square().sum()) for p, w in zip(fitted.parameters(), start))
+        return fit, moved / sum(float(w.square().sum()) for w in start)
+
+    (free, free_drift), (zero, zero_drift) = drift(0.0), drift(0)
+    (held, held_drift), (tight, tight_drift) = drift(1e3), drift(1e5)
+    assert zero.history == free.history and zero_drift == free_drift and free.anchor == 0.0 == zero.anchor
+    assert 0 < tight_drift < held_drift < free_drift and held.anchor == 1e3
+    assert held.history[0] == free.history[0]  # the first step's loss: no drift yet, the divergence alone
+    assert held.loss_before == free.loss_before and free.fitted_loss < held.fitted_loss
+    assert '"anchor": 1000.0' in held.to_json()
+    for anchor in (-1.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="anchor must be a number >= 0"):
+            collab_attn.fit_end_to_end(model, original, FIT[:1], steps=2, anchor=anchor)
+
+
 def test_a_base_encoder_is_fitted_on_its_hidden_states_without_the_padding():
     """BERT without a head has no logits: the relative squared error of its last hidden states, over the
     non-padding tokens (the padding positions may do anything)."""

@@ -286,7 +286,7 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
                      "kv-svd-k72-rope_pairs4-calibrated64-fitted30", "key-svd-k192-v96-calibrated64-fitted30"]
     args.e2e_steps, args.e2e_learning_rate, args.e2e_tokens = 8, 3e-4, 0  # then each fitted one end to end too
     args.e2e_check_tokens = args.e2e_held_out_tokens = args.e2e_length = args.e2e_check_every = 0
-    args.e2e_held_out_text = ""
+    args.e2e_held_out_text, args.e2e_anchor = "", 0.0
     assert [entry.name for entry in script().race_entries(args, 3, 64, [])][-2:] == [
         "kv-svd-k264-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003",
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003"]
@@ -309,6 +309,11 @@ def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it()
     args.e2e_held_out_text = "code"  # held out from code's fit split, which the fit does not read
     assert script().race_entries(args, 3, 64, [])[-1].name == (
         "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256codelen2048stop4")
+    args.e2e_anchor = 10.0  # each step's loss pulled toward the layer fit's weights
+    assert script().race_entries(args, 3, 64, [])[-1].name == (
+        "kv-svd-k72-rope_pairs4-calibrated64-fitted30-e2e8lr0.0003on1024held256codelen2048stop4anchor10")
+    with pytest.raises(ValueError, match="e2e_anchor=10.0 weighs a pull in an end-to-end fit the entry does not make"):
+        race.Entry("key-svd", 96, 96, calibration_tokens=64, fit_steps=3, e2e_anchor=10.0)
     for every in (8, -1):
         with pytest.raises(ValueError, match=f"e2e_check_every={every} checks an end-to-end fit every that many "
                                              "steps: give e2e_steps above it"):
@@ -341,6 +346,9 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
     stopped = dataclasses.replace(held, e2e_check_every=16)
     assert "...stop<K>: that loss measured every K steps too" in script().rows_described(
         [dataclasses.asdict(stopped)], 4) and "stop<K>" not in text
+    pulled = dataclasses.replace(held, e2e_anchor=10.0)
+    assert "...anchor<A>: each step's loss plus A times the relative squared distance" in script().rows_described(
+        [dataclasses.asdict(pulled)], 4) and "anchor<A>" not in text
     for absent in ("Distilled", "-ls", "-kalloc"):
         assert absent not in text
     assert script().rows_described(entries[:1], 4) == ""
@@ -375,6 +383,9 @@ def test_the_summary_describes_every_kind_of_run_its_folder_holds_not_the_last_c
      "--e2e-length must be 0 (--length) or positive, with --e2e-tokens; got 2048"),
     (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-check-every", "2"],
      "--e2e-check-every must be 0 (no early stopping) or from 1 to --e2e-steps - 1; got 2 with --e2e-steps 2"),
+    (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-anchor", "-1"],
+     "--e2e-anchor must be 0 (none) or a finite number > 0, with --e2e-steps; got -1.0"),
+    (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-anchor", "10"], "with --e2e-steps; got 10.0"),
     (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-held-out-text", "code"],
      "--e2e-held-out-text code names where the held-out tokens come from: give --e2e-held-out-tokens too"),
     (["--calibration-tokens", "64", "--fit-steps", "3", "--e2e-steps", "2", "--e2e-tokens", "4096",
@@ -518,6 +529,13 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
     assert (away["end_to_end"]["tokens"], away["end_to_end"]["check_tokens"]) == (480, 48)
     assert away["end_to_end"]["loss_before"] != judged["end_to_end"]["loss_before"]  # judged on other tokens
     assert away["entry"]["e2e_held_out_text"] == "code"
+    # pulled toward the layer fit's weights: the same start, judged alike, another fit
+    pulled = race.run_entry(dataclasses.replace(held, e2e_anchor=100.0), original, None, windows, tmp_path,
+                            original_cache=48, calibration=calibration, calibration_rows=lambda: fitting,
+                            fit_rows=fit_rows)
+    assert pulled["name"].endswith("-e2e30lr0.003on480held48anchor100") and pulled["end_to_end"]["anchor"] == 100.0
+    assert pulled["end_to_end"]["loss_before"] == judged["end_to_end"]["loss_before"]
+    assert pulled["end_to_end"]["history"] != judged["end_to_end"]["history"]
     with pytest.raises(ValueError, match="e2e_held_out_text='wikipedia': the end-to-end fit is judged on another "
                                          "domain's fit split, one that fit_text='mixed' does not read: choose one of "
                                          "code"):

@@ -13,7 +13,8 @@ exact. Each measurement runs both models over the batches it reads: over all of 
 one pass of steps, so a fit over many fresh tokens judges itself on a part of them, or on held-out tokens: the
 fitting tokens say whether the fit learned them, held-out ones whether it learned the original. With
 ``check_every``, that loss is also measured every that many steps, and the weights where it was lowest are kept
-(early stopping).
+(early stopping). With ``anchor``, each step's loss also holds ``anchor x sum ||w - w_0||^2 / sum ||w_0||^2`` over the
+trained weights, ``w_0`` those the fit starts from: a pull toward the conversion it was given (regularisation).
 
 The original's output is computed batch by batch when a step or a measurement needs it, never held for all the
 fitting tokens at once: a language model's next-token distributions take 4 bytes per token and vocabulary entry
@@ -61,6 +62,7 @@ class EndToEndFit:
     check_every: int | None = None  # the checked loss measured every this many steps too, its best weights kept
     checks: list[tuple[int, float]] = field(default_factory=list)  # (step, the checked loss), the last step's too
     best_step: int | None = None  # with check_every: the step whose weights ``fitted_loss`` is of
+    anchor: float = 0.0  # the weight of the pull toward the starting weights in each step's loss (0: none)
     seconds: float = 0.0
     cpu_seconds: float = 0.0
 
@@ -93,6 +95,7 @@ def fit_end_to_end(
     check_batches: int | None = None,
     held_out: Iterable[Mapping[str, torch.Tensor]] | None = None,
     check_every: int | None = None,
+    anchor: float = 0.0,
     progress: bool = True,
 ) -> EndToEndFit:
     """Train the converted attention layers of ``converted`` (in place, all together) so that the model's output
@@ -102,7 +105,9 @@ def fit_end_to_end(
     the mode they were in; ``original`` is not changed. ``check_batches``: the loss before and after, which decides
     whether the fit is kept, on the first this many batches (default: all of them); ``held_out``: on these batches
     instead (tokens the fit does not train on, batched alike). ``check_every``: that loss measured every this many
-    steps (fewer than ``steps``) as well, and the weights where it was lowest kept (early stopping)."""
+    steps (fewer than ``steps``) as well, and the weights where it was lowest kept (early stopping). ``anchor``: the
+    weight of the relative squared distance from the starting weights added to each step's loss (0: none); the
+    losses measured and recorded are the divergence alone."""
     if type(steps) is not int or steps < 1:
         raise ValueError(f"steps must be a positive number of optimizer steps, got {steps!r}")
     if check_batches is not None and (type(check_batches) is not int or check_batches < 1):
@@ -111,6 +116,8 @@ def fit_end_to_end(
     if check_every is not None and (type(check_every) is not int or not 1 <= check_every < steps):
         raise ValueError(f"check_every must be a number of steps from 1 to steps - 1 = {steps - 1} (or None: the loss "
                          f"measured before and after only), got {check_every!r}")
+    if not (isinstance(anchor, (int, float)) and math.isfinite(anchor) and anchor >= 0):
+        raise ValueError(f"anchor must be a number >= 0 (0: no pull toward the starting weights), got {anchor!r}")
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0):
         raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}")
     check_seed_and_progress(seed, progress)
@@ -144,11 +151,12 @@ def fit_end_to_end(
         kind, loss_before = _mean_loss(converted, original, checked, "loss before", progress)
         fit = EndToEndFit(steps, float(learning_rate), _tokens(batches), _tokens(checked), held_out is not None,
                           "kl" if kind == "logits" else "relative squared error", sum(p.numel() for p in params),
-                          loss_before, check_every=check_every)
+                          loss_before, check_every=check_every, anchor=float(anchor))
         saved = [p.detach().clone() for p in params]
         best = _Best(params, checked, fit, progress) if check_every else None
         with torch.enable_grad():
-            _train(converted, original, params, batches, steps, learning_rate, seed, fit, progress, best)
+            _train(converted, original, params, batches, steps, learning_rate, seed, fit, progress, best,
+                   saved if anchor else None)
         _, fit.fitted_loss = _mean_loss(converted, original, checked, "loss after", progress)
         if best is not None:
             best.keep_lowest()
@@ -259,8 +267,12 @@ class _Best:
                 self.state = [p.detach().clone() for p in self.params]
 
 
-def _train(model, original, params, batches, steps, learning_rate, seed, fit, progress, best=None) -> None:
+def _train(model, original, params, batches, steps, learning_rate, seed, fit, progress, best=None,
+           start=None) -> None:
+    """``steps`` Adam steps; with ``start`` (the weights the fit starts from), each step's loss also holds
+    ``fit.anchor`` times the relative squared distance of ``params`` from them."""
     optimizer, schedule = cosine_adam(params, learning_rate, steps)
+    scale = None if start is None else max(sum(float(w.square().sum()) for w in start), 1e-30)
     generator = torch.Generator().manual_seed(seed)
     every = max(1, steps // 20)
     order: list[int] = []
@@ -271,7 +283,11 @@ def _train(model, original, params, batches, steps, learning_rate, seed, fit, pr
         k = order.pop()
         _, loss = _loss(model, original, batches[k])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if start is None:
+            loss.backward()
+        else:
+            drift = sum((p - w).square().sum() for p, w in zip(params, start)) / scale
+            (loss + fit.anchor * drift).backward()
         optimizer.step()
         schedule.step()
         value = loss.item()

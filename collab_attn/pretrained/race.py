@@ -64,6 +64,7 @@ class Entry:
     e2e_held_out_text: str = ""  # or on the first that many of another domain's fit split, which the fit never reads
     e2e_length: int = 0  # its windows of this many tokens (0: the calibration windows' length)
     e2e_check_every: int = 0  # its checked loss every this many steps too, the lowest's weights kept (0: not)
+    e2e_anchor: float = 0.0  # its pull toward the weights it starts from (fit_end_to_end's anchor; 0: none)
     fit_text: str = "mixed"  # what every fit reads (FIT_TEXTS): "mixed", the race's two domains, unless named
 
     def __post_init__(self):
@@ -74,6 +75,9 @@ class Entry:
         if self.e2e_check_every and not 0 < self.e2e_check_every < self.e2e_steps:
             raise ValueError(f"e2e_check_every={self.e2e_check_every} checks an end-to-end fit every that many steps: "
                              f"give e2e_steps above it (got {self.e2e_steps})")
+        if self.e2e_anchor and not self.e2e_steps:
+            raise ValueError(f"e2e_anchor={self.e2e_anchor} weighs a pull in an end-to-end fit the entry does not "
+                             "make: give it e2e_steps too")
         if self.e2e_length and not self.e2e_tokens:
             raise ValueError(f"e2e_length={self.e2e_length} sets the windows of the end-to-end fit's own fitting "
                              "tokens: give it e2e_tokens too")
@@ -117,6 +121,7 @@ class Entry:
         tokens += self.e2e_held_out_text  # "-e2e32on32768held4096code": held out from code's fit split
         tokens += f"len{self.e2e_length}" if self.e2e_length else ""  # "-e2e64on131072check16384len2048"
         tokens += f"stop{self.e2e_check_every}" if self.e2e_check_every else ""  # "-e2e128on131072held4096stop32"
+        tokens += f"anchor{self.e2e_anchor:g}" if self.e2e_anchor else ""  # "-e2e32on32768held4096anchor10"
         e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
         distilled = f"-distilled{self.distill_tokens}" if self.distill_tokens else ""
         text = "" if self.fit_text == "mixed" else f"-text{self.fit_text}"  # "-textown": the original's own samples
@@ -267,7 +272,8 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
                 held_out = e2e_batches(after.to(model.device))
             return collab_attn.fit_end_to_end(model, original, batches, steps=entry.e2e_steps,
                                               learning_rate=entry.e2e_learning_rate, check_batches=check,
-                                              held_out=held_out, check_every=entry.e2e_check_every or None)
+                                              held_out=held_out, check_every=entry.e2e_check_every or None,
+                                              anchor=entry.e2e_anchor)
 
         e2e = _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original, end_to_end)
     training = None
@@ -378,7 +384,7 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     if stage == "layer":
         start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
                                     e2e_held_out_tokens=0, e2e_held_out_text="", e2e_length=0, e2e_check_every=0,
-                                    distill_tokens=0)
+                                    e2e_anchor=0.0, distill_tokens=0)
     elif stage == "end-to-end":
         start = dataclasses.replace(entry, distill_tokens=0)
     else:

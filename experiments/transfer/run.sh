@@ -11,6 +11,7 @@
 #       # a longer end-to-end fit, its held-out loss every 32 steps, the lowest's weights kept (early stopping)
 #   E2E_CHECK_EVERY=4 E2E_HELD_OUT_TEXT=code SPLITS=validation bash experiments/transfer/run.sh fit wikipedia
 #       # judged, and stopped early, on another domain's fit split (code) that the fit does not read; validation only
+#   E2E_ANCHOR=10 SPLITS=validation bash experiments/transfer/run.sh fit wikipedia   # pulled toward its start
 #   python scripts/transfer_table.py experiments/transfer [--split test]   # the tables
 #
 # Fitting texts (scripts/race_smollm2.py --fit-text): own (the original's own samples, collab_attn.own_text; kept in
@@ -30,10 +31,11 @@ for text in "$@"; do
   case "$what" in
     fit)
       steps=${E2E_STEPS:-32} tokens=${E2E_TOKENS:-32768} every=${E2E_CHECK_EVERY:-0} held=${E2E_HELD_OUT_TEXT:-}
-      stop=$( ((every)) && echo "stop$every" || true)
+      anchor=${E2E_ANCHOR:-0}  # written as the run names write it: 10, 0.5
+      stop=$( ((every)) && echo "stop$every" || true) pull=$([ "$anchor" = 0 ] || echo "anchor$anchor")
       e2e=("${recipe[@]}" --e2e-steps "$steps" --e2e-tokens "$tokens" --e2e-held-out-tokens 4096 --fit-text "$text"
-           --e2e-held-out-text "$held" --e2e-check-every "$every"
-           --rows "e2e${steps}on${tokens}held4096${held}${stop}(-text[a-z]+)?\$")
+           --e2e-held-out-text "$held" --e2e-check-every "$every" --e2e-anchor "$anchor"
+           --rows "e2e${steps}on${tokens}held4096${held}${stop}${pull}(-text[a-z]+)?\$")
       "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --domains wikipedia shakespeare code
       [ "${SPLITS:-validation test}" = validation ] ||
         "$PYTHON" scripts/race_smollm2.py "${e2e[@]}" --split test --windows 32 ;;
