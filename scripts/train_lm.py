@@ -9,7 +9,7 @@
 A finished run's JSON is skipped; run the same command again to resume an interrupted one.
 Every setting, the text and the whole grid of runs are checked before anything is written: bad input exits with
 status 2 and one ``error: ...`` line (collab_attn/cli.py).
-Tables and plots: scripts/summarize_runs.py lm.
+Tables and plots: scripts/summarize.py lm.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The cache race end to end on a tiny trained model: ``convert_lm.py cache_fractions=...`` sizes every method for
 each budget (keys and values together where the method cuts both), skips the methods that cannot get there,
-re-trains plain or distilled from the original, and ``summarize_runs.py race`` tabulates and draws the runs."""
+re-trains plain or distilled from the original, and ``summarize.py race`` tabulates and draws the runs."""
 
 import json
 
@@ -113,7 +113,7 @@ def test_the_summary_refuses_a_folder_without_race_runs(tmp_path, capsys):
 
 def run_summary(root, capsys) -> int:
     try:
-        code = load_script("summarize_runs").main(["race", str(root)])
+        code = load_script("summarize").main(["race", str(root)])
     except SystemExit as stop:
         code = stop.code
     out, err = capsys.readouterr()

@@ -82,7 +82,7 @@ PROCESSES = {
     "grid: a rank one job cannot take": ("train_glue", ["-m", "task=mrpc,rte", "collab.rank=384,999",
                                                         "data.glue_dir=null"], "collab.rank"),
     "zero heads": ("accounting", ["--heads", "0", "--d-model", "12"], "--heads"),
-    "summary into a file": ("summarize", ["sweep", "--out", "afile"], "--out"),
+    "summary into a file": ("summarize", ["glue", "sweep", "--out", "afile"], "--out"),
     "visualize into a file": ("visualize", ["output_dir=afile"], "output_dir"),
 }
 
@@ -147,11 +147,12 @@ CASES = [
     ("reparametrize", ["model=afile"], "model"),
     ("energy", ["thresholds=[0]"], "thresholds"),
     ("accounting", ["--output", "empty"], "--output"),  # a folder where a file goes
-    ("summarize", ["empty"], "sweep_dir"),  # a folder without results
-    ("summarize", ["sweep", "--seeds", "one"], "--seeds"),
-    ("summarize_runs", ["lm", "scratch"], "root="),  # results of another script
-    ("summarize_runs", ["race", "scratch"], "root="),
-    ("summarize_runs", ["glue", "scratch"], "mode"),  # no such pipeline
+    ("summarize", ["glue", "empty"], "sweep_dir"),  # a folder without results
+    ("summarize", ["glue", "sweep", "--seeds", "one"], "--seeds"),
+    ("summarize", ["lm", "scratch"], "root="),  # results of another script
+    ("summarize", ["race", "scratch"], "root="),
+    ("summarize", ["transfer", "scratch"], "runs/"),  # not a race folder
+    ("summarize", ["sweeps", "scratch"], "mode"),  # no such pipeline
     ("fit_check", ["mrpc=lm/model", "--batch-size", "0"], "--batch-size"),
 ]
 

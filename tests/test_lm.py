@@ -1,5 +1,5 @@
 """Character-level language modelling (collab_attn/char_lm, scripts/train_lm.py, scripts/convert_lm.py,
-scripts/summarize_runs.py lm) on tiny models and a made-up text; the real Tiny Shakespeare where it is present."""
+scripts/summarize.py lm) on tiny models and a made-up text; the real Tiny Shakespeare where it is present."""
 
 import importlib.util
 import json

@@ -231,12 +231,13 @@ def plot(records: Sequence[dict], path: Path, title: str) -> Path:
     return path
 
 
-RESULTS_BEGIN = "<!-- race results: written by scripts/summarize_runs.py race -->"
-EARLIER_BEGINS = ("<!-- race results: written by scripts/summarize_race.py -->",)  # before issue 90's one script
+RESULTS_BEGIN = "<!-- race results: written by scripts/summarize.py race -->"
+EARLIER_BEGINS = ("<!-- race results: written by scripts/summarize_race.py -->",
+                  "<!-- race results: written by scripts/summarize_runs.py race -->")  # before issue 90's one script
 RESULTS_END = "<!-- end of race results -->"
 RESULTS_FILE = "results.md"  # the generated page; README.md links it
 RESULTS_HEADER = ("# The cache race: every table\n\n"
-                  "Written by `python scripts/summarize_runs.py race experiments/kv_cache` from the runs' JSON files "
+                  "Written by `python scripts/summarize.py race experiments/kv_cache` from the runs' JSON files "
                   "(do not edit between the markers). The current answer is in [`README.md`](README.md).\n\n")
 
 

@@ -22,12 +22,13 @@ from collab_attn.run_store import mean_curve, mean_std, read_results
 from collab_attn.stats import compare_on_shared_seeds, rank
 
 NANOGPT = {"gpu": 1.4697, "cpu": 1.88}  # nanoGPT's README: best val loss of its two shakespeare_char configs
-RESULTS_BEGIN = "<!-- results: written by scripts/summarize_runs.py lm -->"
-EARLIER_BEGINS = ("<!-- results: written by scripts/summarize_lm.py -->",)  # before issue 90's one script
+RESULTS_BEGIN = "<!-- results: written by scripts/summarize.py lm -->"
+EARLIER_BEGINS = ("<!-- results: written by scripts/summarize_lm.py -->",
+                  "<!-- results: written by scripts/summarize_runs.py lm -->")  # before issue 90's one script
 RESULTS_END = "<!-- end of results -->"
 RESULTS_FILE = "results.md"  # the generated page: every table, verdict and sample; README.md links it
 RESULTS_HEADER = ("# Tiny Shakespeare, character level: every run\n\n"
-                  "Written by `python scripts/summarize_runs.py lm experiments/shakespeare_char` from the runs' JSON "
+                  "Written by `python scripts/summarize.py lm experiments/shakespeare_char` from the runs' JSON "
                   "files (do not edit between the markers). The current answer is in [`README.md`](README.md).\n\n")
 METHOD_ORDER = labels()
 # Per results sub-folder: the keys the tables read, the key naming the variant and its values, the writing script.

@@ -11,7 +11,7 @@
 #     64, 32, 16), one process per method.
 # Results: $OUT/shakespeare_char/{cpu,gpu}/runs/*.json and cpu/convert/runs/*.json, laid out so that copying
 # $OUT/shakespeare_char/ over experiments/shakespeare_char/ gives the committed layout; then, on any machine,
-# `python scripts/summarize_runs.py lm` writes the tables, plots and samples into experiments/shakespeare_char/results.md.
+# `python scripts/summarize.py lm` writes the tables, plots and samples into experiments/shakespeare_char/results.md.
 # Logs go to $OUT/lm_logs, the trained cpu-recipe model to $OUT/lm_models (neither is committed).
 # Every process runs under `timeout` against one deadline, so the script always finishes and keeps what finished.
 #

@@ -14,7 +14,7 @@
 #   bash experiments/shakespeare_char/rope_race.sh longest 0 2     # 1/2 and 1/8 at 12,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longest-original 0 2  # the original at 12,000 steps
 #   bash experiments/shakespeare_char/rope_race.sh longest-tpa 0 2 # TPA at ranks 2/2 at 12,000 steps
-# Then: python scripts/summarize_runs.py lm experiments/shakespeare_char
+# Then: python scripts/summarize.py lm experiments/shakespeare_char
 set -euo pipefail
 set_name=${1:-race}
 worker=${2:-0}

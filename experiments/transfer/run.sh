@@ -12,7 +12,7 @@
 #   E2E_CHECK_EVERY=4 E2E_HELD_OUT_TEXT=code SPLITS=validation bash experiments/transfer/run.sh fit wikipedia
 #       # judged, and stopped early, on another domain's fit split (code) that the fit does not read; validation only
 #   E2E_ANCHOR=10 SPLITS=validation bash experiments/transfer/run.sh fit wikipedia   # pulled toward its start
-#   python scripts/transfer_table.py experiments/transfer [--split test]   # the tables
+#   python scripts/summarize.py transfer experiments/transfer [--split test]   # the tables
 #
 # Fitting texts (scripts/race_smollm2.py --fit-text): own (the original's own samples, collab_attn.own_text; kept in
 # experiments/transfer/own_text/, not committed), all (the wikipedia, shakespeare and code fit splits interleaved),

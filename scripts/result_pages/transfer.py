@@ -20,7 +20,7 @@ from result_pages.engine import (
 
 def gain(a: str, b: str, domain: str) -> Value:
     """How much lower run ``a``'s perplexity is than run ``b``'s on one domain, in percent (the window bootstrap's
-    estimate, as scripts/transfer_table.py prints it)."""
+    estimate, as scripts/summarize.py transfer prints it)."""
     return Value(f"{short(a)} against {short(b)}, {domain}, gain", lambda: [-100 * bootstrap(a, b, domain)
                                                                             .mean_difference])
 
