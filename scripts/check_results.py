@@ -50,6 +50,7 @@ from result_pages.engine import (  # noqa: E402,F401  (the checker's names, for 
 )
 from result_pages.engine import build as build_pages  # noqa: E402
 from result_pages.kv_cache import claims_kv_cache  # noqa: E402
+from result_pages.minilm_glue import claims_minilm_glue  # noqa: E402
 from result_pages.shakespeare import claims_shakespeare  # noqa: E402
 from result_pages.smollm2 import (  # noqa: E402,F401  (SIZES, attention_parameters, conversion: for the tests)
     SIZES,
@@ -61,7 +62,8 @@ from result_pages.smollm2 import (  # noqa: E402,F401  (SIZES, attention_paramet
 from result_pages.transfer import claims_readme_transfer, claims_transfer  # noqa: E402
 
 PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_transfer, claims_transfer,
-                                   claims_shakespeare, claims_benchmarks, claims_benchmarks_doc, claims_kv_cache]
+                                   claims_shakespeare, claims_benchmarks, claims_benchmarks_doc, claims_kv_cache,
+                                   claims_minilm_glue]
 
 
 def build(pages: list[Callable[[], None]] | None = None) -> Registry:
