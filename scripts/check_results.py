@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_pages/, beside this script
 
+from result_pages.accounting import claims_accounting  # noqa: E402
 from result_pages.benchmarks import claims_benchmarks, claims_benchmarks_doc  # noqa: E402
 from result_pages.engine import (  # noqa: E402,F401  (the checker's names, for tests and callers)
     RESAMPLES,
@@ -51,6 +52,8 @@ from result_pages.engine import (  # noqa: E402,F401  (the checker's names, for 
 from result_pages.engine import build as build_pages  # noqa: E402
 from result_pages.kv_cache import claims_kv_cache  # noqa: E402
 from result_pages.minilm_glue import claims_minilm_glue  # noqa: E402
+from result_pages.minilm_mrpc_rte import claims_minilm_mrpc_rte  # noqa: E402
+from result_pages.minilm_random_init import claims_minilm_random_init  # noqa: E402
 from result_pages.shakespeare import claims_shakespeare  # noqa: E402
 from result_pages.smollm2 import (  # noqa: E402,F401  (SIZES, attention_parameters, conversion: for the tests)
     SIZES,
@@ -63,7 +66,8 @@ from result_pages.transfer import claims_readme_transfer, claims_transfer  # noq
 
 PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_transfer, claims_transfer,
                                    claims_shakespeare, claims_benchmarks, claims_benchmarks_doc, claims_kv_cache,
-                                   claims_minilm_glue]
+                                   claims_minilm_glue, claims_minilm_mrpc_rte, claims_minilm_random_init,
+                                   claims_accounting]
 
 
 def build(pages: list[Callable[[], None]] | None = None) -> Registry:

@@ -256,3 +256,19 @@ def fit_check(sweep: str, task: str, *columns: str) -> Value:
         cells = [x.strip() for x in row.strip("|").split("|")]
         return [float(cells[head.index(c)]) for c in columns]
     return Value(path.removeprefix("experiments/"), compute)
+
+
+def stage_minutes(sweep: str, task: str, stages=("finetuned", "refit")) -> list[float]:
+    """Minutes of every stage ``stages`` that trained (a fine-tuned model loaded from the cache takes seconds) in the
+    jobs of one task."""
+    import json
+
+    found = []
+    for f in sorted((ROOT / sweep).glob(f"runs/{task}/*/*/*/results.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r["stage"] in stages and r["seconds"] > 300:
+                found.append(r["seconds"] / 60)
+    if not found:
+        raise ValueError(f"{sweep}: no {task} jobs with a training stage")
+    return found
