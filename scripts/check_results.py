@@ -54,6 +54,7 @@ from result_pages.kv_cache import claims_kv_cache  # noqa: E402
 from result_pages.minilm_glue import claims_minilm_glue  # noqa: E402
 from result_pages.minilm_mrpc_rte import claims_minilm_mrpc_rte  # noqa: E402
 from result_pages.minilm_random_init import claims_minilm_random_init  # noqa: E402
+from result_pages.scratch_sst2 import claims_scratch_sst2  # noqa: E402
 from result_pages.shakespeare import claims_shakespeare  # noqa: E402
 from result_pages.smollm2 import (  # noqa: E402,F401  (SIZES, attention_parameters, conversion: for the tests)
     SIZES,
@@ -67,7 +68,7 @@ from result_pages.transfer import claims_readme_transfer, claims_transfer  # noq
 PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_transfer, claims_transfer,
                                    claims_shakespeare, claims_benchmarks, claims_benchmarks_doc, claims_kv_cache,
                                    claims_minilm_glue, claims_minilm_mrpc_rte, claims_minilm_random_init,
-                                   claims_accounting]
+                                   claims_accounting, claims_scratch_sst2]
 
 
 def build(pages: list[Callable[[], None]] | None = None) -> Registry:
