@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_pages/, besid
 
 from result_pages.accounting import claims_accounting  # noqa: E402
 from result_pages.benchmarks import claims_benchmarks, claims_benchmarks_doc  # noqa: E402
+from result_pages.energy_minilm import claims_energy_minilm  # noqa: E402
 from result_pages.engine import (  # noqa: E402,F401  (the checker's names, for tests and callers)
     RESAMPLES,
     Registry,
@@ -54,6 +55,8 @@ from result_pages.kv_cache import claims_kv_cache  # noqa: E402
 from result_pages.minilm_glue import claims_minilm_glue  # noqa: E402
 from result_pages.minilm_mrpc_rte import claims_minilm_mrpc_rte  # noqa: E402
 from result_pages.minilm_random_init import claims_minilm_random_init  # noqa: E402
+from result_pages.minilm_rte_recipe import claims_minilm_rte_recipe  # noqa: E402
+from result_pages.minilm_sst2 import claims_minilm_sst2  # noqa: E402
 from result_pages.scratch_sst2 import claims_scratch_sst2  # noqa: E402
 from result_pages.shakespeare import claims_shakespeare  # noqa: E402
 from result_pages.smollm2 import (  # noqa: E402,F401  (SIZES, attention_parameters, conversion: for the tests)
@@ -68,7 +71,8 @@ from result_pages.transfer import claims_readme_transfer, claims_transfer  # noq
 PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_transfer, claims_transfer,
                                    claims_shakespeare, claims_benchmarks, claims_benchmarks_doc, claims_kv_cache,
                                    claims_minilm_glue, claims_minilm_mrpc_rte, claims_minilm_random_init,
-                                   claims_accounting, claims_scratch_sst2]
+                                   claims_accounting, claims_scratch_sst2, claims_energy_minilm,
+                                   claims_minilm_sst2, claims_minilm_rte_recipe]
 
 
 def build(pages: list[Callable[[], None]] | None = None) -> Registry:
