@@ -58,6 +58,7 @@ from result_pages.minilm_random_init import claims_minilm_random_init  # noqa: E
 from result_pages.minilm_rte_recipe import claims_minilm_rte_recipe  # noqa: E402
 from result_pages.minilm_sst2 import claims_minilm_sst2  # noqa: E402
 from result_pages.scratch_sst2 import claims_scratch_sst2  # noqa: E402
+from result_pages.serving import claims_serving  # noqa: E402
 from result_pages.shakespeare import claims_shakespeare  # noqa: E402
 from result_pages.smollm2 import (  # noqa: E402,F401  (SIZES, attention_parameters, conversion: for the tests)
     SIZES,
@@ -71,7 +72,7 @@ from result_pages.transfer import claims_readme_transfer, claims_transfer  # noq
 PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_transfer, claims_transfer,
                                    claims_shakespeare, claims_benchmarks, claims_benchmarks_doc, claims_kv_cache,
                                    claims_minilm_glue, claims_minilm_mrpc_rte, claims_minilm_random_init,
-                                   claims_accounting, claims_scratch_sst2, claims_energy_minilm,
+                                   claims_accounting, claims_scratch_sst2, claims_serving, claims_energy_minilm,
                                    claims_minilm_sst2, claims_minilm_rte_recipe]
 
 
