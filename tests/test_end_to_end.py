@@ -148,7 +148,7 @@ def test_the_anchor_holds_the_weights_near_where_the_fit_starts():
         return fit, moved / sum(float(w.square().sum()) for w in start)
 
     (free, free_drift), (zero, zero_drift) = drift(0.0), drift(0)
-    (held, held_drift), (tight, tight_drift) = drift(1e3), drift(1e5)
+    (held, held_drift), (_, tight_drift) = drift(1e3), drift(1e5)
     assert zero.history == free.history and zero_drift == free_drift and free.anchor == 0.0 == zero.anchor
     assert 0 < tight_drift < held_drift < free_drift and held.anchor == 1e3
     assert held.history[0] == free.history[0]  # the first step's loss: no drift yet, the divergence alone

@@ -400,7 +400,8 @@ def test_summary_over_chosen_seeds(tmp_path):
     with pytest.raises(ValueError, match=r"no results for seed\(s\) \[7\]"):
         load_results(tmp_path, seeds=[7])
     script = ROOT / "scripts" / "summarize.py"
-    run = subprocess.run([sys.executable, str(script), "glue", str(tmp_path), "--seeds", "one"], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, str(script), "glue", str(tmp_path), "--seeds", "one"], capture_output=True,
+                         text=True)
     assert run.returncode == 2 and run.stderr.startswith("error: --seeds='one'")
 
 

@@ -1,5 +1,6 @@
-"""The transfer matrix (collab_attn/pretrained/transfer.py, scripts/summarize.py transfer): each fit text's perplexity over
-the original's per domain with the window bootstrap, and the in-domain fit against the general ones."""
+"""The transfer matrix (collab_attn/pretrained/transfer.py, scripts/summarize.py transfer): each fit text's
+perplexity over the original's per domain with the window bootstrap, and the in-domain fit against the general
+ones."""
 
 from __future__ import annotations
 
