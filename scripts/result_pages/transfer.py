@@ -16,6 +16,9 @@ from result_pages.engine import (
     strict,
     verdict,
 )
+from result_pages.engine import (
+    run as run_file,
+)
 
 
 def gain(a: str, b: str, domain: str) -> Value:
@@ -167,6 +170,26 @@ def claims_transfer() -> None:
     claim(P, "the layer fit takes code from {:.3f}x to {:.3f}x, the end\n  to end fit to {:.3f}x; on own text, from "
           "{:.3f}x to {:.3f}x", ppl(calibrated + ".json", "code"), ppl(calibrated + "-fitted150.json", "code"),
           ppl(val + mixed, "code"), ppl(calibrated + "-textown.json", "code"), ppl(val + own, "code"))
+    # section 3: early stopping on another domain, and the pull toward the start (fitted on wikipedia)
+    wiki, stop, pull = (val + f"{name}{tail}-textwikipedia.json" for tail in ("", "codestop4", "anchor10000"))
+    claim(P, "| as in section 1 | {:.3f}x | {:.3f}x | {:.3f}x |", ppl(wiki, *three))
+    claim(P, "| judged every {:.0f} steps on {:,.0f} tokens of code's fit split, the lowest kept | {:.3f}x | {:.3f}x | "
+          "{:.3f}x |", field(stop, "end_to_end.check_every", "end_to_end.check_tokens"), ppl(stop, *three))
+    claim(P, "| each step's loss plus {:,.0f} x the relative squared distance from the layer fit's weights | {:.3f}x | "
+          "{:.3f}x | {:.3f}x |", field(pull, "end_to_end.anchor"), ppl(pull, *three))
+    claim(P, "on {:,.0f} tokens of code's fit split, which it\n  never trains on, {:.3f} before the steps, {:.3f} at "
+          "step {:.0f}, {:.3f} at step {:.0f}, {:.3f} at step {:.0f}",
+          field(stop, "end_to_end.check_tokens", "end_to_end.loss_before", "end_to_end.checks.0.1",
+                "end_to_end.checks.0.0", "end_to_end.checks.2.1", "end_to_end.checks.2.0", "end_to_end.checks.7.1",
+                "end_to_end.checks.7.0"))
+    checks = [loss for _, loss in run_file(stop)["end_to_end"]["checks"]]
+    assert checks == sorted(checks, reverse=True)  # "lower at every check"
+    assert run_file(stop)["end_to_end"]["best_step"] == 32
+    assert run_file(stop)["domains"] == run_file(wiki)["domains"]  # "the model is the plain fit's"
+    words = [verdict(pull, wiki, d) for d in three]
+    assert words == ["behind", "tie", "behind"], words
+    claim(P, "against the plain fit\n  {:.4f}x [{:.4f}x, {:.4f}x] on wikipedia, a tie on Shakespeare, {:.4f}x "
+          "[{:.4f}x, {:.4f}x] on code", boot(pull, wiki, "wikipedia"), boot(pull, wiki, "code"))
     # section 5
     one = "experiments/transfer/one_call/"
     claim(P, "the same end-to-end loss, {:.4f} before and {:.4f} after (the race's run: {:.4f} and\n{:.4f})",
