@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from collab_attn.char_lm.kinds import ATTENTION, KINDS, Sizes, kinds_taking
+from collab_attn.kinds import ConvertedSelfAttention
 from collab_attn.models.hf import attention_parameters
-from collab_attn.models.layers import ConvertedSelfAttention
 from collab_attn.nn.variants import cache_numbers_per_token
 
 POSITIONS = ("learned", "rope")

@@ -21,12 +21,12 @@ to one). Exact at ``r = d_h/2`` (every pair kept) with ``D_c = G d_h`` (the valu
 ``r = 0`` with D_c the rank of ``[Wk; Wv]`` the latent is exact too, but no key dimension rotates.
 
 The error a plan reports (``relative_error``) is that of the query/key logit forms per rotary band, the measure the
-rotary ``cp`` reports (``collab_attn.models.products.BandForms``): band ``i`` of head ``h`` scores ``Re(x^T M_hi y
+rotary ``cp`` reports (``collab_attn.kinds.forms.BandForms``): band ``i`` of head ``h`` scores ``Re(x^T M_hi y
 e^(j (p - s) theta_i))`` with the complex form ``M_hi = P + jQ``; a kept band gives it back exactly; a dropped
 band gives the static real form ``N`` (its two query rows against the reconstructed nope key rows), compared as
 ``N + 0j``: ``||P - N||^2 + ||Q||^2``, i.e. the logit and its slope in the relative angle at distance 0 (the
 rotation lost costs at least ``||Q||^2``, more at long distances). ``value_error``: that of the value-output
-products ``Wv_g(h)^T Wo_h^T``. Both are measured again on the installed layer (``models/products.py``).
+products ``Wv_g(h)^T Wo_h^T``. Both are measured again on the installed layer (``kinds/forms.py``).
 """
 
 from __future__ import annotations
