@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import transformers
 
+from collab_attn.kinds.collaborative import collaborative_attention
 from collab_attn.models.hf import Layout, collab_config_class
-from collab_attn.nn import attention as nn_attention
 
 TPA_QUERY_RANK = 6  # TPA's paper trains its models with query rank 6 (its "T6")
 # A model built to train from scratch starts its mixing at random or at ones; "concatenate" (block mixing) is how a
 # conversion starts, and is refused here.
-MIXING_INITS = tuple(init for init in nn_attention.MIXING_INITS if init != "concatenate")
+MIXING_INITS = tuple(init for init in collaborative_attention.MIXING_INITS if init != "concatenate")
 
 
 @dataclass(frozen=True)

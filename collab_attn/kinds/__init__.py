@@ -8,6 +8,7 @@ The kinds import nothing of ``collab_attn.models`` (which builds the layers from
 """
 
 import importlib
+import pkgutil
 
 from collab_attn.kinds.converted import (
     CACHE_KEYWORDS,
@@ -26,8 +27,9 @@ from collab_attn.kinds.converted import (
     rotary_pairs,
 )
 
-# every kind's package, in the order of registration: the order tables list the kinds
-KIND_PACKAGES = (
+# every kind's package, in the order of registration (the order tables list the kinds); a folder added beside them
+# registers after them
+ORDER = (
     "collaborative",
     "concatenated",
     "kept_heads",
@@ -40,6 +42,8 @@ KIND_PACKAGES = (
     "rotary_mla",
     "rotary_tpa",
 )
+KIND_PACKAGES = ORDER + tuple(sorted(found.name for found in pkgutil.iter_modules(__path__)
+                                     if found.ispkg and found.name not in ORDER))
 for _package in KIND_PACKAGES:
     importlib.import_module(f"collab_attn.kinds.{_package}")
 
@@ -73,4 +77,4 @@ __all__ = [
     "KIND_PACKAGES",
 ]
 for _package in KIND_PACKAGES:
-    __all__ += importlib.import_module(f"collab_attn.kinds.{_package}").__all__
+    __all__ += getattr(importlib.import_module(f"collab_attn.kinds.{_package}"), "__all__", [])

@@ -312,9 +312,9 @@ class ConvertedSelfAttention(nn.Module):
 
 
 class VariantSelfAttention(ConvertedSelfAttention):
-    """A variant of ``collab_attn.nn.variants`` (grouped-query, latent or shared-key heads) in a transformers model:
-    the variant's module built for ``rank`` (the shared key's or the latent's width; grouped heads: kv heads), the
-    original model's logit scale, the call contract."""
+    """A variant (grouped-query, latent or shared-key heads: ``collab_attn.kinds.gqa``, ``.mla``, ``.shared_key``) in a
+    transformers model: the variant's module built for ``rank`` (the shared key's or the latent's width; grouped heads:
+    kv heads), the original model's logit scale, the call contract."""
 
     @classmethod
     def _size(cls, site: AttentionSite, spec: LayerSpec) -> int:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collab_attn.kinds.collaborative.collaborative_attention import CollaborativeAttention
 from collab_attn.kinds.forms import Factor, HeadForms
-from collab_attn.nn.attention import CollaborativeAttention
 
 
 def collaborative_forms(layer: CollaborativeAttention) -> HeadForms:

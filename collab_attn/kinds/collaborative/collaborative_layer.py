@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from collab_attn.kinds.collaborative.collaborative_attention import CollaborativeAttention
 from collab_attn.kinds.collaborative.collaborative_forms import collaborative_forms
 from collab_attn.kinds.converted import ConvertedSelfAttention, ValueCutSpec, module_arguments
-from collab_attn.nn.attention import CollaborativeAttention
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collab_attn.kinds.concatenated.concatenated_attention import MultiHeadAttention
 from collab_attn.kinds.forms import Factor, HeadForms, own_queries, per_head
-from collab_attn.nn.attention import MultiHeadAttention
 
 
 def concatenated_forms(layer: MultiHeadAttention) -> HeadForms:

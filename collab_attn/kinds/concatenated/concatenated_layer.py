@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from collab_attn.kinds.concatenated.concatenated_attention import MultiHeadAttention
 from collab_attn.kinds.concatenated.concatenated_forms import concatenated_forms
 from collab_attn.kinds.converted import ConvertedSelfAttention, LayerSpec, ValueCutSpec, module_arguments
-from collab_attn.nn.attention import MultiHeadAttention
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collab_attn.kinds.forms import Factor, HeadForms, grouped, own_queries
-from collab_attn.nn.variants import GroupedQueryAttention
+from collab_attn.kinds.gqa.gqa_attention import GroupedQueryAttention
 
 
 def grouped_forms(layer: GroupedQueryAttention) -> HeadForms:

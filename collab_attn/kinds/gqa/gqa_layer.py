@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from collab_attn.kinds.converted import LayerSpec, VariantSelfAttention, kv_heads_of
 from collab_attn.kinds.forms import grouped_values
+from collab_attn.kinds.gqa.gqa_attention import GroupedQueryAttention
 from collab_attn.kinds.gqa.gqa_forms import grouped_forms
-from collab_attn.nn.variants import GroupedQueryAttention
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite

@@ -3,4 +3,6 @@ package registers the kind in ``LAYER_KINDS``."""
 
 from collab_attn.kinds.kept_heads.kept_heads_layer import KeptHeadsSelfAttention
 
-__all__ = ["KeptHeadsSelfAttention"]
+__all__ = [
+    "KeptHeadsSelfAttention",
+]

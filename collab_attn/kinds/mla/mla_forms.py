@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from collab_attn.kinds.forms import Factor, HeadForms, own_queries, per_head
-from collab_attn.nn.variants import LatentAttention
+from collab_attn.kinds.mla.mla_attention import LatentAttention
 
 
 def latent_forms(layer: LatentAttention) -> HeadForms:

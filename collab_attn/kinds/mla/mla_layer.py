@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from collab_attn.kinds.converted import LayerSpec, VariantSelfAttention
+from collab_attn.kinds.mla.mla_attention import LatentAttention
 from collab_attn.kinds.mla.mla_forms import latent_forms, latent_values
-from collab_attn.nn.variants import LatentAttention
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from collab_attn.kinds.forms import BandForms, complex_forms
-from collab_attn.nn.rotary import RotaryCollaborativeAttention
+from collab_attn.kinds.rotary_collaborative.rotary_collaborative_attention import RotaryCollaborativeAttention
 
 
 def rotary_collaborative_forms(layer: RotaryCollaborativeAttention) -> BandForms:

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from collab_attn.kinds.collaborative import CollaborativeSpec
 from collab_attn.kinds.converted import ConvertedSelfAttention, module_arguments, rotary_pairs
 from collab_attn.kinds.forms import grouped_values
+from collab_attn.kinds.rotary_collaborative.rotary_collaborative_attention import RotaryCollaborativeAttention
 from collab_attn.kinds.rotary_collaborative.rotary_collaborative_export import standard_outputs, standard_queries
 from collab_attn.kinds.rotary_collaborative.rotary_collaborative_forms import rotary_collaborative_forms
-from collab_attn.nn.rotary import RotaryCollaborativeAttention
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite

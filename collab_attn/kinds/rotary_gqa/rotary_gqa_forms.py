@@ -7,7 +7,7 @@ from torch import nn
 
 from collab_attn.decomposition.rotary_cp import band_forms
 from collab_attn.kinds.forms import BandForms, band_forms_of, per_head
-from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
+from collab_attn.kinds.rotary_gqa.rotary_gqa_attention import RotaryGroupedQueryAttention
 
 
 def rotary_grouped_forms(layer: RotaryGroupedQueryAttention) -> BandForms:

@@ -6,15 +6,15 @@ from typing import TYPE_CHECKING
 
 from collab_attn.kinds.converted import ConvertedSelfAttention, LayerSpec, kv_heads_of, module_arguments
 from collab_attn.kinds.forms import grouped_values
+from collab_attn.kinds.rotary_gqa.rotary_gqa_attention import RotaryGroupedQueryAttention
 from collab_attn.kinds.rotary_gqa.rotary_gqa_forms import rotary_grouped_forms
-from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite
 
 
 class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAttention, kind="rotary-gqa"):
-    """Grouped-query heads with rotary positions (``collab_attn.nn.grouped_rotary``): the source's attention with
+    """Grouped-query heads with rotary positions (``collab_attn.kinds.rotary_gqa``): the source's attention with
     ``rank / head_dim`` key/value groups (merged or kept ones) and ``spec.heads`` query heads (fewer where whole
     groups were dropped). Takes the model's ``position_embeddings``; caches ``(batch, kv_heads, tokens, head_dim)``
     rotated keys and values."""

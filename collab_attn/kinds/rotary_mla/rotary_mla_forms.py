@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from collab_attn.kinds.forms import BandForms, Factor, complex_forms, grouped, per_head
-from collab_attn.nn.partial_rope import PartialRotaryLatentAttention
+from collab_attn.kinds.rotary_mla.rotary_mla_attention import PartialRotaryLatentAttention
 
 
 def partial_rope_forms(layer: PartialRotaryLatentAttention) -> BandForms:

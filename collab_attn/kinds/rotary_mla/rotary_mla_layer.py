@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from collab_attn.kinds.converted import ConvertedSelfAttention, LayerSpec, module_arguments
+from collab_attn.kinds.rotary_mla.rotary_mla_attention import PartialRotaryLatentAttention, default_rope_pairs
 from collab_attn.kinds.rotary_mla.rotary_mla_forms import partial_rope_forms, partial_rope_values
-from collab_attn.nn.partial_rope import PartialRotaryLatentAttention, default_rope_pairs
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite
@@ -23,7 +23,7 @@ class PartialRotaryLatentSpec(LayerSpec):
 
 
 class PartialRotaryLatentSelfAttention(ConvertedSelfAttention, PartialRotaryLatentAttention, kind="rotary-mla"):
-    """MHA2MLA's latent attention on a rotary model (``collab_attn.nn.partial_rope``): ``rank`` = the latent width
+    """MHA2MLA's latent attention on a rotary model (``collab_attn.kinds.rotary_mla``): ``rank`` = the latent width
     D_c, ``spec.rope_pairs`` = the rotary pairs each key/value group keeps (their bands are the layer's
     ``rope_bands`` buffer, saved with the weights). Takes the model's ``position_embeddings``; caches the rotated
     kept keys ``(batch, kv_heads, tokens, 2 rope_pairs)`` and the latent ``(batch, 1, tokens, rank)``. Its output

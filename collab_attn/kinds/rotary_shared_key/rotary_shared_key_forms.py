@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from collab_attn.kinds.forms import BandForms, Factor, complex_forms, grouped, grouped_values
-from collab_attn.nn.rotary_shared_key import RotarySharedKeyAttention
+from collab_attn.kinds.rotary_shared_key.rotary_shared_key_attention import RotarySharedKeyAttention
 
 
 def rotary_shared_key_forms(layer: RotarySharedKeyAttention) -> BandForms:

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from collab_attn.kinds.converted import ConvertedSelfAttention, ValueCutSpec, module_arguments, rotary_pairs
+from collab_attn.kinds.rotary_shared_key.rotary_shared_key_attention import RotarySharedKeyAttention
 from collab_attn.kinds.rotary_shared_key.rotary_shared_key_export import standard_outputs, standard_queries
 from collab_attn.kinds.rotary_shared_key.rotary_shared_key_forms import (
     rotary_shared_key_forms,
     rotary_shared_key_values,
 )
-from collab_attn.nn.rotary_shared_key import RotarySharedKeyAttention
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite
@@ -25,7 +25,7 @@ class RotarySharedKeySpec(ValueCutSpec):
 
 
 class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttention, kind="rotary-shared-key"):
-    """Thin keys that keep rotary positions exactly (``collab_attn.nn.rotary_shared_key``; ``key-svd`` of a rotary
+    """Thin keys that keep rotary positions exactly (``collab_attn.kinds.rotary_shared_key``; ``key-svd`` of a rotary
     model): ``rank`` = 2 x the shared key's pairs, each rotating with its band, every head with a query of its own;
     grouped values as the source's key/value heads, or one shared value of width ``value_rank``. Takes the model's
     ``position_embeddings``; caches the rotated shared key ``(batch, 1, tokens, rank)`` and the values."""

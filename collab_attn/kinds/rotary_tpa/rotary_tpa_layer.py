@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from collab_attn.kinds.converted import ConvertedSelfAttention, LayerSpec, ValueCutSpec, module_arguments
-from collab_attn.nn.tpa import TensorProductAttention
+from collab_attn.kinds.rotary_tpa.rotary_tpa_attention import TensorProductAttention
 
 if TYPE_CHECKING:
     from collab_attn.models.families import AttentionSite
@@ -21,9 +21,10 @@ class TensorProductSpec(ValueCutSpec):
 
 
 class TensorProductSelfAttention(ConvertedSelfAttention, TensorProductAttention, kind="rotary-tpa"):
-    """Tensor product attention with rotary positions (``collab_attn.nn.tpa``), for models trained from scratch:
-    sizes as its ``TensorProductSpec``. Takes the model's ``position_embeddings``; caches the key factors ``(batch,
-    1, tokens, rank (heads + head_dim))``, the rotated dimension factors among them, and the value factors alike."""
+    """Tensor product attention with rotary positions (``collab_attn.kinds.rotary_tpa``), for models trained from
+    scratch: sizes as its ``TensorProductSpec``. Takes the model's ``position_embeddings``; caches the key factors
+    ``(batch, 1, tokens, rank (heads + head_dim))``, the rotated dimension factors among them, and the value factors
+    alike."""
 
     Spec = TensorProductSpec
     value_reader = None  # no conversion builds it: its products are never compared

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collab_attn.kinds.forms import Factor, HeadForms, own_queries
-from collab_attn.nn.variants import SharedKeyAttention
+from collab_attn.kinds.shared_key.shared_key_attention import SharedKeyAttention
 
 
 def shared_key_forms(layer: SharedKeyAttention) -> HeadForms:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collab_attn.kinds.converted import VariantSelfAttention
+from collab_attn.kinds.shared_key.shared_key_attention import SharedKeyAttention
 from collab_attn.kinds.shared_key.shared_key_forms import shared_key_forms
-from collab_attn.nn.variants import SharedKeyAttention
 
 
 class SharedKeySelfAttention(VariantSelfAttention, SharedKeyAttention, kind="shared-key"):

@@ -1,5 +1,5 @@
 """``key-svd`` on rotary-position models (Llama, Qwen2, Mistral): thin keys per rotary frequency band, the planner
-of the ``rotary-shared-key`` layer (``collab_attn.nn.rotary_shared_key``; TransMLA's per-frequency PCA of keys).
+of the ``rotary-shared-key`` layer (``collab_attn.kinds.rotary_shared_key``; TransMLA's per-frequency PCA of keys).
 
 Per band ``i``, the complex key forms ``b_gi`` of the G key/value groups (biases as one more input column) are
 stacked as the columns of a d x G matrix whose ``R_i`` leading left singular vectors ``U_i`` make the shared key

@@ -1,6 +1,6 @@
 """``kv-svd`` on rotary-position models (Llama, Qwen2, Mistral): MHA2MLA's partial RoPE and joint key/value SVD
 (Ji et al. 2025, "Towards Economical Inference: Enabling DeepSeek's Multi-Head Latent Attention in Any
-Transformer-based LLMs"), the planner of the ``rotary-mla`` layer (``collab_attn.nn.partial_rope``).
+Transformer-based LLMs"), the planner of the ``rotary-mla`` layer (``collab_attn.kinds.rotary_mla``).
 
 1. Partial RoPE, per key/value group ``g``: keep the ``r`` frequency pairs (of ``head_dim/2``) that contribute most
    to its logits, by MHA2MLA's 2-norm criterion computed from the weights alone (the paper averages the norms of
@@ -37,12 +37,12 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
+from collab_attn.kinds.rotary_mla.rotary_mla_attention import default_rope_pairs, dimension_order
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.rotary_collab import with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
-from collab_attn.nn.partial_rope import default_rope_pairs, dimension_order
 
 
 def max_latent_size(d_in: int, kv_heads: int, head_dim: int, rope_pairs: int) -> int:
