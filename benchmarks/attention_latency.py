@@ -49,7 +49,9 @@ sys.path.insert(0, str(ROOT))
 
 from collab_attn import cli  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
-from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention, additive_mask  # noqa: E402
+from collab_attn.kinds.collaborative.collaborative_attention import CollaborativeAttention  # noqa: E402
+from collab_attn.kinds.concatenated.concatenated_attention import MultiHeadAttention  # noqa: E402
+from collab_attn.nn.attention import additive_mask  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
 

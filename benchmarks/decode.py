@@ -75,8 +75,8 @@ import collab_attn  # noqa: E402,F401  (registers the collaborative model classe
 from collab_attn import cli  # noqa: E402
 from collab_attn.cli import ArgumentParser  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.kinds import cache_keyword  # noqa: E402
 from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
-from collab_attn.models.layers import cache_keyword  # noqa: E402
 from collab_attn.models.methods import METHODS  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
 from collab_attn.nn import cpu_kernels, triton_kernels  # noqa: E402

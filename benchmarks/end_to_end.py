@@ -25,8 +25,9 @@ does not change (``4 d_model d_ff``: two matrix products), over all layers. Befo
 output is compared with the same model computing all logits in one piece, on a padded batch, so an
 optimization of the layer cannot change the outputs unnoticed. ``--one-piece`` also
 times each converted model with its logits in one piece instead of the CPU blocks of ``CPU_LOGITS_BLOCK``
-(``collab_attn/nn/attention.py``), side by side in the same rounds. The JSON keeps every repeat's time, the
-medians, ranges, ratios and verdicts. Results: ``experiments/benchmarks/end_to_end_<device>_<UTC time>.{md,json}``
+(``collab_attn/kinds/collaborative/collaborative_attention.py``), side by side in the same rounds. The JSON keeps
+every repeat's time, the medians, ranges, ratios and verdicts. Results:
+``experiments/benchmarks/end_to_end_<device>_<UTC time>.{md,json}``
 (``--out``: a new path; results are never overwritten).
 """
 
@@ -51,7 +52,7 @@ import collab_attn  # noqa: E402
 from collab_attn import cli  # noqa: E402
 from collab_attn.analysis.accounting import attention_flops_per_token  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
-from collab_attn.nn import attention  # noqa: E402
+from collab_attn.kinds.collaborative import collaborative_attention  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
 ONE_PIECE = " (one piece)"
@@ -60,12 +61,12 @@ ONE_PIECE = " (one piece)"
 @contextlib.contextmanager
 def logits_in_one_piece():
     """The explicit path with all logits at once, as before it ran in CPU blocks (``CPU_LOGITS_BLOCK``)."""
-    block = attention.CPU_LOGITS_BLOCK
-    attention.CPU_LOGITS_BLOCK = 1 << 62
+    block = collaborative_attention.CPU_LOGITS_BLOCK
+    collaborative_attention.CPU_LOGITS_BLOCK = 1 << 62
     try:
         yield
     finally:
-        attention.CPU_LOGITS_BLOCK = block
+        collaborative_attention.CPU_LOGITS_BLOCK = block
 
 
 def case_arg(text: str) -> str:

@@ -1,4 +1,5 @@
-"""One decoding step of tensor product attention (``collab_attn.nn.tpa``), scored against the cached factors (the
+"""One decoding step of tensor product attention (``collab_attn.kinds.rotary_tpa``),
+scored against the cached factors (the
 layer's decoding path) and through per-head keys and values expanded from them (its prompt path, one query row),
 beside the rotary original's step (multi-head attention on per-head keys and values, ``scaled_dot_product_attention``).
 
@@ -33,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from collab_attn import cli  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.kinds.rotary_tpa.rotary_tpa_attention import TensorProductAttention  # noqa: E402
 from collab_attn.nn.attention import grouped_attend  # noqa: E402
-from collab_attn.nn.tpa import TensorProductAttention  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
 HEADS, HEAD_DIM = 6, 64

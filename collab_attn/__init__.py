@@ -9,10 +9,11 @@ from collab_attn.fitting.allocation import Allocation, allocate_cache
 from collab_attn.fitting.end_to_end import EndToEndFit, fit_end_to_end
 from collab_attn.fitting.layer_fit import FitReport, fit_to_original
 from collab_attn.fitting.sensitivity import Sensitivity, layer_sensitivity
+from collab_attn.kinds.collaborative.collaborative_attention import CollaborativeAttention
+from collab_attn.kinds.concatenated.concatenated_attention import MultiHeadAttention
 from collab_attn.models import hf as _hf  # noqa: F401  (registers the Auto classes)
 from collab_attn.models import scratch_classifier as _scratch_classifier  # noqa: F401  (registers the classifier)
 from collab_attn.models.conversion import ReparamReport, reparametrize
-from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
 from collab_attn.serving import export
 
 __all__ = [

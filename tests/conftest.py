@@ -89,7 +89,7 @@ def one_thread():
 def dense_products_error(original_attention, converted_attention) -> float:
     """The relative error of the stacked head products ``Wq_h^T Wk_h`` that a converted BERT attention module holds
     (read back from its weights) against the original module's, computed densely."""
-    from collab_attn.models.products import query_key_forms
+    from collab_attn.kinds.forms import query_key_forms
 
     heads, head_dim = original_attention.num_attention_heads, original_attention.attention_head_size
     w_query, w_key = (getattr(original_attention, part).weight.double().reshape(heads, head_dim, -1)
@@ -179,7 +179,7 @@ def causal_pass_and_cached_steps(module, x: torch.Tensor, prompt: int) -> tuple[
 
 
 def with_cache(model, cache) -> dict:
-    """``{name: cache}`` under the name the model's forward takes (``collab_attn.models.layers.cache_keyword``)."""
-    from collab_attn.models.layers import cache_keyword
+    """``{name: cache}`` under the name the model's forward takes (``collab_attn.kinds.cache_keyword``)."""
+    from collab_attn.kinds import cache_keyword
 
     return {cache_keyword(model): cache}

@@ -67,7 +67,7 @@ MUTATIONS = {
         [f"{INSTALLED}::test_each_installed_head_is_the_fit[kv-svd-None-gpt2]"],
     ),
     "the static cache's own causal mask lets a query see one unwritten slot": (
-        "collab_attn/models/layers.py",
+        "collab_attn/kinds/converted.py",
         "return (positions[None, :] <= last_seen[:, None])[None, None]",
         "return (positions[None, :] <= last_seen[:, None] + 1)[None, None]",
         ["tests/test_static_cache.py::test_a_static_cache_passed_in_equals_recomputation[False-cp-gpt2]"],

@@ -3,8 +3,7 @@ import torch
 from conftest import growing_cache
 
 from collab_attn import CollaborativeAttention, MultiHeadAttention
-from collab_attn.nn.attention import additive_mask
-from collab_attn.nn.variants import cache_numbers_per_token
+from collab_attn.nn.attention import additive_mask, cache_numbers_per_token
 
 D_MODEL, HEADS = 32, 4
 
@@ -123,9 +122,9 @@ def test_mask_alike_for_every_query_is_reduced_to_one_row():
 def run_blocked(monkeypatch, block, layer, *args, **kwargs):
     """``layer(*args, **kwargs)`` at inference with ``CPU_LOGITS_BLOCK = block``, and how many times the blocked
     path ran."""
-    import collab_attn.nn.attention as attention
+    import collab_attn.kinds.collaborative.collaborative_attention as collaborative_attention
 
-    monkeypatch.setattr(attention, "CPU_LOGITS_BLOCK", block)
+    monkeypatch.setattr(collaborative_attention, "CPU_LOGITS_BLOCK", block)
     calls, blocked = [], layer._in_cpu_blocks
     monkeypatch.setattr(layer, "_in_cpu_blocks", lambda *a: calls.append(1) or blocked(*a))
     with torch.inference_mode():
@@ -172,7 +171,7 @@ def test_inference_in_cpu_blocks_equals_one_piece(monkeypatch, masking, bias, tu
 def test_cpu_blocks_score_only_the_keys_their_rows_see():
     """Under a causal mask, query row i needs keys 0..i: a block of rows stops at its last row's key; a row that
     sees no key, and a per-query float bias that blocks nothing, keep every key."""
-    from collab_attn.nn.attention import _keys_seen
+    from collab_attn.kinds.collaborative.collaborative_attention import _keys_seen
 
     causal = torch.zeros(7, 7).masked_fill(torch.ones(7, 7).triu(1).bool(), torch.finfo(torch.float32).min)
     assert _keys_seen(causal[None, None], 7).tolist() == [[1, 2, 3, 4, 5, 6, 7]]

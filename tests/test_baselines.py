@@ -18,9 +18,9 @@ from collab_attn.decomposition.rank_selection import query_key_params
 from collab_attn.decomposition.truncation import truncate_head_products
 from collab_attn.glue import pipeline
 from collab_attn.glue.jobs import GlueJob
+from collab_attn.kinds import ConcatenatedSelfAttention
 from collab_attn.models.hf import attention_parameters
 from collab_attn.models.importance import head_gates, head_importance
-from collab_attn.models.layers import ConcatenatedSelfAttention
 from collab_attn.models.methods import heads_to_keep
 
 

@@ -15,10 +15,11 @@ from conftest import random_batch, small_model
 import collab_attn
 from collab_attn.char_lm.models import cache_bytes
 from collab_attn.fitting.calibration import collect_calibration
+from collab_attn.kinds.concatenated.concatenated_attention import MultiHeadAttention
+from collab_attn.kinds.shared_key.shared_key_attention import SharedKeyAttention
 from collab_attn.models.methods import METHODS
 from collab_attn.models.sizing import conversion_at, conversion_sizes, original_size
-from collab_attn.nn.attention import MultiHeadAttention
-from collab_attn.nn.variants import SharedKeyAttention, cache_numbers_per_token
+from collab_attn.nn.attention import cache_numbers_per_token
 
 GPT2 = transformers.GPT2Config(n_embd=48, n_head=4, n_layer=2, vocab_size=100, n_positions=64, bos_token_id=0,
                                eos_token_id=0, pad_token_id=0)

@@ -22,10 +22,10 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import collab_attn  # noqa: F401  (registers the collaborative classes)
 from collab_attn import reparametrize
+from collab_attn.kinds import CollaborativeSelfAttention, ConvertedSelfAttention
 from collab_attn.models.families import FAMILIES as FAMILY_SPECS
 from collab_attn.models.families import attention_modules
 from collab_attn.models.hf import _COLLAB_MODELS, AUTO_CLASSES, collab_model_class, head_classes
-from collab_attn.models.layers import CollaborativeSelfAttention, ConvertedSelfAttention
 
 VOCAB, D, HEADS, HEAD_DIM = 120, 48, 4, 12
 FULL, HALF = HEADS * HEAD_DIM, HEADS * HEAD_DIM // 2

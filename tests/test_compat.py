@@ -51,7 +51,7 @@ def test_a_transformers_without_dataclass_configs_is_refused_clearly():
 
 
 def small_layer():
-    from collab_attn.models.layers import CollaborativeSelfAttention
+    from collab_attn.kinds import CollaborativeSelfAttention
 
     torch.manual_seed(0)
     layer = CollaborativeSelfAttention(16, 2, 8, head_dim=8, dropout=0.0, bias=True, output_projection=True)
@@ -84,7 +84,7 @@ def test_the_cache_goes_in_under_the_name_this_transformers_takes():
     from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
     from collab_attn import reparametrize
-    from collab_attn.models.layers import cache_keyword
+    from collab_attn.kinds import cache_keyword
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=50, n_positions=16)).eval()

@@ -19,8 +19,8 @@ from test_static_cache import assert_compiled_static_decoding_equals_eager
 from transformers import DynamicCache, GPT2LMHeadModel, StaticCache
 
 from collab_attn import reparametrize
+from collab_attn.kinds.collaborative.collaborative_attention import CollaborativeAttention
 from collab_attn.nn import cpu_kernels
-from collab_attn.nn.attention import CollaborativeAttention
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need x86 with AVX2 and FMA")]

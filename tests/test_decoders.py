@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer, StaticSlidingWindowLayer
 import collab_attn  # noqa: F401  (registers the Auto classes)
 from collab_attn import reparametrize
 from collab_attn.analysis.accounting import cache_bytes_per_token
-from collab_attn.models.layers import CollaborativeSelfAttention, ConvertedSelfAttention
+from collab_attn.kinds import CollaborativeSelfAttention, ConvertedSelfAttention
 
 VOCAB, D, HEADS = 120, 48, 4
 

@@ -12,7 +12,7 @@ import transformers
 from conftest import random_batch, small_model
 
 import collab_attn
-from collab_attn.models.layers import ConvertedSelfAttention
+from collab_attn.kinds import ConvertedSelfAttention
 from collab_attn.models.settings import MethodSettings
 from collab_attn.pretrained.race import cache_numbers_per_token
 

@@ -18,8 +18,9 @@ from test_static_cache import assert_compiled_static_decoding_equals_eager
 from transformers import DynamicCache, GPT2LMHeadModel, StaticCache
 
 from collab_attn import reparametrize
+from collab_attn.kinds.collaborative import collaborative_attention
+from collab_attn.kinds.collaborative.collaborative_attention import CollaborativeAttention
 from collab_attn.nn import attention, cpu_kernels
-from collab_attn.nn.attention import CollaborativeAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread", "without_cpu_kernels")
 D = HEADS * HEAD_DIM
@@ -39,8 +40,8 @@ def fused_calls(monkeypatch):
         calls.append(args[0].shape)
         return grouped_attend(*args, **kwargs)
 
-    grouped_attend = attention.grouped_attend
-    monkeypatch.setattr(attention, "grouped_attend", spy)
+    grouped_attend = collaborative_attention.grouped_attend
+    monkeypatch.setattr(collaborative_attention, "grouped_attend", spy)
     return calls
 
 
@@ -259,7 +260,7 @@ def test_a_causal_prompt_with_shared_values_never_builds_the_mask(monkeypatch):
     from collab_attn.nn import attention
 
     torch.manual_seed(0)
-    layer = attention.CollaborativeAttention(16, 4, 8, value_rank=6, mixing_init="random").eval()
+    layer = CollaborativeAttention(16, 4, 8, value_rank=6, mixing_init="random").eval()
     x = torch.randn(2, 9, 16)
     with torch.no_grad():
         expected = layer(x, is_causal=True, need_weights=True)[0]  # weights asked for: the explicit path

@@ -13,7 +13,7 @@ from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceCl
 
 import collab_attn  # noqa: F401  (registers the Auto classes)
 from collab_attn import reparametrize
-from collab_attn.models.layers import CollaborativeSelfAttention
+from collab_attn.kinds import CollaborativeSelfAttention
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The converted model is the evidence: below full rank, every method installs what it fitted, and the errors the
 report gives are the model's.
 
-- The head products read back from a layer (``collab_attn.models.products``) are what the layer computes: its
+- The head products read back from a layer (``collab_attn.kinds.forms``) are what the layer computes: its
   attention weights and outputs on random inputs, for every layer kind and for the original modules.
 - Each head's products, rebuilt from the installed layer's own weights, equal a fit made here independently
   (``decompose_heads``, ``truncate_head_products``, ``shared_subspace``) with the settings the conversion uses: keys
@@ -26,10 +26,8 @@ from transformers import GPT2Model
 from collab_attn import reparametrize
 from collab_attn.decomposition.decompose import decompose_heads
 from collab_attn.decomposition.truncation import shared_subspace, truncate_head_products
-from collab_attn.models.families import FAMILIES, attention_modules
-from collab_attn.models.layers import ConvertedSelfAttention
-from collab_attn.models.methods import decomposition
-from collab_attn.models.products import (
+from collab_attn.kinds import ConvertedSelfAttention
+from collab_attn.kinds.forms import (
     content_vectors,
     head_relative_errors,
     original_forms,
@@ -37,6 +35,8 @@ from collab_attn.models.products import (
     query_key_forms,
     value_forms,
 )
+from collab_attn.models.families import FAMILIES, attention_modules
+from collab_attn.models.methods import decomposition
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,12 +12,12 @@ import transformers
 from conftest import small_model, with_cache
 
 import collab_attn
+from collab_attn.kinds import GroupedSelfAttention, KeptHeadsSelfAttention, RotaryGroupedSelfAttention
+from collab_attn.kinds.gqa.gqa_attention import GroupedQueryAttention
+from collab_attn.kinds.rotary_gqa.rotary_gqa_attention import RotaryGroupedQueryAttention
 from collab_attn.models.hf import Layout, attention_sites, build_layers
-from collab_attn.models.layers import GroupedSelfAttention, KeptHeadsSelfAttention, RotaryGroupedSelfAttention
 from collab_attn.models.methods import METHODS
 from collab_attn.models.sizing import conversion_at, conversion_sizes, original_size
-from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
-from collab_attn.nn.variants import GroupedQueryAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""A layer kind is one class (collab_attn.models.layers.LAYER_KINDS): registered by subclassing, built from an
+"""A layer kind is one class (collab_attn.kinds.LAYER_KINDS): registered by subclassing, built from an
 attention site and a spec, filled strictly from the state a method hands over, recorded in the config beside the
 method, and rebuilt from it on load. A kind added from outside the library (here, in this file) works end to end."""
 
@@ -11,14 +11,14 @@ import transformers
 from conftest import random_batch, small_model
 
 import collab_attn
-from collab_attn.models.hf import Layout, attention_sites, build_layers
-from collab_attn.models.layers import (
+from collab_attn.kinds import (
     LAYER_KINDS,
     SIZES,
     ConvertedSelfAttention,
     KeptHeadsSelfAttention,
     LayerSpec,
 )
+from collab_attn.models.hf import Layout, attention_sites, build_layers
 from collab_attn.models.methods import METHODS, ConversionMethod
 from collab_attn.models.methods.prune import plan_prune
 from collab_attn.models.plan import LayerPlan, Plan

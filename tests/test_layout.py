@@ -12,15 +12,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "collab_attn"
 KNOWN_PRIVATE = {
     ("collab_attn.decomposition.rotary_tucker", "collab_attn.decomposition.rotary_cp", "_energies"),
     ("collab_attn.decomposition.rotary_tucker", "collab_attn.decomposition.rotary_cp", "_overall"),
-    ("collab_attn.nn.grouped_rotary", "collab_attn.nn.rotary", "_RotaryAttention"),
-    ("collab_attn.nn.partial_rope", "collab_attn.nn.attention", "_needs_grad"),
-    ("collab_attn.nn.partial_rope", "collab_attn.nn.rotary", "_RotaryAttention"),
-    ("collab_attn.nn.rotary", "collab_attn.nn.attention", "_init_head_mixing"),
-    ("collab_attn.nn.rotary", "collab_attn.nn.attention", "_share_values"),
-    ("collab_attn.nn.rotary", "collab_attn.nn.variants", "_SharedKeyValueAttention"),
-    ("collab_attn.nn.rotary_shared_key", "collab_attn.nn.rotary", "_SharedPairsAttention"),
-    ("collab_attn.nn.tpa", "collab_attn.nn.rotary", "_RotaryAttention"),
-    ("collab_attn.nn.variants", "collab_attn.nn.attention", "_Attention"),
 }
 
 
@@ -90,3 +81,49 @@ def test_no_two_modules_share_a_file_name():
             seen.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
     shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not shared, f"{shared}: modules that share a file name; give each a name that says what it holds"
+
+
+def runtime_imports(name: str, tree: ast.Module, is_package: bool) -> list[tuple[str, str]]:
+    """``imports``, less those under ``if TYPE_CHECKING:`` (read by type checkers only, never run)."""
+    hidden = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            hidden |= {id(inner) for statement in node.body for inner in ast.walk(statement)}
+    visible = ast.Module(body=[node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                               and id(node) not in hidden], type_ignores=[])
+    return imports(name, visible, is_package)
+
+
+def test_the_kinds_sit_below_the_conversion():
+    """``collab_attn.kinds`` (one package per layer kind) imports nothing of ``collab_attn.models``,
+    ``collab_attn.fitting`` or ``collab_attn.serving``, which build, fit and export its layers (issue 90); the
+    shared plain-torch room ``collab_attn.nn`` imports no kind (it names the common modules lazily)."""
+    above = {"collab_attn.kinds": ("collab_attn.models", "collab_attn.fitting", "collab_attn.serving"),
+             "collab_attn.nn": ("collab_attn.kinds", "collab_attn.models", "collab_attn.fitting",
+                                "collab_attn.serving")}
+    wrong = []
+    for name, tree in modules().items():
+        is_package = (PACKAGE.parent / name.replace(".", "/") / "__init__.py").is_file()
+        for room, forbidden in above.items():
+            if name == room or name.startswith(room + "."):
+                wrong += [(name, module) for module, _ in runtime_imports(name, tree, is_package)
+                          if module.startswith(forbidden)]
+    assert not wrong, f"{sorted(wrong)}: these import a room above their own (docs/layout.md)"
+
+
+def test_every_kind_is_one_package_that_registers_itself():
+    """Each layer kind's package under ``collab_attn/kinds/`` registers exactly its own kind, and every registered
+    kind of the library comes from one of them."""
+    import importlib
+
+    from collab_attn.kinds import KIND_PACKAGES, LAYER_KINDS
+
+    folders = sorted(path.name for path in (PACKAGE / "kinds").iterdir() if (path / "__init__.py").is_file())
+    assert folders == sorted(KIND_PACKAGES)
+    owners = {cls.__module__.split(".")[2] for cls in LAYER_KINDS.values() if cls.__module__.startswith(
+        "collab_attn.kinds.")}
+    assert owners == set(KIND_PACKAGES)
+    for package in KIND_PACKAGES:
+        module = importlib.import_module(f"collab_attn.kinds.{package}")
+        kinds = [kind for kind, cls in LAYER_KINDS.items() if cls.__module__.startswith(module.__name__ + ".")]
+        assert [kind.replace("-", "_") for kind in kinds] == [package]

@@ -9,8 +9,8 @@ import transformers
 from conftest import random_batch, small_model
 
 import collab_attn
+from collab_attn.kinds import LAYER_KINDS
 from collab_attn.models import methods
-from collab_attn.models.layers import LAYER_KINDS
 from collab_attn.models.methods import METHODS, ConversionMethod
 from collab_attn.models.methods.svd import plan_svd
 from collab_attn.models.settings import MethodSettings, group_keys, labels

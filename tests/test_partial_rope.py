@@ -23,13 +23,13 @@ from test_rotary_models import (  # the tiny rotary models of every rotary test
 )
 
 import collab_attn
+from collab_attn.kinds import PartialRotaryLatentSelfAttention
+from collab_attn.kinds.rotary_mla.rotary_mla_attention import PartialRotaryLatentAttention
 from collab_attn.models.conversion import check_request
-from collab_attn.models.layers import PartialRotaryLatentSelfAttention
 from collab_attn.models.methods import METHODS
 from collab_attn.models.methods.rotary_kv_svd import default_rope_pairs, pair_scores
 from collab_attn.models.sizing import conversion_at, conversion_sizes, original_size
 from collab_attn.nn import cache_numbers_per_token
-from collab_attn.nn.partial_rope import PartialRotaryLatentAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ from transformers import AutoModel
 
 import collab_attn
 from collab_attn import reparametrize
-from collab_attn.models.layers import CollaborativeSelfAttention
+from collab_attn.kinds import CollaborativeSelfAttention
 
 
 def hidden(model, batch, **kwargs):

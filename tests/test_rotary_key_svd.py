@@ -23,12 +23,12 @@ from test_rotary_models import (  # the tiny rotary models of every rotary test
 )
 
 import collab_attn
+from collab_attn.kinds import RotarySharedKeySelfAttention
+from collab_attn.kinds.rotary_shared_key.rotary_shared_key_attention import RotarySharedKeyAttention
 from collab_attn.models.conversion import check_request
-from collab_attn.models.layers import RotarySharedKeySelfAttention
 from collab_attn.models.methods import METHODS
 from collab_attn.models.sizing import conversion_at, conversion_sizes, original_size
 from collab_attn.nn import cache_numbers_per_token
-from collab_attn.nn.rotary_shared_key import RotarySharedKeyAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

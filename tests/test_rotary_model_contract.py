@@ -20,8 +20,8 @@ from transformers import CompileConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 import collab_attn
+from collab_attn.kinds import ConvertedSelfAttention
 from collab_attn.models.hf import collab_model_class
-from collab_attn.models.layers import ConvertedSelfAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,10 +12,10 @@ import torch
 import transformers
 
 import collab_attn
+from collab_attn.kinds import RotaryCollaborativeSelfAttention
 from collab_attn.models.conversion import check_request
 from collab_attn.models.families import FAMILIES
 from collab_attn.models.hf import AUTO_CLASSES, collab_model_class, head_classes
-from collab_attn.models.layers import RotaryCollaborativeSelfAttention
 from collab_attn.models.methods import METHODS
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file
 
 import collab_attn  # noqa: F401  (registers the converted classes)
-from collab_attn.models.layers import LAYER_KINDS, ConvertedSelfAttention
+from collab_attn.kinds import LAYER_KINDS, ConvertedSelfAttention
 
 SAVED = Path(__file__).parent / "data" / "saved_checkpoints"
 FOLDERS = sorted(p.name for p in SAVED.iterdir() if p.is_dir())

@@ -226,7 +226,7 @@ def test_the_collab_group_takes_a_value_rank():
 def test_accounting_counts_what_the_shared_value_layer_holds():
     from collab_attn import CollaborativeAttention
     from collab_attn.analysis.accounting import attention_parameters, cache_bytes_per_token
-    from collab_attn.nn.variants import cache_numbers_per_token
+    from collab_attn.nn.attention import cache_numbers_per_token
 
     layer = CollaborativeAttention(48, 4, 20, value_rank=16)
     assert attention_parameters(48, 4, 20, value_rank=16) == layer.parameter_counts()

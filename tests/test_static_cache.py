@@ -15,9 +15,9 @@ from transformers import CompileConfig, StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from collab_attn.analysis.accounting import cache_bytes_per_token
-from collab_attn.models import layers
-from collab_attn.models.layers import ConvertedSelfAttention
-from collab_attn.models.layers import _static_causal_mask as static_causal_mask
+from collab_attn.kinds import ConvertedSelfAttention
+from collab_attn.kinds import converted as layers
+from collab_attn.kinds.converted import _static_causal_mask as static_causal_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a second thread only waits on the busy cores
 D = HEADS * HEAD_DIM

@@ -1,4 +1,5 @@
-"""Tensor product attention (collab_attn.nn.tpa): the factored queries, keys and values compute the attention of
+"""Tensor product attention (collab_attn.kinds.rotary_tpa): the
+factored queries, keys and values compute the attention of
 the heads they make, rotary positions act on the key factors before the cache, and the cache holds the factors."""
 
 import pytest
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from collab_attn.kinds.rotary_tpa.rotary_tpa_attention import TensorProductAttention
 from collab_attn.nn import cache_numbers_per_token
-from collab_attn.nn.tpa import TensorProductAttention
 
 HEADS, HEAD_DIM, D = 3, 6, 10
 

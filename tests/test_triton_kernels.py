@@ -39,8 +39,8 @@ from torch._dynamo.utils import counters  # noqa: E402
 from transformers import CompileConfig, DynamicCache, GPT2LMHeadModel, StaticCache  # noqa: E402
 
 from collab_attn import reparametrize  # noqa: E402
+from collab_attn.kinds.collaborative.collaborative_attention import CollaborativeAttention  # noqa: E402
 from collab_attn.nn import triton_kernels  # noqa: E402
-from collab_attn.nn.attention import CollaborativeAttention  # noqa: E402
 
 
 def _interpreted_too_late() -> bool:

@@ -1,4 +1,4 @@
-"""Grouped-query, multi-query and latent attention (collab_attn.nn.variants): the call contract of
+"""Grouped-query, multi-query and latent attention (collab_attn.kinds.gqa, .mla and .shared_key): the call contract of
 MultiHeadAttention, exact equivalences, and what each hands its key/value cache."""
 
 import math

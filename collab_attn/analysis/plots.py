@@ -16,8 +16,8 @@ from matplotlib.figure import Figure
 
 from collab_attn.analysis.views import AttentionMaps
 from collab_attn.decomposition.decompose import head_products
+from collab_attn.kinds import CollaborativeSelfAttention
 from collab_attn.models.hf import attention_modules, family_of
-from collab_attn.models.layers import CollaborativeSelfAttention
 
 
 def collaborative_layers(model) -> list[CollaborativeSelfAttention]:

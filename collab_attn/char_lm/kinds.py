@@ -4,7 +4,7 @@ that differs between kinds, read by ``models`` (the configs), ``runs`` (run name
 
 A kind's ``key_size`` is its query/key width (D_k for concatenated heads, D~ for collaborative ones) or, for the
 variants, the width that sets its cache. With learned positions a kind is a GPT-2 model whose attention layers are
-the library's converted layer kind ``layer`` (``collab_attn.models.layers.LAYER_KINDS``; None: GPT-2's own); with
+the library's converted layer kind ``layer`` (``collab_attn.kinds.LAYER_KINDS``; None: GPT-2's own); with
 rotary positions a Llama model whose layers are ``rotary_layer`` (None: Llama's own). Both converted layouts keep
 GPT-2's logit scale ``1 / sqrt(n_embd / n_head)`` and replace the query/key biases by a per-head content bias (the
 key bias never changes a softmax row).
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import transformers
 
+from collab_attn.kinds.collaborative import collaborative_attention
 from collab_attn.models.hf import Layout, collab_config_class
-from collab_attn.nn import attention as nn_attention
 
 TPA_QUERY_RANK = 6  # TPA's paper trains its models with query rank 6 (its "T6")
 # A model built to train from scratch starts its mixing at random or at ones; "concatenate" (block mixing) is how a
 # conversion starts, and is refused here.
-MIXING_INITS = tuple(init for init in nn_attention.MIXING_INITS if init != "concatenate")
+MIXING_INITS = tuple(init for init in collaborative_attention.MIXING_INITS if init != "concatenate")
 
 
 @dataclass(frozen=True)

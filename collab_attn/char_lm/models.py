@@ -19,9 +19,9 @@ import torch
 import transformers
 
 from collab_attn.char_lm.kinds import ATTENTION, KINDS, Sizes, kinds_taking
+from collab_attn.kinds import ConvertedSelfAttention
 from collab_attn.models.hf import attention_parameters
-from collab_attn.models.layers import ConvertedSelfAttention
-from collab_attn.nn.variants import cache_numbers_per_token
+from collab_attn.nn.attention import cache_numbers_per_token
 
 POSITIONS = ("learned", "rope")
 ROPE_THETA = 10000.0  # Llama's rotary frequency base
@@ -165,7 +165,7 @@ def parameter_counts(model) -> dict[str, int]:
 def cache_bytes(model, dtype_bytes: int = 2) -> int:
     """Key/value cache bytes per token over all layers, as the library's cache stores them: plain GPT-2 caches
     ``2 x n_embd`` numbers per layer; a converted layer what it hands its cache per token
-    (``collab_attn.nn.variants.cache_numbers_per_token``: its key of width ``key_size`` plus one content-bias logit
+    (``collab_attn.nn.cache_numbers_per_token``: its key of width ``key_size`` plus one content-bias logit
     per head and the values of its heads, or one shared value; grouped-query keys and values; a latent; ...)."""
     layers = [m for m in model.modules() if isinstance(m, ConvertedSelfAttention)]
     config = model.config

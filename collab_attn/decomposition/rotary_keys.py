@@ -20,7 +20,7 @@ imaginary parts]``, so that ``rotate_pairs`` rotates pair ``r`` by its band's an
 head's 2R-vector with the key's is ``Re(q conj(k))``.
 
 Error: head ``h``'s band-``i`` form ``a_hi conj(b_gi)^T`` becomes ``a_hi conj(U_i U_i^H b_gi)^T``, so the relative
-error of the logit forms (the measure of ``collab_attn.models.products.BandForms``) is
+error of the logit forms (the measure of ``collab_attn.kinds.forms.BandForms``) is
 
     sqrt( sum_i sum_h ||a_hi||^2 ||b_gi - U_i U_i^H b_gi||^2  /  sum_i sum_h ||a_hi||^2 ||b_gi||^2 ).
 

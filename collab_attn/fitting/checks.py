@@ -13,9 +13,9 @@ from torch import nn
 
 from collab_attn.fitting.calibration import MODEL_INPUTS
 from collab_attn.identity import check_same_source
+from collab_attn.kinds import ConvertedSelfAttention
 from collab_attn.models.families import family_of, find_attention, is_collaborative
 from collab_attn.models.hf import forward_inputs
-from collab_attn.models.layers import ConvertedSelfAttention
 
 # config fields that say nothing about what a model computes, or that a conversion sets
 _IGNORED_CONFIG = ("model_type", "architectures", "transformers_version", "_name_or_path", "name_or_path", "dtype",

@@ -7,7 +7,7 @@
    nothing is changed yet, so an error leaves the model as it was.
 3. Apply: ``build_layers`` makes an empty converted layer of the kind the method builds for each attention module,
    which is filled: the planned query/key side, the values and output projection of the kept heads, ALBERT's
-   LayerNorm. Each filled layer is then measured (``collab_attn.models.products``: its head products read back from
+   LayerNorm. Each filled layer is then measured (``collab_attn.kinds.forms``: its head products read back from
    its own weights against the original's) and must give the error its fit reported; only then does ``put_layers``
    put the layers into the model and record the layout in the config.
 
@@ -26,6 +26,14 @@ from collab_attn.decomposition.cp_als import HeadProducts
 from collab_attn.decomposition.decompose import check_finite
 from collab_attn.decomposition.rank_selection import RankBudget, is_budget
 from collab_attn.decomposition.rotary_budget import check_rotary_budget
+from collab_attn.kinds.forms import (
+    band_forms_of,
+    original_forms,
+    original_value_forms,
+    query_key_forms,
+    relative_error,
+    value_forms,
+)
 from collab_attn.models.hf import (
     LAYER_KINDS,
     AttentionSite,
@@ -40,14 +48,6 @@ from collab_attn.models.hf import (
 from collab_attn.models.methods import METHODS, PAPER_METHOD, ConversionMethod, get_method
 from collab_attn.models.methods.rotary_collab import rotary_forms
 from collab_attn.models.plan import Calibration, LayerPlan, LayerWeights, Plan, Request, ValueWeights
-from collab_attn.models.products import (
-    band_forms_of,
-    original_forms,
-    original_value_forms,
-    query_key_forms,
-    relative_error,
-    value_forms,
-)
 from collab_attn.models.report import LayerReport, ReparamReport
 
 __all__ = ["METHODS", "ReparamReport", "check_request", "reparametrize"]
@@ -219,7 +219,7 @@ def _kept(entry: InstalledLayer, planned: LayerPlan) -> dict:
 
 
 def _originals(sites: list[AttentionSite], request: Request) -> list:
-    """Every layer's original logit forms and value maps (``collab_attn.models.products``), from the weights the
+    """Every layer's original logit forms and value maps (``collab_attn.kinds.forms``), from the weights the
     request read (the value side read here where the method did not need it), before the surgery."""
     originals = []
     for index, site in enumerate(sites):

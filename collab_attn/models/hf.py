@@ -5,7 +5,7 @@ defines a config class with its own ``model_type`` (``collab_attn_bert``, ...) a
 that family (``CollabBertModel``, ``CollabBertForSequenceClassification``, ...), each a subclass of the transformers
 class it mirrors whose self-attention modules are converted layers (``collab_attn.models.layers``). The config
 records the ``Layout``: the conversion method (``collab_method``), the kind of layer it built (``collab_layer``, a
-key of ``LAYER_KINDS``) and the layers' sizes, one config field each (``collab_attn.models.layers.SIZES``:
+key of ``LAYER_KINDS``) and the layers' sizes, one config field each (``collab_attn.kinds.SIZES``:
 ``collab_ranks``, the query/key width per layer; ``collab_heads``, heads per layer where pruning removed some;
 ``collab_value_ranks``, the values' width per layer where they were cut; and the sizes of particular kinds),
 from which the model class rebuilds the layers. Importing ``collab_attn`` registers them
@@ -26,6 +26,7 @@ import transformers
 from huggingface_hub.dataclasses import strict
 from torch import nn
 
+from collab_attn.kinds import LAYER_KINDS, SIZES, ConvertedSelfAttention, LayerSpec  # noqa: F401
 from collab_attn.models.families import (  # noqa: F401  (re-exported: the HF layer's vocabulary)
     COLLAB_PREFIX,
     FAMILIES,
@@ -37,7 +38,6 @@ from collab_attn.models.families import (  # noqa: F401  (re-exported: the HF la
     find_attention,
     is_collaborative,
 )
-from collab_attn.models.layers import LAYER_KINDS, SIZES, ConvertedSelfAttention, LayerSpec  # noqa: F401
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -119,7 +119,7 @@ class Pruning:
 @dataclass
 class Plan:
     """A method's plan: per layer, what to install; the ``sizes`` of the layers, per layer by the names of the spec
-    of the kind the method builds (``collab_attn.models.layers.SIZES``: ``rank`` always; None or left out: the
+    of the kind the method builds (``collab_attn.kinds.SIZES``: ``rank`` always; None or left out: the
     kind's default), which the converted model's config records; how it was planned (the solver, and what the report
     says of a calibration, a budget's choice of ranks or a pruning)."""
 

@@ -25,7 +25,7 @@ class LayerReport:
     weighted_error: float | None = None
     # values cut to a value rank (shared or narrow): relative error of the value-output products; else None
     value_error: float | None = None
-    # measured from the converted layer's own weights against the original (collab_attn.models.products): the
+    # measured from the converted layer's own weights against the original (collab_attn.kinds.forms): the
     # relative error of the query/key head products (equal to relative_error where the fit is of those products,
     # checked) and of the value-output products (0 where every head keeps its values)
     products_error: float | None = None

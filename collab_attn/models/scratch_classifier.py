@@ -25,7 +25,8 @@ from torch import nn
 from transformers import initialization as init
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from collab_attn.nn.attention import MIXING_INITS, CollaborativeAttention, MultiHeadAttention
+from collab_attn.kinds.collaborative.collaborative_attention import MIXING_INITS, CollaborativeAttention
+from collab_attn.kinds.concatenated.concatenated_attention import MultiHeadAttention
 
 ATTENTION_KINDS = ("concat", "collab")
 POOLINGS = ("mean", "cls")

@@ -4,7 +4,7 @@ converted layers themselves (built on the meta device), not by hand.
 ``conversion_sizes(config, method)`` lists every rank a method's rank rule allows for a model of ``config`` (any
 supported family), with an equal value rank where the method cuts the values too, and the costs of the converted
 model: the bytes per token its key/value cache would hold as a decoder (bf16, all layers:
-``collab_attn.nn.variants.cache_numbers_per_token`` of each converted layer) and its attention parameters (the
+``collab_attn.nn.cache_numbers_per_token`` of each converted layer) and its attention parameters (the
 converted self-attention layers and, where the family keeps it beside them, the output projection).
 ``conversion_at`` picks the largest one within a fraction of the original's cost.
 """
@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from collab_attn.models.hf import LAYER_KINDS, AttentionSite, attention_sites, build_layer
-from collab_attn.nn.variants import cache_numbers_per_token
+from collab_attn.nn.attention import cache_numbers_per_token
 
 COSTS = ("cache_bytes", "attention_params")
 DTYPE_BYTES = 2  # the cache is counted in bf16

@@ -17,7 +17,8 @@ layer with ``num_key_value_heads = 1`` and ``head_dim = R``:
 - dimension ``i`` and ``i + R/2`` form pair ``i`` (transformers' ``rotate_half`` layout, the layer's own), rotating
   at its band's frequency (``collab_attn.serving.rope``).
 
-Everything here is read from the layer by its own computation (``head_queries`` on the query weights), not
+Each kind reads its own queries and output map (``standard_queries``, ``standard_outputs`` of its class, in
+``collab_attn/kinds/<kind>/<kind>_export.py``; the collaborative one by the layer's own ``head_queries``), not
 re-derived, so the form is exact to float64 rounding.
 
 Free scales (``balance_scales``): a real factor per pair between key and queries, and per value dimension between
@@ -28,14 +29,13 @@ smallest normal numbers or its largest.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-EXPORTABLE_KINDS = ("rotary-shared-key", "rotary-collaborative")
+from collab_attn.kinds import LAYER_KINDS
+from collab_attn.kinds.forms import linear_weights
 
 
 @dataclass
@@ -78,54 +78,28 @@ class StandardLayer:
                              self.output_bias, self.bands)
 
 
-def _linear(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = module.weight.detach().cpu().double()
-    return weight, None if module.bias is None else module.bias.detach().cpu().double()
 
 
-def _shared_key_queries(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight, bias = _linear(layer.query)
-    heads, width = layer.num_heads, layer.rank
-    return weight.view(heads, width, -1), None if bias is None else bias.view(heads, width)
 
 
-def _collaborative_queries(layer) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Head ``h``'s query weight ``M_h W_q``: the layer's own head mixing (``head_queries``, linear in what it mixes)
-    applied to the shared query's weight columns as if they were rotated queries."""
-    weight, bias = _linear(layer.query)
-    twin = copy.deepcopy(layer).to(device="cpu", dtype=torch.float64)  # the layer itself stays as it is
-    with torch.no_grad():
-        mixed = twin.head_queries(weight.cpu().T[None])[0]  # (H, d, R)
-        mixed_bias = None if bias is None else twin.head_queries(bias.cpu()[None, None])[0, :, 0]  # (H, R)
-    return mixed.transpose(1, 2), mixed_bias
 
 
-def _shared_key_outputs(layer) -> torch.Tensor:
-    """``[W_o,h U_g(h)]`` over the heads: (d, H R)."""
-    out, _ = _linear(layer.output)
-    up = layer.value_up.weight.detach().cpu().double().view(layer.kv_heads, layer.head_dim, -1)
-    up = up.repeat_interleave(layer.num_heads // layer.kv_heads, dim=0)  # (H, head_dim, R)
-    blocks = out.view(out.shape[0], layer.num_heads, layer.head_dim)
-    return torch.einsum("dhk,hkr->dhr", blocks, up).flatten(1)
 
 
-def _collaborative_outputs(layer) -> torch.Tensor:
-    """``[W_o N_h^T]`` over the heads (``N_h = diag(n_h)`` for CP, the head's Tucker matrix otherwise): (d, H R)."""
-    out, _ = _linear(layer.output)
-    if layer.value_core is not None:
-        mixing = torch.einsum("hg,gvw->hvw", *(p.detach().cpu().double() for p in (layer.value_mixing,
-                                                                                   layer.value_core)))
-    else:
-        mixing = torch.diag_embed(layer.value_mixing.detach().cpu().double())  # (H, R, R)
-    return torch.einsum("dw,hvw->dhv", out, mixing).flatten(1)
+
+
+def exportable_kinds() -> tuple[str, ...]:
+    """The layer kinds that have a standard form: those whose class gives its ``standard_queries`` and
+    ``standard_outputs`` (``collab_attn.kinds``)."""
+    return tuple(kind for kind, cls in LAYER_KINDS.items() if cls.standard_queries is not None)
 
 
 def refusal(layer, index: int) -> str | None:
     """Why layer ``index`` has no standard form, or None when it has one."""
     kind = getattr(layer, "kind", None)
-    if kind not in EXPORTABLE_KINDS:
+    if getattr(layer, "standard_queries", None) is None:
         return (f"layer {index} is {kind or type(layer).__name__!r}: only key-svd, cp and tucker conversions of a "
-                "rotary model are multi-query attention in disguise (kinds " + ", ".join(EXPORTABLE_KINDS) + ")")
+                "rotary model are multi-query attention in disguise (kinds " + ", ".join(exportable_kinds()) + ")")
     if layer.value_rank != layer.rank:
         width = "per-head values" if layer.value_rank is None else f"value_rank {layer.value_rank}"
         return (f"layer {index} has {width} beside a shared key of {layer.rank}: a standard layer's values have its "
@@ -137,12 +111,11 @@ def refusal(layer, index: int) -> str | None:
 
 def standard_layer(layer) -> StandardLayer:
     """The standard form (module doc) of a converted layer that has one (``refusal`` is None)."""
-    collaborative = layer.kind == "rotary-collaborative"
-    query, query_bias = (_collaborative_queries if collaborative else _shared_key_queries)(layer)
+    query, query_bias = layer.standard_queries(layer)  # the kind's own reading (collab_attn.kinds.<kind>)
     factor = layer.scale * math.sqrt(layer.rank)  # standard attention divides by sqrt(R); the layer multiplies by scale
-    key, key_bias = _linear(layer.key)
-    value, value_bias = _linear(layer.value)
-    output = (_collaborative_outputs if collaborative else _shared_key_outputs)(layer)
+    key, key_bias = linear_weights(layer.key)
+    value, value_bias = linear_weights(layer.value)
+    output = layer.standard_outputs(layer)
     output_bias = None if layer.output.bias is None else layer.output.bias.detach().cpu().double()
     return StandardLayer(query * factor, None if query_bias is None else query_bias * factor, key, key_bias, value,
                          value_bias, output, output_bias, layer.pair_bands.detach().cpu().clone())

@@ -2,7 +2,7 @@
 
 It says everything the rest of the library asks of a method: its options (a frozen dataclass whose fields and
 defaults are the method's keys of the ``collab`` config group), the kind of layer it builds
-(``collab_attn.models.layers.LAYER_KINDS``), what it needs besides the weights (calibration texts, head-importance
+(``collab_attn.kinds.LAYER_KINDS``), what it needs besides the weights (calibration texts, head-importance
 scores from labelled data), whether it takes a global rank budget, its own rule for the ranks, and ``plan``, which
 turns a validated ``Request`` into a ``Plan``. ``collab_attn.models.conversion`` validates, plans and applies;
 ``collab_attn.models.settings`` reads the config group; the GLUE pipeline, the language-model conversions, the
@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from collab_attn.kinds import LAYER_KINDS
 from collab_attn.models.hf import Layout
-from collab_attn.models.layers import LAYER_KINDS
 from collab_attn.models.plan import Plan, Request
 
 MIXINGS = ("vectors", "matrices")
@@ -58,7 +58,7 @@ class ConversionMethod:
     name: str
     description: str  # one line: what the method does
     planner: Callable[[Request], Plan]
-    layer: str  # the kind of layer it builds: a key of collab_attn.models.layers.LAYER_KINDS
+    layer: str  # the kind of layer it builds: a key of collab_attn.kinds.LAYER_KINDS
     options: type = NoOptions  # frozen dataclass: the method's options and their defaults
     budgets: bool = False  # takes a global rank budget ("mean:128", ...) in place of ranks
     calibrated: bool = False  # can be fitted to activations (calibration texts)

@@ -14,7 +14,7 @@ layer (keys and values, rotated keys on rotary models). Both are exact at G = K.
   with their query heads and those heads' output columns. Needs no task data: the energy of group ``g`` is that of
   its query/key products, ``E_g = sum_{h reads g} ||Wq_h^T Wk_g||_F^2 = sum_h <Wq_h Wq_h^T, Wk_g Wk_g^T>`` (head_dim x
   head_dim Gram matrices). On rotary models a head's products are its per-band complex forms ``a_hi conj(b_gi)^T``
-  (``collab_attn.models.products``; a bias is one more input column), so ``E_g = sum_{h reads g} sum_i |a_hi|^2
+  (``collab_attn.kinds.forms``; a bias is one more input column), so ``E_g = sum_{h reads g} sum_i |a_hi|^2
   |b_gi|^2``: twice the logit form's energy averaged over relative positions (for incommensurate frequencies). It is
   the measure every conversion's error is taken in, so the reported ``relative_error`` is sqrt(energy fraction
   removed), as ``prune`` reports. The report's pruning record lists per layer the kept groups and every group's
@@ -30,12 +30,12 @@ import time
 
 import torch
 
+from collab_attn.kinds.forms import band_forms_of, original_forms, original_value_forms, relative_error
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register
 from collab_attn.models.methods.rotary_collab import rotary_forms
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request, ValueWeights
-from collab_attn.models.products import band_forms_of, original_forms, original_value_forms, relative_error
 
 MERGE, DROP = "merge-kv", "drop-kv"
 GROUP_METHODS = (MERGE, DROP)
@@ -73,7 +73,7 @@ def group_layout(method: ConversionMethod, site: AttentionSite, layers: int, key
 
 
 def logit_forms(layer: LayerWeights, rotary: bool):
-    """Every query head's logit form against its group's key, as ``collab_attn.models.products`` measures a layer
+    """Every query head's logit form against its group's key, as ``collab_attn.kinds.forms`` measures a layer
     (the logit scale left out: the relative errors do not depend on it)."""
     if rotary:
         return band_forms_of(*rotary_forms(layer), 1.0)

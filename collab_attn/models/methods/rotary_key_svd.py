@@ -1,5 +1,5 @@
 """``key-svd`` on rotary-position models (Llama, Qwen2, Mistral): thin keys per rotary frequency band, the planner
-of the ``rotary-shared-key`` layer (``collab_attn.nn.rotary_shared_key``; TransMLA's per-frequency PCA of keys).
+of the ``rotary-shared-key`` layer (``collab_attn.kinds.rotary_shared_key``; TransMLA's per-frequency PCA of keys).
 
 Per band ``i``, the complex key forms ``b_gi`` of the G key/value groups (biases as one more input column) are
 stacked as the columns of a d x G matrix whose ``R_i`` leading left singular vectors ``U_i`` make the shared key
@@ -8,7 +8,7 @@ space, ``conj(c_gi) a_hi`` with ``c_gi = U_i^H b_gi`` (``collab_attn.decompositi
 ``rank`` = 2 sum_i R_i, even; the pairs are split among the bands greedily by the singular values' energy (largest
 remaining ``sigma^2`` of the layer first). Exact at ``rank = kv_heads x head_dim`` (``R_i = G``: the original key
 cache's width), and wider shared keys are refused (they would only cache zeros). The reported error is that of the
-logit forms per band (``collab_attn.models.products.BandForms``), checked against the installed layer. With a
+logit forms per band (``collab_attn.kinds.forms.BandForms``), checked against the installed layer. With a
 calibration the bands' SVDs are of the whitened key forms (``rotary_whitening``; ``weighted_error`` reports their
 fit). A budget (``"mean:R"``, ``"energy:E"``) spreads the pairs over the bands of all layers by the squared singular
 values (``collab_attn.decomposition.rotary_budget``).
@@ -32,12 +32,12 @@ from tqdm.auto import tqdm
 
 from collab_attn.decomposition.rotary_keys import key_band_svd, thin_rotary_keys
 from collab_attn.decomposition.truncation import shared_subspace
+from collab_attn.kinds.forms import Factor, HeadForms, original_value_forms, relative_error
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.rotary_collab import budget_pairs, rotary_forms, rotary_whitening, with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
-from collab_attn.models.products import Factor, HeadForms, original_value_forms, relative_error
 
 
 def widest_key(layer: LayerWeights, kv_heads: int) -> int:

@@ -1,6 +1,6 @@
 """``kv-svd`` on rotary-position models (Llama, Qwen2, Mistral): MHA2MLA's partial RoPE and joint key/value SVD
 (Ji et al. 2025, "Towards Economical Inference: Enabling DeepSeek's Multi-Head Latent Attention in Any
-Transformer-based LLMs"), the planner of the ``rotary-mla`` layer (``collab_attn.nn.partial_rope``).
+Transformer-based LLMs"), the planner of the ``rotary-mla`` layer (``collab_attn.kinds.rotary_mla``).
 
 1. Partial RoPE, per key/value group ``g``: keep the ``r`` frequency pairs (of ``head_dim/2``) that contribute most
    to its logits, by MHA2MLA's 2-norm criterion computed from the weights alone (the paper averages the norms of
@@ -21,12 +21,12 @@ to one). Exact at ``r = d_h/2`` (every pair kept) with ``D_c = G d_h`` (the valu
 ``r = 0`` with D_c the rank of ``[Wk; Wv]`` the latent is exact too, but no key dimension rotates.
 
 The error a plan reports (``relative_error``) is that of the query/key logit forms per rotary band, the measure the
-rotary ``cp`` reports (``collab_attn.models.products.BandForms``): band ``i`` of head ``h`` scores ``Re(x^T M_hi y
+rotary ``cp`` reports (``collab_attn.kinds.forms.BandForms``): band ``i`` of head ``h`` scores ``Re(x^T M_hi y
 e^(j (p - s) theta_i))`` with the complex form ``M_hi = P + jQ``; a kept band gives it back exactly; a dropped
 band gives the static real form ``N`` (its two query rows against the reconstructed nope key rows), compared as
 ``N + 0j``: ``||P - N||^2 + ||Q||^2``, i.e. the logit and its slope in the relative angle at distance 0 (the
 rotation lost costs at least ``||Q||^2``, more at long distances). ``value_error``: that of the value-output
-products ``Wv_g(h)^T Wo_h^T``. Both are measured again on the installed layer (``models/products.py``).
+products ``Wv_g(h)^T Wo_h^T``. Both are measured again on the installed layer (``kinds/forms.py``).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
+from collab_attn.kinds.rotary_mla.rotary_mla_attention import default_rope_pairs, dimension_order
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.methods.rotary_collab import with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
-from collab_attn.nn.partial_rope import default_rope_pairs, dimension_order
 
 
 def max_latent_size(d_in: int, kv_heads: int, head_dim: int, rope_pairs: int) -> int:

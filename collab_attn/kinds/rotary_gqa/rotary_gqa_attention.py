@@ -20,21 +20,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from collab_attn.kinds.gqa.gqa_attention import GroupedQueryAttention
 from collab_attn.nn.attention import AttentionArguments, grouped_attend
-from collab_attn.nn.rotary import _RotaryAttention, check_rotary_head_dim, given_positions, rotate_pairs
-from collab_attn.nn.variants import GroupedQueryAttention
+from collab_attn.nn.rotary import RotaryAttention, check_rotary_head_dim, given_positions, rotate_pairs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-class RotaryGroupedQueryAttention(_RotaryAttention, GroupedQueryAttention):
+class RotaryGroupedQueryAttention(RotaryAttention, GroupedQueryAttention):
     """``GroupedQueryAttention`` whose queries and keys rotate with their positions (RoPE).
 
     ``bias``: biases of the query, key and value projections; ``output_bias`` (default: ``bias``) that of the output
     projection (Qwen2 has q/k/v biases and no o_proj bias). ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward``: every rotary kind's (``collab_attn.nn.rotary._RotaryAttention``); the keys sit at the queries'
+    ``forward``: every rotary kind's (``collab_attn.nn.rotary.RotaryAttention``); the keys sit at the queries'
     positions (no ``key_position_embeddings``), ``key_value_states`` as long as the queries."""
 
     takes_key_positions = False

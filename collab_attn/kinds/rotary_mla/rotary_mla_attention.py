@@ -52,8 +52,8 @@ import torch
 from torch import nn
 
 from collab_attn.nn import triton_kernels
-from collab_attn.nn.attention import AttentionArguments, _needs_grad, grouped_attend
-from collab_attn.nn.rotary import _RotaryAttention, bands_as_built, check_rotary_head_dim, given_positions, rotate_pairs
+from collab_attn.nn.attention import AttentionArguments, grad_flows, grouped_attend
+from collab_attn.nn.rotary import RotaryAttention, bands_as_built, check_rotary_head_dim, given_positions, rotate_pairs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -81,7 +81,7 @@ def dimension_order(rope_bands: torch.Tensor, head_dim: int) -> torch.Tensor:
     return torch.argsort(1 - kept, dim=1, stable=True)  # kept dimensions first, each part ascending
 
 
-class PartialRotaryLatentAttention(_RotaryAttention):
+class PartialRotaryLatentAttention(RotaryAttention):
     """Latent attention whose keys keep ``rope_pairs`` rotary pairs per key/value group (the module docstring has
     the computation and the layout).
 
@@ -90,7 +90,7 @@ class PartialRotaryLatentAttention(_RotaryAttention):
     band indices. ``bias``: biases of the query, kept-key and nope-key projections; ``output_bias`` (default
     ``bias``) that of the output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward`` (``collab_attn.nn.rotary._RotaryAttention``'s) caches the packed row of each token: its kept keys,
+    ``forward`` (``collab_attn.nn.rotary.RotaryAttention``'s) caches the packed row of each token: its kept keys,
     rotated at ``key_position_embeddings`` where given, and its latent.
     """
 
@@ -124,7 +124,7 @@ class PartialRotaryLatentAttention(_RotaryAttention):
         self.rope_key = _linear(d_model, kv_heads * 2 * rope_pairs, bias)
         self.latent = nn.Linear(d_model, latent_size, bias=False)
         self.nope_key = _linear(latent_size, kv_heads * nope, bias)
-        self.value = nn.Linear(latent_size, kv_heads * self.head_dim, bias=False)  # replaces _Attention's
+        self.value = nn.Linear(latent_size, kv_heads * self.head_dim, bias=False)  # replaces BaseAttention's
         if rope_bands is None:
             rope_bands = [list(range(rope_pairs))] * kv_heads  # every group keeps the lowest, fastest bands
         self._bands_as_built = bands_as_built(rope_bands)
@@ -205,7 +205,7 @@ class PartialRotaryLatentAttention(_RotaryAttention):
     def _attend(self, query_states, position_embeddings, packed, _values, mask, causal, need_weights):
         queries = self.head_queries(query_states, position_embeddings)  # (B, H, T, head_dim): kept bands first
         rope_width = 2 * self.rope_pairs * self.kv_heads
-        needs_grad = _needs_grad(queries, packed)
+        needs_grad = grad_flows(queries, packed)
         if not needs_grad and not causal:  # absorbed: one key/value head, the packed row (module doc)
             absorbed = self._absorbed_queries(queries)
             if not need_weights and triton_kernels.takes_step(queries.shape[2], (absorbed, packed), mask,

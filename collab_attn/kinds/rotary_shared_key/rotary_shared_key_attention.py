@@ -37,13 +37,13 @@ import torch
 from torch import nn
 
 from collab_attn.nn.attention import AttentionArguments
-from collab_attn.nn.rotary import _SharedPairsAttention, attend_shared_pairs
+from collab_attn.nn.rotary import SharedPairsAttention, attend_shared_pairs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 
-class RotarySharedKeyAttention(_SharedPairsAttention):
+class RotarySharedKeyAttention(SharedPairsAttention):
     """Every head scores against one shared key of ``pairs`` rotary pairs with a query of its own (the module
     docstring has the computation and the layout).
 
@@ -52,7 +52,7 @@ class RotarySharedKeyAttention(_SharedPairsAttention):
     2)``). ``bias``: biases of the query, key and (grouped) value projections; ``output_bias`` (default ``bias``)
     that of the output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward``: every rotary kind's (``collab_attn.nn.rotary._RotaryAttention``), keys at
+    ``forward``: every rotary kind's (``collab_attn.nn.rotary.RotaryAttention``), keys at
     ``key_position_embeddings`` where given.
     """
 
@@ -70,7 +70,7 @@ class RotarySharedKeyAttention(_SharedPairsAttention):
         self.key = nn.Linear(d_model, 2 * pairs, bias=bias)
         grouped = self.kv_heads * self.head_dim
         if value_rank is None:
-            self.value = nn.Linear(d_model, grouped, bias=bias)  # replaces _Attention's heads x head_dim one
+            self.value = nn.Linear(d_model, grouped, bias=bias)  # replaces BaseAttention's heads x head_dim one
             self.value_up = None
         else:
             self.value = nn.Linear(d_model, value_rank, bias=False)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collab_attn.nn.attention import AttentionArguments, grouped_attend
-from collab_attn.nn.rotary import _RotaryAttention, check_rotary_head_dim, given_positions
+from collab_attn.nn.rotary import RotaryAttention, check_rotary_head_dim, given_positions
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -54,14 +54,14 @@ def rotate_dims(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
-class TensorProductAttention(_RotaryAttention):
+class TensorProductAttention(RotaryAttention):
     """Tensor product attention with rank ``key_rank`` keys and ``value_rank`` values (default: ``key_rank``) and
     rank ``query_rank`` queries (None: dense queries); the module docstring has the computation and the layout.
 
     ``bias``: biases of the factor projections (and of dense queries); ``output_bias`` (default ``bias``) that of the
     output projection. ``logit_scale``: default ``1 / sqrt(head_dim)``.
 
-    ``forward``: every rotary kind's (``collab_attn.nn.rotary._RotaryAttention``); the keys sit at the queries'
+    ``forward``: every rotary kind's (``collab_attn.nn.rotary.RotaryAttention``); the keys sit at the queries'
     positions (no ``key_position_embeddings``), ``key_value_states`` as long as the queries.
     """
 
@@ -96,7 +96,7 @@ class TensorProductAttention(_RotaryAttention):
         self.key_dims = nn.Linear(d_model, key_rank * dims, bias=bias)
         self.value_heads = nn.Linear(d_model, value_rank * heads, bias=bias)
         self.value_dims = nn.Linear(d_model, value_rank * dims, bias=bias)
-        del self.value  # _Attention's dense value projection: the factors replace it
+        del self.value  # BaseAttention's dense value projection: the factors replace it
 
     def _angles(self, position_embeddings, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = given_positions(self, position_embeddings)

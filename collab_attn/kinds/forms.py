@@ -16,14 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from collab_attn.decomposition.rotary_cp import band_forms
-from collab_attn.nn.attention import CollaborativeAttention, MultiHeadAttention
-from collab_attn.nn.grouped_rotary import RotaryGroupedQueryAttention
-from collab_attn.nn.partial_rope import PartialRotaryLatentAttention
-from collab_attn.nn.rotary import RotaryCollaborativeAttention
-from collab_attn.nn.rotary_shared_key import RotarySharedKeyAttention
-from collab_attn.nn.variants import GroupedQueryAttention, LatentAttention, SharedKeyAttention  # the readers' types
-
 
 @dataclass
 class Factor:
@@ -155,98 +147,6 @@ def band_forms_of(a: torch.Tensor, b: torch.Tensor, scale: float) -> BandForms:
     return BandForms([complex_forms(a_band[:, None] * scale, b_band[:, None]) for a_band, b_band in zip(a, b)])
 
 
-def rotary_collaborative_forms(layer: RotaryCollaborativeAttention) -> BandForms:
-    """A rotary collaborative layer's forms: per band, its pairs' shared query and key (biases as an input column)
-    mixed by each head's complex numbers."""
-
-    def pairs(projection: nn.Linear) -> torch.Tensor:
-        weight = projection.weight.double()
-        if projection.bias is not None:
-            weight = torch.cat([weight, projection.bias.double()[:, None]], dim=1)
-        real, imag = weight.chunk(2)
-        return torch.complex(real, imag)  # (R, d)
-
-    queries, keys = pairs(layer.query), pairs(layer.key)
-    if layer.mixing_core is not None:  # Tucker: head h's query for pair s is sum_r C_h[r, s] q_r
-        mixing = torch.complex(*(part.double() for part in layer.mixing_matrices()))  # (heads, R, R)
-    else:
-        mixing = torch.diag_embed(torch.complex(*layer.mixing.double().chunk(2, dim=1)))  # CP: diagonal
-    forms = []
-    for band in range(layer.head_dim // 2):
-        index = (layer.pair_bands == band).nonzero().flatten()
-        left = torch.einsum("hrs,rd->hsd", mixing[:, index][:, :, index], queries[index]) * layer.scale
-        forms.append(complex_forms(left, keys[index][None]))
-    return BandForms(forms)
-
-
-def rotary_shared_key_forms(layer: RotarySharedKeyAttention) -> BandForms:
-    """A rotary shared-key layer's forms: per band, each head's own complex query rows of the band's pairs against
-    the shared key's (biases as an input column): ``M_hi = sum_{r in band i} q_hr conj(k_r)^T``."""
-
-    def pairs(projection: nn.Linear) -> torch.Tensor:
-        weight = projection.weight.double()
-        if projection.bias is not None:
-            weight = torch.cat([weight, projection.bias.double()[:, None]], dim=1)
-        real, imag = weight.unflatten(0, (-1, 2, layer.pairs)).unbind(1)
-        return torch.complex(real, imag)  # (heads or 1, R, d)
-
-    queries, keys = pairs(layer.query), pairs(layer.key)
-    forms = []
-    for band in range(layer.head_dim // 2):
-        index = (layer.pair_bands == band).nonzero().flatten().to(queries.device)
-        forms.append(complex_forms(queries[:, index] * layer.scale, keys[:, index]))
-    return BandForms(forms)
-
-
-def rotary_grouped_forms(layer: RotaryGroupedQueryAttention) -> BandForms:
-    """A rotary grouped-query layer's forms: per band, each query head's complex query vector against its group's
-    complex key vector (biases as an input column), as an original rotary layer's."""
-
-    def per_head(projection: nn.Linear, heads: int) -> torch.Tensor:
-        weight = projection.weight.double()
-        if projection.bias is not None:
-            weight = torch.cat([weight, projection.bias.double()[:, None]], dim=1)
-        return _per_head(weight, heads)
-
-    query, key = per_head(layer.query, layer.num_heads), per_head(layer.key, layer.kv_heads)
-    return band_forms_of(*band_forms(query, key), layer.scale)
-
-
-def partial_rope_forms(layer: PartialRotaryLatentAttention) -> BandForms:
-    """A partial-RoPE latent layer's forms (the measure: ``collab_attn.models.methods.rotary_kv_svd``): per band, a
-    kept band is each head's query pair against its group's key pair as complex vectors (it rotates); a dropped band
-    is the static real form of the head's two query rows against the two key rows the latent gives back, compared
-    as ``N + 0j``. Biases are an input column, as in the original's forms."""
-
-    def rows(projection: nn.Linear, weight: torch.Tensor) -> torch.Tensor:
-        if projection.bias is None:
-            return weight
-        return torch.cat([weight, projection.bias.double()[:, None]], dim=1)
-
-    heads, groups, head_dim = layer.num_heads, layer.kv_heads, layer.head_dim
-    half, group = head_dim // 2, heads // groups
-    query = _per_head(rows(layer.query, layer.query.weight.double()), heads)  # (H, d_h, d')
-    rope = rows(layer.rope_key, layer.rope_key.weight.double())
-    nope = rows(layer.nope_key, layer.nope_key.weight.double() @ layer.latent.weight.double())
-    width, d_in = 2 * layer.rope_pairs, query.shape[-1]
-    held = torch.cat([rope.view(groups, width, d_in), nope.view(groups, head_dim - width, d_in)], dim=1)
-    order = layer.dimension_order()[..., None].expand_as(held)
-    key = torch.empty_like(held).scatter_(1, order, held).repeat_interleave(group, 0)  # (H, d_h, d'), source order
-    kept = torch.zeros(groups, half, dtype=torch.bool, device=query.device)
-    kept.scatter_(1, layer.rope_bands.to(query.device), True)
-    kept = kept.repeat_interleave(group, 0)[:, :, None, None]  # (H, bands, 1, 1)
-    forms = []
-    for band in range(half):
-        pairs = []
-        for side in (query, key):
-            first, second = side[:, band], side[:, band + half]
-            rotating = torch.stack([torch.complex(first, second), torch.zeros_like(first, dtype=torch.complex128)], 1)
-            static = torch.stack([first, second], 1).to(torch.complex128)
-            pairs.append(torch.where(kept[:, band], rotating, static))  # (H, 2, d')
-        forms.append(complex_forms(pairs[0] * layer.scale, pairs[1]))
-    return BandForms(forms)
-
-
 def relative_error(approximation: HeadForms, reference: HeadForms, kept: list[int] | None = None) -> float:
     """``||T~ - T||_F / ||T||_F`` over the stacked heads, the measure the decompositions report. ``kept``: the heads of
     ``reference`` that ``approximation`` holds, in order (pruning); the others count as removed (zero). Measured
@@ -268,58 +168,28 @@ def head_relative_errors(approximation: HeadForms, reference: HeadForms) -> torc
     return (approximation.head_distances_sq(reference) / reference.head_norms_sq().clamp_min(1e-300)).sqrt()
 
 
-def _per_head(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def per_head(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """An (heads x width, d) weight as (heads, width, d)."""
     return weight.reshape(heads, -1, weight.shape[-1])
 
 
-def _grouped(weight: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
+def grouped(weight: torch.Tensor, groups: int, heads: int) -> torch.Tensor:
     """(groups x width, d) -> (heads, width, d): query head h reads group h // (heads / groups)."""
-    return _per_head(weight, groups).repeat_interleave(heads // groups, dim=0)
-
-
-def _latent_rows(layer: LatentAttention, up: nn.Linear) -> torch.Tensor:
-    """Head h's up-projection applied to the latent's down-projection, (heads, head_dim, d_in)."""
-    return _per_head(up.weight.double() @ layer.latent.weight.double(), layer.num_heads)
+    return per_head(weight, groups).repeat_interleave(heads // groups, dim=0)
 
 
 def query_key_forms(layer: nn.Module) -> HeadForms | BandForms:
     """Head h's logit form ``scale Wq_h^T Wk_h`` of a converted layer, read from its own weights by the reader its
-    kind names (``ConvertedSelfAttention.query_key_reader``: one of the ``*_forms`` functions below)."""
+    kind names (``ConvertedSelfAttention.query_key_reader``: the ``*_forms`` function of its kind's package)."""
     reader = getattr(layer, "query_key_reader", None)
     if reader is None:
         raise TypeError(f"no logit form known for {type(layer).__name__}")
     return reader(layer)
 
 
-def collaborative_forms(layer: CollaborativeAttention) -> HeadForms:
-    """Shared query/key projections, each head's CP mixing vector (or Tucker mixing matrix) on the query side."""
-    mixing = layer.mixing if layer.mixing_core is None else layer.mixing_matrices()
-    return HeadForms(Factor(layer.query.weight[None] * layer.scale, mixing), Factor(layer.key.weight[None]))
-
-
-def _head_queries(layer: nn.Module) -> Factor:
-    return Factor(_per_head(layer.query.weight, layer.num_heads) * layer.scale)
-
-
-def concatenated_forms(layer: MultiHeadAttention) -> HeadForms:
-    """Every head's own query and key."""
-    return HeadForms(_head_queries(layer), Factor(_per_head(layer.key.weight, layer.num_heads)))
-
-
-def shared_key_forms(layer: SharedKeyAttention) -> HeadForms:
-    """Every head's own query against one shared key."""
-    return HeadForms(_head_queries(layer), Factor(layer.key.weight[None]))
-
-
-def grouped_forms(layer: GroupedQueryAttention) -> HeadForms:
-    """Every head's own query against its group's key."""
-    return HeadForms(_head_queries(layer), Factor(_grouped(layer.key.weight, layer.kv_heads, layer.num_heads)))
-
-
-def latent_forms(layer: LatentAttention) -> HeadForms:
-    """Every head's own query against its key up-projection of the shared latent."""
-    return HeadForms(_head_queries(layer), Factor(_latent_rows(layer, layer.key)))
+def own_queries(layer: nn.Module) -> Factor:
+    """Every head's own query rows, the logit scale included."""
+    return Factor(per_head(layer.query.weight, layer.num_heads) * layer.scale)
 
 
 def value_forms(layer: nn.Module, output_weight: torch.Tensor | None = None) -> HeadForms:
@@ -335,36 +205,17 @@ def value_forms(layer: nn.Module, output_weight: torch.Tensor | None = None) -> 
     reader = getattr(layer, "value_reader", None)
     if reader is None:
         raise TypeError(f"no value map known for {type(layer).__name__}")
-    return HeadForms(reader(layer), Factor(_per_head(output.T, layer.num_heads)))
+    return HeadForms(reader(layer), Factor(per_head(output.T, layer.num_heads)))
 
 
 def head_values(layer: nn.Module) -> Factor:
     """Every head's own value rows."""
-    return Factor(_per_head(layer.value.weight, layer.num_heads))
+    return Factor(per_head(layer.value.weight, layer.num_heads))
 
 
 def grouped_values(layer: nn.Module) -> Factor:
     """Each head reads its key/value group's value rows."""
-    return Factor(_grouped(layer.value.weight, layer.kv_heads, layer.num_heads))
-
-
-def latent_values(layer: LatentAttention) -> Factor:
-    """Each head's value up-projection of the shared latent."""
-    return Factor(_latent_rows(layer, layer.value))
-
-
-def partial_rope_values(layer: PartialRotaryLatentAttention) -> Factor:
-    """The groups' values from the latent."""
-    values = layer.value.weight.double() @ layer.latent.weight.double()
-    return Factor(_grouped(values, layer.kv_heads, layer.num_heads))
-
-
-def rotary_shared_key_values(layer: RotarySharedKeyAttention) -> Factor:
-    """The groups' values, expanded from one shared value where the layer has one (``value_up``)."""
-    if layer.value_up is None:
-        return grouped_values(layer)
-    values = layer.value_up.weight.double() @ layer.value.weight.double()
-    return Factor(_grouped(values, layer.kv_heads, layer.num_heads))
+    return Factor(grouped(layer.value.weight, layer.kv_heads, layer.num_heads))
 
 
 def content_vectors(layer: nn.Module) -> torch.Tensor:
@@ -391,3 +242,10 @@ def original_value_forms(w_value, w_output) -> HeadForms:
     """The value maps of an original layer from (heads, head_dim, d_in) values and (heads, head_dim, d_out) output
     columns."""
     return HeadForms(Factor(w_value), Factor(w_output))
+
+
+def linear_weights(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear map's weight and bias (None without one), detached, float64, on the CPU: what the standard forms for
+    export read (``collab_attn.serving.standard``)."""
+    weight = module.weight.detach().cpu().double()
+    return weight, None if module.bias is None else module.bias.detach().cpu().double()
