@@ -76,6 +76,16 @@ def glue_dir() -> Path:
     return GLUE_DIR
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Every test leaves torch's thread count as it found it: a script's ``main`` run in the test process sets it for
+    its process (``--threads 1``), and the tests after it would otherwise run, and compare numbers, on one thread."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module of tiny problems (``pytestmark = pytest.mark.usefixtures("one_thread")``): a
