@@ -142,8 +142,8 @@ PROCESSES = {
     "crash after work: check tokens beyond the fit's own": (
         "scripts/race_smollm2.py", [*RACE, "--out", "new", *FITTED, "--e2e-tokens", "64", "--e2e-check-tokens",
                                     "100000"],
-        "--e2e-check-tokens 100000 is more than the end-to-end fit's own tokens hold (--e2e-tokens 64: 4 windows of "
-        "16, 2 batches of 2): pass at most 64"),
+        "--e2e-check-tokens 100000 is more than the end-to-end fit's own tokens hold (--e2e-tokens 64: 6 windows of "
+        "16, 3 batches of 2): pass at most 96"),
     "crash after work: --out names a file": (
         "scripts/race_smollm2.py", [*RACE, "--out", "afile"], "--out=afile is a file; pass a folder path"),
     "hang: windows of one token": (
