@@ -376,7 +376,6 @@ def test_decode_in_batches_with_static_compiled_caches(tmp_path, capsys):
     assert_decode_reports(rows, text, capsys.readouterr().out, prefill=False)
 
 
-
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need x86 with AVX2 and FMA")
 def test_decode_times_the_cpu_kernels_against_the_reference_path_in_one_process(tmp_path, capsys):
     """``--kernels-against-reference``: every collaborative model beside a twin on the reference path, taking turns

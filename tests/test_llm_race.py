@@ -145,7 +145,6 @@ def test_a_run_is_written_once_and_read_back(tmp_path, monkeypatch):
     assert race.plot(race.load_runs(tmp_path), tmp_path / "p.png").stat().st_size > 10_000
 
 
-
 def fake_run(method, nll, sample=0, windows=True, distill=0, budget=0.25):
     """A run file as run_entry writes it, 8 windows of 10 tokens per domain whose nll per token is ``nll`` plus a
     difficulty shared by every run (window i: 0.3 sin i)."""

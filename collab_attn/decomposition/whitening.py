@@ -12,7 +12,6 @@ import torch
 DEFAULT_EPS = 0.1
 
 
-
 def whitening_matrices(covariance: torch.Tensor, eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``S = (C + eps * mean_eig * I)^{1/2}`` and ``S^{-1}`` (float64, symmetric)."""
     eps = DEFAULT_EPS if eps is None else eps

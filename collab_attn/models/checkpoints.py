@@ -174,7 +174,6 @@ def load_model_and_tokenizer(name_or_path: str, model_class: type | None = AutoM
     return model, tokenizer
 
 
-
 def checked_model(name: str, argument: str = "model") -> tuple[str, PretrainedConfig]:
     """The local folder (or Hub id) and config of the checkpoint ``name`` (see ``resolve_model``), of a supported
     family, read before any work without loading weights; errors name the setting ``argument``."""

@@ -78,16 +78,6 @@ class StandardLayer:
                              self.output_bias, self.bands)
 
 
-
-
-
-
-
-
-
-
-
-
 def exportable_kinds() -> tuple[str, ...]:
     """The layer kinds that have a standard form: those whose class gives its ``standard_queries`` and
     ``standard_outputs`` (``collab_attn.kinds``)."""

@@ -352,7 +352,6 @@ def c(page: str, quote: str, *values: Value) -> None:
     claim(page, q(quote), *values)
 
 
-
 def build(pages: Sequence[Callable[[], None]]) -> Registry:
     """A registry of the claims of ``pages``, each page function called once."""
     global REGISTRY
