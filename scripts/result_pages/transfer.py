@@ -170,6 +170,13 @@ def claims_transfer() -> None:
     claim(P, "Its end-to-end fit took {:,.0f} s on one thread beside other runs",
           field(val + q_long, "end_to_end.seconds"))
     cited(P, "`BUDGET=0.25 E2E_STEPS=128 E2E_TOKENS=131072 E2E_CHECK_EVERY=32 run.sh\nfit all`", "the command")
+    windows = val + "key-svd-k48-v48-calibrated16384-fitted150-e2e32on32768held6144len2048-textall.json"
+    claim(P, "{:.0f} steps of one window, {:,.0f} tokens, the same\nlayer fit", field(windows, "end_to_end.steps",
+                                                                                   "end_to_end.tokens"))
+    assert [verdict(windows, val + quarter + "-textall.json", d) for d in three] == ["behind", "tie", "tie"]
+    claim(P, "do not help either: {:.3f}x / {:.3f}x / {:.3f}x, against the 256-token\nwindows {:.3f}x [{:.3f}x, "
+          "{:.3f}x] on wikipedia (behind)", ppl(windows, *three),
+          boot(windows, val + quarter + "-textall.json", "wikipedia"))
     claim(P, "far from the aim of 1.8x; with 128 end-to-end steps at most {:.3f}x, still short",
           worst(test + q_long))
     cited(P, "The issue's aim at 1/4, at most 1.8x", "the aim of issue 91")
