@@ -1,8 +1,10 @@
-"""Model surgery: one conversion path for every method. ``reparametrize`` validates, plans, then applies.
+"""Model surgery: one conversion path for every method. ``reparametrize`` reads the model once, validates, plans,
+then applies.
 
-1. Validate (once, for every method): the method is registered, the model is a supported family that is not
-   converted yet and has attention modules, the ranks (or budget) are in range, the options are the method's own,
-   and the query/key weights are finite.
+1. Read and validate (once, for every method): the method is registered, the model is a supported family that is not
+   converted yet and has attention modules (``_attention``: the sites, the modules the surgery replaces); the ranks
+   (or budget) are in range and the options are the method's own (checked on plain ``Sizes``); every layer's
+   weights are read once, as plain tensors, and the query/key weights are finite.
 2. Plan: the method (``collab_attn.models.methods``) turns every layer's query/key weights into a ``LayerPlan``;
    nothing is changed yet, so an error leaves the model as it was.
 3. Apply: ``build_layers`` makes an empty converted layer of the kind the method builds for each attention module,
@@ -18,6 +20,7 @@ collab_attn`` (``collab_attn.models.hf``), whatever the method.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,12 +38,13 @@ from collab_attn.kinds.forms import (
     value_forms,
 )
 from collab_attn.models.hf import (
+    HEAD_CLASSES,
     LAYER_KINDS,
     AttentionSite,
     InstalledLayer,
+    Layout,
     attention_sites,
     build_layers,
-    check_head_class,
     family_of,
     is_collaborative,
     put_layers,
@@ -57,15 +61,13 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _layer_weights(site: AttentionSite) -> LayerWeights:
-    weights = LayerWeights(site.name, *site.head_weights())
-    check_finite(site.name, query=weights.w_query, key=weights.w_key, query_bias=weights.b_query)
+def _check_weights(weights: LayerWeights) -> None:
+    check_finite(weights.name, query=weights.w_query, key=weights.w_key, query_bias=weights.b_query)
     groups = weights.w_query.shape[0] // weights.w_key.shape[0]  # grouped keys: each read by this many heads
     if not HeadProducts(weights.w_query, weights.w_key.repeat_interleave(groups, dim=0)).norm_sq() > 0:
-        raise ValueError(f"{site.name}: every head's query/key product Wq_h^T Wk_h is zero (all-zero query or key "
+        raise ValueError(f"{weights.name}: every head's query/key product Wq_h^T Wk_h is zero (all-zero query or key "
                          "weights), so there is nothing to decompose and no relative error; fix or retrain the "
                          "checkpoint first")
-    return weights
 
 
 def per_layer_ranks(rank: int | Sequence[int], num_layers: int, full_rank: int) -> list[int]:
@@ -96,21 +98,50 @@ def _check_ranks(method: ConversionMethod, rank, num_layers: int, full_rank: int
     return per_layer_ranks(rank, num_layers, full_rank), None
 
 
-def _validate(model: nn.Module, method: ConversionMethod, rank):
-    """Every check a conversion passes before planning, for every method: a model that is not converted yet and has
-    attention modules of a supported family, ranks (or a budget) in range and the method's own rank rule. Returns
-    the attention sites and the ranks or budget."""
+@dataclass(frozen=True)
+class Sizes:
+    """What the checks and the measures of a conversion read of a model's attention besides its weights: per layer
+    its name and logit scale, and the sizes every layer shares; plain values, no module."""
+
+    names: list[str]
+    scales: list[float]
+    heads: int
+    width: int  # heads x head_dim: the query/key (and value) width, exact for every method
+    d_in: int
+    rotary: bool
+
+    @property
+    def layers(self) -> int:
+        return len(self.names)
+
+
+def _attention(model: nn.Module) -> list[AttentionSite]:
+    """The attention sites of a model a conversion takes: one not converted yet, of a supported family and of a head
+    class that a collaborative class loads back once converted (``HEAD_CLASSES``), with attention modules."""
     if is_collaborative(model.config):
         raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
     family, sites = attention_sites(model)
-    check_head_class(model, family)
-    method.layer_for(family.rotary)  # a method that does not convert rotary models says so here
-    ranks, budget = _check_ranks(method, rank, len(sites), sites[0].width, family.rotary)
-    if family.rotary:  # collaborative rotary layers count each shared pair twice; other kinds' widths are their own
+    supported = HEAD_CLASSES[family.model_type]
+    if type(model) not in supported:
+        raise ValueError(
+            f"{type(model).__name__} is not a {family.model_type} model class that transformers exports, so no "
+            "collaborative class could load it back once converted; convert one of: "
+            + ", ".join(cls.__name__ for cls in supported)
+        )
+    return sites
+
+
+def _check_sizes(method: ConversionMethod, sizes: Sizes, rank, bands, value_rank):
+    """Every check of the sizes a conversion asks for, for every method: ranks (or a budget) in range and the
+    method's own rank rule, the bands, the value ranks. Returns the ranks or budget, and the value ranks."""
+    method.layer_for(sizes.rotary)  # a method that does not convert rotary models says so here
+    ranks, budget = _check_ranks(method, rank, sizes.layers, sizes.width, sizes.rotary)
+    if sizes.rotary:  # collaborative rotary layers count each shared pair twice; other kinds' widths are their own
         _check_rotary_ranks(ranks, budget, counts_pairs=LAYER_KINDS[method.layer_for(True)].collaborative)
     if ranks is not None and method.check_ranks is not None:
-        method.check_ranks(ranks, sites[0].heads)
-    return sites, ranks, budget
+        method.check_ranks(ranks, sizes.heads)
+    _check_bands(bands, method, sizes.rotary, ranks, budget)
+    return ranks, budget, _check_value_ranks(method, value_rank, sizes)
 
 
 def _check_rotary_ranks(ranks, budget, counts_pairs: bool = True) -> None:
@@ -150,8 +181,8 @@ def _check_bands(bands, method: ConversionMethod, rotary: bool, ranks, budget) -
 
 def check_request(config, method: str, rank, value_rank=None, bands: str = "per-layer", **options) -> None:
     """Check, before any training, that a model with this transformers ``config`` converts with ``method`` at
-    ``rank`` with ``options`` (``_validate`` on the model's skeleton, built on the meta device: no weights are read);
-    raises a ValueError that says what to change."""
+    ``rank`` with ``options`` (the checks of ``reparametrize`` before it reads any weight, on the model's skeleton,
+    built on the meta device); raises a ValueError that says what to change."""
     from transformers import AutoModel
 
     conversion = get_method(method)
@@ -159,9 +190,10 @@ def check_request(config, method: str, rank, value_rank=None, bands: str = "per-
     family_of(config)  # unsupported and rotary families are refused with the reason before anything is built
     with torch.device("meta"):
         skeleton = AutoModel.from_config(config)
-    sites, ranks, budget = _validate(skeleton, conversion, rank)
-    _check_bands(bands, conversion, sites[0].rotary, ranks, budget)
-    _check_value_ranks(conversion, value_rank, sites)
+    sites = _attention(skeleton)
+    sizes = Sizes([site.name for site in sites], [site.logit_scale for site in sites], sites[0].heads, sites[0].width,
+                  sites[0].d_in, sites[0].rotary)
+    _check_sizes(conversion, sizes, rank, bands, value_rank)
 
 
 @torch.no_grad()
@@ -218,17 +250,15 @@ def _kept(entry: InstalledLayer, planned: LayerPlan) -> dict:
     return kept
 
 
-def _originals(sites: list[AttentionSite], request: Request) -> list:
-    """Every layer's original logit forms and value maps (``collab_attn.kinds.forms``), from the weights the
-    request read (the value side read here where the method did not need it), before the surgery."""
-    originals = []
-    for index, site in enumerate(sites):
-        weights = request.weights[index]
-        values = request.values[index] if request.values is not None else ValueWeights(*site.value_output_weights())
-        query_keys = (band_forms_of(*rotary_forms(weights), site.logit_scale) if site.rotary
-                      else original_forms(weights.w_query, weights.w_key, site.logit_scale))
-        originals.append((query_keys, original_value_forms(values.w_value, values.w_output)))
-    return originals
+def _originals(weights: list[LayerWeights], values: list[ValueWeights], sizes: Sizes) -> list:
+    """Every layer's original logit forms and value maps (``collab_attn.kinds.forms``), from the weights read before
+    the surgery."""
+    return [
+        (band_forms_of(*rotary_forms(layer), scale) if sizes.rotary
+         else original_forms(layer.w_query, layer.w_key, scale),
+         original_value_forms(value.w_value, value.w_output))
+        for layer, value, scale in zip(weights, values, sizes.scales)
+    ]
 
 
 def _measure(entry: InstalledLayer, planned: LayerPlan, original) -> tuple:
@@ -263,17 +293,19 @@ def _bands(layer) -> list | None:
     return None if layer.bands_buffer is None else getattr(layer, layer.bands_buffer).tolist()
 
 
-def _apply(model: nn.Module, sites: list[AttentionSite], request: Request, plan: Plan,
-           method: ConversionMethod) -> ReparamReport:
-    before = {site.name: (_count(site.module), site.query_key_params) for site in sites}
-    originals = _originals(sites, request)
+def _convert(sites: list[AttentionSite], plan: Plan, originals: list, method: ConversionMethod,
+             model_params: int) -> tuple[list[InstalledLayer], Layout, ReparamReport]:
+    """The converted layers of the plan, filled and measured against the ``originals``, with the layout the config
+    records and the report; the model (of ``model_params`` parameters) is left as it is."""
+    before = [(_count(site.module), site.query_key_params) for site in sites]
     report = ReparamReport(
-        method=method.name, model_params_before=_count(model), solver=plan.solver, calibration=plan.calibration,
+        method=method.name, model_params_before=model_params, solver=plan.solver, calibration=plan.calibration,
         rank_selection=plan.rank_selection, pruning=plan.pruning,
     )
     layout = method.layout(plan, sites[0].rotary)
     built = build_layers(sites, layout)
-    for entry, planned, rank, original in zip(built, plan.layers, layout.ranks, originals):
+    for entry, planned, rank, original, (params, query_key_params) in zip(
+            built, plan.layers, layout.ranks, originals, before):
         _fill(entry, planned)
         products_error, value_products_error = _measure(entry, planned, original)
         dtype = next(entry.new.parameters()).dtype
@@ -281,16 +313,29 @@ def _apply(model: nn.Module, sites: list[AttentionSite], request: Request, plan:
             _check_installed(entry.name, "query/key head products", planned.relative_error, products_error, dtype)
         _check_installed(entry.name, "value-output products", planned.value_error, value_products_error, dtype)
         report.layers.append(LayerReport(
-            entry.name, rank, planned.relative_error, planned.seconds, *before[entry.name][:1], _count(entry.new),
-            before[entry.name][1], entry.new.query_key_params(), planned.weighted_error, planned.value_error,
-            products_error, value_products_error,
+            entry.name, rank, planned.relative_error, planned.seconds, params, _count(entry.new), query_key_params,
+            entry.new.query_key_params(), planned.weighted_error, planned.value_error, products_error,
+            value_products_error,
         ))
     bands = [_bands(entry.new) for entry in built]
     if any(b is not None for b in bands):  # recorded in the config: a model built from it has the layers' shape
         layout = layout.with_sizes(bands=bands)
-    put_layers(model, built, layout)  # only once every layer holds what was fitted
-    report.model_params_after = _count(model)
-    return report
+    return built, layout, report
+
+
+def _check_arguments(method: str, conversion: ConversionMethod, calibration, importance, device) -> None:
+    """A clear error for an argument of ``reparametrize`` that the method does not take."""
+    if calibration is not None and not conversion.calibrated:
+        raise ValueError(f"calibration does not apply to method={method!r}: only the methods that fit the logits "
+                         f"({', '.join(m for m, c in METHODS.items() if c.calibrated)}) take one")
+    if (importance is not None) != conversion.needs_importance:
+        raise ValueError(f"method={method!r} needs importance= (collab_attn.models.importance.head_importance on task "
+                         "data with labels, or one score tensor per layer)" if conversion.needs_importance else
+                         f"importance does not apply to method={method!r}: it needs no head scores")
+    if device is not None and not conversion.decomposes:
+        raise ValueError(f"device={device!r} does not apply to method={method!r}: it runs no decomposition")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise ValueError(f"calibration must be a fitting.calibration.Calibration, not {type(calibration)}")
 
 
 def reparametrize(
@@ -334,32 +379,27 @@ def reparametrize(
     """
     conversion = get_method(method)
     options = conversion.make_options(**options)
-    if calibration is not None and not conversion.calibrated:
-        raise ValueError(f"calibration does not apply to method={method!r}: only the methods that fit the logits "
-                         f"({', '.join(m for m, c in METHODS.items() if c.calibrated)}) take one")
-    if (importance is not None) != conversion.needs_importance:
-        raise ValueError(f"method={method!r} needs importance= (collab_attn.models.importance.head_importance on task "
-                         "data with labels, or one score tensor per layer)" if conversion.needs_importance else
-                         f"importance does not apply to method={method!r}: it needs no head scores")
-    if device is not None and not conversion.decomposes:
-        raise ValueError(f"device={device!r} does not apply to method={method!r}: it runs no decomposition")
-    sites, ranks, budget = _validate(model, conversion, rank)
-    _check_bands(bands, conversion, sites[0].rotary, ranks, budget)
-    value_ranks = _check_value_ranks(conversion, value_rank, sites)
+    _check_arguments(method, conversion, calibration, importance, device)
+    sites = _attention(model)
+    sizes = Sizes([site.name for site in sites], [site.logit_scale for site in sites], sites[0].heads, sites[0].width,
+                  sites[0].d_in, sites[0].rotary)
+    ranks, budget, value_ranks = _check_sizes(conversion, sizes, rank, bands, value_rank)
     if calibration is not None:
-        if not isinstance(calibration, Calibration):
-            raise ValueError(f"calibration must be a fitting.calibration.Calibration, not {type(calibration)}")
-        calibration.check_matches([site.name for site in sites], sites[0].d_in)
+        calibration.check_matches(sizes.names, sizes.d_in)
+    weights = [LayerWeights(site.name, *site.head_weights()) for site in sites]
+    for layer in weights:
+        _check_weights(layer)
+    values = [ValueWeights(*site.value_output_weights()) for site in sites]
     request = Request(
-        [_layer_weights(site) for site in sites], ranks, budget, seed, options,
-        [site.query_key_params for site in sites], calibration=calibration,
-        importance=importance, value_ranks=value_ranks, device=device, progress=progress, rotary=sites[0].rotary,
-        bands=bands,
-        values=None if value_ranks is None and not conversion.reads_values else [
-            ValueWeights(*site.value_output_weights()) for site in sites
-        ],
+        weights, ranks, budget, seed, options, [site.query_key_params for site in sites], calibration=calibration,
+        importance=importance, value_ranks=value_ranks, device=device, progress=progress, rotary=sizes.rotary,
+        bands=bands, values=None if value_ranks is None and not conversion.reads_values else values,
     )
-    return _apply(model, sites, request, conversion.plan(request), conversion)
+    plan = conversion.plan(request)
+    built, layout, report = _convert(sites, plan, _originals(weights, values, sizes), conversion, _count(model))
+    put_layers(model, built, layout)  # only once every layer holds what was fitted
+    report.model_params_after = _count(model)
+    return report
 
 
 def _cuts_values(conversion: ConversionMethod, rotary: bool) -> bool:
@@ -379,12 +419,12 @@ def takes_value_rank(model: nn.Module, method: str) -> bool:
     return _cuts_values(get_method(method), family_of(model.config).rotary)
 
 
-def _check_value_ranks(conversion: ConversionMethod, value_rank, sites: list[AttentionSite]) -> list[int] | None:
+def _check_value_ranks(conversion: ConversionMethod, value_rank, sizes: Sizes) -> list[int] | None:
     """Per-layer value widths D_v cached per token (None: each head keeps its values), each in [1, heads x head_dim]
     and within the method's rank rule."""
     if value_rank is None:
         return None
-    if not _cuts_values(conversion, sites[0].rotary):
+    if not _cuts_values(conversion, sizes.rotary):
         if _cuts_values(conversion, True):
             raise ValueError(f"value_rank: method={conversion.name!r} shares the values on rotary models only (Llama, "
                              "Qwen2, Mistral); this model's heads keep their values: pass value_rank=None")
@@ -392,9 +432,9 @@ def _check_value_ranks(conversion: ConversionMethod, value_rank, sites: list[Att
         raise ValueError(f"value_rank does not apply to method={conversion.name!r}: its heads keep their values "
                          f"(methods that cut the values: {cutting})")
     try:
-        ranks = per_layer_ranks(value_rank, len(sites), sites[0].width)
+        ranks = per_layer_ranks(value_rank, sizes.layers, sizes.width)
         if conversion.check_ranks is not None:
-            conversion.check_ranks(ranks, sites[0].heads)
+            conversion.check_ranks(ranks, sizes.heads)
     except ValueError as err:
         raise ValueError(f"value_rank: {err}") from err
     return ranks

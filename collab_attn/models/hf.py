@@ -40,17 +40,6 @@ from collab_attn.models.families import (  # noqa: F401  (re-exported: the HF la
 )
 
 
-def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` where ``name`` was, in the same train/eval mode and with the forward hooks transformers uses to
-    record outputs."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    old = getattr(parent, child)
-    new.train(old.training)
-    new._forward_hooks.update(old._forward_hooks)
-    setattr(parent, child, new)
-
-
 def forward_inputs(model: nn.Module, batch: Mapping) -> dict:
     """The entries of ``batch`` that ``model.forward`` names as parameters. A tokenizer may return inputs the model
     does not take (``token_type_ids`` from a BERT-style tokenizer saved beside a Llama): a forward with ``**kwargs``
@@ -203,21 +192,28 @@ def build_layers(sites: list[AttentionSite], layout: Layout) -> list[InstalledLa
 
 
 def put_layers(model: nn.Module, built: list[InstalledLayer], layout: Layout) -> None:
-    """Put the layers of ``build_layers`` (and their new output projections) into the model and retag it."""
+    """Put the layers of ``build_layers`` (and their new output projections) into the model, each where its original
+    was, in the same train/eval mode and with the forward hooks transformers uses to record outputs; then retag it."""
     for entry in built:
-        replace_module(model, entry.name, entry.new)
-        if entry.new_outer_output is not None:
-            replace_module(model, entry.site.output_name, entry.new_outer_output)
-    _retag(model, layout)
+        for name, new in ((entry.name, entry.new), (entry.site.output_name, entry.new_outer_output)):
+            if new is None:
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            old = getattr(parent, child)
+            new.train(old.training)
+            new._forward_hooks.update(old._forward_hooks)
+            setattr(parent, child, new)
+    _retag(model, layout, built[0].site.family)
 
 
-def _retag(model: nn.Module, layout: Layout) -> None:
-    """Turn every transformers model and config inside ``model`` into its collaborative class."""
+def _retag(model: nn.Module, layout: Layout, family: Family) -> None:
+    """Turn every transformers model and config inside ``model`` (of ``family``) into its collaborative class."""
     from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
     for module in model.modules():
         if isinstance(module, transformers.PreTrainedModel):
-            config, family = module.config, family_of(module.config)
+            config = module.config
             if not is_collaborative(config):
                 config.__class__ = _COLLAB_CONFIGS[family.model_type]
                 vars(config).pop("model_type", None)  # a loaded config may shadow the class's model_type
@@ -324,6 +320,7 @@ AUTO_CLASSES = [
 ]
 _COLLAB_CONFIGS: dict[str, type] = {}
 _COLLAB_MODELS: dict[type, type] = {}
+HEAD_CLASSES: dict[str, list[type]] = {}  # ``head_classes`` of every family by its model type (``register``)
 
 
 def _modeling_module(family: Family):
@@ -349,18 +346,6 @@ def _model_classes(family: Family) -> list[type]:
     module = _modeling_module(family)
     inner = [cls for cls in vars(module).values() if _is_concrete_model(cls) and cls.__module__ == module.__name__]
     return list(dict.fromkeys(head_classes(family) + inner))
-
-
-def check_head_class(model: nn.Module, family: Family) -> None:
-    """Refuse a model whose class is not one ``head_classes`` lists: its converted checkpoint could not be rebuilt
-    by any collaborative class, so it would save but not load back."""
-    supported = head_classes(family)
-    if type(model) not in supported:
-        raise ValueError(
-            f"{type(model).__name__} is not a {family.model_type} model class that transformers exports, so no "
-            "collaborative class could load it back once converted; convert one of: "
-            + ", ".join(cls.__name__ for cls in supported)
-        )
 
 
 def collab_model_class(cls: type) -> type:
@@ -390,6 +375,7 @@ def register() -> None:
             continue
         config_class = _collab_config_class(family)
         _COLLAB_CONFIGS[family.model_type] = config_class
+        HEAD_CLASSES[family.model_type] = head_classes(family)
         globals()[config_class.__name__] = config_class
         transformers.AutoConfig.register(family.collab_model_type, config_class, exist_ok=True)
         for base in _model_classes(family):
