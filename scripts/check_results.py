@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_pages/, besid
 
 from result_pages.accounting import claims_accounting  # noqa: E402
 from result_pages.benchmarks import claims_benchmarks, claims_benchmarks_doc  # noqa: E402
+from result_pages.docs_glue import claims_docs_glue  # noqa: E402
+from result_pages.docs_language_modelling import claims_docs_language_modelling  # noqa: E402
 from result_pages.energy_minilm import claims_energy_minilm  # noqa: E402
 from result_pages.engine import (  # noqa: E402,F401  (the checker's names, for tests and callers)
     RESAMPLES,
@@ -73,7 +75,8 @@ PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_
                                    claims_shakespeare, claims_benchmarks, claims_benchmarks_doc, claims_kv_cache,
                                    claims_minilm_glue, claims_minilm_mrpc_rte, claims_minilm_random_init,
                                    claims_accounting, claims_scratch_sst2, claims_serving, claims_energy_minilm,
-                                   claims_minilm_sst2, claims_minilm_rte_recipe]
+                                   claims_minilm_sst2, claims_minilm_rte_recipe, claims_docs_glue,
+                                   claims_docs_language_modelling]
 
 
 def build(pages: list[Callable[[], None]] | None = None) -> Registry:
