@@ -69,6 +69,21 @@ def formula(fn: Callable[..., Sequence[float] | float], *paths: str) -> Value:
     return Value(", ".join(short(p) for p in paths), lambda: fn(*(run(p) for p in paths)))
 
 
+def stage(path: str, name: str, *keys: str, scale: float = 1.0) -> Value:
+    """``keys`` of the one line of a GLUE job's ``results.jsonl`` (scripts/train_glue.py) whose stage is ``name``
+    (``finetuned``, ``reparam`` or ``refit``), times ``scale``."""
+    def compute():
+        file = ROOT / path
+        if not file.is_file():
+            raise cli.Missing(f"{path}: no such result file (a claim cites it)")
+        rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        mine = [r for r in rows if r["stage"] == name]
+        if len(mine) != 1:
+            raise ValueError(f"{path}: {len(mine)} '{name}' results, the page cites one")
+        return [float(mine[0][k]) * scale for k in keys]
+    return Value(short(path), compute)
+
+
 DOMAINS = ("wikipedia", "shakespeare")
 
 
@@ -221,6 +236,12 @@ def cited(page: str, quote: str, why: str) -> None:
     """Numbers in ``quote`` (plain text on the page) that no run file holds: an aim, a setting, a published figure;
     ``why`` says where they come from. They count as covered on a strict page."""
     REGISTRY.claims.append(Claim(page, quote, (), why))
+
+
+def struck(page: str, old: str, why: str) -> None:
+    """``~~old~~``: a page's old text, struck through where a correction replaced it (the new text beside it is
+    claimed as any other); its numbers count as covered on a strict page, ``why`` says what replaced them."""
+    cited(page, f"~~{old}~~", f"struck through: {why}")
 
 
 def strict(page: str, tables_only: bool = False, section: str | None = None) -> None:
