@@ -149,6 +149,17 @@ def verdict(a: str, b: str, domain: str = "wikipedia") -> str:
     return {"better": "ahead", "worse": "behind", "tie": "tie"}[bootstrap(a, b, domain).verdict]
 
 
+def verdict_is(a: str, b: str, domain: str, word: str) -> Value:
+    """No number: the window bootstrap's verdict on run ``a`` against run ``b`` on ``domain`` must be ``word``
+    (ahead, behind or tie) where a sentence says so, else the claim cannot be computed."""
+    def compute():
+        found = verdict(a, b, domain)
+        if found != word:
+            raise ValueError(f"{short(a)} against {short(b)} on {domain}: {found}, where the page says {word}")
+        return []
+    return Value(f"{short(a)} against {short(b)}, {domain}: {word}", compute)
+
+
 def over_samples(a: Sequence[str], b: Sequence[str], domain: str = "wikipedia") -> Value:
     """Two conversions over calibration samples (``a[i]`` and ``b[i]`` calibrated on sample i): the geometric mean
     of their perplexity ratios and the 95% t-interval over the samples (``compare_on_shared_seeds`` of the log
