@@ -190,6 +190,28 @@ def fitting() -> None:
           verdict_is(t150, ten, "wikipedia", "ahead"), verdict_is(t150, ten, "shakespeare", "tie"))
 
 
+def allocation() -> None:
+    """## Where the cache goes: ``allocate_cache`` on SmolLM2 (experiments/smollm2/fitted/runs/key-svd-kalloc*)."""
+    strict(P, section="Where the cache goes: keys against values, layer against layer")
+    even_half, even_quarter = (F + f"key-svd-{k}-calibrated16384-fitted100.json" for k in ("k96-v96", "k48-v48"))
+    half, quarter = (F + f"key-svd-kalloc{k}-calibrated16384-fitted100.json" for k in (192, 96))
+    claim(P, "on SmolLM2 ({:.0f} steps, 8,192 tokens) {:.0f} minutes of wall time on the shared 2-core machine.",
+          field(half, "allocation.steps"), field(half, "allocation.seconds", scale=1 / 60))
+
+    def lower(r):  # the allocation's summed layer error must be below the even split's, as the page says
+        if not r["allocation"]["error"] < r["allocation"]["uniform_error"]:
+            raise ValueError("the allocation's summed layer error is not below the even split's")
+        return []
+    claim(P, "fitted the same way ({:.3f}x / {:.3f}x against {:.3f}x / {:.3f}x; the measured summed error {:.2f} "
+             "against {:.2f} before the full fit, {:.3f} against {:.3f} mean after it)", ppl(half), ppl(even_half),
+          field(half, "allocation.error", "allocation.uniform_error"),
+          formula(lambda *runs: [mean_layer_error(r) for r in runs], half, even_half),
+          *(verdict_is(half, even_half, d, "tie") for d in ("wikipedia", "shakespeare")))
+    claim(P, "At a quarter it is behind the even split ({:.2f}x / {:.2f}x against {:.2f}x / {:.2f}x) although its "
+             "summed layer error is lower", ppl(quarter), ppl(even_quarter), formula(lower, quarter),
+          *(verdict_is(quarter, even_quarter, d, "behind") for d in ("wikipedia", "shakespeare")))
+
+
 def _ratio(r: dict, domain: str) -> float:
     return r["domains"][domain]["perplexity"] / r["domains"][domain]["original_perplexity"]
 
@@ -209,5 +231,6 @@ def claims_docs_converting() -> None:
     """docs/converting.md: the sections strict so far, and their claims."""
     options()
     fitting()
+    allocation()
     for section in PLAIN:
         strict(P, section=section)
