@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 
+from result_pages.benchmarks import _row, row, span
 from result_pages.engine import Value, boot, cited, claim, field, formula, ppl, stage, strict, struck, verdict_is
 
 P = "docs/converting.md"
@@ -212,6 +213,39 @@ def allocation() -> None:
           *(verdict_is(quarter, even_quarter, d, "behind") for d in ("wikipedia", "shakespeare")))
 
 
+def loading() -> None:
+    """## Loading without the collaborative class: no measured number left."""
+    strict(P, section="Loading without the collaborative class")
+    struck(P, "logits 0.3 apart on a small GPT-2", f"{CORRECTED}: no test or result file records that measurement")
+
+
+def decoders() -> None:
+    """## Decoders: GPT-2 small's cache and decoding times (experiments/benchmarks/, LOG.md sections 5 to 18)."""
+    strict(P, section="Decoders")
+    keys, kv = "collab D~=192", "cp k186 v186 (0.25)"  # keys only at d/4; keys and values shared at a quarter
+    b1, b8 = B + "decode_cpu_float32_batch1.json", B + "decode_cpu_float32_batch8.json"
+    claim(P, "At D~ = d/4 GPT-2 small caches {:.2f}x the bytes of the original",
+          row(b1, "cache_vs_original", model=keys, context=8192, cache="dynamic"))
+    claim(P, "it decoded in {:.2f}x the time at batch 8 and 8,192 tokens on the CPU in one run",
+          row(b8, model=keys, context=8192, cache="dynamic"))
+
+    def static_speed_up(r):  # the original's dynamic-cache step over its compiled static-cache step
+        def ms(cache):
+            return _row(b8, dict(context=8192, cache=cache, model="original"))["ms_per_token"]
+        return [ms("dynamic") / ms("static")]
+    claim(P, "({:.1f}x faster for the original too) it took {:.2f}x to {:.2f}x of the original's time before the "
+             "keys-only step ran through the CPU kernels", formula(static_speed_up, b8),
+          span(b8, [dict(context=n, cache="static", model=keys) for n in (1024, 4096, 8192)]))
+    struck(P, "1.5x", f"{CORRECTED}: at D~ = d/4 the H100's batch-1 dynamic-cache steps took 1.5x to 1.6x")
+    claim(P, "on an H100 at batch 1 with a dynamic cache it took ~~1.5x~~ {:.1f}x to {:.1f}x the time (**corrected",
+          span(B + "decode_cuda_bfloat16.json", [dict(context=n, model=keys) for n in (512, 1024, 2048, 4096, 8192)]))
+    fused, before = B + "decode_fused_kv_cpu_float32_batch8.json", B + "decode_fused_kv_cpu_float32_batch8_before.json"
+    claim(P, "{:.2f}x the original's time per token with a static cache and `torch.compile` ({:.2f}x before), {:.2f}x "
+             "with a dynamic cache ({:.2f}x before)",
+          row(fused, verdict="faster", model=kv, cache="static"), row(before, model=kv, cache="static"),
+          row(fused, verdict="faster", model=kv, cache="dynamic"), row(before, model=kv, cache="dynamic"))
+
+
 def _ratio(r: dict, domain: str) -> float:
     return r["domains"][domain]["perplexity"] / r["domains"][domain]["original_perplexity"]
 
@@ -232,5 +266,7 @@ def claims_docs_converting() -> None:
     options()
     fitting()
     allocation()
+    loading()
+    decoders()
     for section in PLAIN:
         strict(P, section=section)
