@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from result_pages.benchmarks import _row, row, span
+from result_pages.benchmarks import row, span
 from result_pages.engine import Value, boot, cited, claim, field, formula, ppl, stage, strict, struck, verdict_is
 
 P = "docs/converting.md"
@@ -19,16 +19,9 @@ SMOLLM2 = 134_515_008  # SmolLM2-135M's parameters (as smollm2.py counts its sha
 VOCABULARY = 49_152  # SmolLM2's vocabulary: the original's next-token distributions, 4 bytes an entry
 CORRECTED = "corrected 2026-12-06 (issue 88)"
 
-# sections with no measured number: strict, so that none is added without its run files
-PLAIN = ("Sharing the values too", "Ways to shrink the cache", "Matched-budget baselines",
-         "Adding a conversion method or a layer kind", "What the conversion does",
-         "The converted layer is the evidence", "Loading, `Trainer`, `pipeline` and attention maps",
-         "Supported classes", "The script", "Bad input, in every script")
-
 
 def options() -> None:
     """## Options: the implicit solver's speed-up (benchmarks, section 1) and calibration on MRPC (section 2)."""
-    strict(P, section="Options")
 
     def speed_up(r):  # MiniLM at rank 128: the paper's settings' time over the implicit solver's, at a lower error
         m = next(x for x in r["minilm"] if x["rank"] == 128)["variants"]
@@ -41,7 +34,8 @@ def options() -> None:
     aware, plain = GLUE + "mrpc/minilm/cp-aware-r128/seed0-46922a08/", GLUE + "mrpc/minilm/cp-r128/seed0-6c28b6c2/"
     struck(P, "F1 0.819 at rank 128 where plain CP falls to 0.435 (the checkpoint fine-tuned at lr 2e-5 in "
               "`experiments/benchmarks/LOG.md`, section 2, with its commands)",
-           "the lr 2e-5 checkpoint's results were never kept (the LOG says so); the sweep's jobs beside it")
+           f"{CORRECTED}: the lr 2e-5 checkpoint's results were never kept (the LOG says so); the sweep's jobs "
+           "beside it")
     claim(P, "F1 {:.3f} at rank 128 where plain CP falls to {:.3f} (the MiniLM sweep's checkpoint, lr 1e-4:",
           stage(aware + "results.jsonl", "reparam", "f1"), stage(plain + "results.jsonl", "reparam", "f1"))
 
@@ -49,7 +43,6 @@ def options() -> None:
 def fitting() -> None:
     """## Fitting the converted layers to what the original computes: SmolLM2's fitted runs (experiments/smollm2/
     fitted/, fitted_2048/, ten_minutes/; scripts/race_smollm2.py). The distillations' sentence is in smollm2.py."""
-    strict(P, section="Fitting the converted layers to what the original computes")
     half, quarter = F + "key-svd-k96-v96-calibrated16384", F + "key-svd-k48-v48-calibrated16384"
     h100, q100 = half + "-fitted100.json", quarter + "-fitted100.json"
 
@@ -193,7 +186,6 @@ def fitting() -> None:
 
 def allocation() -> None:
     """## Where the cache goes: ``allocate_cache`` on SmolLM2 (experiments/smollm2/fitted/runs/key-svd-kalloc*)."""
-    strict(P, section="Where the cache goes: keys against values, layer against layer")
     even_half, even_quarter = (F + f"key-svd-{k}-calibrated16384-fitted100.json" for k in ("k96-v96", "k48-v48"))
     half, quarter = (F + f"key-svd-kalloc{k}-calibrated16384-fitted100.json" for k in (192, 96))
     claim(P, "on SmolLM2 ({:.0f} steps, 8,192 tokens) {:.0f} minutes of wall time on the shared 2-core machine.",
@@ -215,13 +207,11 @@ def allocation() -> None:
 
 def loading() -> None:
     """## Loading without the collaborative class: no measured number left."""
-    strict(P, section="Loading without the collaborative class")
     struck(P, "logits 0.3 apart on a small GPT-2", f"{CORRECTED}: no test or result file records that measurement")
 
 
 def decoders() -> None:
     """## Decoders: GPT-2 small's cache and decoding times (experiments/benchmarks/, LOG.md sections 5 to 18)."""
-    strict(P, section="Decoders")
     keys, kv = "collab D~=192", "cp k186 v186 (0.25)"  # keys only at d/4; keys and values shared at a quarter
     b1, b8 = B + "decode_cpu_float32_batch1.json", B + "decode_cpu_float32_batch8.json"
     claim(P, "At D~ = d/4 GPT-2 small caches {:.2f}x the bytes of the original",
@@ -229,12 +219,11 @@ def decoders() -> None:
     claim(P, "it decoded in {:.2f}x the time at batch 8 and 8,192 tokens on the CPU in one run",
           row(b8, model=keys, context=8192, cache="dynamic"))
 
-    def static_speed_up(r):  # the original's dynamic-cache step over its compiled static-cache step
-        def ms(cache):
-            return _row(b8, dict(context=8192, cache=cache, model="original"))["ms_per_token"]
-        return [ms("dynamic") / ms("static")]
+    def ms(cache):  # the original's time per token at batch 8 and 8,192 positions
+        return row(b8, "ms_per_token", context=8192, cache=cache, model="original").numbers()[0]
+    static_speed_up = Value(b8.removeprefix("experiments/"), lambda: [ms("dynamic") / ms("static")])
     claim(P, "({:.1f}x faster for the original too) it took {:.2f}x to {:.2f}x of the original's time before the "
-             "keys-only step ran through the CPU kernels", formula(static_speed_up, b8),
+             "keys-only step ran through the CPU kernels", static_speed_up,
           span(b8, [dict(context=n, cache="static", model=keys) for n in (1024, 4096, 8192)]))
     struck(P, "1.5x", f"{CORRECTED}: at D~ = d/4 the H100's batch-1 dynamic-cache steps took 1.5x to 1.6x")
     claim(P, "on an H100 at batch 1 with a dynamic cache it took ~~1.5x~~ {:.1f}x to {:.1f}x the time (**corrected",
@@ -249,7 +238,6 @@ def decoders() -> None:
 def rotary() -> None:
     """## Rotary models: the calibrated rotary fits' test, and SmolLM2's absorbed MLA decoding (benchmarks, section
     17)."""
-    strict(P, section="Rotary models (Llama, Qwen2, Mistral, SmolLM2)")
     struck(P, "within 1.2% where the weight fit misses by 65-80%",
            f"{CORRECTED}: figures of a test run (tests/test_rotary_calibration.py), kept in no result file")
     cited(P, "with less than a tenth of the weight fit's error, the test's bound",
@@ -278,12 +266,12 @@ def _fit_seconds(r: dict) -> list[float]:
 
 
 def claims_docs_converting() -> None:
-    """docs/converting.md: the sections strict so far, and their claims."""
+    """docs/converting.md, strict on the whole page: each section's claims (the sections not named here quote no
+    measured number)."""
+    strict(P)
     options()
     fitting()
     allocation()
     loading()
     decoders()
     rotary()
-    for section in PLAIN:
-        strict(P, section=section)
