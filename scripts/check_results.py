@@ -22,9 +22,8 @@ its name in ``PAGES`` below. Value helpers: ``ppl``, ``kl``, ``top1``, ``field``
 ``scripts/compare_runs.py``), ``over_samples`` (its t-interval over calibration samples), ``seeds`` and
 ``seed_pairs`` (seed means and paired t-intervals of the Tiny Shakespeare races), ``stage`` (a GLUE job's stage in
 its ``results.jsonl``), ``verdict_is`` and ``seeds_verdict_is`` (no number: a verdict a sentence states, recomputed
-over windows or over seeds), ``formula`` (anything
-else). A corrected number's old text, struck through (``~~old~~ new (**corrected <date>, issue <n>**)``), is
-``struck(page, old, why)``; the new one is claimed as any other.
+over windows or over seeds), ``formula`` (anything else). A corrected number's old text, struck through (``~~old~~
+new (**corrected <date>, issue <n>**)``), is ``struck(page, old, why)``; the new one is claimed as any other.
 A problem line reads ``page:line: 1.153 where the run files give 1.143 in '<the quote as it should read>' (run
 files)``, or names a quote not on the page, a value that cannot be computed (a run file or field not there), or a
 number no claim covers. A page that is not there exits with status 2 and one ``error: ...`` line.
