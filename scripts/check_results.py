@@ -20,7 +20,10 @@ Each page's claims are a function ``claims_<name>()`` in ``scripts/result_pages/
 ``claim``/``cited``/``strict``; the checker is ``scripts/result_pages/engine.py``. Adding a page: its function, and
 its name in ``PAGES`` below. Value helpers: ``ppl``, ``kl``, ``top1``, ``field``, ``boot`` (the window bootstrap of
 ``scripts/compare_runs.py``), ``over_samples`` (its t-interval over calibration samples), ``seeds`` and
-``seed_pairs`` (seed means and paired t-intervals of the Tiny Shakespeare races), ``formula`` (anything else).
+``seed_pairs`` (seed means and paired t-intervals of the Tiny Shakespeare races), ``stage`` (a GLUE job's stage in
+its ``results.jsonl``), ``verdict_is`` and ``seeds_verdict_is`` (no number: a verdict a sentence states, recomputed
+over windows or over seeds), ``formula`` (anything else). A corrected number's old text, struck through (``~~old~~
+new (**corrected <date>, issue <n>**)``), is ``struck(page, old, why)``; the new one is claimed as any other.
 A problem line reads ``page:line: 1.153 where the run files give 1.143 in '<the quote as it should read>' (run
 files)``, or names a quote not on the page, a value that cannot be computed (a run file or field not there), or a
 number no claim covers. A page that is not there exits with status 2 and one ``error: ...`` line.
@@ -36,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_pages/, besid
 
 from result_pages.accounting import claims_accounting  # noqa: E402
 from result_pages.benchmarks import claims_benchmarks, claims_benchmarks_doc  # noqa: E402
+from result_pages.docs_converting import claims_docs_converting  # noqa: E402
+from result_pages.docs_glue import claims_docs_glue  # noqa: E402
+from result_pages.docs_language_modelling import claims_docs_language_modelling  # noqa: E402
 from result_pages.energy_minilm import claims_energy_minilm  # noqa: E402
 from result_pages.engine import (  # noqa: E402,F401  (the checker's names, for tests and callers)
     RESAMPLES,
@@ -73,7 +79,8 @@ PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_
                                    claims_shakespeare, claims_benchmarks, claims_benchmarks_doc, claims_kv_cache,
                                    claims_minilm_glue, claims_minilm_mrpc_rte, claims_minilm_random_init,
                                    claims_accounting, claims_scratch_sst2, claims_serving, claims_energy_minilm,
-                                   claims_minilm_sst2, claims_minilm_rte_recipe]
+                                   claims_minilm_sst2, claims_minilm_rte_recipe, claims_docs_glue,
+                                   claims_docs_language_modelling, claims_docs_converting]
 
 
 def build(pages: list[Callable[[], None]] | None = None) -> Registry:

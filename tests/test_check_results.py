@@ -218,3 +218,30 @@ def test_the_serving_pages_are_strict_and_a_timing_verdict_recomputed(tmp_path, 
     draft = _altered(tmp_path, pages[0], "| 73.5 | 1.15x, tie |", "| 73.5 | 1.15x, **faster** |")
     problems = check_results.check(registry, {pages[0]: draft})
     assert problems and all(pages[0] in p for p in problems), problems
+
+
+@pytest.mark.parametrize("old, new, said", [
+    # a ratio of SmolLM2's long recipe, a correction's new number, and a GLUE job's stage read from results.jsonl
+    ("take it to 1.129x / 1.017x", "take it to 1.139x / 1.017x", "1.139 where the run files give 1.129"),
+    ("~~2-4x~~ 4.3x that", "~~2-4x~~ 4.4x that", "4.4 where the run files give 4.3"),
+    ("F1 0.858 at rank 128", "F1 0.859 at rank 128", "0.859 where the run files give 0.858"),
+])
+def test_the_docs_pages_are_strict_and_their_numbers_recomputed(tmp_path, registry, old, new, said):
+    """docs/glue.md, docs/language-modelling.md and docs/converting.md are strict on the whole page (issue 88), and an
+    altered number on docs/converting.md fails."""
+    pages = ["docs/glue.md", "docs/language-modelling.md", "docs/converting.md"]
+    assert {(p, None, False) for p in pages} <= {(s.page, s.section, s.tables_only) for s in registry.strict}
+    page = pages[2]
+    problems = check_results.check(registry, {page: _altered(tmp_path, page, old, new)})
+    assert len(problems) == 1 and said in problems[0], problems
+
+
+def test_a_verdict_a_sentence_states_is_recomputed():
+    """``verdict_is``: no number, but the claim cannot be computed where the window bootstrap's verdict differs."""
+    from result_pages.engine import verdict_is
+
+    a = "experiments/smollm2/fitted/runs/key-svd-k96-v96-calibrated16384-fitted100-ls.json"
+    b = "experiments/smollm2/fitted/runs/key-svd-k96-v96-calibrated16384-fitted100.json"
+    assert verdict_is(a, b, "wikipedia", "behind").numbers() == []
+    with pytest.raises(ValueError, match="behind, where the page says tie"):
+        verdict_is(a, b, "wikipedia", "tie").numbers()

@@ -69,6 +69,21 @@ def formula(fn: Callable[..., Sequence[float] | float], *paths: str) -> Value:
     return Value(", ".join(short(p) for p in paths), lambda: fn(*(run(p) for p in paths)))
 
 
+def stage(path: str, name: str, *keys: str, scale: float = 1.0) -> Value:
+    """``keys`` of the one line of a GLUE job's ``results.jsonl`` (scripts/train_glue.py) whose stage is ``name``
+    (``finetuned``, ``reparam`` or ``refit``), times ``scale``."""
+    def compute():
+        file = ROOT / path
+        if not file.is_file():
+            raise cli.Missing(f"{path}: no such result file (a claim cites it)")
+        rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+        mine = [r for r in rows if r["stage"] == name]
+        if len(mine) != 1:
+            raise ValueError(f"{path}: {len(mine)} '{name}' results, the page cites one")
+        return [float(mine[0][k]) * scale for k in keys]
+    return Value(short(path), compute)
+
+
 DOMAINS = ("wikipedia", "shakespeare")
 
 
@@ -134,6 +149,17 @@ def verdict(a: str, b: str, domain: str = "wikipedia") -> str:
     return {"better": "ahead", "worse": "behind", "tie": "tie"}[bootstrap(a, b, domain).verdict]
 
 
+def verdict_is(a: str, b: str, domain: str, word: str) -> Value:
+    """No number: the window bootstrap's verdict on run ``a`` against run ``b`` on ``domain`` must be ``word``
+    (ahead, behind or tie) where a sentence says so, else the claim cannot be computed."""
+    def compute():
+        found = verdict(a, b, domain)
+        if found != word:
+            raise ValueError(f"{short(a)} against {short(b)} on {domain}: {found}, where the page says {word}")
+        return []
+    return Value(f"{short(a)} against {short(b)}, {domain}: {word}", compute)
+
+
 def over_samples(a: Sequence[str], b: Sequence[str], domain: str = "wikipedia") -> Value:
     """Two conversions over calibration samples (``a[i]`` and ``b[i]`` calibrated on sample i): the geometric mean
     of their perplexity ratios and the 95% t-interval over the samples (``compare_on_shared_seeds`` of the log
@@ -169,6 +195,20 @@ def seed_pairs(a: str, b: str, key: str = "final_val_loss") -> Value:
         c = compare_on_shared_seeds(*({s: r[key] for s, r in seed_runs(p).items()} for p in (a, b)))
         return [c.mean_difference, *c.interval]
     return Value(f"{short(a)} against {short(b)}", compute)
+
+
+def seeds_verdict_is(a: str, b: str, word: str, key: str = "best_val_loss") -> Value:
+    """No number: ``seed_pairs(a, b, key)``'s verdict for ``a`` must be ``word`` where a sentence says so (ahead:
+    the interval below zero, behind: above it, tie: across it), else the claim cannot be computed."""
+    pairs = seed_pairs(a, b, key)
+
+    def compute():
+        _, low, high = pairs.numbers()
+        found = "ahead" if high < 0 else "behind" if low > 0 else "tie"
+        if found != word:
+            raise ValueError(f"{pairs.source}: {found} over the seeds, where the page says {word}")
+        return []
+    return Value(f"{pairs.source}: {word}", compute)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,6 +261,12 @@ def cited(page: str, quote: str, why: str) -> None:
     """Numbers in ``quote`` (plain text on the page) that no run file holds: an aim, a setting, a published figure;
     ``why`` says where they come from. They count as covered on a strict page."""
     REGISTRY.claims.append(Claim(page, quote, (), why))
+
+
+def struck(page: str, old: str, why: str) -> None:
+    """``~~old~~``: a page's old text, struck through where a correction replaced it (the new text beside it is
+    claimed as any other); its numbers count as covered on a strict page, ``why`` says what replaced them."""
+    cited(page, f"~~{old}~~", f"struck through: {why}")
 
 
 def strict(page: str, tables_only: bool = False, section: str | None = None) -> None:
