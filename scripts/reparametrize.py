@@ -67,6 +67,7 @@ from collab_attn.glue.calibrate import (
     fit_batches,
     own_text,
 )
+from collab_attn.kinds import LAYER_KINDS
 from collab_attn.models.checkpoints import (
     checked_model,
     load_model_and_tokenizer,
@@ -112,16 +113,20 @@ def check_export(settings: dict, method: MethodSettings, config) -> str | None:
         return None
     cli.choice("export", fmt, EXPORTS)
     how = ("export writes a rotary model converted by collab=key-svd, cp or tucker with collab.value_rank equal to "
-           "collab.rank and collab.bands=shared (one head size and one frequency list for every layer)")
+           "collab.rank and collab.bands=shared (one head size and one frequency list for every layer), or by "
+           "collab=merge-kv or drop-kv at one collab.rank")
     if not family_of(config).rotary:
         raise cli.BadInput(f"export={fmt}: {config.model_type} has no standard rotary form; {how}")
-    if not method.conversion.rotary_budgets:
+    kind = LAYER_KINDS.get(method.conversion.rotary_layer)
+    if kind is None or kind.standard_form is None:
         raise cli.BadInput(f"export={fmt}: collab={method.method} has no standard form; {how}")
-    if method.bands != "shared":
+    if kind.bands_buffer is not None and method.bands != "shared":
         raise cli.BadInput(f"export={fmt} needs collab.bands=shared; {how}")
-    if method.budget is not None or type(method.rank) is not int or method.value_rank != method.rank:
-        raise cli.BadInput(f"export={fmt} needs one collab.rank and collab.value_rank equal to it (got rank "
-                           f"{method.rank_request}, value_rank {method.value_rank}); {how}")
+    if method.budget is not None or type(method.rank) is not int or (kind.cuts_values and
+                                                                    method.value_rank != method.rank):
+        values = f", value_rank {method.value_rank}" if kind.cuts_values else ""
+        raise cli.BadInput(f"export={fmt} needs one collab.rank" + (" and collab.value_rank equal to it" if
+                           kind.cuts_values else "") + f" (got rank {method.rank_request}{values}); {how}")
     if fmt != "gguf":
         if vocabulary is not None:
             raise cli.BadInput("export_vocabulary is the tokenizer of export=gguf; export=transformers saves the "

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from conftest import small_model
-from test_rotary_models import FULL, HALF, ROTARY, ids, original
+from test_rotary_models import FULL, HALF, HEAD_DIM, ROTARY, ids, original
 
 import collab_attn
 from collab_attn.serving import export, standard_model
@@ -106,6 +106,7 @@ LOADER = textwrap.dedent("""
         with torch.no_grad():
             logits = model(ids).logits
         out[folder] = {"class": type(model).__name__, "kv_heads": model.config.num_key_value_heads,
+                       "heads": model.config.num_attention_heads,
                        "logits": logits.tolist(), "dynamic": model.generate(ids[:1], **settings).tolist(),
                        "static": model.generate(ids[:1], cache_implementation="static", **settings).tolist()}
     assert "collab_attn" not in sys.modules
@@ -122,21 +123,33 @@ def load_elsewhere(folders: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def grouped(family: str, method: str, groups: int):
+    """``method`` (merge-kv or drop-kv) keeping ``groups`` key/value groups of a source with 4 (multi-head)."""
+    model = original(family, num_key_value_heads=4)
+    collab_attn.reparametrize(model, groups * HEAD_DIM, method=method, progress=False)
+    return model
+
+
 @pytest.mark.parametrize("family", ROTARY)
 def test_exported_checkpoints_run_without_collab_attn_as_the_converted_model(family, tmp_path):
     cases = {}
     for method, rank in [("key-svd", QUARTER), ("cp", HALF), ("tucker", QUARTER), ("cp", FULL)]:
         model = shared(family, method, rank)
         folder = export(model, tmp_path / f"{method}-{rank}")
-        cases[str(folder)] = (model, method, rank)
+        cases[str(folder)] = (model, method, rank, 1, 4)
+    for method, groups, heads in [("merge-kv", 2, 4), ("drop-kv", 1, 1)]:  # drop-kv drops the groups' query heads
+        model = grouped(family, method, groups)
+        folder = export(model, tmp_path / f"{method}-{groups}")
+        cases[str(folder)] = (model, method, HEAD_DIM, groups, heads)
     tokens = ids(length=9)
     got = load_elsewhere({folder: tokens.tolist() for folder in cases})
     settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-    for folder, (model, method, rank) in cases.items():
+    for folder, (model, method, rank, kv_heads, heads) in cases.items():
         record = json.loads((tmp_path / folder / "export.json").read_text())
         architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
         assert got[folder]["class"] == architecture[family] == record["architecture"], folder
-        assert got[folder]["kv_heads"] == 1 and record["method"] == method
+        assert got[folder]["kv_heads"] == record["num_key_value_heads"] == kv_heads and record["method"] == method
+        assert got[folder]["heads"] == heads, folder
         assert record["head_dim"] in (rank, rank + 2)  # Qwen2: + 2 where the output bias rides on a pair
         with torch.no_grad():
             expected = model(tokens).logits
@@ -187,6 +200,7 @@ def minilm_converted(minilm_path):
     (lambda: _converted("llama", "key-svd", HALF, value_rank=QUARTER, bands="shared"), "value_rank 12"),
     (lambda: _converted("llama", "kv-svd", HALF), "only key-svd, cp and tucker"),
     (lambda: _converted("llama", "key-svd", [HALF, QUARTER], value_rank=[HALF, QUARTER]), "widths"),
+    (lambda: _converted("llama", "drop-kv", [HEAD_DIM, 2 * HEAD_DIM]), r"widths \[\(2, 1, 12\), \(4, 2, 12\)\]"),
     (lambda: _gpt2(), "no standard rotary form"),
 ])
 def test_what_has_no_standard_form_is_refused_before_anything_is_written(make, message, tmp_path):
@@ -297,11 +311,18 @@ def test_the_gguf_file_holds_the_standard_layers_in_llama_cpp_layout(tmp_path):
     undone = q.reshape(heads, QUARTER // 2, 2, -1).swapaxes(1, 2).reshape(q.shape)
     torch.testing.assert_close(undone, standard.model.layers[0].self_attn.q_proj.weight, rtol=0, atol=0)
     assert "output.weight" not in tensors or not standard.config.tie_word_embeddings
+    merged = grouped("llama", "merge-kv", 2)  # two key/value heads of the source's head size, keys in pair order
+    reader = gguf.GGUFReader(export(merged, tmp_path / "merged.gguf", format="gguf", vocabulary=vocabulary))
+    assert reader.fields["llama.attention.head_count_kv"].contents() == 2
+    k = torch.from_numpy(np.array(next(t.data for t in reader.tensors if t.name == "blk.1.attn_k.weight")).copy())
+    undone = k.reshape(2, HEAD_DIM // 2, 2, -1).swapaxes(1, 2).reshape(k.shape)
+    torch.testing.assert_close(undone, standard_model(merged).model.model.layers[1].self_attn.k_proj.weight, rtol=0,
+                               atol=0)
     with pytest.raises(ValueError, match="no place for Qwen2's"):
         export(shared("qwen2", "key-svd", HALF), tmp_path / "qwen2.gguf", format="gguf", vocabulary=vocabulary)
     with pytest.raises(ValueError, match="pass vocabulary="):
         export(model, tmp_path / "none.gguf", format="gguf")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.gguf", "model.gguf"]
 
 
 def test_a_bfloat16_model_exports_in_float32_and_stays_as_it_was():

@@ -564,8 +564,24 @@ def test_export_writes_the_standard_checkpoint_beside_the_converted_model(tmp_pa
         checkpoint).get_vocab()
 
 
+def test_a_merged_model_exports_as_grouped_query_attention(tmp_path):
+    """export=transformers after collab=merge-kv: the source's two key/value heads merged into one, written as a plain
+    LlamaForCausalLM with one key/value head of the source's head size (no bands or value rank to ask for)."""
+    checkpoint = tiny_llama(tmp_path / "llama")
+    out = tmp_path / "out"
+    script.run(config(f"model={checkpoint}", f"output_dir={out}", "collab=merge-kv", "collab.rank=12",
+                      "export=transformers", "compare_prompts=[the cat sat]", "max_new_tokens=3"))
+    standard = AutoModelForCausalLM.from_pretrained(out / "standard")
+    converted = AutoModelForCausalLM.from_pretrained(out)
+    assert standard.config.num_key_value_heads == 1 and standard.config.head_dim == 12
+    tokens = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(standard(tokens).logits, converted(tokens).logits, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["collab=key-svd", "collab.rank=12", "collab.value_rank=12"], "needs collab.bands=shared"),
+    (["collab=drop-kv", "collab.rank=[12,24]"], r"needs one collab.rank \(got rank \[12, 24\]\)"),
     (["collab=key-svd", "collab.rank=12", "collab.bands=shared"], "value_rank equal to it"),
     (["collab=key-svd", "collab.rank=12", "collab.value_rank=8", "collab.bands=shared"], "value_rank equal to it"),
     (["collab=kv-svd", "collab.rank=12"], "collab=kv-svd has no standard form"),

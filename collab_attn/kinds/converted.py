@@ -147,6 +147,29 @@ class ValueCutSpec(LayerSpec):
         return self.value_rank is not None
 
 
+@dataclass(frozen=True)
+class StandardForm:
+    """How a kind's layer reads as a standard rotary attention layer (``collab_attn.serving.standard``), each a
+    function of the layer: ``queries``, each head's query weight (H, R, d) and bias (H, R) or None, before the logit
+    scale; ``outputs``, the output map over the heads (d, H R); ``shape``, (query heads, key/value heads, head size
+    R); ``bands``, the source band each of the R/2 pairs rotates with."""
+
+    queries: Callable
+    outputs: Callable
+    shape: Callable
+    bands: Callable
+
+
+def one_shared_key(layer) -> tuple[int, int, int]:
+    """``StandardForm.shape`` of a layer with one shared key of width ``rank`` (and a shared value as wide)."""
+    return layer.num_heads, 1, layer.rank
+
+
+def pair_bands_of(layer) -> torch.Tensor:
+    """``StandardForm.bands`` of a layer that keeps its pairs' bands in its ``pair_bands`` buffer."""
+    return layer.pair_bands
+
+
 LAYER_KINDS: dict[str, type[ConvertedSelfAttention]] = {}
 
 
@@ -179,11 +202,9 @@ class ConvertedSelfAttention(nn.Module):
     # conversion builds)
     query_key_reader: ClassVar[Callable | None] = None
     value_reader: ClassVar[Callable | None] = staticmethod(head_values)
-    # its standard form for export (``collab_attn.serving.standard``), where it is multi-query attention in disguise:
-    # ``standard_queries(layer) -> (H, R, d) query weights, (H, R) biases or None`` (before the logit scale) and
-    # ``standard_outputs(layer) -> (d, H R)`` output map; None: no standard form
-    standard_queries: ClassVar[Callable | None] = None
-    standard_outputs: ClassVar[Callable | None] = None
+    # its standard form for export (``collab_attn.serving.standard``; its package's ``<kind>_export.py``), where
+    # its layer is a standard rotary attention layer in disguise; None: no standard form
+    standard_form: ClassVar[StandardForm | None] = None
 
     def __init_subclass__(cls, kind: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)

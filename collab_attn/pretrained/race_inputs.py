@@ -126,7 +126,7 @@ def fitting_blocks(args) -> list[tuple[int, int]]:
     if args.e2e_steps and args.e2e_tokens:
         length = args.e2e_length or args.length
         blocks.append((args.e2e_tokens, length))
-        if args.e2e_held_out_tokens and not getattr(args, "e2e_held_out_text", ""):
+        if args.e2e_held_out_tokens and not args.e2e_held_out_text:
             blocks.append((args.e2e_tokens + args.e2e_held_out_tokens, length))
     return list(dict.fromkeys(blocks))
 
@@ -146,7 +146,7 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
     if args.distill_tokens:
         options.setdefault((args.distill_tokens, args.length), "--distill-tokens")
     made = {}
-    texts = FIT_TEXTS[getattr(args, "fit_text", "mixed")]
+    texts = FIT_TEXTS[args.fit_text]
     for tokens, length in fitting_blocks(args):
         def own(count, length=length):  # the original's samples are made once it is loaded: their count only here
             return torch.zeros(count, length, dtype=torch.long)
@@ -165,7 +165,7 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
             raise cli.BadInput(f"--calibration-sample {args.calibration_sample}: --calibration-tokens "
                                f"{args.calibration_tokens} make {blocks} windows of {args.length} for "
                                f"{args.calibration_sample + 1} samples, less than one each; raise --calibration-tokens")
-    if getattr(args, "e2e_held_out_text", ""):
+    if args.e2e_held_out_text:
         length = args.e2e_length or args.length
         try:
             text_windows(tokenizer, args.glue_dir, args.shakespeare, length, args.e2e_held_out_tokens,
@@ -200,10 +200,10 @@ def _check_end_to_end(args, made: dict) -> None:
         raise cli.BadInput(f"--e2e-check-tokens {args.e2e_check_tokens} is more than the end-to-end fit's own tokens "
                            f"hold ({what}: {windows} windows of {length}, {batches} batches of {step}): pass at most "
                            f"{most}, or 0 to measure on all of them")
-    if args.e2e_tokens and args.e2e_held_out_tokens and not getattr(args, "e2e_held_out_text", ""):
+    if args.e2e_tokens and args.e2e_held_out_tokens and not args.e2e_held_out_text:
         after = len(made[args.e2e_tokens + args.e2e_held_out_tokens, length]) - windows
         if after < 1:
-            block = len(FIT_TEXTS[getattr(args, "fit_text", "mixed")]) * length  # a window of every text
+            block = len(FIT_TEXTS[args.fit_text]) * length  # a window of every text
             least = block * -(-args.e2e_tokens // block) - args.e2e_tokens + 1
             raise cli.BadInput(f"--e2e-held-out-tokens {args.e2e_held_out_tokens} adds no window after the end-to-end "
                                f"fit's own {windows} windows of {length} (the fitting text is cut into windows, one "

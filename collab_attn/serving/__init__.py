@@ -9,9 +9,10 @@ transformers, llama.cpp and vLLM run with no code of collab-attn.
   the frequency error, the logit check);
 - ``"gguf"``: one llama.cpp file (``collab_attn.serving.gguf_file``).
 
-Only a form that is exactly a standard layer is written (``collab_attn.serving.standard``): ``key-svd``, ``cp`` or
-``tucker`` on a Llama, Qwen2 or Mistral model, ``value_rank == rank``, one rank and one band split for all layers
-(``reparametrize(..., bands="shared")``). Everything else is refused before anything is written, with the reason.
+Only a form that is exactly a standard layer is written (``collab_attn.serving.standard``), on a Llama, Qwen2 or
+Mistral model: ``key-svd``, ``cp`` or ``tucker`` with ``value_rank == rank``, one rank and one band split for all
+layers (``reparametrize(..., bands="shared")``); or ``merge-kv`` or ``drop-kv`` with one rank for all layers.
+Everything else is refused before anything is written, with the reason.
 The output folder (or file) is written under a temporary name and renamed once whole.
 """
 
@@ -38,8 +39,8 @@ def _record(model, exported: Exported) -> dict:
         "family": exported.family,
         "architecture": type(exported.model).__name__,
         "head_dim": exported.head_dim,
-        "num_key_value_heads": 1,
-        "bands": model.model.layers[0].self_attn.pair_bands.tolist(),
+        "num_key_value_heads": exported.kv_heads,
+        "bands": exported.bands,
         "rope_factors": exported.rope.factors,
         "frequency_error": exported.rope.frequency_error,
         "inexact_frequencies": exported.rope.inexact_pairs,

@@ -1,6 +1,7 @@
 """A converted rotary causal LM as the standard model of its family: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
-``MistralForCausalLM`` with one key/value head of head size R (``collab_attn.serving.standard``), its frequencies in
-the ``longrope`` fields (``collab_attn.serving.rope``). Nothing of collab-attn is needed to load it.
+``MistralForCausalLM`` with one key/value head of head size R (``key-svd``, ``cp``, ``tucker``), or the groups a
+``merge-kv`` or ``drop-kv`` conversion kept (``collab_attn.serving.standard``), its frequencies in the ``longrope``
+fields (``collab_attn.serving.rope``). Nothing of collab-attn is needed to load it.
 
 ``standard_model`` builds it in memory and checks it against the converted model; ``collab_attn.export`` writes
 it.
@@ -36,6 +37,8 @@ class Exported:
     family: str
     rope: LongRope
     head_dim: int
+    kv_heads: int
+    bands: list[int]  # the source band each pair rotates with
     logit_error: float  # max |standard - converted| / max |converted| on the check tokens
     output_bias: str | None  # Qwen2: where the converted output bias went ("value bias", "one more pair", None)
     converted_float32_error: float | None = None  # the converted model's own, where logit_error needed it
@@ -48,7 +51,7 @@ def exportable(model) -> tuple[str, list]:
     if config is None or not is_collaborative(config):
         raise ValueError("export takes a model converted by collab_attn.reparametrize (a collab_attn_* model); "
                          "convert a Llama, Qwen2 or Mistral checkpoint with method='key-svd', 'cp' or 'tucker', "
-                         "value_rank=rank, bands='shared'")
+                         "value_rank=rank, bands='shared', or with method='merge-kv' or 'drop-kv'")
     family = config.model_type.removeprefix(COLLAB_PREFIX)
     if family not in FAMILIES:
         raise ValueError(f"a converted {family} model has no standard rotary form: export writes Llama, Qwen2 and "
@@ -62,14 +65,14 @@ def exportable(model) -> tuple[str, list]:
         reason = refusal(layer, index)
         if reason is not None:
             raise ValueError(f"no standard form: {reason}")
-    ranks = sorted({layer.rank for layer in layers})
-    if len(ranks) > 1:
-        raise ValueError(f"no standard form: the layers have shared keys of widths {ranks}; a standard checkpoint has "
-                         "one head size: convert at one rank for every layer (not a per-layer budget or "
-                         "allocate_cache), with bands='shared'")
-    first = layers[0].pair_bands
+    shapes = sorted({layer.standard_form.shape(layer) for layer in layers})
+    if len(shapes) > 1:
+        raise ValueError(f"no standard form: the layers have (query heads, key/value heads, head size) of widths "
+                         f"{shapes}; a standard checkpoint has one shape for every layer: convert at one rank for "
+                         "every layer (not a per-layer budget or allocate_cache), with bands='shared'")
+    first = layers[0].standard_form.bands(layers[0])
     for index, layer in enumerate(layers[1:], start=1):
-        if not torch.equal(layer.pair_bands, first):
+        if not torch.equal(layer.standard_form.bands(layer), first):
             raise ValueError(f"no standard form: layer {index} rotates its pairs with other bands than layer 0; a "
                              "standard checkpoint has one frequency list for all layers: convert with "
                              "bands='shared'")
@@ -83,6 +86,8 @@ def _absorb_output_bias(layer: StandardLayer) -> tuple[StandardLayer, str | None
     and where the bias went (None: there was none)."""
     if layer.output_bias is None or not bool(layer.output_bias.any()):
         return dataclasses.replace(layer, output_bias=None), None
+    if layer.kv_heads > 1:
+        raise ValueError("no standard form: a grouped layer with an output bias, in a family whose o_proj has none")
     summed = layer.output.view(layer.output.shape[0], layer.heads, -1).sum(1)  # (d, R): sum_h O_h
     solution = torch.linalg.lstsq(summed, layer.output_bias[:, None]).solution[:, 0]
     residual = (summed @ solution - layer.output_bias).norm() / layer.output_bias.norm()
@@ -117,16 +122,16 @@ def widened(layer: StandardLayer) -> StandardLayer:
         None, torch.cat([layer.bands, layer.bands[-1:]]))
 
 
-def standard_config(model, family: str, head_dim: int, rope: LongRope):
-    """The standard config: the converted one without collab-attn's fields, one key/value head of ``head_dim``,
-    the rope as ``longrope`` factors."""
+def standard_config(model, family: str, layer: StandardLayer, rope: LongRope):
+    """The standard config: the converted one without collab-attn's fields, the standard layers' heads and key/value
+    heads of ``head_dim``, the rope as ``longrope`` factors."""
     model_type, architecture, _ = FAMILIES[family]
     fields = {key: value for key, value in model.config.to_dict().items()
               if not key.startswith("collab_") and key not in ("model_type", "architectures", "rope_parameters",
                                                                "rope_scaling", "rope_theta", "transformers_version")}
     positions = model.config.max_position_embeddings
-    fields |= {"num_key_value_heads": 1, "head_dim": head_dim, "rope_parameters": rope.parameters(positions),
-               "architectures": [architecture]}
+    fields |= {"num_attention_heads": layer.heads, "num_key_value_heads": layer.kv_heads, "head_dim": layer.head_dim,
+               "rope_parameters": rope.parameters(positions), "architectures": [architecture]}
     return transformers.AutoConfig.for_model(model_type, **fields)
 
 
@@ -180,8 +185,7 @@ def standard_model(model, balance: bool = True) -> Exported:
         else:
             standard = [layer for layer, _ in moved]
     rope = long_rope(standard[0].bands, source_frequencies(model), _rope_base(model))
-    head_dim = standard[0].head_dim
-    config = standard_config(model, family, head_dim, rope)
+    config = standard_config(model, family, standard[0], rope)
     exported = transformers.AutoModelForCausalLM.from_config(config).eval()
     state = {key: value.detach().float().cpu() for key, value in model.state_dict().items()
              if ".self_attn." not in key}
@@ -201,7 +205,8 @@ def standard_model(model, balance: bool = True) -> Exported:
                          f"scale, more than {CHECK_TOLERANCE:g}" + ("" if own is None else
                          f" and than 4 x the converted model's own float32 error ({own:.2e})") + "; nothing was "
                          "written")
-    return Exported(exported, family, rope, head_dim, error, placed, own)
+    return Exported(exported, family, rope, standard[0].head_dim, standard[0].kv_heads, standard[0].bands.tolist(),
+                    error, placed, own)
 
 
 def _rope_base(model) -> float:

@@ -1,7 +1,8 @@
 """The standard model (``collab_attn.serving.checkpoint``) as one llama.cpp file, written with the ``gguf`` package.
 
 llama.cpp's ``llama`` architecture takes a head size of its own (``attention.key_length``/``value_length``, all equal
-to R here), one key/value head, and per-pair frequency factors in the ``rope_freqs.weight`` tensor: pair ``i``
+to R here), the standard layers' key/value heads (one, or the groups ``merge-kv`` and ``drop-kv`` keep), and per-pair
+frequency factors in the ``rope_freqs.weight`` tensor: pair ``i``
 rotates at ``base^(-2i/R) / factor_i``, the same factors as transformers' ``longrope`` (``collab_attn.serving.rope``).
 Its rotary layout pairs neighbouring dimensions, so the query and key rows are permuted from transformers'
 ``rotate_half`` layout as llama.cpp's own converter does. Weights are float32, as the model is.
@@ -77,7 +78,7 @@ def write_gguf(exported: Exported, path: Path, vocabulary) -> None:
 
     check_architecture(exported.family, exported.model.config)
     model, config = exported.model, exported.model.config
-    heads, head_dim = config.num_attention_heads, exported.head_dim
+    heads, kv_heads, head_dim = config.num_attention_heads, exported.kv_heads, exported.head_dim
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"{getattr(config, '_name_or_path', '') or 'model'} (collab-attn export)")
     writer.add_context_length(config.max_position_embeddings)
@@ -85,7 +86,7 @@ def write_gguf(exported: Exported, path: Path, vocabulary) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
-    writer.add_head_count_kv(1)
+    writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
@@ -104,10 +105,10 @@ def write_gguf(exported: Exported, path: Path, vocabulary) -> None:
         attention, mlp, prefix = block.self_attn, block.mlp, f"blk.{index}"
         tensor(f"{prefix}.attn_norm.weight", block.input_layernorm.weight)
         tensor(f"{prefix}.attn_q.weight", _neighbouring_pairs(attention.q_proj.weight, heads))
-        tensor(f"{prefix}.attn_k.weight", _neighbouring_pairs(attention.k_proj.weight, 1))
+        tensor(f"{prefix}.attn_k.weight", _neighbouring_pairs(attention.k_proj.weight, kv_heads))
         tensor(f"{prefix}.attn_v.weight", attention.v_proj.weight)
         tensor(f"{prefix}.attn_output.weight", attention.o_proj.weight)
-        for name, projection, pairs in (("attn_q", attention.q_proj, heads), ("attn_k", attention.k_proj, 1),
+        for name, projection, pairs in (("attn_q", attention.q_proj, heads), ("attn_k", attention.k_proj, kv_heads),
                                         ("attn_v", attention.v_proj, None), ("attn_output", attention.o_proj, None)):
             if projection.bias is not None:
                 bias = projection.bias if pairs is None else _neighbouring_pairs(projection.bias, pairs)

@@ -7,6 +7,7 @@ import copy
 
 import torch
 
+from collab_attn.kinds.converted import StandardForm, one_shared_key, pair_bands_of
 from collab_attn.kinds.forms import linear_weights
 
 
@@ -30,3 +31,6 @@ def standard_outputs(layer) -> torch.Tensor:
     else:
         mixing = torch.diag_embed(layer.value_mixing.detach().cpu().double())  # (H, R, R)
     return torch.einsum("dw,hvw->dhv", out, mixing).flatten(1)
+
+
+STANDARD_FORM = StandardForm(standard_queries, standard_outputs, one_shared_key, pair_bands_of)

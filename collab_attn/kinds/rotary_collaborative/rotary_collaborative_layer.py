@@ -9,7 +9,7 @@ from collab_attn.kinds.collaborative import CollaborativeSpec
 from collab_attn.kinds.converted import ConvertedSelfAttention, module_arguments, rotary_pairs
 from collab_attn.kinds.forms import grouped_values
 from collab_attn.kinds.rotary_collaborative.rotary_collaborative_attention import RotaryCollaborativeAttention
-from collab_attn.kinds.rotary_collaborative.rotary_collaborative_export import standard_outputs, standard_queries
+from collab_attn.kinds.rotary_collaborative.rotary_collaborative_export import STANDARD_FORM
 from collab_attn.kinds.rotary_collaborative.rotary_collaborative_forms import rotary_collaborative_forms
 
 if TYPE_CHECKING:
@@ -36,8 +36,7 @@ class RotaryCollaborativeSelfAttention(ConvertedSelfAttention, RotaryCollaborati
     collaborative = True
     rotary = True
     bands_buffer = "pair_bands"
-    standard_queries = staticmethod(standard_queries)  # its standard form for export
-    standard_outputs = staticmethod(standard_outputs)
+    standard_form = STANDARD_FORM  # multi-query attention in disguise, for export
 
     @classmethod
     def build(cls, site: AttentionSite, spec: RotaryCollaborativeSpec) -> RotaryCollaborativeSelfAttention:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from collab_attn.kinds.converted import ConvertedSelfAttention, LayerSpec, kv_heads_of, module_arguments
 from collab_attn.kinds.forms import grouped_values
 from collab_attn.kinds.rotary_gqa.rotary_gqa_attention import RotaryGroupedQueryAttention
+from collab_attn.kinds.rotary_gqa.rotary_gqa_export import STANDARD_FORM
 from collab_attn.kinds.rotary_gqa.rotary_gqa_forms import rotary_grouped_forms
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ class RotaryGroupedSelfAttention(ConvertedSelfAttention, RotaryGroupedQueryAtten
     query_key_reader = staticmethod(rotary_grouped_forms)
     value_reader = staticmethod(grouped_values)
     rotary = True
+    standard_form = STANDARD_FORM  # standard grouped-query attention already, for export
 
     @classmethod
     def build(cls, site: AttentionSite, spec: LayerSpec) -> RotaryGroupedSelfAttention:

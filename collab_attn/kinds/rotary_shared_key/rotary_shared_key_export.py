@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from collab_attn.kinds.converted import StandardForm, one_shared_key, pair_bands_of
 from collab_attn.kinds.forms import linear_weights
 
 
@@ -22,3 +23,6 @@ def standard_outputs(layer) -> torch.Tensor:
     up = up.repeat_interleave(layer.num_heads // layer.kv_heads, dim=0)  # (H, head_dim, R)
     blocks = out.view(out.shape[0], layer.num_heads, layer.head_dim)
     return torch.einsum("dhk,hkr->dhr", blocks, up).flatten(1)
+
+
+STANDARD_FORM = StandardForm(standard_queries, standard_outputs, one_shared_key, pair_bands_of)

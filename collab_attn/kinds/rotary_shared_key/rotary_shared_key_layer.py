@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from collab_attn.kinds.converted import ConvertedSelfAttention, ValueCutSpec, module_arguments, rotary_pairs
 from collab_attn.kinds.rotary_shared_key.rotary_shared_key_attention import RotarySharedKeyAttention
-from collab_attn.kinds.rotary_shared_key.rotary_shared_key_export import standard_outputs, standard_queries
+from collab_attn.kinds.rotary_shared_key.rotary_shared_key_export import STANDARD_FORM
 from collab_attn.kinds.rotary_shared_key.rotary_shared_key_forms import (
     rotary_shared_key_forms,
     rotary_shared_key_values,
@@ -36,8 +36,7 @@ class RotarySharedKeySelfAttention(ConvertedSelfAttention, RotarySharedKeyAttent
     rotary = True
     plans_products_error = True  # key-svd's other plans report the error of the keys; this one the logit forms'
     bands_buffer = "pair_bands"
-    standard_queries = staticmethod(standard_queries)  # its standard form for export
-    standard_outputs = staticmethod(standard_outputs)
+    standard_form = STANDARD_FORM  # multi-query attention in disguise, for export
 
     @classmethod
     def build(cls, site: AttentionSite, spec: RotarySharedKeySpec) -> RotarySharedKeySelfAttention:
