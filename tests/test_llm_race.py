@@ -545,8 +545,8 @@ def test_a_fitted_entry_is_fitted_on_the_calibration_tokens_and_named_for_it(tmp
         dataclasses.replace(both, e2e_held_out_tokens=48)
     # the end-to-end fit is kept too, and read back by a run that starts from it
     assert race.fitted_state_path(fresh, tmp_path, "end-to-end").is_file()
-    with pytest.raises(ValueError, match="stage must be 'layer' or 'end-to-end'"):
-        race.fitted_state_path(fresh, tmp_path, "distilled")
+    with pytest.raises(ValueError, match="stage must be 'layer', 'end-to-end' or 'distilled'"):
+        race.fitted_state_path(fresh, tmp_path, "merged")
     assert race.fitted_state_path(dataclasses.replace(fresh, distill_tokens=64), tmp_path, "end-to-end") == (
         race.fitted_state_path(fresh, tmp_path, "end-to-end"))
     monkeypatch.setattr(collab_attn, "fit_end_to_end", lambda *a, **k: pytest.fail("the end-to-end fit again"))
@@ -662,6 +662,28 @@ def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path
     assert after < 0.6 * before and not student.training  # measured: 1.02 -> 0.47
     assert heldout.agreement(student, original, rows(count=16, length=16, seed=9)).kl < 0.6 * before  # unseen
     assert [r["step"] for r in run.history if "loss" in r][-1] == 16  # one pass: 64 windows, 4 per step
+
+
+def test_a_distilled_run_keeps_every_weight_and_a_second_split_reads_them_back(tmp_path, monkeypatch):
+    """run_entry with distill_tokens: the distilled weights (every weight the distillation moved, the MLPs too) are
+    kept beside the fits, and a run of the same entry on the other split reads them back instead of distilling
+    again, measuring the same model."""
+    original = tiny_llama()
+    windows = {domain: rows(count=3, length=16, seed=i) for i, domain in enumerate(heldout.DOMAINS)}
+    monkeypatch.setattr(race, "answers", lambda model, tokenizer: [])
+    entry = race.Entry("cp", 8, 8, budget=0.5, distill_tokens=128)
+
+    def fit_rows(tokens):
+        return rows(count=tokens // 16, length=16, seed=7)
+
+    first = race.run_entry(entry, original, None, windows, tmp_path, original_cache=48, fit_rows=fit_rows)
+    kept = torch.load(race.fitted_state_path(entry, tmp_path, "distilled"), weights_only=True)
+    assert any(".mlp." in key for key in kept["state"]) and kept["fit"]["tokens"] == 128 == first["training"]["tokens"]
+    monkeypatch.setattr(distill, "distill", lambda *a, **k: pytest.fail("distilled again"))
+    again = race.run_entry(entry, original, None, windows, tmp_path / "test", original_cache=48, fit_rows=fit_rows)
+    assert again["domains"] != {}
+    with pytest.raises(AssertionError):  # the other folder holds no kept weights of its own: read from tmp_path's
+        assert race.fitted_state_path(entry, tmp_path / "test", "distilled").is_file()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -9,6 +9,7 @@ resumable checkpoints).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -66,6 +67,25 @@ class _Windows(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         ids = self.rows[index]
         return {"input_ids": ids, "labels": torch.cat([ids[1:], ids.new_full((1,), -100)])}
+
+
+@dataclass
+class Distillation:
+    """What a race run records of its distillation: the fitting tokens and windows read, the training time and the
+    logged history."""
+
+    tokens: int
+    windows: int
+    seconds: float
+    history: list[dict]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        losses = [r["loss"] for r in self.history if "loss" in r]
+        last = f", last logged loss {losses[-1]:.4f}" if losses else ""
+        return f"distilled on {self.tokens:,} fitting tokens ({self.windows} windows) in {self.seconds:.0f} s{last}"
 
 
 def distill(student, teacher, rows: torch.Tensor, checkpoints: Path, batch: int = 4, learning_rate: float = 1e-4,

@@ -278,12 +278,14 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         e2e = _kept(fitted_state_path(entry, out_dir, "end-to-end"), entry.name, model, original, end_to_end)
     training = None
     if entry.distill_tokens:
-        from collab_attn.pretrained.distill import distill
+        from collab_attn.pretrained.distill import Distillation, distill
 
-        fitting = fit_rows(entry.distill_tokens)
-        run = distill(model, original, fitting, out_dir / "checkpoints" / entry.name, batch)
-        training = {"tokens": int(fitting.numel()), "windows": len(fitting), "seconds": run.seconds,
-                    "history": run.history}
+        def distilled():
+            fitting = fit_rows(entry.distill_tokens)
+            run = distill(model, original, fitting, out_dir / "checkpoints" / entry.name, batch)
+            return Distillation(int(fitting.numel()), len(fitting), run.seconds, run.history)
+
+        training = _kept(fitted_state_path(entry, out_dir, "distilled"), entry.name, model, original, distilled)
     if measure:
         _measure_sensitivity(model, original, {d: fitting_batches(rows[d][:sensitivity_windows]) for d in DOMAINS},
                              sensitivity)
@@ -380,15 +382,18 @@ def _measure_answers(model, original, tokenizer, path: Path) -> None:
 def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path:
     """Where ``run_entry`` keeps the weights of ``entry``'s fit, so that every run that starts from it reads it back:
     ``stage="layer"``, the conversion after ``fit_to_original`` (before any end-to-end fit or distillation);
-    ``"end-to-end"``, after ``fit_end_to_end`` too (before any distillation)."""
+    ``"end-to-end"``, after ``fit_end_to_end`` too (before any distillation); ``"distilled"``, after the distillation
+    (every weight)."""
     if stage == "layer":
         start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
                                     e2e_held_out_tokens=0, e2e_held_out_text="", e2e_length=0, e2e_check_every=0,
                                     e2e_anchor=0.0, distill_tokens=0)
     elif stage == "end-to-end":
         start = dataclasses.replace(entry, distill_tokens=0)
+    elif stage == "distilled":
+        start = entry
     else:
-        raise ValueError(f"stage must be 'layer' or 'end-to-end', got {stage!r}")
+        raise ValueError(f"stage must be 'layer', 'end-to-end' or 'distilled', got {stage!r}")
     return out_dir / "checkpoints" / f"{start.name}.{stage}-fit.pt"
 
 
@@ -396,7 +401,7 @@ def _kept(path: Path, name: str, model, original, fit) -> dict:
     """``fit()`` (which fits ``model`` in place and returns its report: ``fit_to_original``'s or
     ``fit_end_to_end``'s), its weights kept at ``path``, its report printed and returned as a dict; or, when ``path``
     holds them from an earlier run, those weights and that dict read back instead. Only the tensors that differ from
-    the original's are kept (the converted attention layers)."""
+    the original's are kept (the converted attention layers; after a distillation, every weight)."""
     if path.is_file():
         saved = torch.load(path, map_location="cpu", weights_only=True)
         current = model.state_dict()
