@@ -77,7 +77,7 @@ from collab_attn.cli import ArgumentParser  # noqa: E402
 from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.kinds import cache_keyword  # noqa: E402
 from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
-from collab_attn.models.methods import METHODS  # noqa: E402
+from collab_attn.models.methods import METHODS, LayerSizes  # noqa: E402
 from collab_attn.models.sizing import conversion_at, conversion_sizes, converted_layout, original_size  # noqa: E402
 from collab_attn.nn import cpu_kernels, triton_kernels  # noqa: E402
 from collab_attn.stats import timing_verdict  # noqa: E402
@@ -143,9 +143,9 @@ def variants_of(args) -> dict[str, Layout | None]:
         for fraction in args.cache_fractions:
             size = conversion_at(sizes, original, fraction)
             if size is not None:
-                name = f"{method} k{size.key_size}" + ("" if size.value_size is None else f" v{size.value_size}")
-                variants[f"{name} ({fraction:g})"] = converted_layout(config, METHODS[method], size.key_size,
-                                                                      size.value_size)
+                name = f"{method} k{size.rank}" + ("" if size.value_rank is None else f" v{size.value_rank}")
+                variants[f"{name} ({fraction:g})"] = converted_layout(config, METHODS[method],
+                                                                      LayerSizes(size.rank, size.value_rank))
     suffix = twin_suffix(args)
     if suffix:  # each converted model, then its twin
         variants = {key: value for name, layout in variants.items()

@@ -12,7 +12,7 @@ from test_fitting import FIT, gpt2, kl, llama
 
 import collab_attn
 from collab_attn.fitting.allocation import candidate_sizes, choose
-from collab_attn.pretrained.race import cache_numbers_per_token
+from collab_attn.pretrained.race import mean_cache_numbers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,7 +62,7 @@ def test_the_allocation_fits_the_budget_and_beats_the_even_split_on_its_measurem
     collab_attn.reparametrize(model, allocation.ranks, method=method, value_rank=allocation.value_ranks,
                               progress=False)
     content = 0 if make is llama else 4  # GPT-2's query bias: one content logit per head on top (not a width)
-    assert cache_numbers_per_token(model) == sum(allocation.ranks + allocation.value_ranks) / 2 + content
+    assert mean_cache_numbers(model) == sum(allocation.ranks + allocation.value_ranks) / 2 + content
     assert kl(original, model) > 0
 
 

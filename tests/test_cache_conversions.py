@@ -179,7 +179,7 @@ def test_the_race_sizes_each_method_within_the_budget_measured_from_the_converte
         assert not [s for s in sizes if chosen.cache_bytes < s.cache_bytes <= fraction * original.cache_bytes]
         model = gpt2()
         extra = {"importance": [torch.tensor([0.4, 0.9, 0.1, 0.6])] * 2} if name == "prune" else {}
-        collab_attn.reparametrize(model, chosen.key_size, method=name, value_rank=chosen.value_size,
+        collab_attn.reparametrize(model, chosen.rank, method=name, value_rank=chosen.value_rank,
                                   progress=False, **extra)
         with torch.no_grad():
             cache = model(token_ids(), use_cache=True).past_key_values
@@ -207,7 +207,7 @@ def test_encoder_sizes_at_an_attention_parameter_budget_are_the_converted_models
             continue
         converted = small_model("bert")
         extra = {"importance": [torch.tensor([0.4, 0.9, 0.1, 0.6])] * 2} if name == "prune" else {}
-        collab_attn.reparametrize(converted, chosen.key_size, method=name, value_rank=chosen.value_size,
+        collab_attn.reparametrize(converted, chosen.rank, method=name, value_rank=chosen.value_rank,
                                   progress=False, **extra)
         measured = sum(sum(p.numel() for part in (layer.attention.self, layer.attention.output.dense)
                            for p in part.parameters()) for layer in converted.encoder.layer)

@@ -12,7 +12,7 @@ from conftest import random_batch, small_model
 from test_fitting import HELD_OUT, converted, gpt2, ids, kl, llama
 
 import collab_attn
-from collab_attn.pretrained.race import cache_numbers_per_token
+from collab_attn.pretrained.race import mean_cache_numbers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FIT = [{"input_ids": ids(seed)} for seed in range(16)]  # enough fitting tokens that the fit carries to HELD_OUT
@@ -26,7 +26,7 @@ CASES = [(gpt2, "key-svd", 12, {}), (gpt2, "cp", 20, {"value_rank": 20}), (llama
 def test_the_end_to_end_fit_lowers_the_held_out_kl_after_the_layer_fit(make, method, rank, options):
     original, model = converted(make, method, rank, **options)
     collab_attn.fit_to_original(model, original, FIT, steps=20, progress=False)
-    cache = cache_numbers_per_token(model)
+    cache = mean_cache_numbers(model)
     before = kl(original, model)
     attention = {"attn", "self_attn"}
     others = {name: p.clone() for name, p in model.named_parameters() if not attention & set(name.split("."))}
@@ -41,7 +41,7 @@ def test_the_end_to_end_fit_lowers_the_held_out_kl_after_the_layer_fit(make, met
         if name in others:
             torch.testing.assert_close(p, others[name], rtol=0, atol=0)
     assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
-    assert cache_numbers_per_token(model) == cache
+    assert mean_cache_numbers(model) == cache
     assert "| 40 steps, 3,072 tokens" in fit.table() and '"kept_fit": true' in fit.to_json()
 
 

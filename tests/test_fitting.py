@@ -14,7 +14,7 @@ from conftest import random_batch, small_model
 import collab_attn
 from collab_attn.kinds import ConvertedSelfAttention
 from collab_attn.models.settings import MethodSettings
-from collab_attn.pretrained.race import cache_numbers_per_token
+from collab_attn.pretrained.race import mean_cache_numbers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 30
@@ -72,7 +72,7 @@ HALF = [
                          ids=[f"{make.__name__}-{method}" for make, method, _, _ in HALF])
 def test_the_fit_lowers_the_held_out_kl_and_keeps_the_cache_and_the_shapes(make, method, rank, options):
     original, model = converted(make, method, rank, **options)
-    cache = cache_numbers_per_token(model)
+    cache = mean_cache_numbers(model)
     shapes = {name: p.shape for name, p in model.named_parameters()}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     attention = {"attn", "self_attn"}
@@ -81,7 +81,7 @@ def test_the_fit_lowers_the_held_out_kl_and_keeps_the_cache_and_the_shapes(make,
     report = collab_attn.fit_to_original(model, original, FIT, steps=STEPS, progress=False)
     after = kl(original, model)
     assert after < 0.99 * before, (before, after)
-    assert cache_numbers_per_token(model) == cache and cache <= (60 if method == "key-svd" else 48) * (
+    assert mean_cache_numbers(model) == cache and cache <= (60 if method == "key-svd" else 48) * (
         2 if make is gpt2 else 1)
     assert {name: p.shape for name, p in model.named_parameters()} == shapes
     for name, buffer in model.named_buffers():

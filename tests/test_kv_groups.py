@@ -295,11 +295,11 @@ def test_sizes_at_a_cache_fraction_are_the_converted_models(family):
     for method, counts in (("merge-kv", [g for g in range(1, kv_heads + 1) if kv_heads % g == 0]),
                            ("drop-kv", list(range(1, kv_heads + 1)))):
         sizes = conversion_sizes(config, METHODS[method])
-        assert [s.key_size for s in sizes] == [g * HEAD_DIM for g in counts]
+        assert [s.rank for s in sizes] == [g * HEAD_DIM for g in counts]
         assert [s.cache_bytes for s in sizes] == [2 * 2 * 2 * g * HEAD_DIM for g in counts]  # layers, k+v, bf16
         chosen = conversion_at(sizes, original, 0.5)
         assert chosen.cache_bytes <= original.cache_bytes / 2
-        small, _ = converted(model, chosen.key_size, method)
+        small, _ = converted(model, chosen.rank, method)
         with torch.no_grad():
             cache = small(ids(), use_cache=True).past_key_values
         measured = sum(t[0, :, 0].numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))

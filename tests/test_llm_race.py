@@ -113,9 +113,9 @@ def test_the_cache_is_read_from_a_real_cache():
     import collab_attn
 
     model = tiny_llama(kv_heads=2)
-    assert race.cache_numbers_per_token(model) == 2 * 2 * 12
+    assert race.mean_cache_numbers(model) == 2 * 2 * 12
     collab_attn.reparametrize(model, 16, value_rank=8, progress=False)
-    assert race.cache_numbers_per_token(model) == 16 + 8  # the rotated shared keys and the shared values
+    assert race.mean_cache_numbers(model) == 16 + 8  # the rotated shared keys and the shared values
 
 
 def test_a_run_is_written_once_and_read_back(tmp_path, monkeypatch):

@@ -9,11 +9,13 @@ import transformers
 from conftest import random_batch, small_model
 
 import collab_attn
-from collab_attn.kinds import LAYER_KINDS
+from collab_attn.kinds import LAYER_KINDS, SIZES
 from collab_attn.models import methods
-from collab_attn.models.methods import METHODS, ConversionMethod
+from collab_attn.models.methods import METHODS, ConversionMethod, LayerSizes
+from collab_attn.models.methods.base import uniform_layout
 from collab_attn.models.methods.svd import plan_svd
 from collab_attn.models.settings import MethodSettings, group_keys, labels
+from collab_attn.models.sizing import converted_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +87,18 @@ def test_methods_are_declared_consistently():
         methods.register(METHODS["cp"])
     # the order tables and choices list them in
     assert list(METHODS) == ["cp", "tucker", "svd", "prune", "key-svd", "kv-svd", "merge-kv", "drop-kv"]
+
+
+def test_a_method_lays_a_model_out_at_sizes_named_as_the_specs_name_them(half_method):
+    assert {field.name for field in dataclasses.fields(LayerSizes)} <= set(SIZES)
+    config = small_model("bert").config
+    layers = config.num_hidden_layers
+    layout = converted_layout(config, half_method, LayerSizes(48))
+    assert (layout.method, layout.kind, layout.sizes) == ("half", "concatenated", {"rank": [48] * layers})
+
+    def even_ranks(method, site, layers, sizes):  # a method's own rule, from the one sizes value
+        return None if sizes.rank % 2 else uniform_layout(method, site, layers, sizes)
+
+    even = dataclasses.replace(half_method, sized_layout=even_ranks)
+    assert converted_layout(config, even, LayerSizes(47)) is None
+    assert converted_layout(config, even, LayerSizes(48, rope_pairs=2)) == layout  # sizes it does not take: unread

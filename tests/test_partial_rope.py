@@ -271,11 +271,11 @@ def test_the_sizes_of_the_cache_race_are_the_converted_models():
     assert original_cache == 2 * 2 * KV_HEADS * HEAD_DIM * 2  # layers x (keys + values) x bf16
     method = METHODS["kv-svd"]
     sizes = conversion_sizes(config, method, rope_pairs=2)
-    assert [s.key_size for s in sizes] == list(range(1, min(KV_HEADS * (2 * HEAD_DIM - 4), D) + 1))
-    assert all(s.cache_bytes == 2 * 2 * (2 * 2 * KV_HEADS + s.key_size) for s in sizes)
+    assert [s.rank for s in sizes] == list(range(1, min(KV_HEADS * (2 * HEAD_DIM - 4), D) + 1))
+    assert all(s.cache_bytes == 2 * 2 * (2 * 2 * KV_HEADS + s.rank) for s in sizes)
     chosen = conversion_at(sizes, original_size(config), 0.25)
-    assert chosen.key_size == 4 and chosen.cache_bytes == original_cache / 4  # 2 r G + D_c = 8 + 4 of 48
-    model, _ = converted(original("llama"), chosen.key_size, 2)
+    assert chosen.rank == 4 and chosen.cache_bytes == original_cache / 4  # 2 r G + D_c = 8 + 4 of 48
+    model, _ = converted(original("llama"), chosen.rank, 2)
     with torch.no_grad():
         cache = model(ids(), use_cache=True).past_key_values
     measured = sum(t[0, :, 0].numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))

@@ -14,7 +14,7 @@ from test_rotary_models import HEAD_DIM, HEADS, KV_HEADS, converted, original
 
 from collab_attn.decomposition.rotary_budget import allocate_budget, relative_spectra
 from collab_attn.fitting.calibration import collect_calibration
-from collab_attn.pretrained.race import cache_numbers_per_token
+from collab_attn.pretrained.race import mean_cache_numbers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +83,7 @@ def test_a_budget_converts_a_rotary_model_at_the_cache_it_was_given(method, widt
     uniform, _ = converted(model, width, method=method, calibration=calibration)
     ranks = [layer.rank for layer in report.layers]
     assert sum(ranks) == 3 * width and len(set(ranks)) > 1 and all(rank % 2 == 0 for rank in ranks)
-    assert cache_numbers_per_token(spread) == pytest.approx(cache_numbers_per_token(uniform))
+    assert mean_cache_numbers(spread) == pytest.approx(mean_cache_numbers(uniform))
     full, full_report = converted(model, "energy:1.0", method=method, calibration=calibration)
     assert [layer.rank for layer in full_report.layers] == [exact] * 3
     tokens = narrow_batches(seed=1, batches=1)[0]["input_ids"]

@@ -254,12 +254,12 @@ def test_the_sizes_of_the_cache_race_are_the_converted_models():
     original_cache = original_size(config).cache_bytes
     assert original_cache == 2 * 2 * KV_HEADS * HEAD_DIM * 2  # layers x (keys + values) x bf16
     sizes = conversion_sizes(config, METHODS["key-svd"])
-    assert [s.key_size for s in sizes] == list(range(2, EXACT + 1, 2))
-    assert all(s.value_size is None and s.cache_bytes == 2 * 2 * (s.key_size + KV_HEADS * HEAD_DIM) for s in sizes)
+    assert [s.rank for s in sizes] == list(range(2, EXACT + 1, 2))
+    assert all(s.value_rank is None and s.cache_bytes == 2 * 2 * (s.rank + KV_HEADS * HEAD_DIM) for s in sizes)
     chosen = conversion_at(sizes, original_size(config), 0.75)
-    assert chosen.key_size == 12 and chosen.cache_bytes == 0.75 * original_cache
+    assert chosen.rank == 12 and chosen.cache_bytes == 0.75 * original_cache
     assert conversion_at(sizes, original_size(config), 0.5) is None  # every value stays: never at half
-    model, _ = converted(original("llama"), chosen.key_size)
+    model, _ = converted(original("llama"), chosen.rank)
     with torch.no_grad():
         cache = model(ids(), use_cache=True).past_key_values
     measured = sum(t[0, :, 0].numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))

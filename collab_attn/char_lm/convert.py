@@ -170,7 +170,7 @@ def plan(settings: dict, config) -> tuple[list[Conversion], list[str]]:
                 if size is None:
                     unreachable.append(f"{method} at {fraction:g} of the cache")
                 else:
-                    runs.append(Conversion(method, size.key_size, size.value_size, fraction))
+                    runs.append(Conversion(method, size.rank, size.value_rank, fraction))
         return runs, unreachable
     keys = [d // 2, d // 4, d // 8] if settings.get("key_sizes") is None else [
         cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", settings["key_sizes"])]

@@ -1,8 +1,8 @@
 """Sizes of every conversion method at a budget of key/value-cache bytes or of attention parameters, read from the
 converted layers themselves (built on the meta device), not by hand.
 
-``conversion_sizes(config, method)`` lists every rank a method's rank rule allows for a model of ``config`` (any
-supported family), with an equal value rank where the method cuts the values too, and the costs of the converted
+``conversion_sizes(config, method)`` lists every ``rank`` a method's rank rule allows for a model of ``config`` (any
+supported family), with an equal ``value_rank`` where the method cuts the values too, and the costs of the converted
 model: the bytes per token its key/value cache would hold as a decoder (bf16, all layers:
 ``collab_attn.nn.cache_numbers_per_token`` of each converted layer) and its attention parameters (the
 converted self-attention layers and, where the family keeps it beside them, the output projection).
@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from collab_attn.models.hf import LAYER_KINDS, AttentionSite, attention_sites, build_layer
+from collab_attn.models.methods.base import LayerSizes
 from collab_attn.nn.attention import cache_numbers_per_token
 
 COSTS = ("cache_bytes", "attention_params")
@@ -26,11 +27,11 @@ DTYPE_BYTES = 2  # the cache is counted in bf16
 
 @dataclass(frozen=True)
 class ConversionSize:
-    """A conversion at one size: the method's rank (``key_size``), its value rank (``value_size``; None: the heads
-    keep their values), and the converted model's cache bytes per token and attention parameters."""
+    """A conversion at one size: the method's ``rank``, its ``value_rank`` (None: the heads keep their values), and
+    the converted model's cache bytes per token and attention parameters."""
 
-    key_size: int
-    value_size: int | None
+    rank: int
+    value_rank: int | None
     cache_bytes: int
     attention_params: int
 
@@ -59,17 +60,15 @@ class _Skeleton:
         return projection.out_features * (width or projection.in_features) + bias
 
 
-def converted_layout(config, method, key_size: int, value_size: int | None, skeleton: _Skeleton | None = None,
-                     rope_pairs: int | None = None):
-    """The layout of ``config``'s model converted by ``method`` at these sizes, as the method lays itself out
-    (``ConversionMethod.layout_at``; None where it cannot take them). ``rope_pairs``: the rotary pairs a partial-RoPE
-    conversion (``kv-svd`` of a rotary model) keeps per key/value group (None: its default)."""
+def converted_layout(config, method, sizes: LayerSizes, skeleton: _Skeleton | None = None):
+    """The layout of ``config``'s model converted by ``method`` at ``sizes``, as the method lays itself out
+    (``ConversionMethod.layout_at``; None where it cannot take them)."""
     skeleton = skeleton or _Skeleton.of(config)
-    return method.layout_at(skeleton.site, skeleton.layers, key_size, value_size, rope_pairs)
+    return method.layout_at(skeleton.site, skeleton.layers, sizes)
 
 
 def original_size(config) -> ConversionSize:
-    """The original model's costs (``key_size``: heads x head_dim; the cache holds kv_heads x head_dim keys and
+    """The original model's costs (``rank``: heads x head_dim; the cache holds kv_heads x head_dim keys and
     values, fewer than heads x head_dim where they are grouped)."""
     skeleton = _Skeleton.of(config)
     width = skeleton.site.width
@@ -78,22 +77,24 @@ def original_size(config) -> ConversionSize:
     return ConversionSize(width, None, skeleton.layers * cached * DTYPE_BYTES, skeleton.layers * params)
 
 
-def conversion_sizes(config, method, rope_pairs: int | None = None) -> list[ConversionSize]:
+def conversion_sizes(config, method, **fixed) -> list[ConversionSize]:
     """Every size a conversion method (``collab_attn.models.methods``) takes for a model of ``config``: each rank its
-    rank rule allows, with an equal value rank where the method cuts the values too (``rope_pairs``: as
-    ``converted_layout``; the cache of a partial-RoPE conversion holds ``2 rope_pairs kv_heads + rank`` per token)."""
+    rank rule allows, with an equal value rank where the method cuts the values too. ``fixed``: the other sizes
+    (``LayerSizes``), the same at every rank: ``rope_pairs=r``, the rotary pairs a partial-RoPE conversion (``kv-svd``
+    of a rotary model) keeps per key/value group (unset: its default; its cache holds ``2 rope_pairs kv_heads +
+    rank`` per token)."""
     skeleton = _Skeleton.of(config)
     site = skeleton.site
     per_spec = {}  # one converted layer per distinct shape: (cache numbers per token, attention parameters)
-    sizes = []
-    for key_size in range(1, site.width + 1):
+    found = []
+    for rank in range(1, site.width + 1):
         if method.check_ranks is not None:
             try:
-                method.check_ranks([key_size], site.heads)
+                method.check_ranks([rank], site.heads)
             except ValueError:
                 continue
-        value_size = key_size if method.cuts_values else None
-        layout = converted_layout(config, method, key_size, value_size, skeleton, rope_pairs)
+        sizes = LayerSizes(rank, rank if method.cuts_values else None, **fixed)
+        layout = converted_layout(config, method, sizes, skeleton)
         if layout is None:  # a size the method cannot take (a latent too wide, not whole key/value groups, ...)
             continue
         specs = layout.specs(site.heads)
@@ -102,9 +103,9 @@ def conversion_sizes(config, method, rope_pairs: int | None = None) -> list[Conv
             replaced = LAYER_KINDS[spec.kind].replaces_outer_output(site, spec)
             outer = skeleton.outer_output(layer.value.out_features if replaced else None)
             per_spec[spec] = (cache_numbers_per_token(layer), sum(p.numel() for p in layer.parameters()) + outer)
-        sizes.append(ConversionSize(key_size, value_size, DTYPE_BYTES * sum(per_spec[s][0] for s in specs),
+        found.append(ConversionSize(rank, sizes.value_rank, DTYPE_BYTES * sum(per_spec[s][0] for s in specs),
                                     sum(per_spec[s][1] for s in specs)))
-    return sizes
+    return found
 
 
 def conversion_at(sizes: Sequence[ConversionSize], original: ConversionSize, fraction: float,
@@ -115,4 +116,4 @@ def conversion_at(sizes: Sequence[ConversionSize], original: ConversionSize, fra
     if cost not in COSTS:
         raise ValueError(f"unknown cost {cost!r}; choose one of {COSTS}")
     fitting = [s for s in sizes if getattr(s, cost) <= fraction * getattr(original, cost)]
-    return max(fitting, key=lambda s: (getattr(s, cost), s.key_size)) if fitting else None
+    return max(fitting, key=lambda s: (getattr(s, cost), s.rank)) if fitting else None

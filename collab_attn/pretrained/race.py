@@ -155,7 +155,7 @@ def entries_at(method: str, fraction: float, rope_pairs: int, kv_heads: int = 3,
     return [Entry(method, rank, sizes.value_rank, options=dict(sizes.options), **common)]
 
 
-def cache_numbers_per_token(model) -> float:
+def mean_cache_numbers(model) -> float:
     """Numbers a model's cache holds per token and layer (keys and values together, averaged over layers), read from
     the model's default cache after a forward pass of 3 tokens."""
     with torch.no_grad():
@@ -295,7 +295,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         measure_export(model, original, rows, exported, batch)
     if path.is_file():
         return json.loads(path.read_text())
-    cache = cache_numbers_per_token(model)
+    cache = mean_cache_numbers(model)
     if cache > entry.budget * original_cache + 1e-9:
         raise ValueError(f"{entry.name} caches {cache:g} numbers per token and layer, more than its budget "
                          f"{entry.budget:g} x {original_cache:g}")

@@ -365,7 +365,7 @@ def _sizes(label: str):
     # all-MiniLM-L6-v2 ("minilm", collab_attn.models.checkpoints): 6 layers, d = 384, 12 heads of 32
     config = transformers.BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                                      intermediate_size=1536)
-    return original_size(config), {s.key_size: s for s in conversion_sizes(config, parse_label(label)[0])}
+    return original_size(config), {s.rank: s for s in conversion_sizes(config, parse_label(label)[0])}
 
 
 def minilm_sizes(path: str, method: str, rank: int) -> list[float]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from collab_attn.kinds import LAYER_KINDS
+from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
 from collab_attn.models.plan import Plan, Request
 
@@ -32,13 +33,24 @@ class CacheSizes:
     options: dict = dataclasses.field(default_factory=dict)
 
 
-def uniform_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,
-                   rope_pairs: int | None = None) -> Layout | None:
-    """Every layer of a model like ``site`` at ``key_size`` (and ``value_size``), as the collaborative and SVD
-    methods convert it; Tucker mixing with a core of as many slices as heads."""
+@dataclass(frozen=True)
+class LayerSizes:
+    """The sizes a model is laid out at (``ConversionMethod.layout_at``), each under its one name: a field of the
+    kinds' specs, a key of ``collab_attn.kinds.converted.SIZES``. ``rank``; ``value_rank`` (None: the heads keep
+    their values); ``rope_pairs``, the rotary pairs a partial-RoPE method keeps per key/value group (None: its
+    default). A method reads those it takes."""
+
+    rank: int
+    value_rank: int | None = None
+    rope_pairs: int | None = None
+
+
+def uniform_layout(method: ConversionMethod, site: AttentionSite, layers: int, sizes: LayerSizes) -> Layout | None:
+    """Every layer of a model like ``site`` at ``sizes.rank`` (and ``sizes.value_rank``), as the collaborative and
+    SVD methods convert it; Tucker mixing with a core of as many slices as heads."""
     tucker_core_size = site.heads if method.mixing == "matrices" else None
-    return Layout.uniform(method.name, method.layer, layers, rank=key_size, tucker_core_size=tucker_core_size,
-                          value_rank=value_size)
+    return Layout.uniform(method.name, method.layer, layers, rank=sizes.rank, tucker_core_size=tucker_core_size,
+                          value_rank=sizes.value_rank)
 
 
 def even_split(budget: int, kv_heads: int, head_dim: int, rope_pairs: int) -> CacheSizes | None:
@@ -80,10 +92,10 @@ class ConversionMethod:
     # kv_heads key/value heads of head_dim holds at most budget numbers per token and layer (None: it cannot get that
     # small); rope_pairs: the rotary pairs a partial-RoPE method keeps per group. None: the races do not size it.
     sizes_within: Callable[[int, int, int, int], CacheSizes | None] | None = None
-    # (method, site, layers, key_size, value_size, rope_pairs) -> the layout of a model of ``layers`` layers like
-    # ``site`` (an ``AttentionSite``) converted at those sizes, None where the method cannot take them: what the sizing
-    # of the races builds to cost a conversion (``layout_at``)
-    sized_layout: Callable[..., Layout | None] = uniform_layout
+    # (method, site, layers, sizes) -> the layout of a model of ``layers`` layers like ``site`` (an ``AttentionSite``)
+    # converted at ``sizes`` (``LayerSizes``), None where the method cannot take them: what the sizing of the races
+    # builds to cost a conversion (``layout_at``)
+    sized_layout: Callable[[ConversionMethod, AttentionSite, int, LayerSizes], Layout | None] = uniform_layout
 
     def __post_init__(self):
         for layer in (self.layer, self.rotary_layer or self.layer):
@@ -127,12 +139,10 @@ class ConversionMethod:
                              f"yet; the methods that do: {takes}")
         return self.rotary_layer
 
-    def layout_at(self, site, layers: int, key_size: int, value_size: int | None = None,
-                  rope_pairs: int | None = None) -> Layout | None:
-        """The layout of a model of ``layers`` layers like ``site`` converted by this method at these sizes (None where
-        it cannot take them); ``rope_pairs``: the rotary pairs a partial-RoPE method keeps per group (None: its
-        default)."""
-        return self.sized_layout(self, site, layers, key_size, value_size, rope_pairs)
+    def layout_at(self, site: AttentionSite, layers: int, sizes: LayerSizes) -> Layout | None:
+        """The layout of a model of ``layers`` layers like ``site`` converted by this method at ``sizes`` (None where
+        it cannot take them)."""
+        return self.sized_layout(self, site, layers, sizes)
 
     def layout(self, plan: Plan, rotary: bool = False) -> Layout:
         """What the converted model's config records: this method, the layer kind it builds, the plan's sizes."""

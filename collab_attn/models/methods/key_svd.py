@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
-from collab_attn.models.methods.base import ConversionMethod, even_split, register, uniform_layout
+from collab_attn.models.methods.base import ConversionMethod, LayerSizes, even_split, register, uniform_layout
 from collab_attn.models.methods.rotary_key_svd import plan_rotary_key_svd, rotary_key_layout
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
@@ -44,13 +44,10 @@ def plan_key_svd(request: Request) -> Plan:
     return Plan(layers, {"rank": list(request.ranks)}, SOLVER, calibration=calibration_summary(request))
 
 
-def _sized_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,
-                  rope_pairs: int | None = None):
+def _sized_layout(method: ConversionMethod, site, layers: int, sizes: LayerSizes):
     """On rotary models thin rotary keys with grouped values (``rotary_key_layout``), elsewhere a shared key of
-    ``key_size``."""
-    if site.rotary:
-        return rotary_key_layout(method, site, layers, key_size)
-    return uniform_layout(method, site, layers, key_size, value_size)
+    ``sizes.rank``."""
+    return (rotary_key_layout if site.rotary else uniform_layout)(method, site, layers, sizes)
 
 
 KEY_SVD = register(ConversionMethod(

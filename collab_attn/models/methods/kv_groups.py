@@ -33,7 +33,7 @@ import torch
 from collab_attn.kinds.forms import band_forms_of, original_forms, original_value_forms, relative_error
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
-from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register
+from collab_attn.models.methods.base import CacheSizes, ConversionMethod, LayerSizes, register
 from collab_attn.models.methods.rotary_collab import rotary_forms
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request, ValueWeights
 
@@ -60,16 +60,15 @@ def groups_at(method: str, rank: int, kv_heads: int, head_dim: int, name: str = 
     )
 
 
-def group_layout(method: ConversionMethod, site: AttentionSite, layers: int, key_size: int,
-                 value_size: int | None = None, rope_pairs: int | None = None) -> Layout | None:
-    """The layout of a model whose every layer is like ``site``, converted by ``method`` at ``key_size`` (None where
-    the size is not G x head_dim with a valid G): what ``collab_attn.models.sizing`` builds to cost it."""
+def group_layout(method: ConversionMethod, site: AttentionSite, layers: int, sizes: LayerSizes) -> Layout | None:
+    """The layout of a model whose every layer is like ``site``, converted by ``method`` at ``sizes.rank`` (None
+    where the rank is not G x head_dim with a valid G): what ``collab_attn.models.sizing`` builds to cost it."""
     try:
-        groups = groups_at(method.name, key_size, site.kv_heads, site.head_dim)
+        groups = groups_at(method.name, sizes.rank, site.kv_heads, site.head_dim)
     except ValueError:
         return None
     heads = None if method.name == MERGE else [groups * (site.heads // site.kv_heads)] * layers
-    return Layout(method.name, method.layer_for(site.rotary), {"rank": [key_size] * layers, "heads": heads})
+    return Layout(method.name, method.layer_for(site.rotary), {"rank": [sizes.rank] * layers, "heads": heads})
 
 
 def logit_forms(layer: LayerWeights, rotary: bool):

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from collab_attn.decomposition.truncation import shared_subspace
-from collab_attn.models.methods.base import CacheSizes, ConversionMethod, register, uniform_layout
+from collab_attn.models.methods.base import CacheSizes, ConversionMethod, LayerSizes, register, uniform_layout
 from collab_attn.models.methods.rotary_kv_svd import partial_rope_layout, plan_partial_rope
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, Plan, Request
@@ -74,12 +74,9 @@ def kv_svd_sizes(budget: int, kv_heads: int, head_dim: int, rope_pairs: int) -> 
     return CacheSizes(latent, options={"rope_pairs": rope_pairs}) if latent > 0 else None
 
 
-def _sized_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,
-                  rope_pairs: int | None = None):
-    """On rotary models MHA2MLA's partial RoPE (``partial_rope_layout``), elsewhere a latent of ``key_size``."""
-    if site.rotary:
-        return partial_rope_layout(method, site, layers, key_size, rope_pairs)
-    return uniform_layout(method, site, layers, key_size, value_size)
+def _sized_layout(method: ConversionMethod, site, layers: int, sizes: LayerSizes):
+    """On rotary models MHA2MLA's partial RoPE (``partial_rope_layout``), elsewhere a latent of ``sizes.rank``."""
+    return (partial_rope_layout if site.rotary else uniform_layout)(method, site, layers, sizes)
 
 
 KV_SVD = register(ConversionMethod(

@@ -13,7 +13,7 @@ import torch
 from collab_attn.decomposition.rank_selection import query_key_params
 from collab_attn.models.hf import Layout
 from collab_attn.models.importance import HeadImportance
-from collab_attn.models.methods.base import ConversionMethod, register
+from collab_attn.models.methods.base import ConversionMethod, LayerSizes, register
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Pruning, Request
 
 NAME = "prune"
@@ -88,14 +88,13 @@ def plan_prune(request: Request) -> Plan:
     return Plan(layers, sizes, "importance", pruning=pruning)
 
 
-def kept_heads_layout(method: ConversionMethod, site, layers: int, key_size: int, value_size: int | None = None,
-                      rope_pairs: int | None = None) -> Layout:
-    """As many whole heads as fit in the query/key parameters of rank ``key_size`` in every layer, spread evenly over
-    the layers (the costs depend on their number only), at least one per layer."""
-    _, count = kept_head_count([key_size] * layers, [site.heads] * layers, site.head_dim, site.d_in, bias=site.bias)
+def kept_heads_layout(method: ConversionMethod, site, layers: int, sizes: LayerSizes) -> Layout:
+    """As many whole heads as fit in the query/key parameters of rank ``sizes.rank`` in every layer, spread evenly
+    over the layers (the costs depend on their number only), at least one per layer."""
+    _, count = kept_head_count([sizes.rank] * layers, [site.heads] * layers, site.head_dim, site.d_in, bias=site.bias)
     count = min(max(count, layers), site.heads * layers)
     kept = [count // layers + (layer < count % layers) for layer in range(layers)]
-    values = None if value_size is None else [value_size] * layers
+    values = None if sizes.value_rank is None else [sizes.value_rank] * layers
     return Layout(method.name, method.layer, {"rank": [h * site.head_dim for h in kept], "heads": kept,
                                               "value_rank": values})  # refused: heads keep their values
 

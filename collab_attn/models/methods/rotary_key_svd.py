@@ -35,6 +35,7 @@ from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.kinds.forms import Factor, HeadForms, original_value_forms, relative_error
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
+from collab_attn.models.methods.base import LayerSizes
 from collab_attn.models.methods.rotary_collab import budget_pairs, rotary_forms, rotary_whitening, with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
@@ -47,13 +48,13 @@ def widest_key(layer: LayerWeights, kv_heads: int) -> int:
     return 2 * (layer.head_dim // 2) * min(kv_heads, d_in)
 
 
-def rotary_key_layout(method, site: AttentionSite, layers: int, key_size: int) -> Layout | None:
+def rotary_key_layout(method, site: AttentionSite, layers: int, sizes: LayerSizes) -> Layout | None:
     """The layout of a rotary model of ``layers`` layers like ``site`` converted by ``method`` (``key-svd``) with a
-    shared key of width ``key_size`` and grouped values; None where that width is odd or wider than exact
+    shared key of width ``sizes.rank`` and grouped values; None where that width is odd or wider than exact
     (``kv_heads x head_dim``): what the sizing of the cache race asks."""
-    if key_size % 2 or key_size > site.kv_heads * site.head_dim:
+    if sizes.rank % 2 or sizes.rank > site.kv_heads * site.head_dim:
         return None
-    return Layout.uniform(method.name, method.layer_for(True), layers, rank=key_size)
+    return Layout.uniform(method.name, method.layer_for(True), layers, rank=sizes.rank)
 
 
 def shared_value_state(values: ValueWeights, kv_heads: int, value_rank: int, whitening=None) -> tuple[dict, float]:

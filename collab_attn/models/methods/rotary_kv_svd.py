@@ -40,6 +40,7 @@ from collab_attn.decomposition.truncation import shared_subspace
 from collab_attn.kinds.rotary_mla.rotary_mla_attention import default_rope_pairs, dimension_order
 from collab_attn.models.families import AttentionSite
 from collab_attn.models.hf import Layout
+from collab_attn.models.methods.base import LayerSizes
 from collab_attn.models.methods.rotary_collab import with_bias_column
 from collab_attn.models.methods.subspace import SOLVER, calibration_summary, input_whitening
 from collab_attn.models.plan import LayerPlan, LayerWeights, Plan, Request, ValueWeights
@@ -50,15 +51,14 @@ def max_latent_size(d_in: int, kv_heads: int, head_dim: int, rope_pairs: int) ->
     return min(kv_heads * (2 * head_dim - 2 * rope_pairs), d_in)
 
 
-def partial_rope_layout(method, site: AttentionSite, layers: int, latent_size: int,
-                        rope_pairs: int | None = None) -> Layout | None:
-    """The layout of a rotary model of ``layers`` layers like ``site`` converted by ``method`` (``kv-svd``) with
-    this latent width and ``rope_pairs`` (None: ``default_rope_pairs``); None where the latent would be wider than
-    ``max_latent_size`` (what the sizing of the cache race asks)."""
-    pairs = default_rope_pairs(site.head_dim) if rope_pairs is None else rope_pairs
-    if latent_size > max_latent_size(site.d_in, site.kv_heads, site.head_dim, pairs):
+def partial_rope_layout(method, site: AttentionSite, layers: int, sizes: LayerSizes) -> Layout | None:
+    """The layout of a rotary model of ``layers`` layers like ``site`` converted by ``method`` (``kv-svd``) with a
+    latent of width ``sizes.rank`` and ``sizes.rope_pairs`` (None: ``default_rope_pairs``); None where the latent
+    would be wider than ``max_latent_size`` (what the sizing of the cache race asks)."""
+    pairs = default_rope_pairs(site.head_dim) if sizes.rope_pairs is None else sizes.rope_pairs
+    if sizes.rank > max_latent_size(site.d_in, site.kv_heads, site.head_dim, pairs):
         return None
-    return Layout.uniform(method.name, method.layer_for(True), layers, rank=latent_size, rope_pairs=pairs)
+    return Layout.uniform(method.name, method.layer_for(True), layers, rank=sizes.rank, rope_pairs=pairs)
 
 
 def pair_scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
