@@ -27,34 +27,34 @@ import torch
 
 from collab_attn.decomposition.cp_als import HeadProducts, cp_als, tucker_hooi
 
-BUDGET_KINDS = ("params", "mean", "energy")
+BUDGET_RULES = ("params", "mean", "energy")
 
 
 @dataclass(frozen=True)
 class RankBudget:
-    """A global rank budget: ``kind`` in ``BUDGET_KINDS`` and its ``value`` (see the module doc).
+    """A global rank budget: ``rule`` in ``BUDGET_RULES`` and its ``value`` (see the module doc).
 
     ``step``: ranks are multiples of it (default: the number of heads). ``min_rank``: no layer goes below it
     (default: ``step``). As a string: ``"params:0.35"``, ``"mean:128"``, ``"energy:0.8"``.
     """
 
-    kind: str
+    rule: str
     value: float
     step: int | None = None
     min_rank: int | None = None
 
     def __post_init__(self):
-        if self.kind not in BUDGET_KINDS:
-            raise ValueError(f"unknown rank budget {self.kind!r}; choose one of {BUDGET_KINDS} (e.g. 'params:0.35')")
+        if self.rule not in BUDGET_RULES:
+            raise ValueError(f"unknown rank budget {self.rule!r}; choose one of {BUDGET_RULES} (e.g. 'params:0.35')")
         bad = (
-            (self.kind == "params" and not 0 < self.value <= 1)
-            or (self.kind == "energy" and not 0 < self.value <= 1)
-            or (self.kind == "mean" and (self.value < 1 or self.value != int(self.value)))
+            (self.rule == "params" and not 0 < self.value <= 1)
+            or (self.rule == "energy" and not 0 < self.value <= 1)
+            or (self.rule == "mean" and (self.value < 1 or self.value != int(self.value)))
         )
         if bad:
             expected = {"params": "a fraction in (0, 1]", "energy": "a fraction in (0, 1]", "mean": "an integer rank"}
             raise ValueError(
-                f"rank budget {self.kind}:{self.value} is invalid: {self.kind} takes {expected[self.kind]}"
+                f"rank budget {self.rule}:{self.value} is invalid: {self.rule} takes {expected[self.rule]}"
             )
         for name in ("step", "min_rank"):
             value = getattr(self, name)
@@ -69,16 +69,16 @@ class RankBudget:
             raise ValueError(
                 f"a rank budget is 'params:<fraction>', 'mean:<rank>' or 'energy:<fraction>', got {spec!r}"
             )
-        kind, value = (part.strip() for part in spec.split(":"))
+        rule, value = (part.strip() for part in spec.split(":"))
         try:
             number = float(value)
         except ValueError:
             raise ValueError(f"rank budget {spec!r}: {value!r} is not a number") from None
-        return cls(kind, number)
+        return cls(rule, number)
 
     def __str__(self) -> str:
-        value = int(self.value) if self.kind == "mean" else self.value
-        return f"{self.kind}:{value}"
+        value = int(self.value) if self.rule == "mean" else self.value
+        return f"{self.rule}:{value}"
 
 
 def is_budget(rank) -> bool:
@@ -224,7 +224,7 @@ def select_ranks(
     if not grid or grid[-1] != full_rank:
         grid.append(full_rank)
     grid = sorted(set(grid))
-    if budget.kind == "mean" and not min_rank <= budget.value <= full_rank:
+    if budget.rule == "mean" and not min_rank <= budget.value <= full_rank:
         raise ValueError(f"rank budget {budget}: the mean rank must be in [{min_rank}, {full_rank}]")
     # the ranks the curves are computed at: evenly spread over the grid, always its two ends
     picks = np.unique(np.linspace(0, len(grid) - 1, max(2, min(curve_points, len(grid)))).round().astype(int))
@@ -236,10 +236,10 @@ def select_ranks(
     squared = [np.interp(grid, curve_ranks, np.square(curve)) for curve in curves]
     cost = np.array([query_key_params(r, d_in, heads, bias=bias, method=method, core_size=core_size) for r in grid])
     budget_params = None
-    if budget.kind == "energy":
+    if budget.rule == "energy":
         positions = [int(np.argmax(sq <= 1 - budget.value + 1e-12)) for sq in squared]
     else:
-        if budget.kind == "params":
+        if budget.rule == "params":
             original = original_params or [2 * (d_in * full_rank + (full_rank if bias else 0))] * len(tensors)
             budget_params = int(budget.value * sum(original))
         else:

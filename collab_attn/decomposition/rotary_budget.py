@@ -38,14 +38,14 @@ def relative_spectra(spectra: list[torch.Tensor]) -> list[torch.Tensor]:
 def check_rotary_budget(budget: RankBudget | str) -> RankBudget:
     """The budget, parsed, or a ValueError saying why it cannot size a rotary conversion."""
     budget = RankBudget.parse(budget)
-    if budget.kind not in ROTARY_BUDGETS:
+    if budget.rule not in ROTARY_BUDGETS:
         raise ValueError(f"a {budget} budget does not apply to rotary models: it counts query/key parameters, "
                          f"and a rotary conversion is sized by its key cache; use {' or '.join(ROTARY_BUDGETS)} "
                          "(e.g. 'mean:96': the key width 96 in every layer, spread over bands and layers)")
     if budget.step is not None or budget.min_rank is not None:
         raise ValueError(f"budget {budget}: step and min_rank do not apply to rotary models (pairs are spread one "
                          "by one and every layer keeps at least one); leave them out")
-    if budget.kind == "mean" and int(budget.value) % 2:
+    if budget.rule == "mean" and int(budget.value) % 2:
         raise ValueError(f"budget {budget}: a rotary key width counts each shared pair twice; give an even width")
     return budget
 
@@ -67,7 +67,7 @@ def allocate_budget(spectra: list[torch.Tensor], budget: RankBudget | str) -> li
     """Pairs per band for every layer (module doc) from each layer's (bands, k) spectrum, each row descending."""
     budget = check_rotary_budget(budget)
     relative = relative_spectra(spectra)
-    if budget.kind == "energy":
+    if budget.rule == "energy":
         pairs = []
         for layer in relative:
             kept = layer.flatten().sort(descending=True).values.cumsum(0)

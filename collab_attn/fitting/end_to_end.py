@@ -148,9 +148,9 @@ def fit_end_to_end(
             p.requires_grad_(False)
         for p in params:
             p.requires_grad_(True)
-        kind, loss_before = _mean_loss(converted, original, checked, "loss before", progress)
+        what, loss_before = _mean_loss(converted, original, checked, "loss before", progress)
         fit = EndToEndFit(steps, float(learning_rate), _tokens(batches), _tokens(checked), held_out is not None,
-                          "kl" if kind == "logits" else "relative squared error", sum(p.numel() for p in params),
+                          "kl" if what == "logits" else "relative squared error", sum(p.numel() for p in params),
                           loss_before, check_every=check_every, anchor=float(anchor))
         saved = [p.detach().clone() for p in params]
         best = _Best(params, checked, fit, progress) if check_every else None
@@ -209,17 +209,17 @@ def model_output(model: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
 def _loss(converted: nn.Module, original: nn.Module, batch: dict) -> tuple[str, torch.Tensor]:
     """What the original outputs on ``batch`` ("logits" or "hidden"), and the converted model's loss against it."""
     with torch.no_grad():
-        kind, reference = model_output(original, batch)
+        what, reference = model_output(original, batch)
     _, output = model_output(converted, batch)
-    return kind, divergence(kind, reference, output, token_mask(batch))
+    return what, divergence(what, reference, output, token_mask(batch))
 
 
-def divergence(kind: str, reference: torch.Tensor, output: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The loss of ``output`` against ``reference`` (both as ``model_output`` gives them, of ``kind``) over the tokens
-    ``mask`` keeps: the mean KL per token (or per sequence, for a classifier's logits), or the relative squared
-    error of hidden states."""
+def divergence(what: str, reference: torch.Tensor, output: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The loss of ``output`` against ``reference`` (both as ``model_output`` gives them, ``what`` they are) over the
+    tokens ``mask`` keeps: the mean KL per token (or per sequence, for a classifier's logits), or the relative
+    squared error of hidden states."""
     mask = mask.to(output.dtype)
-    if kind == "logits":
+    if what == "logits":
         kl = (reference.exp() * (reference - output)).sum(-1)  # per token, or per sequence (a classifier's logits)
         return (kl * mask).sum() / mask.sum().clamp_min(1) if kl.shape == mask.shape else kl.mean()
     mask = mask.unsqueeze(-1)

@@ -93,8 +93,8 @@ def layer_sensitivity(
     try:
         with torch.no_grad():
             references = [model_output(original, batch) for batch in batches]
-            kind = references[0][0]
-            report = Sensitivity(_loss(converted, batches, references), "kl" if kind == "logits" else
+            what = references[0][0]
+            report = Sensitivity(_loss(converted, batches, references), "kl" if what == "logits" else
                                  "relative squared error", int(sum(token_mask(b).sum() for b in batches)))
             for name, paths in tqdm(list(zip(names, swapped)), desc="layer sensitivity", disable=not progress):
                 with _swapped(converted, original, paths):
@@ -112,9 +112,9 @@ def layer_sensitivity(
 def _loss(model: nn.Module, batches: list[dict], references: list[tuple[str, torch.Tensor]]) -> float:
     """``model``'s loss against the held reference outputs, weighted by each batch's non-padding tokens."""
     total = weight = 0.0
-    for batch, (kind, reference) in zip(batches, references):
+    for batch, (what, reference) in zip(batches, references):
         tokens = float(token_mask(batch).sum())
-        total += tokens * float(divergence(kind, reference, model_output(model, batch)[1], token_mask(batch)))
+        total += tokens * float(divergence(what, reference, model_output(model, batch)[1], token_mask(batch)))
         weight += tokens
     return total / weight
 

@@ -174,7 +174,7 @@ def _check_bands(bands, method: ConversionMethod, rotary: bool, ranks, budget) -
     if ranks is not None and len(set(ranks)) > 1:
         raise ValueError(f"bands='shared' gives every layer the same pairs per band, so one rank for all layers; got "
                          f"ranks {sorted(set(ranks))}: give one rank or a 'mean:R' budget")
-    if budget is not None and budget.kind != "mean":
+    if budget is not None and budget.rule != "mean":
         raise ValueError(f"bands='shared' gives every layer the same key width; the budget {budget} sizes layers "
                          "apart: give one rank or a 'mean:R' budget")
 
