@@ -28,8 +28,8 @@ DOMAINS = ("wikipedia", "shakespeare", "wikipedia 2048", "shakespeare 2048")
 def race(budget: str, recipe: str, shared: bool) -> str:
     """A run file of the band race: per-layer or shared bands, ``FITTED`` or ``E2E``."""
     name = f"key-svd-{SIZE[budget]}{'-bandsshared' if shared else ''}{recipe}.json"
-    per_layer_e2e = recipe == E2E and not shared
-    return f"{T if per_layer_e2e else F}runs/{name}"
+    ten_minutes = recipe == E2E and not shared and budget == "1/2"  # that race's per-layer run, measured there
+    return f"{T if ten_minutes else F}runs/{name}"
 
 
 def exported(budget: str) -> str:
@@ -161,7 +161,8 @@ def claims_serving() -> None:
           "(engine.RESAMPLES, a 95% interval)")
     rows = {("1/2", FITTED): ("| 1/2 (96/96) | calibrated, `-fitted100` |", DOMAINS, "behind tie behind behind"),
             ("1/2", E2E): ("| 1/2 (96/96) | + `-e2e32on32768check4096` |", DOMAINS[:2], "behind tie"),
-            ("1/4", FITTED): ("| 1/4 (48/48) | calibrated, `-fitted100` |", DOMAINS, "behind behind behind behind")}
+            ("1/4", FITTED): ("| 1/4 (48/48) | calibrated, `-fitted100` |", DOMAINS, "behind behind behind behind"),
+            ("1/4", E2E): ("| 1/4 (48/48) | + `-e2e32on32768check4096` |", DOMAINS, "behind behind behind behind")}
     for (budget, recipe), (head, domains, words) in rows.items():
         for i, (domain, word) in enumerate(zip(domains, words.split())):
             shown = domain.replace("2048", "2,048")
@@ -169,14 +170,14 @@ def claims_serving() -> None:
             claim(P, f"{head if i == 0 else '| | |'} {shown} | {{:.3f}}x | {{:.3f}}x | {{:.3f}} [{{:.3f}}, {{:.3f}}], "
                      f"{word} |", ppl(b, domain), ppl(a, domain), judged(a, b, domain, word))
 
-    def not_run():
-        if (ROOT / race("1/4", E2E, False)).exists() or (ROOT / race("1/4", E2E, False).replace(T, F)).exists():
-            raise ValueError("the per-layer end-to-end run at 1/4 is there: the page says not run")
-        return []
-    for i, domain in enumerate(DOMAINS):
-        head = "| 1/4 (48/48) | + `-e2e32on32768check4096` |" if i == 0 else "| | |"
-        claim(P, f"{head} {domain.replace('2048', '2,048')} | not run | {{:.3f}}x | |",
-              ppl(race("1/4", E2E, True), domain), Value("smollm2/ten_minutes/runs", not_run))
+    def gaps(recipe):
+        def compute():
+            ratios = [bootstrap(race("1/4", recipe, True), race("1/4", recipe, False), d).mean_difference
+                      for d in DOMAINS]
+            return [100 * min(ratios), 100 * max(ratios)]
+        return Value(f"{F}runs, 1/4, shared against per-layer bands", compute)
+    claim(P, "After the end-to-end fit at 1/4 the shared split is still behind on every domain ({:.0f}-{:.0f}%): the "
+             "end-to-end steps\nnarrow the gap the layer fit leaves ({:.0f}-{:.0f}%)", gaps(E2E), gaps(FITTED))
 
     def aim():
         half = [judged(race("1/2", r, True), race("1/2", r, False), d, w).numbers() for (b, r), (_, ds, ws)
