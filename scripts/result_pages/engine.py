@@ -197,14 +197,18 @@ def seed_pairs(a: str, b: str, key: str = "final_val_loss") -> Value:
     return Value(f"{short(a)} against {short(b)}", compute)
 
 
+def seeds_word(low: float, high: float) -> str:
+    """The verdict of a paired interval over seeds for the first run: ahead below zero, behind above, tie across."""
+    return "ahead" if high < 0 else "behind" if low > 0 else "tie"
+
+
 def seeds_verdict_is(a: str, b: str, word: str, key: str = "best_val_loss") -> Value:
     """No number: ``seed_pairs(a, b, key)``'s verdict for ``a`` must be ``word`` where a sentence says so (ahead:
     the interval below zero, behind: above it, tie: across it), else the claim cannot be computed."""
     pairs = seed_pairs(a, b, key)
 
     def compute():
-        _, low, high = pairs.numbers()
-        found = "ahead" if high < 0 else "behind" if low > 0 else "tie"
+        found = seeds_word(*pairs.numbers()[1:])
         if found != word:
             raise ValueError(f"{pairs.source}: {found} over the seeds, where the page says {word}")
         return []

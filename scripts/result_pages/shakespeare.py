@@ -13,6 +13,7 @@ from result_pages.engine import (
     run,
     seed_pairs,
     seed_runs,
+    seeds_word,
     short,
     strict,
 )
@@ -47,7 +48,7 @@ def claims_shakespeare() -> None:
 
         def compute():
             mean, low, high = pairs.numbers()
-            found = "ahead" if high < 0 else "behind" if low > 0 else "tie"
+            found = seeds_word(low, high)
             if found != verdict:
                 raise ValueError(f"the seeds' verdict is {found}, where the page says {verdict}")
             return [mean, low, high]
