@@ -5,7 +5,7 @@ It is the one corpus whose distribution is the model's own, so a conversion fitt
 than a domain, and it needs no text from the user. ``own_windows`` packs the samples one after another, each as the
 model saw it (its prompt, from the beginning-of-text token, then its continuation through its end-of-text token), and
 cuts the stream into windows that start with the beginning-of-text token, as
-``collab_attn.pretrained.heldout.windows`` cuts a text.
+``collab_attn.texts.windows`` cuts a text.
 """
 
 from __future__ import annotations

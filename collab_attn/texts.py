@@ -1,4 +1,5 @@
-"""Texts to calibrate activation-aware fitting on: a file of one text per line, sampled with a seed.
+"""Texts to calibrate activation-aware fitting on: a file of one text per line, sampled with a seed; a long text cut
+into windows of tokens one after another (``windows``: held-out text, fitting and distillation windows).
 
 Nothing here knows GLUE: ``collab_attn.glue.calibrate.load_texts`` reads a GLUE ``.tsv`` and hands any other file
 to ``read_texts``.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 CALIBRATION_SAMPLES = 512  # texts sampled from a file or a task to calibrate on, unless told otherwise
 DEFAULT_MAX_LENGTH = 128  # tokens per calibration text
@@ -34,3 +36,27 @@ def sample_texts(texts: list, limit: int | None, seed: int) -> list:
         keep = np.sort(np.random.RandomState(seed).choice(len(texts), limit, replace=False))
         texts = [texts[i] for i in keep]
     return texts
+
+
+def windows(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
+    """``count`` consecutive windows of ``length`` tokens (the first one the beginning-of-text token) from the start
+    of ``text``: a (count, length) tensor. Refused when the text is too short, and for fewer than 2 tokens a window
+    or no windows (nothing to predict)."""
+    if type(length) is not int or length < 2 or type(count) is not int or count < 1:
+        raise ValueError(f"windows of length={length!r} x count={count!r}: a window holds the beginning-of-text token "
+                         "and at least one more (length >= 2), and at least one window is asked for (count >= 1)")
+    body = length - 1
+    needed = body * count
+    characters = 8 * needed  # tokenize a prefix that is long enough (a whole corpus takes seconds)
+    while True:
+        ids = tokenizer(text[:characters], add_special_tokens=False).input_ids
+        if len(ids) > needed + 16 or characters >= len(text):  # the tokens near a cut may differ: keep a margin
+            break
+        characters *= 2
+    if len(ids) < needed:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than {count} windows of {length}")
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        raise ValueError("the tokenizer has no beginning-of-text token to start each window with")
+    rows = [[bos] + ids[i * body:(i + 1) * body] for i in range(count)]
+    return torch.tensor(rows)

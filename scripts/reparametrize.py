@@ -13,6 +13,8 @@
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32  # + e2e
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32 \
         collab.e2e_texts=more.txt                                  # the end-to-end fit on other text
+    python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=48 collab.value_rank=48 \
+        collab.fit_steps=150 collab.distill_steps=32               # then every weight distilled from the original
 
 The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
 labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
@@ -23,7 +25,11 @@ then trains all the converted layers together that many steps to give the origin
 (``collab_attn.fit_end_to_end``), or with ``collab.e2e_texts`` on 16 texts of that file per step (more text: on
 SmolLM2, 65,536 fitting tokens of which 49,152 were new gained more than passes over the calibration texts,
 experiments/smollm2/LOG.md, "Long layer fits, then end to end on fresh text"); its report is saved under
-``end_to_end``.
+``end_to_end``. ``collab.distill_steps`` then trains every weight of a decoder (embeddings, MLPs and norms too) that
+many steps on the original's next-token distributions (``collab_attn.pretrained.distill``: the KL, 4 windows a step,
+one pass), on the windows of own text the end-to-end fit reads or on windows of ``collab.calibration_max_length``
+tokens cut from ``collab.e2e_texts`` (else the calibration texts); its report is saved under ``distillation``. The
+converted model is then no longer the original with new attention layers: every weight moved.
 
 With ``collab.fit_steps`` or ``collab.e2e_steps`` and no ``collab.calibration``, a decoder is calibrated and fitted on
 the model's own samples
@@ -48,6 +54,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,8 +67,10 @@ from collab_attn.files import atomic_directory
 from collab_attn.fitting.end_to_end import fit_end_to_end
 from collab_attn.fitting.layer_fit import fit_to_original
 from collab_attn.glue.calibrate import (
+    OWN_BATCH,
     calibrate,
     check_calibration,
+    distill_windows,
     end_to_end_batches,
     end_to_end_held_out,
     fit_batches,
@@ -77,6 +86,7 @@ from collab_attn.models.families import family_of
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings
+from collab_attn.pretrained.distill import Distillation, distill
 from collab_attn.serving import export
 
 log = logging.getLogger("reparametrize")
@@ -155,6 +165,10 @@ def check(settings: dict) -> tuple[MethodSettings, str]:
         raise cli.BadInput(f"collab.calibration=own (what collab.fit_steps and collab.e2e_steps read without "
                            f"collab.calibration) samples the model's own text, which {config.model_type}, an encoder, "
                            "does not write: set collab.calibration to a text file or a GLUE train.tsv/dev.tsv")
+    if method.distill_steps and not family_of(config).decoder:
+        raise cli.BadInput(f"collab.distill_steps={method.distill_steps} distils the original's next-token "
+                           f"distributions, which {config.model_type}, an encoder, does not give: fit its attention "
+                           "with collab.fit_steps and collab.e2e_steps, or set collab.distill_steps=null")
     check_export(settings, method, config)
     cli.output_dir("output_dir", settings["output_dir"], overwrite=cli.boolean("overwrite", settings["overwrite"]))
     cli.integer("seed", settings["seed"], 0)
@@ -221,6 +235,15 @@ def compare_generation(original, converted, tokenizer, prompts, max_new_tokens: 
     return {"prompts": rows, "max_abs_diff": max(r["logits_max_abs_diff"] for r in rows)}
 
 
+def distilled(model, original, rows: torch.Tensor, seed: int) -> Distillation:
+    """``model`` distilled from ``original`` on ``rows`` (``OWN_BATCH`` windows a step, one pass), every weight
+    trained; its checkpoints go to a temporary folder, removed at the end (a one-call conversion restarts)."""
+    with tempfile.TemporaryDirectory(prefix="distill-") as folder:
+        run = distill(model, original, rows, Path(folder) / "checkpoints", OWN_BATCH, seed=seed,
+                      checkpoint_every=None)
+    return Distillation(int(rows.numel()), len(rows), run.seconds, run.history)
+
+
 def run(cfg: DictConfig) -> dict:
     """Convert ``cfg.model``, compare it with the original, save it to ``cfg.output_dir``; return the report."""
     start = time.perf_counter()
@@ -252,6 +275,11 @@ def run(cfg: DictConfig) -> dict:
                                     steps=method.e2e_steps, seed=settings["seed"],
                                     held_out=end_to_end_held_out(method, own))
         print(end_to_end.table())
+    distillation = None
+    if method.distill_steps:  # then every weight, to give the original's next-token distributions
+        distillation = distilled(model, original, distill_windows(tokenizer, method, settings["seed"], own),
+                                 settings["seed"])
+        print(distillation.table())
 
     if is_decoder(model):
         comparison = compare_generation(
@@ -287,6 +315,7 @@ def run(cfg: DictConfig) -> dict:
     }
     result["fit"] = None if fit is None else fit.to_dict()
     result["end_to_end"] = None if end_to_end is None else end_to_end.to_dict()
+    result["distillation"] = None if distillation is None else distillation.to_dict()
     result["wall_seconds"] = {"own_text": sampling if own is not None else None,  # sampling the original's text
                               "before_saving": time.perf_counter() - start}  # from the call to the model's saving
 

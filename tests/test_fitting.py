@@ -248,8 +248,17 @@ def test_fit_steps_in_the_method_settings():
     fresh = MethodSettings.from_config({**group, "e2e_steps": 32, "e2e_texts": "fresh.txt"})  # collab.e2e_texts
     assert fresh.e2e_texts == "fresh.txt" and MethodSettings.from_config(fresh.to_group()) == fresh
     assert both.to_group()["e2e_texts"] is None
-    with pytest.raises(ValueError, match="collab.e2e_texts=fresh.txt is what the end-to-end fit trains on"):
+    with pytest.raises(ValueError, match="collab.e2e_texts=fresh.txt is what the end-to-end fit and the distillation "
+                                         "train on"):
         MethodSettings.from_config({**group, "e2e_texts": "fresh.txt"})
+    distilled = MethodSettings.from_config({**group, "distill_steps": 16, "e2e_texts": "fresh.txt"})  # the same rules
+    assert distilled.distill_steps == 16 and MethodSettings.from_config(distilled.to_group()) == distilled
+    assert MethodSettings.from_config({"method": "cp", "rank": 8, "distill_steps": 5}).calibration.from_own
+    assert MethodSettings.from_config({**group, "distill_steps": 0}).distill_steps is None
+    with pytest.raises(ValueError, match="collab.distill_steps must be a number of optimizer steps"):
+        MethodSettings.from_config({**group, "distill_steps": True})
+    with pytest.raises(ValueError, match="collab.distill_steps=16: scripts/visualize.py does not fit"):
+        MethodSettings.from_config({**group, "fit_steps": None, "distill_steps": 16}).refuse_fit("scripts/visualize.py")
     with pytest.raises(ValueError, match="collab.e2e_texts must be a file path or null"):
         MethodSettings.from_config({**group, "e2e_steps": 32, "e2e_texts": 7})
 

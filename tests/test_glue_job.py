@@ -81,6 +81,8 @@ def test_validate_returns_the_job():
          "collab.fit_steps=5: the GLUE pipeline does not fit the converted layers"),
         (["collab.calibration=x.txt", "collab.e2e_steps=5"], ValueError,
          "collab.e2e_steps=5: the GLUE pipeline does not fit the converted layers"),
+        (["collab.calibration=x.txt", "collab.distill_steps=5"], ValueError,
+         "collab.distill_steps=5: the GLUE pipeline does not fit the converted layers"),
         (["+trainer.learning_rat=1e-4"], ValueError, "trainer.learning_rat is not a transformers.TrainingArguments"),
         (["trainer.per_device_train_batch_size=0"], ValueError, "trainer.per_device_train_batch_size must be a"),
         (["refit.max_steps=0"], ValueError, "refit.max_steps must be a positive number of steps or -1"),

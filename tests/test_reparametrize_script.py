@@ -19,9 +19,13 @@ from omegaconf import OmegaConf
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import collab_attn
+import collab_attn.glue.calibrate as calibrate_module
+from collab_attn import cli
 from collab_attn.decomposition.cp_als import DEFAULT_TOL
 from collab_attn.models.checkpoints import load_model_and_tokenizer, resolve_model
 from collab_attn.models.hf import forward_inputs
+from collab_attn.models.settings import MethodSettings
+from collab_attn.texts import windows
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -53,7 +57,8 @@ def test_default_config_composes_and_resolves():
     assert dict(cfg.collab) == {
         "method": "cp", "rank": 192, "value_rank": None, "init": "svd", "n_iter_max": 100, "tol": DEFAULT_TOL,
         "budget": None, "solver": "implicit", "calibration": None, "calibration_samples": None,
-        "calibration_max_length": None, "fit_steps": None, "e2e_steps": None, "e2e_texts": None, "bands": None,
+        "calibration_max_length": None, "fit_steps": None, "e2e_steps": None, "e2e_texts": None, "distill_steps": None,
+        "bands": None,
     }
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert resolved["output_dir"].startswith("outputs/reparametrized/cp-")
@@ -313,9 +318,80 @@ def test_the_end_to_end_fit_trains_on_its_own_texts(tmp_path):
     assert many["end_to_end"]["tokens"] == 40 * per_text  # fewer texts than the steps take: all of them
 
 
+def test_distill_steps_train_every_weight_toward_the_original(tmp_path):
+    """collab.distill_steps: after the conversion (and any fit), every weight of the decoder trained on the original's
+    next-token distributions, 4 windows of collab.calibration_max_length tokens a step cut one after another from
+    the texts: the KL to the original on those windows falls, and weights the conversion does not touch move."""
+    checkpoint = tiny_gpt2(tmp_path / "gpt2")
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("".join(f"the {w} cat sat on the mat and then it ran home\n" for w in ("red", "old", "big")
+                                   * 8))
+    common = ("collab.rank=12", "collab.value_rank=12", f"collab.calibration={calibration}",
+              "collab.calibration_max_length=32", "compare_prompts=[the cat sat]")
+    plain = script.run(config_for_decoder(checkpoint, tmp_path / "plain", *common))
+    both = script.run(config_for_decoder(checkpoint, tmp_path / "distilled", *common, "collab.distill_steps=6"))
+    assert plain["distillation"] is None and both["config"]["collab"]["distill_steps"] == 6
+    assert both["distillation"]["windows"] == 24 and both["distillation"]["tokens"] == 24 * 32
+    assert any("loss" in row for row in both["distillation"]["history"])
+    rows = windows(character_tokenizer(), "\n".join(calibration.read_text().splitlines()), 32, 24)
+    original = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    models = {name: AutoModelForCausalLM.from_pretrained(tmp_path / name).eval() for name in ("plain", "distilled")}
+    with torch.no_grad():
+        target = original(rows).logits.log_softmax(-1)
+        kl = {name: torch.nn.functional.kl_div(m(rows).logits.log_softmax(-1), target, log_target=True,
+                                               reduction="batchmean").item() for name, m in models.items()}
+    assert kl["distilled"] < kl["plain"]
+    embeddings = [m.transformer.wte.weight for m in (models["plain"], models["distilled"])]
+    assert torch.equal(embeddings[0], original.transformer.wte.weight)  # the conversion leaves them
+    assert not torch.equal(embeddings[1], embeddings[0])  # the distillation trains them
+
+
+def test_own_text_holds_the_distillation_windows(monkeypatch):
+    """With own text, the original is sampled once for every fit: the distillation's windows too (the first
+    collab.distill_steps x 4, those the end-to-end fit reads)."""
+    asked = []
+    monkeypatch.setattr(calibrate_module, "own_windows",
+                        lambda model, tokenizer, length, count, seed: asked.append(count) or torch.zeros(count, length))
+    group = {"method": "key-svd", "rank": 8, "fit_steps": 5}
+    for extra, count in (({}, 64), ({"e2e_steps": 20}, 96), ({"distill_steps": 40}, 160),
+                         ({"e2e_steps": 20, "distill_steps": 10}, 96)):
+        method = MethodSettings.from_config({**group, **extra})
+        own = calibrate_module.own_text(None, None, method, seed=0)
+        assert asked[-1] == count
+        if method.distill_steps:
+            assert len(calibrate_module.distill_windows(None, method, 0, own)) == 4 * method.distill_steps
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["collab.distill_steps=400", "collab.calibration=TEXTS"], "collab.distill_steps=400 reads 1600 windows of 128 "
+                                                                "tokens .* give fewer steps or more text"),
+    (["collab.distill_steps=-1"], "collab.distill_steps must be a number of optimizer steps"),
+])
+def test_distill_settings_are_checked_before_anything_is_written(tmp_path, extra, message):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the cat sat on the mat\n" * 4)
+    checkpoint = tiny_gpt2(tmp_path / "gpt2")
+    cfg = config_for_decoder(checkpoint, tmp_path / "out", "collab.rank=12", "collab.value_rank=12",
+                             *[e.replace("TEXTS", str(texts)) for e in extra])
+    with pytest.raises((ValueError, cli.BadInput), match=message):
+        script.run(cfg)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_encoder_is_not_distilled(tmp_path, minilm_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("The museum opens at ten.\n" * 4)
+    cfg = config("collab.rank=128", f"collab.calibration={texts}", "collab.distill_steps=2",
+                 f"output_dir={tmp_path / 'out'}")
+    with pytest.raises(cli.BadInput, match="collab.distill_steps=2 distils the original's next-token distributions, "
+                                           "which bert, an encoder, does not give"):
+        script.run(cfg)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("extra, error, message", [
-    (["collab.e2e_texts=TEXTS"], ValueError, "collab.e2e_texts=.* is what the end-to-end fit trains on: set "
-                                             "collab.e2e_steps too"),
+    (["collab.e2e_texts=TEXTS"], ValueError, "collab.e2e_texts=.* is what the end-to-end fit and the distillation "
+                                             "train on: set collab.e2e_steps or collab.distill_steps too"),
     (["collab.e2e_steps=3", "collab.e2e_texts=/no/fresh.txt"], FileNotFoundError,
      "collab.e2e_texts=/no/fresh.txt: no such file"),
     (["collab.e2e_steps=3", "collab.e2e_texts=FOLDER"], ValueError, "collab.e2e_texts=.* is a folder"),

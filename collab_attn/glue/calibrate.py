@@ -21,7 +21,7 @@ from collab_attn.fitting.calibration import calibration_from_texts, collect_cali
 from collab_attn.glue.tasks import get_task, task_texts
 from collab_attn.models.settings import MethodSettings
 from collab_attn.own_text import own_windows
-from collab_attn.texts import CALIBRATION_SAMPLES, read_texts
+from collab_attn.texts import CALIBRATION_SAMPLES, read_texts, windows
 
 log = logging.getLogger(__name__)
 GLUE_SPLITS = {"train.tsv": "train", "dev.tsv": "validation"}  # the GLUE files a calibration source may be
@@ -91,6 +91,8 @@ def own_text(model, tokenizer, method: MethodSettings, seed: int) -> torch.Tenso
     count = settings.samples
     if method.e2e_steps and method.e2e_texts is None:
         count = max(count, (method.e2e_steps + OWN_HELD_OUT) * OWN_BATCH)
+    if method.distill_steps and method.e2e_texts is None:
+        count = max(count, method.distill_steps * OWN_BATCH)
     return own_windows(model, tokenizer, settings.max_length, count, seed=seed)
 
 
@@ -157,3 +159,22 @@ def end_to_end_held_out(method: MethodSettings, own=None) -> list[dict] | None:
         return None
     start = method.e2e_steps * OWN_BATCH
     return _own_batches(own[start:start + OWN_HELD_OUT * OWN_BATCH])
+
+
+def distill_windows(tokenizer, method: MethodSettings, seed: int, own=None) -> torch.Tensor:
+    """What ``collab.distill_steps`` reads, ``OWN_BATCH`` windows a step (``collab_attn.pretrained.distill``): with own
+    text (and no ``collab.e2e_texts``), its first windows, those the end-to-end fit reads; else windows of
+    ``collab.calibration_max_length`` tokens cut from the texts of ``collab.e2e_texts`` (else ``collab.calibration``)
+    one after another, so that no position is padding. Refused when the texts hold too few tokens."""
+    count = method.distill_steps * OWN_BATCH
+    if method.e2e_texts is None and own is not None:
+        return own[:count]
+    source = method.e2e_texts or method.calibration.source
+    texts = load_texts(source, seed=seed, limit=None)
+    text = "\n".join(t if isinstance(t, str) else " ".join(t) for t in texts)
+    length = method.calibration.max_length
+    try:
+        return windows(tokenizer, text, length, count)
+    except ValueError as err:
+        raise cli.BadInput(f"collab.distill_steps={method.distill_steps} reads {count} windows of {length} tokens "
+                           f"({OWN_BATCH} a step) from {source}: {err}; give fewer steps or more text") from None

@@ -135,6 +135,7 @@ def group_keys(method: ConversionMethod) -> dict:
         keys["fit_steps"] = None  # fit_to_original on the calibration texts after the conversion (null or 0: off)
         keys["e2e_steps"] = None  # then fit_end_to_end on the same texts (null or 0: off)
         keys["e2e_texts"] = None  # fit_end_to_end on these texts instead (a file; null: the calibration texts)
+        keys["distill_steps"] = None  # then every weight distilled from the original (decoders; null or 0: off)
     if method.needs_importance:
         fields = _defaults(ImportanceSettings)
         keys.update({key: fields[field] for key, field in IMPORTANCE_KEYS.items()})
@@ -165,6 +166,9 @@ class MethodSettings:
     # the texts of that end-to-end fit instead of the calibration texts (a text file or a GLUE train.tsv/dev.tsv):
     # fresh text, one batch of it per step; None: the calibration texts
     e2e_texts: str | None = None
+    # then every weight of the converted model (a decoder) trained this many steps on the original's next-token
+    # distributions, on windows of the same texts (collab_attn.pretrained.distill); None: no distillation
+    distill_steps: int | None = None
     # rotary models (cp, tucker, key-svd): "per-layer" splits of the shared pairs among the bands, or "shared": one
     # split for every layer (what a standard checkpoint holds: collab_attn.export)
     bands: str = "per-layer"
@@ -205,14 +209,15 @@ class MethodSettings:
             raise ValueError(f"collab.{err}") from err
         calibration = None
         if method.calibrated and (given.get("calibration") is not None or given.get("fit_steps")
-                                  or given.get("e2e_steps")):  # a fit without texts reads the model's own
+                                  or given.get("e2e_steps") or given.get("distill_steps")):  # else own text
             calibration = CalibrationSettings(**{"source": OWN_TEXT} | {
                 f: given[k] for k, f in CALIBRATION_KEYS.items() if k in given})
         importance = None
         if method.needs_importance:
             importance = ImportanceSettings(**{f: given[k] for k, f in IMPORTANCE_KEYS.items() if k in given})
         steps = {}
-        for key, what in (("fit_steps", "steps per layer"), ("e2e_steps", "optimizer steps")):
+        for key, what in (("fit_steps", "steps per layer"), ("e2e_steps", "optimizer steps"),
+                          ("distill_steps", "optimizer steps")):
             value = given.get(key)
             if value is not None and not (type(value) is int and value >= 0):
                 raise ValueError(f"collab.{key} must be a number of {what} (0 or null: no fit), got {value!r}")
@@ -254,12 +259,19 @@ class MethodSettings:
             if self.calibration is None:
                 raise ValueError(f"collab.e2e_steps={self.e2e_steps} fits the converted layers on the calibration "
                                  "texts: set collab.calibration too (a text file or a GLUE train.tsv/dev.tsv)")
+        if self.distill_steps is not None:
+            if not (type(self.distill_steps) is int and self.distill_steps > 0):
+                raise ValueError(f"collab.distill_steps must be a positive number of optimizer steps or null, got "
+                                 f"{self.distill_steps!r}")
+            if self.calibration is None:
+                raise ValueError(f"collab.distill_steps={self.distill_steps} distils on the calibration texts: set "
+                                 "collab.calibration too (a text file, a GLUE train.tsv/dev.tsv or own)")
         if self.e2e_texts is not None:
             if not (isinstance(self.e2e_texts, str) and self.e2e_texts.strip()):
                 raise ValueError(f"collab.e2e_texts must be a file path or null, got {self.e2e_texts!r}")
-            if self.e2e_steps is None:
-                raise ValueError(f"collab.e2e_texts={self.e2e_texts} is what the end-to-end fit trains on: set "
-                                 "collab.e2e_steps too, or collab.e2e_texts=null")
+            if self.e2e_steps is None and self.distill_steps is None:
+                raise ValueError(f"collab.e2e_texts={self.e2e_texts} is what the end-to-end fit and the distillation "
+                                 "train on: set collab.e2e_steps or collab.distill_steps too, or collab.e2e_texts=null")
         if self.bands not in BANDS:
             raise ValueError(f"collab.bands must be one of {', '.join(BANDS)}, got {self.bands!r}")
         if self.bands != "per-layer" and not method.rotary_budgets:
@@ -291,7 +303,7 @@ class MethodSettings:
         for settings, keys in ((self.calibration, CALIBRATION_KEYS), (self.importance, IMPORTANCE_KEYS)):
             if settings is not None:
                 group.update({key: getattr(settings, field) for key, field in keys.items()})
-        for key in ("fit_steps", "e2e_steps", "e2e_texts"):
+        for key in ("fit_steps", "e2e_steps", "e2e_texts", "distill_steps"):
             if getattr(self, key) is not None:
                 group[key] = getattr(self, key)
         return group
@@ -348,9 +360,9 @@ class MethodSettings:
         return {"rank": self.rank_request, "method": self.method, **shared, **bands, **dataclasses.asdict(self.options)}
 
     def refuse_fit(self, entry_point: str) -> None:
-        """For an entry point that does not fit the converted layers to the original: refuse ``collab.fit_steps``
-        and ``collab.e2e_steps`` rather than ignore them."""
-        for key in ("fit_steps", "e2e_steps"):
+        """For an entry point that does not fit the converted layers to the original: refuse ``collab.fit_steps``,
+        ``collab.e2e_steps`` and ``collab.distill_steps`` rather than ignore them."""
+        for key in ("fit_steps", "e2e_steps", "distill_steps"):
             if getattr(self, key):
                 raise ValueError(f"collab.{key}={getattr(self, key)}: {entry_point} does not fit the converted layers "
                                  f"to the original; convert with scripts/reparametrize.py (which does), or set "

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from collab_attn.distillation import DistillationTrainer, DistillSettings
-from collab_attn.pretrained.heldout import DOMAINS, FIT_DOMAINS, OWN, texts, windows
+from collab_attn.pretrained.heldout import DOMAINS, FIT_DOMAINS, OWN, texts
+from collab_attn.texts import windows
 from collab_attn.training import TrainingRun, train
 
 TEACHER_ONLY = DistillSettings(alpha=0.0, temperature=1.0)

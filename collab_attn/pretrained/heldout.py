@@ -65,6 +65,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from collab_attn.texts import windows
+
 DOMAINS = ("wikipedia", "shakespeare")  # the race's default fitting mixture and validation domains
 FIT_DOMAINS = (*DOMAINS, "code")  # fitted on, chosen on (validation) and tested on
 TEST_DOMAINS = (*FIT_DOMAINS, "docs")  # docs: the test split only
@@ -194,30 +196,6 @@ def texts(domain: str, split: str, glue_dir: str | Path | None = None,
         return text[:int(0.9 * len(text))]
     validation, _, test = _evaluation_parts(domain, glue_dir, shakespeare)
     return validation if split == "validation" else test
-
-
-def windows(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
-    """``count`` consecutive windows of ``length`` tokens (the first one the beginning-of-text token) from the start
-    of ``text``: a (count, length) tensor. Refused when the text is too short, and for fewer than 2 tokens a window
-    or no windows (nothing to predict)."""
-    if type(length) is not int or length < 2 or type(count) is not int or count < 1:
-        raise ValueError(f"windows of length={length!r} x count={count!r}: a window holds the beginning-of-text token "
-                         "and at least one more (length >= 2), and at least one window is asked for (count >= 1)")
-    body = length - 1
-    needed = body * count
-    characters = 8 * needed  # tokenize a prefix that is long enough (a whole corpus takes seconds)
-    while True:
-        ids = tokenizer(text[:characters], add_special_tokens=False).input_ids
-        if len(ids) > needed + 16 or characters >= len(text):  # the tokens near a cut may differ: keep a margin
-            break
-        characters *= 2
-    if len(ids) < needed:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than {count} windows of {length}")
-    bos = tokenizer.bos_token_id
-    if bos is None:
-        raise ValueError("the tokenizer has no beginning-of-text token to start each window with")
-    rows = [[bos] + ids[i * body:(i + 1) * body] for i in range(count)]
-    return torch.tensor(rows)
 
 
 def window_count(tokenizer, text: str, length: int) -> int:
