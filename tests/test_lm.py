@@ -134,7 +134,7 @@ def test_a_tiny_model_learns(text_file, tmp_path):
     assert curve[-1]["val_loss"] < curve[0]["val_loss"] - 0.5
 
 
-def test_concat_and_collab_at_full_key_size_with_block_mixing_compute_the_same_logits():
+def test_concat_and_collab_at_full_rank_with_block_mixing_compute_the_same_logits():
     concat = models.build_model(models.gpt_config(30, 16, 2, 4, 32), 0).eval()
     ids = torch.randint(0, 30, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -194,6 +194,7 @@ def test_the_script_writes_each_run_once_and_a_rerun_skips_it(text_file, tmp_pat
     names = sorted(p.stem for p in (out / "runs").glob("*.json"))
     assert names == ["collab-k16-seed0", "collab-k4-seed0", "concat-k16-seed0", "concat-k4-seed0"]
     record = json.loads((out / "runs" / "collab-k4-seed0.json").read_text())
+    assert record["rank"] == 4 and "key_size" not in record  # the new name
     assert record["best_val_loss"] == min(p["val_loss"] for p in record["curve"]) and record["tokens_per_second"] > 0
     assert [p["step"] for p in record["curve"]] == [0, 3, 6] and len(record["sample"]) == 20
     assert (out / "models" / "concat-k16-seed0" / "config.json").is_file()
@@ -251,6 +252,10 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     assert load_script("convert_lm").run(convert) == records  # a rerun skips every result
     stored = train_dir / "convert" / "runs" / "svd-k4.json"
     svd = stored.read_text()
+    assert json.loads(svd)["rank"] == 4 and "key_size" not in json.loads(svd)  # new runs write the new name
+    old = {("key_size" if k == "rank" else k): v for k, v in json.loads(svd).items()}
+    stored.write_text(json.dumps(old))  # as a run stored before the rename: still reused
+    assert load_script("convert_lm").run(convert) == records
     stored.write_text(json.dumps({**json.loads(svd), "rank": 8}))  # not what a run named svd-k4 makes
     with pytest.raises(ValueError, match=r"svd-k4.json was made with different settings \(rank\)"):
         load_script("convert_lm").run(convert)
@@ -447,7 +452,7 @@ def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, 
     (["attention=mla", "latent_size=48"], ("mla", 48)),
     (["attention=collab", "rank=96"], ("collab", 96)),
 ])
-def test_kv_heads_and_latent_size_name_the_key_size(overrides, expected):
+def test_kv_heads_and_latent_size_name_the_rank(overrides, expected):
     settings = OmegaConf.to_container(compose_cfg("train_lm", ["seed=2", *overrides]), resolve=True)
     assert runs.runs_of(settings) == [(*expected, 2)]
 
