@@ -22,7 +22,7 @@ def _model(kind="concat", rank=8, seed=0, **sizes) -> ScratchForSequenceClassifi
     return ScratchForSequenceClassification(ScratchConfig(attention=kind, rank=rank, **sizes))
 
 
-def test_concatenated_heads_are_multi_head_attention_and_equal_it_at_full_key_size():
+def test_concatenated_heads_are_multi_head_attention_and_equal_it_at_full_rank():
     full, small = _model("concat", 32).eval().layers[0].attention, _model("concat", 8).layers[0].attention
     assert type(full) is MultiHeadAttention and type(small) is MultiHeadAttention
     assert type(_model("collab", 8).layers[0].attention) is CollaborativeAttention
