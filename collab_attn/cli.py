@@ -60,6 +60,22 @@ def integer(name: str, value, minimum: int | None = None, nullable: bool = False
     return value
 
 
+def renamed(settings: dict, old: str, new: str) -> dict:
+    """Take the deprecated setting ``old`` as ``new`` (``collab_attn.deprecation``), in place: a value given under
+    ``old`` moves to ``new`` with a ``FutureWarning``; both given different values is refused. The configs keep
+    ``old: null`` so that ``old=...`` still parses on a command line; ``settings`` holds ``new`` only afterwards."""
+    from collab_attn.deprecation import conflict, warn_renamed
+
+    value = settings.pop(old, None)
+    if value is None:
+        return settings
+    if settings.get(new) is not None and settings[new] != value:
+        raise BadInput(conflict(old, new, value, settings[new]))
+    warn_renamed(old, new, "setting", stacklevel=3)
+    settings[new] = value
+    return settings
+
+
 def positive_int(name: str, value, nullable: bool = False) -> int | None:
     """A size, a count, a number of steps: an integer > 0 (zero and negative sizes are refused, never defaulted)."""
     return integer(name, value, 1, nullable)

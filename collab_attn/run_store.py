@@ -9,8 +9,9 @@ a run of several stages (a GLUE job: fine-tuned, reparametrized, re-fine-tuned),
 ``<output_dir>/.checkpoints/<name>`` (a staged run: ``runs/<name>/.checkpoints``) meanwhile.
 
 ``read_results`` reads every result file of a sweep for its summary, each checked to be one; ``learning_curve``
-reads a Trainer log history into one point per evaluation; ``key_sizes_for`` is every sweep's default grid of key
-sizes; ``mean_std`` and ``mean_curve`` the spread over seeds that every table and plot reports.
+reads a Trainer log history into one point per evaluation; ``ranks_for`` is every sweep's default grid of ranks
+(query/key widths); ``current_names`` reads a record stored under an old field name (``key_size``) as one written
+now (``rank``); ``mean_std`` and ``mean_curve`` the spread over seeds that every table and plot reports.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class RunStore:
         if not path.exists():
             return None
         stored = cli.json_file("output_dir", path, lines=self.staged)
+        stored = [current_names(r) for r in stored] if self.staged else current_names(stored)
         wanted = {**({"signature": self.signature} if self.signature is not None else {}), **(expected or {})}
         for record in stored if self.staged else [stored]:
             differs = [key for key in wanted if not isinstance(record, dict) or record.get(key) != wanted[key]]
@@ -67,6 +69,18 @@ class RunStore:
         return path
 
 
+def current_names(record):
+    """``record`` with its fields under their current names: a record written before a field was renamed
+    (``key_size``, now ``rank``: ``collab_attn.deprecation.RENAMED``) reads as one written now, the field in its
+    place. Committed records are read this way, never rewritten; anything but an object is returned as it is."""
+    from collab_attn.deprecation import RENAMED
+
+    if not isinstance(record, dict) or not any(old in record for old in RENAMED):
+        return record
+    return {RENAMED.get(key, key) if RENAMED.get(key, key) not in record else key: value
+            for key, value in record.items()}
+
+
 def read_results(
     argument: str, root: str | Path, pattern: str, keys: Collection[str], script: str,
     accept: Callable[[dict], bool] = lambda record: True,
@@ -79,6 +93,7 @@ def read_results(
         lines = path.suffix == ".jsonl"
         stored = cli.json_file(argument, path, lines=lines)
         for number, record in enumerate(stored if lines else [stored], 1):
+            record = current_names(record)
             why = _not_a_result(record, keys, accept)
             if why:
                 where = f", result {number}," if lines else ""
@@ -117,11 +132,11 @@ def learning_curve(history: Sequence[dict], evaluated: Mapping[str, str], logged
     return [points[step] for step in sorted(points)]
 
 
-def key_sizes_for(width: int, key_sizes: Sequence[int] | None) -> list[int]:
-    """The key sizes of a sweep: as given (positive integers), or ``width``, ``/2``, ``/4``, ``/8``."""
-    if key_sizes is None:
+def ranks_for(width: int, ranks: Sequence[int] | None) -> list[int]:
+    """The ranks (query/key widths) of a sweep: as given (positive integers), or ``width``, ``/2``, ``/4``, ``/8``."""
+    if ranks is None:
         return [width // div for div in (1, 2, 4, 8)]
-    return [cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", key_sizes)]
+    return [cli.positive_int("ranks", k) for k in cli.nonempty_list("ranks", ranks)]
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

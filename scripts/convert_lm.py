@@ -3,10 +3,10 @@ SVD-truncated heads and head pruning; validation loss without and after a short 
 (configs/convert_lm.yaml, collab_attn/char_lm/convert.py).
 
     python scripts/convert_lm.py train_dir=experiments/shakespeare_char/cpu
-    python scripts/convert_lm.py train_dir=experiments/shakespeare_char/cpu 'methods=[svd]' 'key_sizes=[64]'
+    python scripts/convert_lm.py train_dir=experiments/shakespeare_char/cpu 'methods=[svd]' 'ranks=[64]'
 
-Finished (method, key size) results are skipped; run the same command again to resume.
-Every setting, the trained model and the whole (method, key size) grid are checked before anything is written: bad
+Finished (method, rank) results are skipped; run the same command again to resume.
+Every setting, the trained model and the whole (method, rank) grid are checked before anything is written: bad
 input exits with status 2 and one ``error: ...`` line (collab_attn/cli.py).
 """
 

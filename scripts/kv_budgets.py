@@ -5,7 +5,7 @@
     python scripts/kv_budgets.py --recipe gpu --fractions 0.25
     python scripts/kv_budgets.py --positions rope     # the rotary variants (issue 69), tensor product attention too
 
-Prints two Markdown tables: per target fraction and variant, the key_size closest to it and the ratio reached.
+Prints two Markdown tables: per target fraction and variant, the rank closest to it and the ratio reached.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (configs/train_lm.yaml, configs/recipe/{cpu,gpu}.yaml, collab_attn/char_lm/).
 
     python scripts/train_lm.py                                                   # cpu recipe, concatenated, seed 0
-    python scripts/train_lm.py recipe=gpu attention=collab key_size=192 seed=1
+    python scripts/train_lm.py recipe=gpu attention=collab rank=192 seed=1
     python scripts/train_lm.py mode=sweep output_dir=experiments/shakespeare_char/cpu
     python scripts/train_lm.py trainer.max_steps=20 trainer.eval_steps=10 eval_iters=2 output_dir=outputs/lm_try
 

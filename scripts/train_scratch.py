@@ -3,7 +3,7 @@ sizes, same budget, several seeds, through the Hugging Face Trainer (see configs
 collab_attn/glue/scratch.py and the model in collab_attn/models/scratch_classifier.py).
 
     python scripts/train_scratch.py output_dir=experiments/scratch_sst2/trainer
-    python scripts/train_scratch.py 'key_sizes=[128,16]' seeds=[0] train.max_steps=100 output_dir=outputs/scratch_try
+    python scripts/train_scratch.py 'ranks=[128,16]' seeds=[0] train.max_steps=100 output_dir=outputs/scratch_try
 
 Each run's result JSON appears only when the run has finished, and a run whose JSON exists is skipped, so an
 interrupted sweep resumes by running the same command again (the interrupted run from its last checkpoint, every

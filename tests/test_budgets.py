@@ -19,12 +19,12 @@ def test_candidate_sizes_are_what_each_variant_takes():
     assert budgets.candidate_sizes("mla", 128, 4) == list(range(1, 129))
 
 
-@pytest.mark.parametrize("kind, key_size", [("concat", 64), ("collab", 16), ("collab-kv", 30), ("gqa", 64), ("mqa", 32),
+@pytest.mark.parametrize("kind, rank", [("concat", 64), ("collab", 16), ("collab-kv", 30), ("gqa", 64), ("mqa", 32),
                                            ("mla", 48)])
-def test_costs_on_the_meta_device_equal_a_real_model(kind, key_size):
-    values = {"value_size": key_size} if kind == "collab-kv" else {}
-    real = build_model(gpt_config(2, 8, **CPU, kind=kind.removesuffix("-kv"), key_size=key_size, **values), seed=0)
-    meta = budgets.sized(kind, key_size, CPU)
+def test_costs_on_the_meta_device_equal_a_real_model(kind, rank):
+    values = {"value_size": rank} if kind == "collab-kv" else {}
+    real = build_model(gpt_config(2, 8, **CPU, kind=kind.removesuffix("-kv"), rank=rank, **values), seed=0)
+    meta = budgets.sized(kind, rank, CPU)
     assert (meta.cache_bytes, meta.attention_params) == (cache_bytes(real), parameter_counts(real)["attention_params"])
 
 
@@ -33,11 +33,11 @@ def test_a_quarter_of_the_cache():
     original = budgets.sized("concat", 128, CPU).cache_bytes
     assert original == 4 * 2 * 128 * 2  # 4 layers, keys and values of 128, bf16
     for kind, size in (("gqa", 32), ("mqa", 32), ("mla", 64)):
-        assert rows[kind].sized.key_size == size and rows[kind].ratio == 0.25 and rows[kind].reached
+        assert rows[kind].sized.rank == size and rows[kind].ratio == 0.25 and rows[kind].reached
     # keys-only collaboration keeps per-head values: half the cache at least, whatever its key size
     assert not rows["collab"].reached and rows["collab"].ratio > 0.5
     # sharing the values too: 30 + 4 content logits + 30 = 64 numbers per layer, exactly a quarter
-    assert rows["collab-kv"].sized.key_size == 30 and rows["collab-kv"].ratio == 0.25
+    assert rows["collab-kv"].sized.rank == 30 and rows["collab-kv"].ratio == 0.25
     assert rows["collab"].ratio == rows["collab"].sized.cache_bytes / original
 
 
@@ -69,16 +69,16 @@ def test_rotary_sizes_are_what_each_rotary_variant_takes():
     sizes = budgets.all_sizes(CPU, positions="rope")
     assert "tpa" in sizes and "tpa" not in budgets.all_sizes(CPU)
     rows = {row.kind: row for row in budgets.matched(sizes, [0.125], "cache_bytes")}
-    assert rows["collab-kv"].sized.key_size == 16 and rows["collab-kv"].ratio == 0.125  # no content logits
-    assert rows["mla"].sized.key_size == 16 and rows["mla"].ratio == 0.125  # 16 + the rotary key of 16
+    assert rows["collab-kv"].sized.rank == 16 and rows["collab-kv"].ratio == 0.125  # no content logits
+    assert rows["mla"].sized.rank == 16 and rows["mla"].ratio == 0.125  # 16 + the rotary key of 16
     assert not rows["tpa"].reached and rows["tpa"].ratio == 4 * 2 * (4 + 32) * 2 / 2048  # ranks 1 and 1
 
 
-@pytest.mark.parametrize("kind, key_size", [("concat", 128), ("collab-kv", 30), ("gqa", 64), ("mla", 48),
+@pytest.mark.parametrize("kind, rank", [("concat", 128), ("collab-kv", 30), ("gqa", 64), ("mla", 48),
                                            ("tpa", 2)])
-def test_rotary_costs_on_the_meta_device_equal_a_real_model(kind, key_size):
-    values = {"value_size": key_size} if kind == "collab-kv" else {}
-    config = gpt_config(2, 8, **CPU, kind=kind.removesuffix("-kv"), key_size=key_size, positions="rope", **values)
+def test_rotary_costs_on_the_meta_device_equal_a_real_model(kind, rank):
+    values = {"value_size": rank} if kind == "collab-kv" else {}
+    config = gpt_config(2, 8, **CPU, kind=kind.removesuffix("-kv"), rank=rank, positions="rope", **values)
     real = build_model(config, seed=0)
-    meta = budgets.sized(kind, key_size, CPU, "rope")
+    meta = budgets.sized(kind, rank, CPU, "rope")
     assert (meta.cache_bytes, meta.attention_params) == (cache_bytes(real), parameter_counts(real)["attention_params"])

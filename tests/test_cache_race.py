@@ -88,10 +88,10 @@ def test_the_race_sizes_every_method_for_each_budget_and_is_summarized(text_file
     assert f"none, re-trained {records[0]['retrained_val_loss']:.4f}" in labels
 
 
-def test_a_budget_and_key_sizes_together_are_refused(text_file, trained):
+def test_a_budget_and_ranks_together_are_refused(text_file, trained):
     cfg = compose_cfg("convert_lm", [*CONVERT, f"data.path={text_file}", f"train_dir={trained}",
-                                     "key_sizes=[4]", "cache_fractions=[0.5]"])
-    with pytest.raises(cli.BadInput, match="key_sizes and cache_fractions both set"):
+                                     "ranks=[4]", "cache_fractions=[0.5]"])
+    with pytest.raises(cli.BadInput, match="ranks and cache_fractions both set"):
         check(settings_of(cfg))
     cfg = compose_cfg("convert_lm", [*CONVERT, f"data.path={text_file}", f"train_dir={trained}",
                                      "cache_fractions=[0.5,0]"])

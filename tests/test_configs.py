@@ -319,9 +319,9 @@ def _recipe_arrives(primary: str, option: str, values: dict, settings: dict) -> 
     trained = resolved("train_lm", f"recipe={option}")
     assert Path(trained["output_dir"]).name == values["recipe_name"]
     if primary == "train_lm":
-        ((kind, key_size, _),) = lm_runs.runs_of(settings)
+        ((kind, rank, _),) = lm_runs.runs_of(settings)
         config = gpt_config(corpus.vocab_size, settings["block_size"], **settings["model"], kind=kind,
-                            key_size=key_size)
+                            rank=rank)
         assert (config.n_layer, config.n_head, config.n_embd, config.n_positions) == (
             model["n_layer"], model["n_head"], model["n_embd"], values["block_size"])
         assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == model["dropout"]

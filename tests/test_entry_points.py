@@ -49,7 +49,7 @@ def template(tmp_path_factory) -> Path:
     (root / "sweep" / "job").mkdir(parents=True)
     (root / "sweep" / "job" / "results.jsonl").write_text(json.dumps(row) + "\n")
     (root / "scratch" / "sst2" / "runs").mkdir(parents=True)
-    (root / "scratch" / "sst2" / "runs" / "collab-k8-seed0.json").write_text('{"attention": "collab", "key_size": 8}')
+    (root / "scratch" / "sst2" / "runs" / "collab-k8-seed0.json").write_text('{"attention": "collab", "rank": 8}')
     return root
 
 
@@ -75,10 +75,10 @@ def assert_refused(code, err: str, name: str, before: dict, after: dict) -> None
 # and one grid per sweep script
 
 PROCESSES = {
-    "key size zero": ("train_lm", ["key_size=0", "data.path=text.txt"], "key_size"),
+    "key size zero": ("train_lm", ["rank=0", "data.path=text.txt"], "rank"),
     "output_dir is a file (scratch)": ("train_scratch", ["output_dir=afile", "glue_dir=null"], "output_dir"),
-    "grid: a key size one method cannot take": ("convert_lm", [*CONVERT, "methods=[none,cp,svd]", "key_sizes=[5]"],
-                                                "key_sizes"),
+    "grid: a key size one method cannot take": ("convert_lm", [*CONVERT, "methods=[none,cp,svd]", "ranks=[5]"],
+                                                "ranks"),
     "grid: a rank one job cannot take": ("train_glue", ["-m", "task=mrpc,rte", "collab.rank=384,999",
                                                         "data.glue_dir=null"], "collab.rank"),
     "zero heads": ("accounting", ["--heads", "0", "--d-model", "12"], "--heads"),
@@ -137,7 +137,7 @@ CASES = [
     ("train_lm", ["-m", "seed=0,1", "eval_iters=2,-2", "data.path=text.txt"], "eval_iters"),  # one job of a grid
     ("convert_lm", [*CONVERT, "retrain_fraction=2"], "retrain_fraction"),
     ("convert_lm", [*CONVERT, "model_dir=empty"], "model_dir"),
-    ("train_scratch", ["key_sizes=[32,0]", "glue_dir=null"], "key_sizes"),
+    ("train_scratch", ["ranks=[32,0]", "glue_dir=null"], "ranks"),
     ("train_scratch", ["glue_dir=glue", "output_dir=out"], "glue_dir"),  # a binary GLUE split
     ("train_glue", ["trainer.per_device_train_batch_size=0", "data.glue_dir=null"], "per_device_train_batch_size"),
     ("train_glue", ["output_root=afile", "data.glue_dir=null"], "output_root"),
@@ -171,7 +171,7 @@ def test_main_refuses_in_one_line_and_writes_nothing(template, tmp_path, monkeyp
 
 CHECKS = [  # script, its config, its check, a command line, the jobs it makes
     ("train_lm", "train_lm", "check", ["data.path=text.txt"], 1),
-    ("train_lm", "train_lm", "check", ["-m", "data.path=text.txt", "attention=concat,collab", "key_size=16,4"], 4),
+    ("train_lm", "train_lm", "check", ["-m", "data.path=text.txt", "attention=concat,collab", "rank=16,4"], 4),
     ("convert_lm", "convert_lm", "check", CONVERT, 1),
     ("train_scratch", "scratch", "check", ["glue_dir=null"], 1),
     ("train_glue", "train_glue", "validate", ["data.glue_dir=null"], 1),
@@ -236,3 +236,64 @@ def test_anything_raised_while_checking_is_one_line(capsys):
         cli.exit_on_bad_input(lambda: int("x"), report=False)
     assert capsys.readouterr().err == ""
     assert cli.exit_on_bad_input(lambda: 3) == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# Deprecated setting names (collab_attn/deprecation.py): taken as the new one with a FutureWarning, refused beside a
+# new one that disagrees, never ignored
+
+RENAMED_SETTINGS = [  # script, its config, a command line under the old name, the same under the new name, new key
+    ("train_lm", "train_lm", ["data.path=text.txt", "attention=collab", "key_size=8"],
+     ["data.path=text.txt", "attention=collab", "rank=8"], "rank"),
+    ("train_lm", "train_lm", ["data.path=text.txt", "mode=sweep", "key_sizes=[16,4]"],
+     ["data.path=text.txt", "mode=sweep", "ranks=[16,4]"], "ranks"),
+    ("convert_lm", "convert_lm", [*CONVERT, "key_sizes=[4]"], [*CONVERT, "ranks=[4]"], "ranks"),
+    ("train_scratch", "scratch", ["glue_dir=null", "key_sizes=[32,8]"], ["glue_dir=null", "ranks=[32,8]"], "ranks"),
+]
+
+
+def _checked(config: str, args: list[str], check) -> tuple[dict, object]:
+    """The settings ``check`` was given (after it) and what it returned, for the one job of ``args``."""
+    seen = []
+
+    def spy(settings):
+        seen.append((settings, check(settings)))
+
+    assert cli.check_command_line(ROOT / "configs", config, args, spy) == 1
+    return seen[0]
+
+
+@pytest.mark.parametrize("name, config, old, new, key", RENAMED_SETTINGS,
+                         ids=[f"{c[0]} {c[2][-1].split('=')[0]}" for c in RENAMED_SETTINGS])
+def test_a_deprecated_setting_is_taken_as_its_new_name_with_a_warning(template, tmp_path, monkeypatch, name, config,
+                                                                      old, new, key):
+    monkeypatch.chdir(workspace(template, tmp_path / "work"))
+    check = script(name).check
+    deprecated = old[-1].split("=")[0]
+    with pytest.warns(FutureWarning, match=rf"{deprecated} is deprecated .*use {key}; {deprecated} goes in"):
+        settings, planned = _checked(config, old, check)
+    expected_settings, expected = _checked(config, new, check)
+    assert deprecated not in settings and settings[key] == expected_settings[key] is not None
+    assert planned == expected  # the same runs as under the new name
+
+
+REFUSED_SETTINGS = [
+    ("train_lm", ["data.path=text.txt", "key_size=8", "rank=16"], "key_size=8 and rank=16 are both set"),
+    ("train_lm", ["data.path=text.txt", "mode=sweep", "key_sizes=[8]", "ranks=[16]"], "key_sizes=[8] and ranks=[16]"),
+    ("convert_lm", [*CONVERT, "key_sizes=[4]", "ranks=[8]"], "key_sizes=[4] and ranks=[8] are both set"),
+    ("train_scratch", ["glue_dir=null", "key_sizes=[32]", "ranks=[16]"], "key_sizes=[32] and ranks=[16]"),
+]
+
+
+@pytest.mark.parametrize("name, args, message", REFUSED_SETTINGS, ids=[f"{c[0]} {c[1][-2]}" for c in REFUSED_SETTINGS])
+def test_a_deprecated_setting_beside_a_different_new_one_is_refused(template, tmp_path, monkeypatch, capsys, name,
+                                                                     args, message):
+    cwd = workspace(template, tmp_path / "work")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [name, *args])
+    before = snapshot(cwd)
+    with pytest.raises(SystemExit) as stop:
+        script(name).main()
+    err = capsys.readouterr().err
+    assert_refused(stop.value.code, err, message, before, snapshot(cwd))
+    assert "deprecated name of" in err

@@ -98,7 +98,7 @@ def test_every_variant_gets_the_same_batches_with_their_targets(text_file, tmp_p
     keys that are not forward() arguments unless told not to)."""
     settings = settings_for("train_lm", *TINY, f"data.path={text_file}", f"output_dir={tmp_path}")
     corpus = data.load_corpus(text_file)
-    model = models.build_model(models.gpt_config(corpus.vocab_size, 16, 1, 2, 16, kind=kind, key_size=key), 0)
+    model = models.build_model(models.gpt_config(corpus.vocab_size, 16, 1, 2, 16, kind=kind, rank=key), 0)
     blocks = data.train_blocks(corpus, 16, 4, 6, seed=0)
     args = training_args(tmp_path / "ck", 0, runs.trainer_fields(settings, False))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=blocks, data_collator=default_data_collator,
@@ -128,13 +128,13 @@ def test_a_tiny_model_learns(text_file, tmp_path):
     settings = settings_for("train_lm", *TINY, f"data.path={text_file}", f"output_dir={tmp_path}",
                             "trainer.max_steps=40", "trainer.eval_steps=20", "trainer.learning_rate=3e-3")
     corpus = data.load_corpus(text_file)
-    model = models.build_model(models.gpt_config(corpus.vocab_size, 16, 1, 2, 16, kind="collab", key_size=8), 0)
+    model = models.build_model(models.gpt_config(corpus.vocab_size, 16, 1, 2, 16, kind="collab", rank=8), 0)
     run, _ = runs.train_model(settings, corpus, model, 0, tmp_path / "ck", progress=False)
     curve = runs.learning_curve(run.history)
     assert curve[-1]["val_loss"] < curve[0]["val_loss"] - 0.5
 
 
-def test_concat_and_collab_at_full_key_size_with_block_mixing_compute_the_same_logits():
+def test_concat_and_collab_at_full_rank_with_block_mixing_compute_the_same_logits():
     concat = models.build_model(models.gpt_config(30, 16, 2, 4, 32), 0).eval()
     ids = torch.randint(0, 30, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -148,8 +148,8 @@ def test_configs_sizes_and_refusals():
     plain = models.build_model(models.gpt_config(65, 64, 4, 4, 128), 0)
     assert type(plain).__name__ == "GPT2LMHeadModel" and plain.lm_head.weight is plain.transformer.wte.weight
     assert plain.config.activation_function == "gelu" and plain.config.attn_pdrop == 0.0
-    narrow = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="concat", key_size=32), 0)
-    collab = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="collab", key_size=16,
+    narrow = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="concat", rank=32), 0)
+    collab = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="collab", rank=16,
                                                   mixing_init="ones"), 0)
     assert models.cache_bytes(plain) == 4 * 2 * 128 * 2
     assert models.cache_bytes(collab) == 4 * (16 + 4 + 128) * 2
@@ -158,8 +158,8 @@ def test_configs_sizes_and_refusals():
     for layer in collab.transformer.h:
         assert torch.equal(layer.attn.mixing, torch.ones_like(layer.attn.mixing))
         assert float(layer.attn.output.weight.detach().std()) == pytest.approx(0.02 / 8 ** 0.5, rel=0.1)
-    for bad, message in [({"kind": "mlp"}, "unknown attention"), ({"key_size": 0}, "key_size"),
-                         ({"key_size": 30}, "multiple of n_head"), ({"kind": "collab", "mixing_init": "x"},
+    for bad, message in [({"kind": "mlp"}, "unknown attention"), ({"rank": 0}, "rank"),
+                         ({"rank": 30}, "multiple of n_head"), ({"kind": "collab", "mixing_init": "x"},
                                                                     "mixing_init")]:
         with pytest.raises(ValueError, match=message):
             models.gpt_config(65, 64, 4, 4, 128, **bad)
@@ -170,7 +170,7 @@ def test_samples_longer_than_the_context_use_the_cache(one_thread):
     sampling that recomputes the whole context at every step. The model is trained for a moment (2 s) first: a
     random one samples nearly the same text whatever its attention computes, so a wrong cache would pass."""
     corpus = data.corpus_from_text(TEXT)
-    model = models.build_model(models.gpt_config(corpus.vocab_size, 8, 1, 2, 16, kind="collab", key_size=4), 0)
+    model = models.build_model(models.gpt_config(corpus.vocab_size, 8, 1, 2, 16, kind="collab", rank=4), 0)
     ids, g = torch.tensor(corpus.encode(TEXT)), torch.Generator().manual_seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(150):
@@ -188,12 +188,13 @@ def test_the_script_writes_each_run_once_and_a_rerun_skips_it(text_file, tmp_pat
     script = load_script("train_lm")
     out = tmp_path / "out"
     overrides = [*TINY, f"data.path={text_file}", f"output_dir={out}", "mode=sweep", "kinds=[concat,collab]",
-                 "key_sizes=[16,4]", "seeds=[0]"]
+                 "ranks=[16,4]", "seeds=[0]"]
     cfg = compose_cfg("train_lm", overrides)
     first = script.run(cfg)
     names = sorted(p.stem for p in (out / "runs").glob("*.json"))
     assert names == ["collab-k16-seed0", "collab-k4-seed0", "concat-k16-seed0", "concat-k4-seed0"]
     record = json.loads((out / "runs" / "collab-k4-seed0.json").read_text())
+    assert record["rank"] == 4 and "key_size" not in record  # the new name
     assert record["best_val_loss"] == min(p["val_loss"] for p in record["curve"]) and record["tokens_per_second"] > 0
     assert [p["step"] for p in record["curve"]] == [0, 3, 6] and len(record["sample"]) == 20
     assert (out / "models" / "concat-k16-seed0" / "config.json").is_file()
@@ -239,7 +240,7 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     convert = compose_cfg("convert_lm", [
         f"data.path={text_file}", f"train_dir={train_dir}", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
         "block_size=16", "eval_iters=2", "trainer.max_steps=10", "trainer.per_device_train_batch_size=4",
-        "trainer.warmup_steps=1", "key_sizes=[4]", "calibration_blocks=8", "importance_samples=8",
+        "trainer.warmup_steps=1", "ranks=[4]", "calibration_blocks=8", "importance_samples=8",
         "retrain_fraction=0.2", "threads=1", "progress=false", "sample_chars=12", "checkpoint_every=null",
     ])
     records = load_script("convert_lm").run(convert)
@@ -251,8 +252,12 @@ def test_conversion_and_summary_run_on_a_tiny_trained_model(text_file, tmp_path,
     assert load_script("convert_lm").run(convert) == records  # a rerun skips every result
     stored = train_dir / "convert" / "runs" / "svd-k4.json"
     svd = stored.read_text()
-    stored.write_text(json.dumps({**json.loads(svd), "key_size": 8}))  # not what a run named svd-k4 makes
-    with pytest.raises(ValueError, match=r"svd-k4.json was made with different settings \(key_size\)"):
+    assert json.loads(svd)["rank"] == 4 and "key_size" not in json.loads(svd)  # new runs write the new name
+    old = {("key_size" if k == "rank" else k): v for k, v in json.loads(svd).items()}
+    stored.write_text(json.dumps(old))  # as a run stored before the rename: still reused
+    assert load_script("convert_lm").run(convert) == records
+    stored.write_text(json.dumps({**json.loads(svd), "rank": 8}))  # not what a run named svd-k4 makes
+    with pytest.raises(ValueError, match=r"svd-k4.json was made with different settings \(rank\)"):
         load_script("convert_lm").run(convert)
     stored.write_text(svd)
 
@@ -304,7 +309,7 @@ def test_learning_curves_are_means_over_seeds(tmp_path, monkeypatch):
     mean and standard deviation against the key size; nanoGPT's loss where the recipe is one of its own."""
     def run(kind, key, seed, losses, steps=(0, 5, 10), mixing="random"):
         curve = [{"step": step, "val_loss": loss} for step, loss in zip(steps, losses, strict=True)]
-        return {"attention": kind, "key_size": key, "seed": seed, "mixing_init": mixing, "curve": curve,
+        return {"attention": kind, "rank": key, "seed": seed, "mixing_init": mixing, "curve": curve,
                 "best_val_loss": min(losses)}
 
     records = [run("concat", 16, 0, [4.0, 3.0, 2.0]), run("concat", 16, 1, [4.0, 2.5, 2.2, 1.5], (0, 5, 10, 15)),
@@ -343,9 +348,9 @@ def test_bad_settings_fail_before_training(text_file, tmp_path):
     for extra, message in [(["attention=mlp"], "unknown attention"), (["trainer.max_steps=0"], "max_steps"),
                            (["+model.bias=false"], "unknown model settings"),
                            ([f"data.path={tmp_path / 'none.txt'}"], "no text"),
-                           (["attention=gqa", "key_size=6"], "attention=gqa needs key_size = kv_heads x"),
-                           (["attention=mqa", "key_size=16"], "attention=mqa has one key/value head"),
-                           (["attention=mla", "key_size=0"], "key_size must be a positive integer")]:
+                           (["attention=gqa", "rank=6"], "attention=gqa needs rank = kv_heads x"),
+                           (["attention=mqa", "rank=16"], "attention=mqa has one key/value head"),
+                           (["attention=mla", "rank=0"], "rank must be a positive integer")]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             script.run(compose_cfg("train_lm", [*base, *extra]))
     assert not (tmp_path / "runs").exists()
@@ -383,7 +388,7 @@ def test_wandb_runs_go_online_only_when_a_key_is_set(monkeypatch, tmp_path):
 ROPE = "positions=rope"
 
 
-@pytest.mark.parametrize("attention, key_size, cached_per_layer, extra", [
+@pytest.mark.parametrize("attention, rank, cached_per_layer, extra", [
     ("gqa", 8, 16, []),     # 2 key/value heads of 4 (of 4 query heads): keys and values, 2 x 8 numbers
     ("mqa", None, 8, []),   # one key/value head of 4: 2 x 4
     ("mla", 6, 6, []),      # one latent of 6
@@ -399,14 +404,14 @@ ROPE = "positions=rope"
     ("tpa", 2, (2 + 1) * (4 + 4), [ROPE, "value_size=1", "query_rank=3"]),  # factors of 4 heads + 4 dimensions
     ("tpa", None, (2 + 2) * (4 + 4), [ROPE]),      # ranks 2 and 2, queries of rank 6
 ])
-def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, attention, key_size,
+def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, attention, rank,
                                                            cached_per_layer, extra):
     """train_lm.py with each race variant (issue 44): a run is written; the model's cache holds the numbers the
     accounting says, decoding with it equals recomputation, generate agrees with and without the (static) cache, and
     the saved model loads back through the Auto classes with identical logits."""
     script = load_script("train_lm")
     out = tmp_path / "out"
-    size = [] if key_size is None else [f"key_size={key_size}"]
+    size = [] if rank is None else [f"rank={rank}"]
     overrides = [*TINY, "model.n_head=4", f"data.path={text_file}", f"output_dir={out}", f"attention={attention}",
                  *size, *extra, f"save_models=[*{attention}-*]"]
     (record,) = script.run(compose_cfg("train_lm", overrides))
@@ -443,11 +448,11 @@ def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, 
 
 @pytest.mark.parametrize("overrides, expected", [
     (["attention=gqa", "kv_heads=2"], ("gqa", 2 * 32)),       # the cpu recipe: two key/value heads of 128 / 4
-    (["attention=gqa", "kv_heads=2", "key_size=64"], ("gqa", 64)),
+    (["attention=gqa", "kv_heads=2", "rank=64"], ("gqa", 64)),
     (["attention=mla", "latent_size=48"], ("mla", 48)),
-    (["attention=collab", "key_size=96"], ("collab", 96)),
+    (["attention=collab", "rank=96"], ("collab", 96)),
 ])
-def test_kv_heads_and_latent_size_name_the_key_size(overrides, expected):
+def test_kv_heads_and_latent_size_name_the_rank(overrides, expected):
     settings = OmegaConf.to_container(compose_cfg("train_lm", ["seed=2", *overrides]), resolve=True)
     assert runs.runs_of(settings) == [(*expected, 2)]
 
@@ -455,7 +460,7 @@ def test_kv_heads_and_latent_size_name_the_key_size(overrides, expected):
 @pytest.mark.parametrize("overrides, message", [
     (["attention=mla", "kv_heads=2"], "kv_heads=2 is a size of attention=gqa, not of attention=mla"),
     (["attention=concat", "latent_size=48"], "latent_size=48 is a size of attention=mla"),
-    (["attention=gqa", "kv_heads=2", "key_size=96"], "kv_heads=2 means key_size=64, but key_size=96 is set"),
+    (["attention=gqa", "kv_heads=2", "rank=96"], "kv_heads=2 means rank=64, but rank=96 is set"),
     (["attention=gqa", "kv_heads=0"], "kv_heads"),
 ])
 def test_size_aliases_refuse_what_they_cannot_mean(overrides, message):
@@ -468,15 +473,15 @@ def test_value_size_is_for_collaborative_heads_only():
     with pytest.raises(ValueError, match="value_size=4 needs attention=collab"):
         models.gpt_config(65, 16, 1, 4, 16, kind="mqa", value_size=4)
     with pytest.raises(ValueError, match="value_size=32 needs attention=collab and a width in 1..n_embd=16"):
-        models.gpt_config(65, 16, 1, 4, 16, kind="collab", key_size=8, value_size=32)
-    config = models.gpt_config(65, 16, 2, 4, 16, kind="collab", key_size=8, value_size=6)
+        models.gpt_config(65, 16, 1, 4, 16, kind="collab", rank=8, value_size=32)
+    config = models.gpt_config(65, 16, 2, 4, 16, kind="collab", rank=8, value_size=6)
     assert config.collab_value_ranks == [6, 6]
     assert models.cache_bytes(models.build_model(config, 0)) == 2 * (8 + 4 + 6) * 2  # two layers, bf16
 
 
 def test_cache_race_plot_draws_loss_against_cache_per_variant(tmp_path, monkeypatch):
     def run(kind, key, seed, loss, cache, values=None):
-        return {"attention": kind, "key_size": key, "seed": seed, "best_val_loss": loss,
+        return {"attention": kind, "rank": key, "seed": seed, "best_val_loss": loss,
                 "cache_bytes_per_token_bf16": cache, **({} if values is None else {"value_size": values})}
 
     race = [run("mqa", 32, 0, 1.90, 512), run("mqa", 32, 1, 1.92, 512),
@@ -497,7 +502,7 @@ def test_the_verdicts_table_ranks_each_budget_by_the_paired_rule():
     """A race folder: per cache budget the best by the mean, the paired rule against the runner-up and against the
     folder's own original (concatenated at its largest key size, the same hardware and precision as the rest)."""
     def run(kind, key, seed, loss, cache, values=None):
-        return {"attention": kind, "key_size": key, "seed": seed, "best_val_loss": loss,
+        return {"attention": kind, "rank": key, "seed": seed, "best_val_loss": loss,
                 "cache_bytes_per_token_bf16": cache, **({} if values is None else {"value_size": values})}
 
     race = [run("concat", 128, s, loss, 2048) for s, loss in enumerate((1.900, 1.905, 1.910))]
@@ -540,20 +545,20 @@ def test_rotary_models_keep_nanogpts_sizes_and_refuse_what_they_cannot_build():
     for name in ("self_attn.o_proj", "mlp.down_proj"):
         weight = rope.model.layers[0].get_submodule(name).weight
         assert float(weight.detach().std()) == pytest.approx(0.02 / 8 ** 0.5, rel=0.1)
-    mla = models.gpt_config(65, 64, 4, 4, 128, kind="mla", key_size=48, positions="rope")
+    mla = models.gpt_config(65, 64, 4, 4, 128, kind="mla", rank=48, positions="rope")
     layer = models.build_model(mla, 0).model.layers[0].self_attn
     assert (layer.kv_heads, layer.rope_pairs, layer.rope_key.out_features) == (1, 8, 16)  # one rotary key, shared
-    collab = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="collab", key_size=62, value_size=62,
+    collab = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="collab", rank=62, value_size=62,
                                                   positions="rope"), 0).model.layers[0].self_attn
     assert collab.pair_bands.tolist() == list(range(16)) + list(range(15))  # 31 pairs over the 16 bands
     assert not torch.equal(collab.mixing, torch.ones_like(collab.mixing))  # random mixing, as without RoPE
     for bad, message in [
-        ({"kind": "concat", "key_size": 64}, "full width only"),
-        ({"kind": "collab", "key_size": 7}, "key_size must be even"),
-        ({"kind": "gqa", "key_size": 48}, "kv_heads x 32"),
-        ({"kind": "gqa", "key_size": 64, "rope_dim": 8}, "rope_dim=8 is the decoupled rotary key of attention=mla"),
-        ({"kind": "mla", "key_size": 8, "rope_dim": 5}, "rope_dim must be an even number"),
-        ({"kind": "mla", "key_size": 8, "query_rank": 2}, "query_rank=2 is a size of attention=tpa"),
+        ({"kind": "concat", "rank": 64}, "full width only"),
+        ({"kind": "collab", "rank": 7}, "rank must be even"),
+        ({"kind": "gqa", "rank": 48}, "kv_heads x 32"),
+        ({"kind": "gqa", "rank": 64, "rope_dim": 8}, "rope_dim=8 is the decoupled rotary key of attention=mla"),
+        ({"kind": "mla", "rank": 8, "rope_dim": 5}, "rope_dim must be an even number"),
+        ({"kind": "mla", "rank": 8, "query_rank": 2}, "query_rank=2 is a size of attention=tpa"),
         ({"kind": "mqa", "value_size": 4}, "value_size=4 needs attention=collab or attention=tpa"),
         ({"kind": "concat", "rope_theta": -1.0}, "rope_theta must be positive"),
     ]:
@@ -596,7 +601,7 @@ def test_rotary_runs_are_named_and_stored_apart():
 
 def test_a_rotary_race_is_labelled_and_measured_against_its_rotary_original():
     def run(kind, key, seed, loss, cache, rope=True, **sizes):
-        return {"attention": kind, "key_size": key, "seed": seed, "best_val_loss": loss,
+        return {"attention": kind, "rank": key, "seed": seed, "best_val_loss": loss,
                 "cache_bytes_per_token_bf16": cache, **({"positions": "rope"} if rope else {}), **sizes}
 
     race = [run("concat", 128, s, 1.68 + s / 100, 2048) for s in range(3)]

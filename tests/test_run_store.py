@@ -21,13 +21,13 @@ def test_a_run_is_stored_once_under_its_name_and_read_back(tmp_path):
 
 
 def test_a_run_made_with_other_settings_is_refused_naming_what_differs(tmp_path):
-    RunStore(tmp_path, signature={"lr": 0.1}).save("a", {"signature": {"lr": 0.1}, "method": "cp", "key_size": 4})
+    RunStore(tmp_path, signature={"lr": 0.1}).save("a", {"signature": {"lr": 0.1}, "method": "cp", "rank": 4})
     with pytest.raises(cli.BadInput, match=r"runs/a.json was made with different settings \(signature\)"):
         RunStore(tmp_path, signature={"lr": 0.2}).finished("a")
     unsigned = RunStore(tmp_path)
-    assert unsigned.finished("a", {"method": "cp", "key_size": 4})["key_size"] == 4
-    with pytest.raises(cli.BadInput, match=r"different settings \(method, key_size\)"):
-        unsigned.finished("a", {"method": "svd", "key_size": 8})
+    assert unsigned.finished("a", {"method": "cp", "rank": 4})["rank"] == 4
+    with pytest.raises(cli.BadInput, match=r"different settings \(method, rank\)"):
+        unsigned.finished("a", {"method": "svd", "rank": 8})
 
 
 def test_a_staged_run_keeps_one_line_per_stage_in_its_folder(tmp_path):

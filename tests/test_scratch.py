@@ -16,13 +16,13 @@ from collab_attn.models.scratch_classifier import ScratchConfig, ScratchForSeque
 from collab_attn.training import train
 
 
-def _model(kind="concat", key_size=8, seed=0, **sizes) -> ScratchForSequenceClassification:
+def _model(kind="concat", rank=8, seed=0, **sizes) -> ScratchForSequenceClassification:
     torch.manual_seed(seed)
     sizes = {"vocab_size": 50, "d_model": 32, "num_heads": 4, "ffn_dim": 64, **sizes}
-    return ScratchForSequenceClassification(ScratchConfig(attention=kind, key_size=key_size, **sizes))
+    return ScratchForSequenceClassification(ScratchConfig(attention=kind, rank=rank, **sizes))
 
 
-def test_concatenated_heads_are_multi_head_attention_and_equal_it_at_full_key_size():
+def test_concatenated_heads_are_multi_head_attention_and_equal_it_at_full_rank():
     full, small = _model("concat", 32).eval().layers[0].attention, _model("concat", 8).layers[0].attention
     assert type(full) is MultiHeadAttention and type(small) is MultiHeadAttention
     assert type(_model("collab", 8).layers[0].attention) is CollaborativeAttention
@@ -118,7 +118,7 @@ def test_forward_returns_what_it_is_asked_for_and_refuses_the_rest():
 
 def test_bad_settings_name_the_problem(tmp_path):
     with pytest.raises(StrictDataclassError, match="multiple of num_heads"):
-        ScratchConfig(attention="concat", key_size=12)
+        ScratchConfig(attention="concat", rank=12)
     with pytest.raises(StrictDataclassError, match="unknown attention"):
         ScratchConfig(attention="sparse")
     settings = _settings(None, tmp_path)
@@ -170,7 +170,7 @@ def _settings(glue_dir, out, **train_fields):
         "tokenizer": "minilm", "max_length": 32,
         "model": {"d_model": 32, "num_layers": 1, "num_heads": 4, "ffn_dim": 64, "dropout": 0.1, "pooling": "mean",
                   "mixing_init": "random"},
-        "kinds": ["concat", "collab"], "key_sizes": [32, 8], "seeds": [0],
+        "kinds": ["concat", "collab"], "ranks": [32, 8], "seeds": [0],
         "train": {"max_steps": 4, "per_device_train_batch_size": 16, "learning_rate": 1e-3, "weight_decay": 0.01,
                   "warmup_steps": 0.1, "max_grad_norm": 1.0, "eval_steps": 2, "per_device_eval_batch_size": 64,
                   "train_sampling_strategy": "group_by_length", **train_fields},
@@ -183,13 +183,13 @@ def assert_curves_drawn(fig, records: list[dict]) -> None:
     and styled by attention, with its (zero-width) band over seeds; on the right the final accuracies against the
     key size; the majority-class baseline on both."""
     left, right = fig.axes
-    keys = sorted({r["key_size"] for r in records}, reverse=True)
-    runs = sorted(records, key=lambda r: (-r["key_size"], r["attention"]))
+    keys = sorted({r["rank"] for r in records}, reverse=True)
+    runs = sorted(records, key=lambda r: (-r["rank"], r["attention"]))
     majority = 100 * records[0]["majority_baseline"]
     drawn = [(line.get_label(), line.get_linestyle(), line.get_color(), list(line.get_xdata()),
               list(line.get_ydata())) for line in left.get_lines()]
-    assert drawn == [(f"{r['attention']} D_k={r['key_size']}", {"concat": "-", "collab": "--"}[r["attention"]],
-                      f"C{keys.index(r['key_size'])}", [p["step"] for p in r["curve"]],
+    assert drawn == [(f"{r['attention']} D_k={r['rank']}", {"concat": "-", "collab": "--"}[r["attention"]],
+                      f"C{keys.index(r['rank'])}", [p["step"] for p in r["curve"]],
                       [100 * p["dev_accuracy"] for p in r["curve"]]) for r in runs] + [
                          ("majority class", ":", "grey", [0, 1], [majority, majority])]
     assert len(left.collections) == len(runs)  # one band per curve
@@ -198,9 +198,9 @@ def assert_curves_drawn(fig, records: list[dict]) -> None:
         "training step", "dev accuracy (%)", f"{records[0]['task']}: dev accuracy, mean over seeds")
     for container, kind in zip(right.containers, ("concat", "collab"), strict=True):
         final = [r for r in records if r["attention"] == kind]
-        final.sort(key=lambda r: -r["key_size"])
+        final.sort(key=lambda r: -r["rank"])
         data = container.lines[0]
-        assert container.get_label() == kind and list(data.get_xdata()) == [r["key_size"] for r in final]
+        assert container.get_label() == kind and list(data.get_xdata()) == [r["rank"] for r in final]
         assert list(data.get_ydata()) == pytest.approx([100 * r["dev_accuracy"] for r in final])
     assert [list(line.get_ydata()) for line in right.get_lines() if line.get_label() == "majority class"] == [
         [majority, majority]]
@@ -251,7 +251,7 @@ def test_an_interrupted_run_continues_from_its_checkpoint(glue_dir, tmp_path, mo
                 raise KeyboardInterrupt
 
     def settings(out):
-        return {**_settings(glue_dir, out), "kinds": ["collab"], "key_sizes": [8], "checkpoint_every": 2}
+        return {**_settings(glue_dir, out), "kinds": ["collab"], "ranks": [8], "checkpoint_every": 2}
 
     whole = run_sweep(settings(tmp_path / "whole"), progress=False)[0]
     monkeypatch.setattr(scratch, "train", lambda *args, **kwargs: train(*args, callbacks=[Interrupt()], **kwargs))

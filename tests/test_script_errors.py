@@ -106,7 +106,7 @@ CASES = {
     "train_glue": ["task=mrpc", "model=classifier-nan", "finetune=false", "data.glue_dir=glue", "logger=none",
                    "refit=none", "collab.rank=16", "output_root=results"],
     "convert_lm": ["data.path=text.txt", "train_dir=lm", "model_dir=lm/model", "output_dir=lm/convert", "methods=[cp]",
-                   "key_sizes=[4]", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "block_size=16",
+                   "ranks=[4]", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "block_size=16",
                    "eval_iters=2", "trainer.max_steps=4", "trainer.per_device_train_batch_size=4", "threads=1"],
     "visualize": ["model=bert-nan", "collab.rank=16", "output_dir=views"],
 }

@@ -1,6 +1,6 @@
 """Convert a trained character model (concatenated heads) at smaller query/key sizes, then re-train it briefly.
 
-For each method and key size: load the trained model, convert it with ``collab_attn.reparametrize``, measure the
+For each method and rank: load the trained model, convert it with ``collab_attn.reparametrize``, measure the
 validation loss (the fixed validation blocks of ``collab_attn.char_lm.data``), re-train it for ``retrain_fraction`` of
 the recipe's iterations (same recipe otherwise: warm-up, cosine schedule over the shorter run, batch, clipping;
 training blocks drawn with ``seed + 1``, evaluation every quarter of the re-training) and sample text with the
@@ -10,13 +10,13 @@ logits on training text (``collect_calibration`` over ``calibration_blocks`` tra
 heads gets Michel et al.'s importance on ``importance_samples`` training blocks (the model's own next-character
 loss); ``none``: no conversion, only the re-training (a control: what the extra iterations alone give).
 
-The sizes are ``key_sizes`` (every method at each), or, with ``cache_fractions``, the cache race's: each method at
+The sizes are ``ranks`` (every method at each), or, with ``cache_fractions``, the cache race's: each method at
 the largest size whose converted model caches at most that fraction of the original's bytes per token
 (``collab_attn.models.sizing``), keys and values together where the method cuts both (a method no size of which
 fits is skipped and said so). ``distill`` re-trains with distillation from the original model (``refit=distill``'s
 loss on the next-character logits).
 
-Each run writes ``<output_dir>/runs/<method>-k<key size>[-v<value size>].json`` atomically and is skipped when it
+Each run writes ``<output_dir>/runs/<method>-k<rank>[-v<value size>].json`` atomically and is skipped when it
 exists.
 """
 
@@ -101,17 +101,17 @@ def load_trained(model_dir: str | Path, corpus: lm_data.CharCorpus):
 
 @dataclass(frozen=True)
 class Conversion:
-    """One run of the grid: a method label (``labels()``) at a rank (``key_size``) and, for a method that cuts the
+    """One run of the grid: a method label (``labels()``) at a rank (``rank``) and, for a method that cuts the
     values too, a value rank; ``fraction``: the cache budget it was sized for (``cache_fractions``), if any."""
 
     method: str
-    key_size: int
+    rank: int
     value_size: int | None = None
     fraction: float | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.method}-k{self.key_size}" + ("" if self.value_size is None else f"-v{self.value_size}")
+        return f"{self.method}-k{self.rank}" + ("" if self.value_size is None else f"-v{self.value_size}")
 
 
 def convert(model, run: Conversion, corpus, settings: dict, seed: int):
@@ -132,15 +132,15 @@ def convert(model, run: Conversion, corpus, settings: dict, seed: int):
             model, blocks, default_data_collator, samples=len(blocks), batch_size=64, seed=seed
         )
     with cli.as_bad_input():
-        return collab_attn.reparametrize(model, run.key_size, method=conversion.name, seed=seed, progress=False,
+        return collab_attn.reparametrize(model, run.rank, method=conversion.name, seed=seed, progress=False,
                                          value_rank=run.value_size, **measured)
 
 
 def _fractions(settings: dict) -> list[float] | None:
     if settings.get("cache_fractions") is None:
         return None
-    if settings.get("key_sizes") is not None:
-        raise cli.BadInput("key_sizes and cache_fractions both set: give the sizes, or the cache budgets to size "
+    if settings.get("ranks") is not None:
+        raise cli.BadInput("ranks and cache_fractions both set: give the sizes, or the cache budgets to size "
                            "every method for, not both")
     fractions = [cli.number("cache_fractions", f, 0, 1) for f in cli.nonempty_list("cache_fractions",
                                                                                    settings["cache_fractions"])]
@@ -150,7 +150,7 @@ def _fractions(settings: dict) -> list[float] | None:
 
 
 def plan(settings: dict, config) -> tuple[list[Conversion], list[str]]:
-    """The grid: every method at every key size (``key_sizes``; default n_embd/2, /4, /8), or at every cache budget
+    """The grid: every method at every rank (``ranks``; default n_embd/2, /4, /8), or at every cache budget
     (``cache_fractions``: each method sized by ``collab_attn.models.sizing.conversion_at``, keys and values together
     where it cuts both); ``none`` once. Also the (method, budget) pairs no size of the method reaches."""
     methods = [cli.choice("methods", m, METHODS) for m in cli.nonempty_list("methods", settings["methods"])]
@@ -172,8 +172,8 @@ def plan(settings: dict, config) -> tuple[list[Conversion], list[str]]:
                 else:
                     runs.append(Conversion(method, size.rank, size.value_rank, fraction))
         return runs, unreachable
-    keys = [d // 2, d // 4, d // 8] if settings.get("key_sizes") is None else [
-        cli.positive_int("key_sizes", k) for k in cli.nonempty_list("key_sizes", settings["key_sizes"])]
+    keys = [d // 2, d // 4, d // 8] if settings.get("ranks") is None else [
+        cli.positive_int("ranks", k) for k in cli.nonempty_list("ranks", settings["ranks"])]
     for method in methods:
         runs += [Conversion(method, d)] if method == NO_CONVERSION else [Conversion(method, k) for k in keys]
     return runs, unreachable
@@ -182,7 +182,8 @@ def plan(settings: dict, config) -> tuple[list[Conversion], list[str]]:
 def check(settings: dict) -> tuple[list[Conversion], list[str]]:
     """Every setting, the text, the trained model and every run of the grid, before anything is written: a size one
     method cannot take is refused before the first conversion. Returns the grid and what it could not size
-    (``plan``)."""
+    (``plan``). The deprecated ``key_sizes`` is taken as ``ranks`` (``cli.renamed``), in place."""
+    cli.renamed(settings, "key_sizes", "ranks")
     check_model_settings(settings)
     trainer_fields(settings)
     cli.number("retrain_fraction", settings["retrain_fraction"], 0, 1)
@@ -200,10 +201,10 @@ def check(settings: dict) -> tuple[list[Conversion], list[str]]:
         conversion = parse_label(run.method)[0]
         if conversion is not None:
             try:
-                check_request(config, conversion.name, run.key_size, value_rank=run.value_size)
+                check_request(config, conversion.name, run.rank, value_rank=run.value_size)
             except ValueError as err:
-                raise cli.BadInput(f"methods={run.method} cannot take key size {run.key_size} ({err}); change "
-                                   "key_sizes or methods") from err
+                raise cli.BadInput(f"methods={run.method} cannot take rank {run.rank} ({err}); change "
+                                   "ranks or methods") from err
         store.finished(run.name, identity(run, distill))  # a stored run of another conversion is refused
     return runs, unreachable
 
@@ -226,7 +227,7 @@ def distill_settings(settings: dict) -> DistillSettings | None:
 def identity(run: Conversion, distill: DistillSettings | None) -> dict:
     """The fields of a stored conversion that must match ``run`` (and the re-training's distillation) for it to be
     reused."""
-    return {"version": RESULT_VERSION, "method": run.method, "key_size": run.key_size, "value_size": run.value_size,
+    return {"version": RESULT_VERSION, "method": run.method, "rank": run.rank, "value_size": run.value_size,
             "distill": _distill_record(distill)}
 
 
@@ -268,7 +269,7 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
         model = load_trained(settings["model_dir"], corpus)
         report = convert(model, run, corpus, settings, seed)
         record = {
-            **base, "name": run.name, "method": run.method, "key_size": run.key_size, "value_size": run.value_size,
+            **base, "name": run.name, "method": run.method, "rank": run.rank, "value_size": run.value_size,
             "cache_fraction": run.fraction,
             "relative_error": report.mean_relative_error if report is not None else 0.0,
             "convert_seconds": report.seconds if report is not None else 0.0,

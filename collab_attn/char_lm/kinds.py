@@ -2,7 +2,7 @@
 that differs between kinds, read by ``models`` (the configs), ``runs`` (run names, records, size settings) and
 ``budgets`` (the sizes each takes).
 
-A kind's ``key_size`` is its query/key width (D_k for concatenated heads, D~ for collaborative ones) or, for the
+A kind's ``rank`` is its query/key width (D_k for concatenated heads, D~ for collaborative ones) or, for the
 variants, the width that sets its cache. With learned positions a kind is a GPT-2 model whose attention layers are
 the library's converted layer kind ``layer`` (``collab_attn.kinds.LAYER_KINDS``; None: GPT-2's own); with
 rotary positions a Llama model whose layers are ``rotary_layer`` (None: Llama's own). Both converted layouts keep
@@ -27,13 +27,13 @@ MIXING_INITS = tuple(init for init in collaborative_attention.MIXING_INITS if in
 
 @dataclass(frozen=True)
 class Sizes:
-    """What a kind's config is built from: the model's widths and the variant's sizes, ``key_size`` resolved, the
+    """What a kind's config is built from: the model's widths and the variant's sizes, ``rank`` resolved, the
     others as given (None: the kind's default)."""
 
     n_layer: int
     n_head: int
     n_embd: int
-    key_size: int
+    rank: int
     mixing_init: str
     value_size: int | None
     rope_dim: int | None
@@ -47,7 +47,7 @@ class Sizes:
 class AttentionKind:
     """One attention kind of the character models. ``takes``: the optional sizes it accepts (``value_size``,
     ``mixing_init``, ``rope_dim``, ``query_rank``); ``needs_rope``: why it has rotary positions only (None: it has
-    both); ``size_alias``: the setting that gives its ``key_size`` in the kind's own terms (``key_size_from``)."""
+    both); ``size_alias``: the setting that gives its ``rank`` in the kind's own terms (``rank_from``)."""
 
     name: str
     layer: str | None = None
@@ -56,21 +56,21 @@ class AttentionKind:
     needs_rope: str | None = None
     size_alias: str | None = None
 
-    def default_key_size(self, n_embd: int, n_head: int) -> int:
-        """``key_size`` when none is given."""
+    def default_rank(self, n_embd: int, n_head: int) -> int:
+        """``rank`` when none is given."""
         return n_embd
 
-    def key_sizes(self, n_embd: int, n_head: int, rotary: bool) -> list[int]:
-        """Every ``key_size`` it takes at this width (``rotary``: as a rotary model takes it)."""
+    def ranks(self, n_embd: int, n_head: int, rotary: bool) -> list[int]:
+        """Every ``rank`` it takes at this width (``rotary``: as a rotary model takes it)."""
         return list(range(1, n_embd + 1))
 
-    def key_size_from(self, alias: int, head_dim: int) -> int:
-        """``key_size`` from the value of ``size_alias``."""
+    def rank_from(self, alias: int, head_dim: int) -> int:
+        """``rank`` from the value of ``size_alias``."""
         return alias
 
-    def named_sizes(self, key_size: int, value_size: int | None, rope_dim: int | None, query_rank: int | None,
+    def named_sizes(self, rank: int, value_size: int | None, rope_dim: int | None, query_rank: int | None,
                     head_dim: int, rotary: bool) -> dict[str, int | None]:
-        """The sizes a run name states after its key size, by their letter, in order (None: not named)."""
+        """The sizes a run name states after its rank, by their letter, in order (None: not named)."""
         return {"v": value_size}
 
     def learned_config(self, common: dict, sizes: Sizes) -> transformers.PreTrainedConfig:
@@ -95,63 +95,63 @@ def _check_mixing(mixing_init: str) -> None:
 
 
 class Concat(AttentionKind):
-    """Concatenated heads. At ``key_size = n_embd`` the plain ``GPT2LMHeadModel`` (nanoGPT's model); below it,
-    query/key heads of size ``key_size / n_head`` (values keep ``n_embd / n_head``). With rotary positions, Llama's
+    """Concatenated heads. At ``rank = n_embd`` the plain ``GPT2LMHeadModel`` (nanoGPT's model); below it,
+    query/key heads of size ``rank / n_head`` (values keep ``n_embd / n_head``). With rotary positions, Llama's
     own attention at full width only (``layer`` is the narrower heads'; at full width GPT-2's own)."""
 
     name = "concat"
     layer = "concatenated"
 
-    def key_sizes(self, n_embd, n_head, rotary):
+    def ranks(self, n_embd, n_head, rotary):
         return [n_embd] if rotary else list(range(n_head, n_embd + 1, n_head))
 
     def learned_config(self, common, sizes):
-        if sizes.key_size == sizes.n_embd:
+        if sizes.rank == sizes.n_embd:
             return transformers.GPT2Config(**common)
-        if sizes.key_size % sizes.n_head:
-            raise ValueError(f"concatenated heads need key_size a multiple of n_head={sizes.n_head}, "
-                             f"got {sizes.key_size}")
-        return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.key_size)
+        if sizes.rank % sizes.n_head:
+            raise ValueError(f"concatenated heads need rank a multiple of n_head={sizes.n_head}, "
+                             f"got {sizes.rank}")
+        return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.rank)
 
     def rotary_config(self, common, sizes):
-        if sizes.key_size != sizes.n_embd:
-            raise ValueError(f"positions=rope has concatenated heads at their full width only (key_size="
+        if sizes.rank != sizes.n_embd:
+            raise ValueError(f"positions=rope has concatenated heads at their full width only (rank="
                              f"{sizes.n_embd}); narrower query/key heads would drop rotary bands: use attention=collab")
         return transformers.LlamaConfig(**common)
 
 
 class Collab(AttentionKind):
-    """Collaborative heads: shared query/key projections of width ``key_size`` and one mixing vector per head,
+    """Collaborative heads: shared query/key projections of width ``rank`` and one mixing vector per head,
     started ``random`` (N(0, 1)) or at ``ones``; a value per head, or one shared value of ``value_size``. With
-    rotary positions, ``key_size / 2`` shared query/key pairs that rotate each with one RoPE band."""
+    rotary positions, ``rank / 2`` shared query/key pairs that rotate each with one RoPE band."""
 
     name = "collab"
     layer = "collaborative"
     rotary_layer = "rotary-collaborative"
     takes = frozenset({"value_size", "mixing_init"})
 
-    def key_sizes(self, n_embd, n_head, rotary):
+    def ranks(self, n_embd, n_head, rotary):
         return list(range(2, n_embd + 1, 2)) if rotary else list(range(1, n_embd + 1))  # rotary: query/key pairs
 
     def learned_config(self, common, sizes):
         _check_mixing(sizes.mixing_init)
-        return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.key_size, mixing_init=sizes.mixing_init,
+        return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.rank, mixing_init=sizes.mixing_init,
                               value_rank=None if sizes.value_size is None else int(sizes.value_size))
 
     def rotary_config(self, common, sizes):
-        if sizes.key_size % 2:
-            raise ValueError(f"rotary collaborative heads share key_size / 2 query/key pairs: key_size must be even, "
-                             f"got {sizes.key_size}")
+        if sizes.rank % 2:
+            raise ValueError(f"rotary collaborative heads share rank / 2 query/key pairs: rank must be even, "
+                             f"got {sizes.rank}")
         _check_mixing(sizes.mixing_init)
         if sizes.value_size is not None and not 0 < int(sizes.value_size) <= sizes.n_embd:
             raise ValueError(f"value_size must be in 1..n_embd={sizes.n_embd}, got {sizes.value_size}")
-        return _layout_config(common, self.rotary_layer, sizes.n_layer, "llama", rank=sizes.key_size,
+        return _layout_config(common, self.rotary_layer, sizes.n_layer, "llama", rank=sizes.rank,
                               mixing_init=sizes.mixing_init,
                               value_rank=None if sizes.value_size is None else int(sizes.value_size))
 
 
 class _Grouped(AttentionKind):
-    """Grouped key/value heads of the query heads' size, ``key_size / (n_embd / n_head)`` of them; with rotary
+    """Grouped key/value heads of the query heads' size, ``rank / (n_embd / n_head)`` of them; with rotary
     positions Llama's own grouped heads."""
 
     layer = "gqa"
@@ -161,52 +161,52 @@ class _Grouped(AttentionKind):
 
     def learned_config(self, common, sizes):
         self.check(sizes)
-        return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.key_size)
+        return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.rank)
 
     def rotary_config(self, common, sizes):
         self.check(sizes)
-        return transformers.LlamaConfig(**{**common, "num_key_value_heads": sizes.key_size // sizes.head_dim})
+        return transformers.LlamaConfig(**{**common, "num_key_value_heads": sizes.rank // sizes.head_dim})
 
 
 class GQA(_Grouped):
-    """Grouped-query heads (``key_size = n_embd``: multi-head attention); ``kv_heads`` sets ``key_size`` as
+    """Grouped-query heads (``rank = n_embd``: multi-head attention); ``kv_heads`` sets ``rank`` as
     kv_heads x head size."""
 
     name = "gqa"
     size_alias = "kv_heads"
 
-    def key_sizes(self, n_embd, n_head, rotary):
+    def ranks(self, n_embd, n_head, rotary):
         return [kv * (n_embd // n_head) for kv in range(1, n_head + 1) if n_head % kv == 0]
 
-    def key_size_from(self, alias, head_dim):
+    def rank_from(self, alias, head_dim):
         return alias * head_dim
 
     def check(self, sizes):
-        kv_heads, rest = divmod(sizes.key_size, sizes.head_dim)
+        kv_heads, rest = divmod(sizes.rank, sizes.head_dim)
         if rest or sizes.n_head % kv_heads:
-            raise ValueError(f"attention=gqa needs key_size = kv_heads x {sizes.head_dim} with kv_heads dividing "
-                             f"n_head={sizes.n_head}, got {sizes.key_size}")
+            raise ValueError(f"attention=gqa needs rank = kv_heads x {sizes.head_dim} with kv_heads dividing "
+                             f"n_head={sizes.n_head}, got {sizes.rank}")
 
 
 class MQA(_Grouped):
-    """One key/value head (``key_size`` is the head size, or null)."""
+    """One key/value head (``rank`` is the head size, or null)."""
 
     name = "mqa"
 
-    def default_key_size(self, n_embd, n_head):
+    def default_rank(self, n_embd, n_head):
         return n_embd // n_head
 
-    def key_sizes(self, n_embd, n_head, rotary):
+    def ranks(self, n_embd, n_head, rotary):
         return [n_embd // n_head]
 
     def check(self, sizes):
-        if sizes.key_size != sizes.head_dim:
-            raise ValueError(f"attention=mqa has one key/value head: key_size must be the head size {sizes.head_dim} "
-                             f"(or null), got {sizes.key_size}")
+        if sizes.rank != sizes.head_dim:
+            raise ValueError(f"attention=mqa has one key/value head: rank must be the head size {sizes.head_dim} "
+                             f"(or null), got {sizes.rank}")
 
 
 class MLA(AttentionKind):
-    """Latent attention: one latent of width ``key_size`` (or ``latent_size``) cached per token. With rotary
+    """Latent attention: one latent of width ``rank`` (or ``latent_size``) cached per token. With rotary
     positions DeepSeek-V2's, with a decoupled rotary key of ``rope_dim`` dimensions (default: half a head) shared by
     every head beside the latent (one key/value group)."""
 
@@ -216,7 +216,7 @@ class MLA(AttentionKind):
     takes = frozenset({"rope_dim"})
     size_alias = "latent_size"
 
-    def named_sizes(self, key_size, value_size, rope_dim, query_rank, head_dim, rotary):
+    def named_sizes(self, rank, value_size, rope_dim, query_rank, head_dim, rotary):
         return {"v": value_size, "r": self.rope_dim_of(rope_dim, head_dim) if rotary else None}
 
     @staticmethod
@@ -224,18 +224,18 @@ class MLA(AttentionKind):
         return head_dim // 2 if rope_dim is None else rope_dim
 
     def learned_config(self, common, sizes):
-        return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.key_size)
+        return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.rank)
 
     def rotary_config(self, common, sizes):
         rope_dim = int(self.rope_dim_of(sizes.rope_dim, sizes.head_dim))
         if rope_dim % 2 or not 0 <= rope_dim <= sizes.head_dim:
             raise ValueError(f"rope_dim must be an even number of a head's {sizes.head_dim} dimensions, got {rope_dim}")
         return _layout_config({**common, "num_key_value_heads": 1}, self.rotary_layer, sizes.n_layer, "llama",
-                              rank=sizes.key_size, rope_pairs=rope_dim // 2)
+                              rank=sizes.rank, rope_pairs=rope_dim // 2)
 
 
 class TPA(AttentionKind):
-    """Tensor product attention: keys of rank ``key_size`` (default 2, its paper's), values of rank ``value_size``
+    """Tensor product attention: keys of rank ``rank`` (default 2, its paper's), values of rank ``value_size``
     (default: the keys'), queries of rank ``query_rank`` (default ``TPA_QUERY_RANK``), RoPE on the key and query
     factors."""
 
@@ -244,24 +244,24 @@ class TPA(AttentionKind):
     takes = frozenset({"value_size", "query_rank"})
     needs_rope = "rotates its key factors"
 
-    def default_key_size(self, n_embd, n_head):
+    def default_rank(self, n_embd, n_head):
         return 2
 
-    def key_sizes(self, n_embd, n_head, rotary):
+    def ranks(self, n_embd, n_head, rotary):
         # ranks R while the factors, R (n_head + head_dim) numbers per token, cache no more than the heads they make
         head_dim = n_embd // n_head
         return list(range(1, head_dim * n_head // (head_dim + n_head) + 1))
 
-    def named_sizes(self, key_size, value_size, rope_dim, query_rank, head_dim, rotary):
-        return {"v": key_size if value_size is None else value_size,
+    def named_sizes(self, rank, value_size, rope_dim, query_rank, head_dim, rotary):
+        return {"v": rank if value_size is None else value_size,
                 "q": TPA_QUERY_RANK if query_rank is None else query_rank}
 
     def rotary_config(self, common, sizes):
         query_rank = TPA_QUERY_RANK if sizes.query_rank is None else int(sizes.query_rank)
-        value_rank = sizes.key_size if sizes.value_size is None else int(sizes.value_size)
+        value_rank = sizes.rank if sizes.value_size is None else int(sizes.value_size)
         if min(query_rank, value_rank) <= 0:
             raise ValueError(f"query_rank and value_size must be positive, got {query_rank} and {value_rank}")
-        return _layout_config(common, self.rotary_layer, sizes.n_layer, "llama", rank=sizes.key_size,
+        return _layout_config(common, self.rotary_layer, sizes.n_layer, "llama", rank=sizes.rank,
                               value_rank=value_rank, query_rank=query_rank)
 
 

@@ -1,7 +1,7 @@
 """The GPT-2-architecture character models: nanoGPT's GPT as a ``GPT2LMHeadModel`` config (tied embeddings, GELU,
 dropout on embeddings, attention and residuals), and the same architecture with a smaller query/key size.
 
-``kind``: the attention of every layer, ``key_size`` its query/key width (or the width that sets its cache); each
+``kind``: the attention of every layer, ``rank`` its query/key width (or the width that sets its cache); each
 kind, what it takes and how it is built: ``collab_attn.char_lm.kinds``.
 
 ``positions="rope"`` builds the same sizes as a Llama model instead (``rope_config``): rotary positions, as Llama
@@ -36,7 +36,7 @@ def gpt_config(
     n_embd: int,
     dropout: float = 0.0,
     kind: str = "concat",
-    key_size: int | None = None,
+    rank: int | None = None,
     mixing_init: str = "random",
     value_size: int | None = None,
     positions: str = "learned",
@@ -55,11 +55,11 @@ def gpt_config(
     if n_embd % n_head:
         raise ValueError(f"n_embd={n_embd} is not a multiple of n_head={n_head}")
     attention = ATTENTION[kind]
-    key_size = attention.default_key_size(n_embd, n_head) if key_size is None else int(key_size)
-    if not 0 < key_size <= n_embd:
-        raise ValueError(f"key_size must be in 1..n_embd={n_embd}, got {key_size}")
+    rank = attention.default_rank(n_embd, n_head) if rank is None else int(rank)
+    if not 0 < rank <= n_embd:
+        raise ValueError(f"rank must be in 1..n_embd={n_embd}, got {rank}")
     if positions == "rope":
-        return rope_config(vocab_size, block_size, n_layer, n_head, n_embd, dropout, kind, key_size, mixing_init,
+        return rope_config(vocab_size, block_size, n_layer, n_head, n_embd, dropout, kind, rank, mixing_init,
                            value_size, rope_theta, rope_dim, query_rank)
     for name, value in (("rope_dim", rope_dim), ("query_rank", query_rank)):
         if value is not None:
@@ -76,12 +76,12 @@ def gpt_config(
     if value_size is not None and ("value_size" not in attention.takes or not 0 < int(value_size) <= n_embd):
         raise ValueError(f"value_size={value_size} needs {kinds_taking('value_size', rotary=False)} and a width in "
                          f"1..n_embd={n_embd}")
-    return attention.learned_config(common, Sizes(n_layer, n_head, n_embd, key_size, mixing_init, value_size,
+    return attention.learned_config(common, Sizes(n_layer, n_head, n_embd, rank, mixing_init, value_size,
                                                   rope_dim, query_rank))
 
 
 def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float,
-                kind: str, key_size: int, mixing_init: str, value_size: int | None, rope_theta: float,
+                kind: str, rank: int, mixing_init: str, value_size: int | None, rope_theta: float,
                 rope_dim: int | None, query_rank: int | None) -> transformers.LlamaConfig:
     """The Llama config of one variant with rotary positions (``kinds`` describes each). The MLP's hidden
     width is ``8 n_embd / 3`` rounded up to a multiple of 8, so that SwiGLU's three matrices hold as many numbers
@@ -107,7 +107,7 @@ def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_e
         attention_dropout=dropout, hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
-    return attention.rotary_config(common, Sizes(n_layer, n_head, n_embd, key_size, mixing_init, value_size,
+    return attention.rotary_config(common, Sizes(n_layer, n_head, n_embd, rank, mixing_init, value_size,
                                                  rope_dim, query_rank))
 
 
@@ -165,7 +165,7 @@ def parameter_counts(model) -> dict[str, int]:
 def cache_bytes(model, dtype_bytes: int = 2) -> int:
     """Key/value cache bytes per token over all layers, as the library's cache stores them: plain GPT-2 caches
     ``2 x n_embd`` numbers per layer; a converted layer what it hands its cache per token
-    (``collab_attn.nn.cache_numbers_per_token``: its key of width ``key_size`` plus one content-bias logit
+    (``collab_attn.nn.cache_numbers_per_token``: its key of width ``rank`` plus one content-bias logit
     per head and the values of its heads, or one shared value; grouped-query keys and values; a latent; ...)."""
     layers = [m for m in model.modules() if isinstance(m, ConvertedSelfAttention)]
     config = model.config

@@ -1,6 +1,6 @@
 """Training runs on Tiny Shakespeare through the library's one training path (``collab_attn.training.train``).
 
-A run is one (attention kind, key size, mixing init, seed) trained with one recipe (``configs/recipe/``): the
+A run is one (attention kind, rank, mixing init, seed) trained with one recipe (``configs/recipe/``): the
 Trainer's AdamW, linear warm-up then cosine decay to ``min_lr``, gradient clipping, bf16 autocast where the GPU has
 it. The validation blocks are evaluated at step 0, every ``eval_steps`` and at the end; the best validation loss is
 the minimum over those evaluations (nanoGPT's ``best_val_loss``). Each run writes ``<output_dir>/runs/<name>.json``
@@ -32,7 +32,7 @@ from collab_attn.char_lm.models import (
 )
 from collab_attn.char_lm.sampling import sample_text
 from collab_attn.files import write_text_atomic
-from collab_attn.run_store import RunStore, key_sizes_for
+from collab_attn.run_store import RunStore, ranks_for
 from collab_attn.tracking import check_logger, make_tracker
 from collab_attn.training import train, training_args
 
@@ -73,7 +73,7 @@ def trainer_fields(settings: dict, progress: bool = True) -> dict:
 
 
 def shape_of(settings: dict) -> dict:
-    """What shapes a variant besides its kind and key size: ``gpt_config``'s keywords from the settings."""
+    """What shapes a variant besides its kind and rank: ``gpt_config``'s keywords from the settings."""
     shape = {"mixing_init": settings.get("mixing_init", "random"), "value_size": settings.get("value_size"),
              "positions": settings.get("positions", "learned")}
     for key in ("rope_dim", "query_rank"):
@@ -84,29 +84,29 @@ def shape_of(settings: dict) -> dict:
     return shape
 
 
-def run_name(kind: str, key_size: int, seed: int, mixing_init: str = "random", value_size: int | None = None,
+def run_name(kind: str, rank: int, seed: int, mixing_init: str = "random", value_size: int | None = None,
              positions: str = "learned", rope_dim: int | None = None, query_rank: int | None = None,
              head_dim: int | None = None, rope_theta: float | None = None) -> str:
-    """``<kind>[-ones]-k<key size>[-v<values>]-seed<seed>``; with rotary positions ``rope-`` first, latent attention's
+    """``<kind>[-ones]-k<rank>[-v<values>]-seed<seed>``; with rotary positions ``rope-`` first, latent attention's
     rotary key (``-r<rope_dim>``, its default resolved from ``head_dim``) and tensor product attention's value and
     query ranks (``-v``, ``-q``) always named. ``rope_theta`` is not in the name: the run's signature records it, so
     a stored run made with another theta is refused rather than reused."""
     attention = ATTENTION[kind]
     mixing = "-ones" if "mixing_init" in attention.takes and mixing_init == "ones" else ""
-    named = attention.named_sizes(key_size, value_size, rope_dim, query_rank, head_dim, positions == "rope")
+    named = attention.named_sizes(rank, value_size, rope_dim, query_rank, head_dim, positions == "rope")
     sizes = "".join(f"-{letter}{size}" for letter, size in named.items() if size is not None)
     prefix = "rope-" if positions == "rope" else ""
-    return f"{prefix}{kind}{mixing}-k{key_size}{sizes}-seed{seed}"
+    return f"{prefix}{kind}{mixing}-k{rank}{sizes}-seed{seed}"
 
 
-def name_of(settings: dict, kind: str, key_size: int, seed: int) -> str:
+def name_of(settings: dict, kind: str, rank: int, seed: int) -> str:
     """The run name of one variant of ``settings``."""
     head_dim = settings["model"]["n_embd"] // settings["model"]["n_head"]
-    return run_name(kind, key_size, seed, head_dim=head_dim, **shape_of(settings))
+    return run_name(kind, rank, seed, head_dim=head_dim, **shape_of(settings))
 
 
 def signature(settings: dict) -> dict:
-    """What must agree for a stored run to be reused: everything that changes a run except its kind, key size,
+    """What must agree for a stored run to be reused: everything that changes a run except its kind, rank,
     mixing and seed (not the output folder, checkpointing, threads, progress bars or bf16 'auto')."""
     trainer = {k: v for k, v in settings["trainer"].items() if k not in ("disable_tqdm", "dataloader_num_workers")}
     rope = settings.get("positions", "learned") == "rope"
@@ -152,20 +152,20 @@ def train_model(settings: dict, corpus, model, seed: int, checkpoints: Path, pro
     return run, fields["max_steps"] * batch * block
 
 
-def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progress: bool = True) -> dict:
+def train_run(settings: dict, corpus, kind: str, rank: int, seed: int, progress: bool = True) -> dict:
     """Train one variant (or read its stored result) and return its record."""
     out = Path(settings["output_dir"])
     shape = shape_of(settings)
     mixing = shape["mixing_init"] if "mixing_init" in ATTENTION[kind].takes else None
     values = shape["value_size"]
-    name = name_of(settings, kind, key_size, seed)
+    name = name_of(settings, kind, rank, seed)
     store = RunStore(out, signature(settings))
     record = store.finished(name)
     if record is not None:
         print(f"{name}: done already (best val loss {record['best_val_loss']:.4f}), skipping", flush=True)
         return record
     config = gpt_config(corpus.vocab_size, settings["block_size"], **settings["model"], kind=kind,
-                        key_size=key_size, **shape)
+                        rank=rank, **shape)
     model = build_model(config, seed)
     if torch.cuda.is_available():
         model.cuda()
@@ -175,7 +175,7 @@ def train_run(settings: dict, corpus, kind: str, key_size: int, seed: int, progr
     train_seconds = run.seconds - eval_seconds
     best = min(curve, key=lambda p: p["val_loss"])
     record = {
-        "name": name, "attention": kind, "key_size": key_size, "mixing_init": mixing,
+        "name": name, "attention": kind, "rank": rank, "mixing_init": mixing,
         **({} if values is None else {"value_size": values}),
         **({} if shape["positions"] == "learned" else {"positions": "rope", **rotary_sizes(model)}),
         "seed": seed, "recipe": settings.get("recipe_name"), "signature": store.signature,
@@ -224,22 +224,22 @@ def log_to_tracker(settings: dict, record: dict) -> None:
 
 
 def plan(settings: dict) -> list[tuple[str, int, int]]:
-    """(kind, key size, seed) of every sweep run, seed by seed, largest key first, concatenated first."""
+    """(kind, rank, seed) of every sweep run, seed by seed, largest rank first, concatenated first."""
     kinds = [cli.choice("kinds", kind, KINDS) for kind in cli.nonempty_list("kinds", settings["kinds"])]
     seeds = [cli.integer("seeds", seed, 0) for seed in cli.nonempty_list("seeds", settings["seeds"])]
-    keys = key_sizes_for(settings["model"]["n_embd"], settings.get("key_sizes"))
+    keys = ranks_for(settings["model"]["n_embd"], settings.get("ranks"))
     return [(kind, key, seed) for seed in seeds for key in keys for kind in kinds]
 
 
 def runs_of(settings: dict) -> list[tuple[str, int, int]]:
-    """The runs ``settings`` asks for: ``mode=train`` the one of ``attention``, ``key_size`` (null: ``n_embd``) and
+    """The runs ``settings`` asks for: ``mode=train`` the one of ``attention``, ``rank`` (null: ``n_embd``) and
     ``seed``; ``mode=sweep`` the grid of ``plan``."""
     if cli.choice("mode", settings["mode"], MODES) == "sweep":
         return plan(settings)
-    key = cli.positive_int("key_size", settings["key_size"], nullable=True)
+    key = cli.positive_int("rank", settings["rank"], nullable=True)
     kind, model = cli.choice("attention", settings["attention"], KINDS), settings["model"]
     key = size_alias(settings, kind, model, key)
-    key = ATTENTION[kind].default_key_size(model["n_embd"], model["n_head"]) if key is None else key
+    key = ATTENTION[kind].default_rank(model["n_embd"], model["n_head"]) if key is None else key
     return [(kind, key, cli.integer("seed", settings["seed"], 0))]
 
 
@@ -248,21 +248,21 @@ def runs_of(settings: dict) -> list[tuple[str, int, int]]:
 SIZE_ALIASES = {kind.size_alias: name for name, kind in ATTENTION.items() if kind.size_alias}
 
 
-def size_alias(settings: dict, kind: str, model: dict, key_size: int | None) -> int | None:
-    """``key_size`` from ``kv_heads`` (``attention=gqa``) or ``latent_size`` (``attention=mla``) when one is set: an
-    alias given for another attention, or beside a ``key_size`` it disagrees with, is refused."""
+def size_alias(settings: dict, kind: str, model: dict, rank: int | None) -> int | None:
+    """``rank`` from ``kv_heads`` (``attention=gqa``) or ``latent_size`` (``attention=mla``) when one is set: an
+    alias given for another attention, or beside a ``rank`` it disagrees with, is refused."""
     for name, owner in SIZE_ALIASES.items():
         value = cli.positive_int(name, settings.get(name), nullable=True)
         if value is None:
             continue
         if ATTENTION[kind].size_alias != name:
             raise cli.BadInput(f"{name}={value} is a size of attention={owner}, not of attention={kind}; remove it "
-                               "or set key_size")
-        size = ATTENTION[owner].key_size_from(value, model["n_embd"] // model["n_head"])
-        if key_size is not None and key_size != size:
-            raise cli.BadInput(f"{name}={value} means key_size={size}, but key_size={key_size} is set; give one")
-        key_size = size
-    return key_size
+                               "or set rank")
+        size = ATTENTION[owner].rank_from(value, model["n_embd"] // model["n_head"])
+        if rank is not None and rank != size:
+            raise cli.BadInput(f"{name}={value} means rank={size}, but rank={rank} is set; give one")
+        rank = size
+    return rank
 
 
 def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.CharCorpus:
@@ -297,7 +297,7 @@ def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.Ch
     store = RunStore(out, signature(settings))
     for kind, key, seed in runs:
         try:
-            gpt_config(2, block, **settings["model"], kind=kind, key_size=key, **shape_of(settings))
+            gpt_config(2, block, **settings["model"], kind=kind, rank=key, **shape_of(settings))
         except ValueError as err:
             raise cli.BadInput(str(err)) from err
         store.finished(name_of(settings, kind, key, seed))  # a stored run made with other settings is refused
@@ -316,7 +316,10 @@ def checked_corpus(settings: dict) -> lm_data.CharCorpus:
 
 
 def check(settings: dict) -> list[tuple[str, int, int]]:
-    """``scripts/train_lm.py``'s check: the runs ``settings`` asks for (``runs_of``), validated."""
+    """``scripts/train_lm.py``'s check: the runs ``settings`` asks for (``runs_of``), validated. The deprecated
+    ``key_size`` / ``key_sizes`` are taken as ``rank`` / ``ranks`` (``cli.renamed``), in place."""
+    cli.renamed(settings, "key_size", "rank")
+    cli.renamed(settings, "key_sizes", "ranks")
     check_model_settings(settings)
     runs = runs_of(settings)
     validate(settings, runs)

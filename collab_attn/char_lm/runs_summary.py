@@ -33,9 +33,9 @@ RESULTS_HEADER = ("# Tiny Shakespeare, character level: every run\n\n"
 METHOD_ORDER = labels()
 # Per results sub-folder: the keys the tables read, the key naming the variant and its values, the writing script.
 RESULTS = {
-    "runs": (("attention", "key_size", "seed", "best_val_loss", "final_val_loss", "curve", "parameters",
+    "runs": (("attention", "rank", "seed", "best_val_loss", "final_val_loss", "curve", "parameters",
               "cache_bytes_per_token_bf16", "sample"), "attention", KINDS, "train_lm"),
-    "convert/runs": (("method", "key_size", "original_val_loss", "original_parameters", "model_dir", "retrain_steps",
+    "convert/runs": (("method", "rank", "original_val_loss", "original_parameters", "model_dir", "retrain_steps",
                       "parameters", "cache_bytes_per_token_bf16", "relative_error", "converted_val_loss",
                       "converted_sample"), "method", METHOD_ORDER, "convert_lm"),
 }
@@ -55,7 +55,7 @@ def _rotary(record: dict) -> bool:
 
 def variant(record: dict) -> str:
     """``collab (values 30)``, ``mla (rotary key 16, rope)``, ``tpa (values 2, queries 6, rope)``: the attention
-    and what shapes it besides its key size."""
+    and what shapes it besides its rank."""
     name = "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
     details = [f"values {record['value_size']}"] if record.get("value_size") is not None else []
     if record.get("rope_dim") is not None:
@@ -78,7 +78,7 @@ def family(record: dict) -> str:
 def _groups(records: Sequence[dict]) -> dict[tuple[str, int], list[dict]]:
     groups: dict[tuple[str, int], list[dict]] = {}
     for record in records:
-        groups.setdefault((variant(record), record["key_size"]), []).append(record)
+        groups.setdefault((variant(record), record["rank"]), []).append(record)
     return dict(sorted(groups.items(), key=lambda item: (-item[0][1], item[0][0])))
 
 
@@ -97,7 +97,7 @@ def trained_tokens(record: dict | None, steps: int | None = None) -> str:
 
 
 def scratch_table(records: Sequence[dict]) -> str:
-    """One row per (attention, key size): best validation loss mean ± std over seeds, the sizes, and what was trained
+    """One row per (attention, rank): best validation loss mean ± std over seeds, the sizes, and what was trained
     (every weight, from scratch) on how many tokens per run."""
     lines = [
         "| attention | key size | q/k params | attention params | params | KV cache bytes/token (bf16) | best val loss "
@@ -150,7 +150,7 @@ def _short_label(record: dict) -> str:
     """``mqa 32``, ``collab 30/30`` (key and value sizes), ``collab (ones) 16``; rotary runs ``... rope`` (latent
     attention with its rotary key ``mla 48+16 rope``, tensor product attention ``tpa 2/2 q6 rope``)."""
     name = "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
-    label = f"{name} {record['key_size']}" + ("" if record.get("value_size") is None else f"/{record['value_size']}")
+    label = f"{name} {record['rank']}" + ("" if record.get("value_size") is None else f"/{record['value_size']}")
     if record.get("rope_dim") is not None:
         label += f"+{record['rope_dim']}"
     if record.get("query_rank") is not None:
@@ -163,16 +163,16 @@ def is_race(records: Sequence[dict]) -> bool:
 
 
 def verdicts_table(records: Sequence[dict]) -> str:
-    """Per budget (a race: cache bytes per token; a grid: key size), the best variant by the mean best validation loss,
+    """Per budget (a race: cache bytes per token; a grid: rank), the best variant by the mean best validation loss,
     the paired rule (``collab_attn.stats``) against the runner-up and against the original (the concatenated runs at
-    the folder's largest key size, rotary ones where the folder has rotary runs, on the seeds both have), and the
+    the folder's largest rank, rotary ones where the folder has rotary runs, on the seeds both have), and the
     variants it cannot tell from the best."""
-    budget = "cache_bytes_per_token_bf16" if is_race(records) else "key_size"
+    budget = "cache_bytes_per_token_bf16" if is_race(records) else "rank"
     rotary = any(_rotary(r) for r in records)  # a rotary race: its original is the rotary one
     concat = [r for r in records if r["attention"] == "concat" and _rotary(r) == rotary]
-    full = max((r["key_size"] for r in concat), default=None)
-    original = {r["seed"]: r["best_val_loss"] for r in concat if r["key_size"] == full}
-    lines = [f"| {'cache B/token' if budget != 'key_size' else 'key size'} | best (mean) | runner-up (mean) "
+    full = max((r["rank"] for r in concat), default=None)
+    original = {r["seed"]: r["best_val_loss"] for r in concat if r["rank"] == full}
+    lines = [f"| {'cache B/token' if budget != 'rank' else 'key size'} | best (mean) | runner-up (mean) "
              "| best - runner-up [95% interval], verdict | tied with the best | best - original, verdict "
              "| best - the best one size down, verdict |",
              "|---:|---|---|---|---|---|---|"]
@@ -204,7 +204,7 @@ def verdicts_table(records: Sequence[dict]) -> str:
 
 
 def conversion_table(records: Sequence[dict], scratch: Sequence[dict] = ()) -> str:
-    """One row per (method, key size): validation loss converted and re-trained, next to the original's; the tokens of
+    """One row per (method, rank): validation loss converted and re-trained, next to the original's; the tokens of
     the re-training from the batches of the original's run among ``scratch`` (the folder's runs from scratch)."""
     if not records:
         return ""
@@ -222,14 +222,14 @@ def conversion_table(records: Sequence[dict], scratch: Sequence[dict] = ()) -> s
         "| val loss re-trained (final / best) | re-trained: all weights, tokens (steps x batch x block) |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    order = sorted(records, key=lambda r: (METHOD_ORDER.index(r["method"]), -r["key_size"]))
+    order = sorted(records, key=lambda r: (METHOD_ORDER.index(r["method"]), -r["rank"]))
     for r in order:
         retrained = (f"{r['retrained_val_loss']:.4f} / {r['retrained_best_val_loss']:.4f}"
                      if "retrained_val_loss" in r else "-")
         method = f"{NO_CONVERSION} (re-training only)" if r["method"] == NO_CONVERSION else r["method"]
         tokens = trained_tokens(original, r["retrain_steps"]) if "retrained_val_loss" in r else "-"
         lines.append(
-            f"| {method} | {r['key_size']} | {r['parameters']['query_key_params']:,} "
+            f"| {method} | {r['rank']} | {r['parameters']['query_key_params']:,} "
             f"| {r['cache_bytes_per_token_bf16']:,} | {r['relative_error']:.3f} | {r['converted_val_loss']:.4f} "
             f"| {retrained} | {tokens} |"
         )
@@ -245,10 +245,10 @@ def samples_markdown(scratch: Sequence[dict], converted: Sequence[dict]) -> str:
     for (kind, key), runs in _groups(scratch).items():
         run = min(runs, key=lambda r: r["seed"])
         lines += _sample_block(f"{kind}, key size {key}, seed {run['seed']} (from scratch)", run["sample"])
-    for r in sorted(converted, key=lambda r: (METHOD_ORDER.index(r["method"]), -r["key_size"])):
-        lines += _sample_block(f"{r['method']} at {r['key_size']}, converted", r["converted_sample"])
+    for r in sorted(converted, key=lambda r: (METHOD_ORDER.index(r["method"]), -r["rank"])):
+        lines += _sample_block(f"{r['method']} at {r['rank']}, converted", r["converted_sample"])
         if "retrained_sample" in r:
-            lines += _sample_block(f"{r['method']} at {r['key_size']}, re-trained", r["retrained_sample"])
+            lines += _sample_block(f"{r['method']} at {r['rank']}, re-trained", r["retrained_sample"])
     return "\n".join(lines)
 
 
@@ -263,8 +263,8 @@ def line_style(variant_name: str) -> str:
 
 
 def plot_curves(records: Sequence[dict], recipe: str, path: Path) -> Path:
-    """Left: validation loss against iteration, mean over seeds; colour = key size, solid = concatenated,
-    dashed = collaborative (dotted: ones mixing). Right: best validation loss against key size, mean ± std."""
+    """Left: validation loss against iteration, mean over seeds; colour = rank, solid = concatenated,
+    dashed = collaborative (dotted: ones mixing). Right: best validation loss against rank, mean ± std."""
     from matplotlib.figure import Figure
 
     groups = _groups(records)
@@ -312,7 +312,7 @@ def plot_cache_race(records: Sequence[dict], path: Path, reference: Sequence[dic
 
     lines: dict[str, list[tuple[int, float, float]]] = {}
     own = _groups(records)
-    reference = [r for r in reference if (variant(r), r["key_size"]) not in own]  # the race's own runs come first
+    reference = [r for r in reference if (variant(r), r["rank"]) not in own]  # the race's own runs come first
     for runs in _groups([*records, *reference]).values():
         best, spread = mean_std([r["best_val_loss"] for r in runs])
         lines.setdefault(family(runs[0]), []).append((runs[0]["cache_bytes_per_token_bf16"], best, spread))

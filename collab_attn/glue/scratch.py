@@ -2,7 +2,7 @@
 concatenated heads?
 
 ``run_sweep`` trains ``ScratchForSequenceClassification`` (``collab_attn.models.scratch_classifier``) for every
-(attention, key size, seed) with one recipe through ``collab_attn.training.train`` (Hugging Face ``Trainer``: AdamW,
+(attention, rank, seed) with one recipe through ``collab_attn.training.train`` (Hugging Face ``Trainer``: AdamW,
 linear warmup then linear decay, gradient clipping; the dev split is evaluated every ``eval_steps`` and at the start and
 end, and the learning curve is read from the Trainer's log history). Each run writes one JSON (atomically) when it has
 finished and is skipped when that file exists; with ``checkpoint_every`` an interrupted run continues from its last
@@ -27,7 +27,7 @@ from huggingface_hub.errors import StrictDataclassError
 from collab_attn import cli, run_store
 from collab_attn.files import replacing, write_text_atomic
 from collab_attn.models.scratch_classifier import ATTENTION_KINDS, ScratchConfig, ScratchForSequenceClassification
-from collab_attn.run_store import RunStore, key_sizes_for, mean_curve, mean_std
+from collab_attn.run_store import RunStore, mean_curve, mean_std, ranks_for
 from collab_attn.training import train, training_args
 
 MODEL_SETTINGS = ("d_model", "num_layers", "num_heads", "ffn_dim", "dropout", "pooling", "mixing_init")
@@ -97,7 +97,7 @@ def trainer_fields(settings: dict, progress: bool = True) -> dict:
     return fields
 
 
-def model_config(settings: dict, vocab_size: int, num_labels: int, kind: str, key_size: int,
+def model_config(settings: dict, vocab_size: int, num_labels: int, kind: str, rank: int,
                  pad_token_id: int = 0) -> ScratchConfig:
     """The classifier of one run; bad sizes raise ``ValueError``."""
     unknown = sorted(set(settings["model"]) - set(MODEL_SETTINGS))
@@ -106,7 +106,7 @@ def model_config(settings: dict, vocab_size: int, num_labels: int, kind: str, ke
     try:
         return ScratchConfig(
             vocab_size=vocab_size, num_labels=num_labels, max_length=settings["max_length"], attention=kind,
-            key_size=key_size, pad_token_id=pad_token_id, **settings["model"],
+            rank=rank, pad_token_id=pad_token_id, **settings["model"],
         )
     except StrictDataclassError as err:
         raise ValueError(str(err.__cause__ or err)) from err
@@ -120,15 +120,15 @@ def learning_curve(history: Sequence[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Sweep: every (attention, key size, seed), one result JSON each, then results.md and curves.png
+# Sweep: every (attention, rank, seed), one result JSON each, then results.md and curves.png
 
 
-def run_name(kind: str, key_size: int, seed: int) -> str:
-    return f"{kind}-k{key_size}-seed{seed}"
+def run_name(kind: str, rank: int, seed: int) -> str:
+    return f"{kind}-k{rank}-seed{seed}"
 
 
 def run_signature(settings: dict) -> dict:
-    """What must agree for a stored run to be reused: everything that changes a run except its kind, key size
+    """What must agree for a stored run to be reused: everything that changes a run except its kind, rank
     and seed (not the output folder, checkpointing, thread count or progress bar)."""
     return {
         "version": RESULT_VERSION,
@@ -142,16 +142,18 @@ def run_signature(settings: dict) -> dict:
 class Sweep(NamedTuple):
     task: Any  # collab_attn.glue.tasks.GlueTask
     fields: dict  # TrainingArguments fields of every run
-    plan: list[tuple[str, int, int]]  # (attention, key size, seed), seed by seed
+    plan: list[tuple[str, int, int]]  # (attention, rank, seed), seed by seed
     records: dict[str, dict]  # the runs already done, by name
 
 
 def check(settings: dict, progress: bool = True) -> Sweep:
     """Every setting, the task's data files, every configuration of the sweep and the runs already stored for it,
-    before anything is written (``scripts/train_scratch.py``'s check): a bad key size fails now, not an hour in."""
+    before anything is written (``scripts/train_scratch.py``'s check): a bad rank fails now, not an hour in. The
+    deprecated ``key_sizes`` is taken as ``ranks`` (``cli.renamed``), in place."""
     from collab_attn.glue.pipeline import check_glue_files
     from collab_attn.models.checkpoints import resolve_model
 
+    cli.renamed(settings, "key_sizes", "ranks")
     with cli.naming("task", settings["task"]):
         task = _classification_task(settings["task"])
     if settings.get("glue_dir") is not None:
@@ -168,7 +170,7 @@ def check(settings: dict, progress: bool = True) -> Sweep:
     cli.number("model.dropout", model.get("dropout", 0.0), 0, 1, below=True)
     kinds = [cli.choice("kinds", kind, ATTENTION_KINDS) for kind in cli.nonempty_list("kinds", settings["kinds"])]
     seeds = [cli.integer("seeds", seed, 0) for seed in cli.nonempty_list("seeds", settings["seeds"])]
-    keys = key_sizes_for(model["d_model"], settings.get("key_sizes"))
+    keys = ranks_for(model["d_model"], settings.get("ranks"))
     cli.trainer_fields("train", settings["train"])
     fields = trainer_fields(settings, progress)
     for kind in kinds:
@@ -233,7 +235,7 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
             record = {
                 "name": name,
                 "attention": kind,
-                "key_size": key,
+                "rank": key,
                 "seed": seed,
                 "task": task.name,
                 "signature": store.signature,
@@ -259,17 +261,17 @@ def run_sweep(settings: dict, progress: bool = True) -> list[dict]:
 
 
 def summary_rows(records: Sequence[dict]) -> list[dict]:
-    """One row per (attention, key size): parameter counts and final dev metrics, mean and std over seeds."""
+    """One row per (attention, rank): parameter counts and final dev metrics, mean and std over seeds."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for record in records:
-        groups.setdefault((record["attention"], record["key_size"]), []).append(record)
+        groups.setdefault((record["attention"], record["rank"]), []).append(record)
     rows = []
     for (kind, key), runs in sorted(groups.items(), key=lambda item: (-item[0][1], ATTENTION_KINDS.index(item[0][0]))):
         accuracy, accuracy_std = mean_std([r["dev_accuracy"] for r in runs])
         loss, loss_std = mean_std([r["dev_loss"] for r in runs])
         rows.append({
             "attention": kind,
-            "key_size": key,
+            "rank": key,
             "query_key_params": runs[0]["parameters"]["query_key_per_layer"],
             "total_params": runs[0]["parameters"]["total"],
             "dev_accuracy": accuracy,
@@ -298,7 +300,7 @@ def results_markdown(records: Sequence[dict]) -> str:
     ]
     for row in rows:
         lines.append(
-            f"| {row['attention']} | {row['key_size']} | {row['query_key_params']:,} | {row['total_params']:,} "
+            f"| {row['attention']} | {row['rank']} | {row['query_key_params']:,} | {row['total_params']:,} "
             f"| {100 * row['dev_accuracy']:.2f} ± {100 * row['dev_accuracy_std']:.2f} "
             f"| {row['dev_loss']:.3f} ± {row['dev_loss_std']:.3f} | {','.join(map(str, row['seeds']))} "
             f"| {row['train_seconds']:.0f} |"
@@ -307,16 +309,16 @@ def results_markdown(records: Sequence[dict]) -> str:
 
 
 def _curves_by_config(records: Sequence[dict]) -> dict[tuple[str, int], tuple[list[int], list[float], list[float]]]:
-    """Per (attention, key size): steps, mean and std over seeds of the dev accuracy (steps all runs share)."""
+    """Per (attention, rank): steps, mean and std over seeds of the dev accuracy (steps all runs share)."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for record in records:
-        groups.setdefault((record["attention"], record["key_size"]), []).append(record)
+        groups.setdefault((record["attention"], record["rank"]), []).append(record)
     return {config: mean_curve(runs, "dev_accuracy") for config, runs in groups.items()}
 
 
 def plot_curves(records: Sequence[dict], path: str | Path) -> Path:
-    """Left: dev accuracy against step, mean over seeds (band: ± std), colour = key size, solid = concatenated,
-    dashed = collaborative. Right: final dev accuracy against key size, mean ± std."""
+    """Left: dev accuracy against step, mean over seeds (band: ± std), colour = rank, solid = concatenated,
+    dashed = collaborative. Right: final dev accuracy against rank, mean ± std."""
     from matplotlib.figure import Figure
 
     curves = _curves_by_config(records)
@@ -341,7 +343,7 @@ def plot_curves(records: Sequence[dict], path: str | Path) -> Path:
     for kind in ATTENTION_KINDS:
         rows = [r for r in summary_rows(records) if r["attention"] == kind]
         if rows:
-            right.errorbar([r["key_size"] for r in rows], [100 * r["dev_accuracy"] for r in rows],
+            right.errorbar([r["rank"] for r in rows], [100 * r["dev_accuracy"] for r in rows],
                            yerr=[100 * r["dev_accuracy_std"] for r in rows], fmt="o" + styles[kind], capsize=3,
                            label=kind)
     right.set_xscale("log", base=2)

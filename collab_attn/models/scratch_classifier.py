@@ -3,10 +3,10 @@
 Token + learned position embeddings, ``num_layers`` pre-LN encoder layers, a final LayerNorm, mean or [CLS]
 pooling and a linear head. Its self-attention is one of
 
-- ``"concat"``: concatenated heads (``MultiHeadAttention``) with queries and keys ``key_size / num_heads`` wide per
-  head, values ``d_model / num_heads``; at ``key_size = d_model`` the standard layer;
+- ``"concat"``: concatenated heads (``MultiHeadAttention``) with queries and keys ``rank / num_heads`` wide per
+  head, values ``d_model / num_heads``; at ``rank = d_model`` the standard layer;
 - ``"collab"``: collaborative heads (``CollaborativeAttention``) with shared query/key projections of width
-  ``rank = key_size`` and one mixing vector per head, initialized by ``mixing_init`` (random by default, as the
+  ``rank`` and one mixing vector per head, initialized by ``mixing_init`` (random by default, as the
   paper's translation code does).
 
 ``ScratchConfig`` and ``ScratchForSequenceClassification`` are registered with ``AutoConfig`` and
@@ -25,6 +25,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.modeling_outputs import SequenceClassifierOutput
 
+from collab_attn.deprecation import conflict, warn_renamed
 from collab_attn.kinds.collaborative.collaborative_attention import MIXING_INITS, CollaborativeAttention
 from collab_attn.kinds.concatenated.concatenated_attention import MultiHeadAttention
 
@@ -35,8 +36,10 @@ INIT_STD = 0.02  # BERT's
 
 @strict
 class ScratchConfig(transformers.PreTrainedConfig):
-    """Sizes of the classifier (``num_labels`` as in every transformers config). ``key_size=None`` means
-    ``d_model``; ``ffn_dim=None`` means ``4 d_model``."""
+    """Sizes of the classifier (``num_labels`` as in every transformers config). ``rank``: the query/key width
+    (None: ``d_model``); ``ffn_dim=None`` means ``4 d_model``. ``key_size``, the old name of ``rank``, is still
+    taken (a keyword, or a saved config.json holding it) with a ``FutureWarning``; both given different values is
+    refused (``collab_attn.deprecation``). The attribute ``key_size`` is gone: read ``rank``."""
 
     model_type = "collab_attn_scratch"
 
@@ -48,10 +51,19 @@ class ScratchConfig(transformers.PreTrainedConfig):
     max_length: int = 64
     dropout: float | int = 0.1
     attention: str = "concat"
-    key_size: int | None = None
+    rank: int | None = None
     mixing_init: str = "random"
     pooling: str = "mean"
     pad_token_id: int | None = 0
+
+    def __post_init__(self, **kwargs):
+        key_size = kwargs.pop("key_size", None)
+        if key_size is not None:  # the deprecated name of rank
+            if self.rank is not None and self.rank != key_size:
+                raise ValueError(conflict("key_size", "rank", key_size, self.rank))
+            warn_renamed("key_size", "rank", "ScratchConfig", stacklevel=5)
+            self.rank = key_size
+        super().__post_init__(**kwargs)
 
     def validate_architecture(self):
         if self.attention not in ATTENTION_KINDS:
@@ -64,28 +76,28 @@ class ScratchConfig(transformers.PreTrainedConfig):
             raise ValueError("vocab_size, d_model, num_layers, num_heads and max_length must be positive")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of num_heads ({self.num_heads})")
-        if self.resolved_key_size <= 0 or (self.ffn_dim is not None and self.ffn_dim <= 0):
-            raise ValueError(f"key_size and ffn_dim must be positive, got {self.key_size} and {self.ffn_dim}")
-        if self.attention == "concat" and self.resolved_key_size % self.num_heads:
+        if self.resolved_rank <= 0 or (self.ffn_dim is not None and self.ffn_dim <= 0):
+            raise ValueError(f"rank and ffn_dim must be positive, got {self.rank} and {self.ffn_dim}")
+        if self.attention == "concat" and self.resolved_rank % self.num_heads:
             raise ValueError(
-                f"concatenated heads split key_size ({self.resolved_key_size}) into num_heads ({self.num_heads}) "
+                f"concatenated heads split rank ({self.resolved_rank}) into num_heads ({self.num_heads}) "
                 "equal parts; choose a multiple of num_heads"
             )
 
     @property
-    def resolved_key_size(self) -> int:
-        return self.d_model if self.key_size is None else self.key_size
+    def resolved_rank(self) -> int:
+        return self.d_model if self.rank is None else self.rank
 
 
 def build_attention(config: ScratchConfig) -> MultiHeadAttention | CollaborativeAttention:
-    """The self-attention of one layer: concatenated or collaborative heads at ``config.key_size``."""
-    key_size = config.resolved_key_size
+    """The self-attention of one layer: concatenated or collaborative heads at ``config.rank``."""
+    rank = config.resolved_rank
     if config.attention == "collab":
         return CollaborativeAttention(
-            config.d_model, config.num_heads, key_size, dropout=config.dropout, mixing_init=config.mixing_init
+            config.d_model, config.num_heads, rank, dropout=config.dropout, mixing_init=config.mixing_init
         )
     return MultiHeadAttention(
-        config.d_model, config.num_heads, query_key_head_dim=key_size // config.num_heads, dropout=config.dropout
+        config.d_model, config.num_heads, query_key_head_dim=rank // config.num_heads, dropout=config.dropout
     )
 
 

@@ -436,7 +436,7 @@ class SharedKeyValueAttention(BaseAttention):
 def cache_numbers_per_token(module: nn.Module) -> int:
     """Numbers the module hands its ``kv_cache`` hook per token (packed keys and values together), i.e. what a
     key/value cache holds per token for this layer (each module's ``cache_width``): GQA ``2 kv_heads head_dim``, MQA
-    ``2 head_dim``, MLA ``latent_size``, shared key ``key_size + H head_dim``; concatenated heads ``H
+    ``2 head_dim``, MLA ``latent_size``, shared key ``rank + H head_dim``; concatenated heads ``H
     (query_key_head_dim + head_dim)`` (``+ H`` with content bias); collaborative heads ``rank + H head_dim`` (``+ H``
     with content bias), ``rank + value_rank`` (``+ H``) when they share the values too."""
     if not isinstance(module, BaseAttention):

@@ -56,7 +56,7 @@ torch.cuda.is_available())"; } > "$LOGS/environment.txt" 2>&1
 # 1. The gpu recipe, in the background.
 gpu_run() {  # kind key
   timeout "$(left 15)" "$PYTHON" scripts/train_lm.py recipe=gpu "${COMMON[@]}" output_dir="$R/gpu" attention="$1" \
-    key_size="$2" seed=0 'save_models=[]' > "$LOGS/gpu-$1-k$2.log" 2>&1
+    rank="$2" seed=0 'save_models=[]' > "$LOGS/gpu-$1-k$2.log" 2>&1
   echo "gpu recipe $1 k$2: exit $? after $(( $(date +%s) - START )) s"
 }
 gpu_run concat "$GPU_D" &
@@ -97,7 +97,7 @@ xargs -P "$PARALLEL" -L 1 bash -c '
   left=$(( DEADLINE - ($(date +%s) - START) - 10 ))
   [ "$left" -le 0 ] && exit 0
   read -r -a common <<< "$COMMON_ARGS"
-  timeout "$left" "$PYTHON" scripts/train_lm.py "${common[@]}" output_dir="$R/cpu" attention="$0" key_size="$1" \
+  timeout "$left" "$PYTHON" scripts/train_lm.py "${common[@]}" output_dir="$R/cpu" attention="$0" rank="$1" \
     seed="$2" > "$LOGS/cpu-$0-k$1-seed$2.log" 2>&1
   echo "cpu recipe $0 k$1 seed$2: exit $? after $(( $(date +%s) - START )) s"
   exit 0

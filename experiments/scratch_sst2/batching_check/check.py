@@ -32,7 +32,7 @@ settings = {
     "max_eval_samples": None, "tokenizer": "minilm", "max_length": 64,
     "model": {"d_model": 128, "num_layers": 2, "num_heads": 8, "ffn_dim": 512, "dropout": 0.1, "pooling": "mean",
               "mixing_init": "random"},
-    "kinds": ["collab"], "key_sizes": [64, 32] if mode == "random" else [64], "seeds": [0, 1, 2] if mode == "random" else [0],
+    "kinds": ["collab"], "ranks": [64, 32] if mode == "random" else [64], "seeds": [0, 1, 2] if mode == "random" else [0],
     "train": {"steps": 500, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.01, "warmup_ratio": 0.1, "grad_clip": 1.0,
               "eval_every": 50, "eval_batch_size": 256},
     "threads": 1, "output_dir": str(here / mode),

@@ -1,0 +1,32 @@
+"""Names that were renamed, and the one way an old name is still taken: with a ``FutureWarning`` that names the new
+one, or refused with one clear message when the old and the new name are both given different values; never
+ignored.
+
+One name per size: the query/key width of an attention layer is its ``rank`` (``collab_attn.kinds.converted.SIZES``)
+everywhere, in settings, configs, keywords and run records. ``key_size`` / ``key_sizes`` (the Tiny Shakespeare
+pipeline, the from-scratch classifier, ``SharedKeyAttention``) are accepted in its place until ``REMOVED_IN``.
+Committed run records that hold ``key_size`` are read as holding ``rank`` (``collab_attn.run_store.current_names``);
+they are not rewritten.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+REMOVED_IN = "0.2.0"
+# old name -> new name, for settings (configs, command lines), keywords and run records alike
+RENAMED = {"key_size": "rank", "key_sizes": "ranks", "resolved_key_size": "resolved_rank",
+           "key_sizes_for": "ranks_for"}
+
+
+def warn_renamed(old: str, new: str, where: str = "", stacklevel: int = 3) -> None:
+    """The ``FutureWarning`` of an old name ``old`` used in place of ``new`` (``where``: what it was given to)."""
+    place = f" ({where})" if where else ""
+    warnings.warn(f"{old} is deprecated{place}: use {new}; {old} goes in collab_attn {REMOVED_IN}", FutureWarning,
+                  stacklevel=stacklevel)
+
+
+def conflict(old: str, new: str, old_value, new_value) -> str:
+    """The message refusing an old name and its new one given different values."""
+    return (f"{old}={old_value} and {new}={new_value} are both set; {old} is the deprecated name of {new}: "
+            f"give {new} only")
