@@ -36,7 +36,7 @@ from collab_attn.files import write_text_atomic  # noqa: E402
 from collab_attn.stats import timing_verdict  # noqa: E402
 
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0}
-# (name, attention, rank, value_size): the race's variants at 1/1, 1/2, 1/4 and 1/8 of the cache
+# (name, attention, rank, value_rank): the race's variants at 1/1, 1/2, 1/4 and 1/8 of the cache
 VARIANTS = [
     ("concat", "concat", 128, None), ("gqa kv2", "gqa", 64, None), ("mqa", "mqa", 32, None),
     ("mla 128", "mla", 128, None), ("mla 64", "mla", 64, None), ("mla 32", "mla", 32, None),
@@ -45,7 +45,7 @@ VARIANTS = [
 
 
 def rows_for(context: int, batch: int, args) -> list[dict]:
-    models = {name: build_model(gpt_config(65, context + 1, **MODEL, kind=kind, rank=key, value_size=values),
+    models = {name: build_model(gpt_config(65, context + 1, **MODEL, kind=kind, rank=key, value_rank=values),
                                 seed=0).eval() for name, kind, key, values in VARIANTS}
     caches = {name: filled_cache(model, "dynamic", batch, context) for name, model in models.items()}
     ids = torch.randint(0, 65, (batch, 1))

@@ -10,8 +10,9 @@ a run of several stages (a GLUE job: fine-tuned, reparametrized, re-fine-tuned),
 
 ``read_results`` reads every result file of a sweep for its summary, each checked to be one; ``learning_curve``
 reads a Trainer log history into one point per evaluation; ``ranks_for`` is every sweep's default grid of ranks
-(query/key widths); ``current_names`` reads a record stored under an old field name (``key_size``) as one written
-now (``rank``); ``mean_std`` and ``mean_curve`` the spread over seeds that every table and plot reports.
+(query/key widths); ``current_names`` reads a record stored under an old field name (``key_size``, ``value_size``)
+as one written now (``rank``, ``value_rank``); ``mean_std`` and ``mean_curve`` the spread over seeds that every table
+and plot reports.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class RunStore:
 
 def current_names(record):
     """``record`` with its fields under their current names: a record written before a field was renamed
-    (``key_size``, now ``rank``: ``collab_attn.deprecation.RENAMED``) reads as one written now, the field in its
-    place. Committed records are read this way, never rewritten; anything but an object is returned as it is."""
+    (``key_size``, now ``rank``; ``value_size``, now ``value_rank``: ``collab_attn.deprecation.RENAMED``) reads as
+    one written now, each field in its place. Committed records are read this way, never rewritten; anything but an
+    object is returned as it is."""
     from collab_attn.deprecation import RENAMED
 
     if not isinstance(record, dict) or not any(old in record for old in RENAMED):

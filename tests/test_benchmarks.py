@@ -547,7 +547,7 @@ def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tm
     rows = bench.main(args)
     assert [r["variant"] for r in rows] == [name for name, *_ in bench.VARIANTS]
     for row, (_, kind, key, values) in zip(rows, bench.VARIANTS):
-        model = build_model(gpt_config(65, 17, **bench.MODEL, kind=kind, rank=key, value_size=values), 0)
+        model = build_model(gpt_config(65, 17, **bench.MODEL, kind=kind, rank=key, value_rank=values), 0)
         assert row["cache_bytes_per_token"] == 2 * cache_bytes(model)  # float32 here, bf16 in the accounting
         assert row["ratio"] == pytest.approx(row["ms_per_token"] / rows[0]["ms_per_token"])
     # run 1 times the variants 1..9 ms, run 2 10..18 ms: every range overlaps concat's (1..10 ms): no verdict

@@ -22,7 +22,7 @@ def test_candidate_sizes_are_what_each_variant_takes():
 @pytest.mark.parametrize("kind, rank", [("concat", 64), ("collab", 16), ("collab-kv", 30), ("gqa", 64), ("mqa", 32),
                                            ("mla", 48)])
 def test_costs_on_the_meta_device_equal_a_real_model(kind, rank):
-    values = {"value_size": rank} if kind == "collab-kv" else {}
+    values = {"value_rank": rank} if kind == "collab-kv" else {}
     real = build_model(gpt_config(2, 8, **CPU, kind=kind.removesuffix("-kv"), rank=rank, **values), seed=0)
     meta = budgets.sized(kind, rank, CPU)
     assert (meta.cache_bytes, meta.attention_params) == (cache_bytes(real), parameter_counts(real)["attention_params"])
@@ -77,7 +77,7 @@ def test_rotary_sizes_are_what_each_rotary_variant_takes():
 @pytest.mark.parametrize("kind, rank", [("concat", 128), ("collab-kv", 30), ("gqa", 64), ("mla", 48),
                                            ("tpa", 2)])
 def test_rotary_costs_on_the_meta_device_equal_a_real_model(kind, rank):
-    values = {"value_size": rank} if kind == "collab-kv" else {}
+    values = {"value_rank": rank} if kind == "collab-kv" else {}
     config = gpt_config(2, 8, **CPU, kind=kind.removesuffix("-kv"), rank=rank, positions="rope", **values)
     real = build_model(config, seed=0)
     meta = budgets.sized(kind, rank, CPU, "rope")

@@ -392,16 +392,16 @@ ROPE = "positions=rope"
     ("gqa", 8, 16, []),     # 2 key/value heads of 4 (of 4 query heads): keys and values, 2 x 8 numbers
     ("mqa", None, 8, []),   # one key/value head of 4: 2 x 4
     ("mla", 6, 6, []),      # one latent of 6
-    ("collab", 6, 6 + 4 + 5, ["value_size=5"]),  # shared key of 6, 4 content logits, one shared value of 5
+    ("collab", 6, 6 + 4 + 5, ["value_rank=5"]),  # shared key of 6, 4 content logits, one shared value of 5
     # rotary positions (issue 69): Llama models
     ("concat", None, 32, [ROPE]),                  # Llama's own attention: keys and values of 4 heads of 4
     ("gqa", 8, 16, [ROPE]),                        # Llama's grouped heads, 2 of 4
     ("mqa", None, 8, [ROPE]),
-    ("collab", 6, 6 + 5, [ROPE, "value_size=5"]),  # 3 rotating shared pairs (no content bias) and a value of 5
+    ("collab", 6, 6 + 5, [ROPE, "value_rank=5"]),  # 3 rotating shared pairs (no content bias) and a value of 5
     ("collab", 4, 4 + 16, [ROPE]),                 # keys only: 2 rotating pairs, every head's value
     ("mla", 6, 6 + 2, [ROPE]),                     # a latent of 6 and DeepSeek-V2's rotary key of half a head
     ("mla", 6, 6 + 4, [ROPE, "rope_dim=4"]),
-    ("tpa", 2, (2 + 1) * (4 + 4), [ROPE, "value_size=1", "query_rank=3"]),  # factors of 4 heads + 4 dimensions
+    ("tpa", 2, (2 + 1) * (4 + 4), [ROPE, "value_rank=1", "query_rank=3"]),  # factors of 4 heads + 4 dimensions
     ("tpa", None, (2 + 2) * (4 + 4), [ROPE]),      # ranks 2 and 2, queries of rank 6
 ])
 def test_every_attention_option_trains_decodes_and_reloads(text_file, tmp_path, attention, rank,
@@ -469,12 +469,12 @@ def test_size_aliases_refuse_what_they_cannot_mean(overrides, message):
         runs.runs_of(settings)
 
 
-def test_value_size_is_for_collaborative_heads_only():
-    with pytest.raises(ValueError, match="value_size=4 needs attention=collab"):
-        models.gpt_config(65, 16, 1, 4, 16, kind="mqa", value_size=4)
-    with pytest.raises(ValueError, match="value_size=32 needs attention=collab and a width in 1..n_embd=16"):
-        models.gpt_config(65, 16, 1, 4, 16, kind="collab", rank=8, value_size=32)
-    config = models.gpt_config(65, 16, 2, 4, 16, kind="collab", rank=8, value_size=6)
+def test_value_rank_is_for_collaborative_heads_only():
+    with pytest.raises(ValueError, match="value_rank=4 needs attention=collab"):
+        models.gpt_config(65, 16, 1, 4, 16, kind="mqa", value_rank=4)
+    with pytest.raises(ValueError, match="value_rank=32 needs attention=collab and a width in 1..n_embd=16"):
+        models.gpt_config(65, 16, 1, 4, 16, kind="collab", rank=8, value_rank=32)
+    config = models.gpt_config(65, 16, 2, 4, 16, kind="collab", rank=8, value_rank=6)
     assert config.collab_value_ranks == [6, 6]
     assert models.cache_bytes(models.build_model(config, 0)) == 2 * (8 + 4 + 6) * 2  # two layers, bf16
 
@@ -482,7 +482,7 @@ def test_value_size_is_for_collaborative_heads_only():
 def test_cache_race_plot_draws_loss_against_cache_per_variant(tmp_path, monkeypatch):
     def run(kind, key, seed, loss, cache, values=None):
         return {"attention": kind, "rank": key, "seed": seed, "best_val_loss": loss,
-                "cache_bytes_per_token_bf16": cache, **({} if values is None else {"value_size": values})}
+                "cache_bytes_per_token_bf16": cache, **({} if values is None else {"value_rank": values})}
 
     race = [run("mqa", 32, 0, 1.90, 512), run("mqa", 32, 1, 1.92, 512),
             run("collab", 30, 0, 1.95, 512, values=30), run("collab", 14, 0, 2.05, 256, values=14)]
@@ -503,7 +503,7 @@ def test_the_verdicts_table_ranks_each_budget_by_the_paired_rule():
     folder's own original (concatenated at its largest key size, the same hardware and precision as the rest)."""
     def run(kind, key, seed, loss, cache, values=None):
         return {"attention": kind, "rank": key, "seed": seed, "best_val_loss": loss,
-                "cache_bytes_per_token_bf16": cache, **({} if values is None else {"value_size": values})}
+                "cache_bytes_per_token_bf16": cache, **({} if values is None else {"value_rank": values})}
 
     race = [run("concat", 128, s, loss, 2048) for s, loss in enumerate((1.900, 1.905, 1.910))]
     race += [run("mqa", 32, s, loss, 512) for s, loss in enumerate((1.904, 1.908, 1.914))]  # +0.004, +0.003, +0.004
@@ -548,7 +548,7 @@ def test_rotary_models_keep_nanogpts_sizes_and_refuse_what_they_cannot_build():
     mla = models.gpt_config(65, 64, 4, 4, 128, kind="mla", rank=48, positions="rope")
     layer = models.build_model(mla, 0).model.layers[0].self_attn
     assert (layer.kv_heads, layer.rope_pairs, layer.rope_key.out_features) == (1, 8, 16)  # one rotary key, shared
-    collab = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="collab", rank=62, value_size=62,
+    collab = models.build_model(models.gpt_config(65, 64, 4, 4, 128, kind="collab", rank=62, value_rank=62,
                                                   positions="rope"), 0).model.layers[0].self_attn
     assert collab.pair_bands.tolist() == list(range(16)) + list(range(15))  # 31 pairs over the 16 bands
     assert not torch.equal(collab.mixing, torch.ones_like(collab.mixing))  # random mixing, as without RoPE
@@ -559,7 +559,7 @@ def test_rotary_models_keep_nanogpts_sizes_and_refuse_what_they_cannot_build():
         ({"kind": "gqa", "rank": 64, "rope_dim": 8}, "rope_dim=8 is the decoupled rotary key of attention=mla"),
         ({"kind": "mla", "rank": 8, "rope_dim": 5}, "rope_dim must be an even number"),
         ({"kind": "mla", "rank": 8, "query_rank": 2}, "query_rank=2 is a size of attention=tpa"),
-        ({"kind": "mqa", "value_size": 4}, "value_size=4 needs attention=collab or attention=tpa"),
+        ({"kind": "mqa", "value_rank": 4}, "value_rank=4 needs attention=collab or attention=tpa"),
         ({"kind": "concat", "rope_theta": -1.0}, "rope_theta must be positive"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -607,7 +607,7 @@ def test_a_rotary_race_is_labelled_and_measured_against_its_rotary_original():
     race = [run("concat", 128, s, 1.68 + s / 100, 2048) for s in range(3)]
     race += [run("concat", 128, s, 2.21 + s / 200, 2048, rope=False) for s in range(3)]  # learned positions
     race += [run("mla", 48, s, 1.71 + s / 90, 512, rope_dim=16) for s in range(3)]
-    race += [run("tpa", 1, s, 1.75 + s / 80, 576, value_size=1, query_rank=6) for s in range(3)]
+    race += [run("tpa", 1, s, 1.75 + s / 80, 576, value_rank=1, query_rank=6) for s in range(3)]
     assert runs_summary.variant(race[6]) == "mla (rotary key 16, rope)" and runs_summary.family(race[6]) == "mla rope"
     assert runs_summary.variant(race[9]) == "tpa (values 1, queries 6, rope)"
     assert runs_summary.family(race[9]) == "tpa rope"

@@ -3,7 +3,7 @@ the models themselves (``cache_bytes`` and ``parameter_counts`` of a model built
 
 For a target fraction of the concatenated model's cache (or attention parameters), each variant gets the size
 (``rank``: the key width of concatenated and collaborative heads, the key width kv_heads x head size of grouped
-heads, the latent of latent attention; ``collab-kv``: collaborative heads sharing keys and values, value_size =
+heads, the latent of latent attention; ``collab-kv``: collaborative heads sharing keys and values, value_rank =
 rank) whose cost is closest to the target, with the exact ratio it reaches. A
 variant whose cost cannot come within ``REACH`` of the target at any size (collaborative heads that share only their
 keys keep per-head values, half the original cache) is marked unreachable and reports its closest size.
@@ -22,7 +22,7 @@ from collab_attn.char_lm.kinds import ATTENTION
 from collab_attn.char_lm.models import cache_bytes, gpt_config, parameter_counts
 
 REACH = 0.1  # a size counts as matching when its ratio is within 10% of the target fraction
-# Every attention option, and collaborative heads that share their values too at value_size = rank: each variant
+# Every attention option, and collaborative heads that share their values too at value_rank = rank: each variant
 # as the kind it builds and whether its values take the keys' size.
 SHARED_VALUES = "collab-kv"
 _BUILDS = {**{name: (kind, False) for name, kind in ATTENTION.items()}, SHARED_VALUES: (ATTENTION["collab"], True)}
@@ -66,7 +66,7 @@ def _sized(kind: str, rank: int, model_items: tuple, positions: str) -> Sized:
     model = dict(model_items, positions=positions)
     attention, shares_values = _BUILDS[kind]
     config = gpt_config(2, 8, **model, kind=attention.name, rank=rank,
-                        value_size=rank if shares_values else None)
+                        value_rank=rank if shares_values else None)
     with torch.device("meta"):
         built = transformers.AutoModelForCausalLM.from_config(config)
     return Sized(kind, rank, cache_bytes(built), parameter_counts(built)["attention_params"])

@@ -16,14 +16,14 @@ the largest size whose converted model caches at most that fraction of the origi
 fits is skipped and said so). ``distill`` re-trains with distillation from the original model (``refit=distill``'s
 loss on the next-character logits).
 
-Each run writes ``<output_dir>/runs/<method>-k<rank>[-v<value size>].json`` atomically and is skipped when it
+Each run writes ``<output_dir>/runs/<method>-k<rank>[-v<value rank>].json`` atomically and is skipped when it
 exists.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ from collab_attn.char_lm.runs import (
     use_bf16,
 )
 from collab_attn.char_lm.sampling import sample_text
+from collab_attn.deprecation import renamed_keyword
 from collab_attn.distillation import DistillationTrainer, DistillSettings
 from collab_attn.fitting.calibration import collect_calibration
 from collab_attn.models.checkpoints import resolve_model
@@ -102,16 +103,23 @@ def load_trained(model_dir: str | Path, corpus: lm_data.CharCorpus):
 @dataclass(frozen=True)
 class Conversion:
     """One run of the grid: a method label (``labels()``) at a rank (``rank``) and, for a method that cuts the
-    values too, a value rank; ``fraction``: the cache budget it was sized for (``cache_fractions``), if any."""
+    values too, a value rank; ``fraction``: the cache budget it was sized for (``cache_fractions``), if any.
+    ``value_size``: the deprecated name of ``value_rank`` (``collab_attn.deprecation``), keyword only."""
 
     method: str
     rank: int
-    value_size: int | None = None
+    value_rank: int | None = None
     fraction: float | None = None
+    value_size: InitVar[int | None] = field(default=None, kw_only=True)
+
+    def __post_init__(self, value_size: int | None) -> None:
+        if value_size is not None:
+            object.__setattr__(self, "value_rank", renamed_keyword("value_size", "value_rank", value_size,
+                                                                   self.value_rank, "Conversion", stacklevel=5))
 
     @property
     def name(self) -> str:
-        return f"{self.method}-k{self.rank}" + ("" if self.value_size is None else f"-v{self.value_size}")
+        return f"{self.method}-k{self.rank}" + ("" if self.value_rank is None else f"-v{self.value_rank}")
 
 
 def convert(model, run: Conversion, corpus, settings: dict, seed: int):
@@ -133,7 +141,7 @@ def convert(model, run: Conversion, corpus, settings: dict, seed: int):
         )
     with cli.as_bad_input():
         return collab_attn.reparametrize(model, run.rank, method=conversion.name, seed=seed, progress=False,
-                                         value_rank=run.value_size, **measured)
+                                         value_rank=run.value_rank, **measured)
 
 
 def _fractions(settings: dict) -> list[float] | None:
@@ -201,7 +209,7 @@ def check(settings: dict) -> tuple[list[Conversion], list[str]]:
         conversion = parse_label(run.method)[0]
         if conversion is not None:
             try:
-                check_request(config, conversion.name, run.rank, value_rank=run.value_size)
+                check_request(config, conversion.name, run.rank, value_rank=run.value_rank)
             except ValueError as err:
                 raise cli.BadInput(f"methods={run.method} cannot take rank {run.rank} ({err}); change "
                                    "ranks or methods") from err
@@ -227,7 +235,7 @@ def distill_settings(settings: dict) -> DistillSettings | None:
 def identity(run: Conversion, distill: DistillSettings | None) -> dict:
     """The fields of a stored conversion that must match ``run`` (and the re-training's distillation) for it to be
     reused."""
-    return {"version": RESULT_VERSION, "method": run.method, "rank": run.rank, "value_size": run.value_size,
+    return {"version": RESULT_VERSION, "method": run.method, "rank": run.rank, "value_rank": run.value_rank,
             "distill": _distill_record(distill)}
 
 
@@ -269,7 +277,7 @@ def run_conversions(settings: dict, progress: bool = True) -> list[dict]:
         model = load_trained(settings["model_dir"], corpus)
         report = convert(model, run, corpus, settings, seed)
         record = {
-            **base, "name": run.name, "method": run.method, "rank": run.rank, "value_size": run.value_size,
+            **base, "name": run.name, "method": run.method, "rank": run.rank, "value_rank": run.value_rank,
             "cache_fraction": run.fraction,
             "relative_error": report.mean_relative_error if report is not None else 0.0,
             "convert_seconds": report.seconds if report is not None else 0.0,

@@ -35,7 +35,7 @@ class Sizes:
     n_embd: int
     rank: int
     mixing_init: str
-    value_size: int | None
+    value_rank: int | None
     rope_dim: int | None
     query_rank: int | None
 
@@ -45,7 +45,7 @@ class Sizes:
 
 
 class AttentionKind:
-    """One attention kind of the character models. ``takes``: the optional sizes it accepts (``value_size``,
+    """One attention kind of the character models. ``takes``: the optional sizes it accepts (``value_rank``,
     ``mixing_init``, ``rope_dim``, ``query_rank``); ``needs_rope``: why it has rotary positions only (None: it has
     both); ``size_alias``: the setting that gives its ``rank`` in the kind's own terms (``rank_from``)."""
 
@@ -68,10 +68,10 @@ class AttentionKind:
         """``rank`` from the value of ``size_alias``."""
         return alias
 
-    def named_sizes(self, rank: int, value_size: int | None, rope_dim: int | None, query_rank: int | None,
+    def named_sizes(self, rank: int, value_rank: int | None, rope_dim: int | None, query_rank: int | None,
                     head_dim: int, rotary: bool) -> dict[str, int | None]:
         """The sizes a run name states after its rank, by their letter, in order (None: not named)."""
-        return {"v": value_size}
+        return {"v": value_rank}
 
     def learned_config(self, common: dict, sizes: Sizes) -> transformers.PreTrainedConfig:
         """The GPT-2 config (``common``: its fields shared by every kind); bad sizes raise ``ValueError``."""
@@ -122,13 +122,13 @@ class Concat(AttentionKind):
 
 class Collab(AttentionKind):
     """Collaborative heads: shared query/key projections of width ``rank`` and one mixing vector per head,
-    started ``random`` (N(0, 1)) or at ``ones``; a value per head, or one shared value of ``value_size``. With
+    started ``random`` (N(0, 1)) or at ``ones``; a value per head, or one shared value of ``value_rank``. With
     rotary positions, ``rank / 2`` shared query/key pairs that rotate each with one RoPE band."""
 
     name = "collab"
     layer = "collaborative"
     rotary_layer = "rotary-collaborative"
-    takes = frozenset({"value_size", "mixing_init"})
+    takes = frozenset({"value_rank", "mixing_init"})
 
     def ranks(self, n_embd, n_head, rotary):
         return list(range(2, n_embd + 1, 2)) if rotary else list(range(1, n_embd + 1))  # rotary: query/key pairs
@@ -136,18 +136,18 @@ class Collab(AttentionKind):
     def learned_config(self, common, sizes):
         _check_mixing(sizes.mixing_init)
         return _layout_config(common, self.layer, sizes.n_layer, rank=sizes.rank, mixing_init=sizes.mixing_init,
-                              value_rank=None if sizes.value_size is None else int(sizes.value_size))
+                              value_rank=None if sizes.value_rank is None else int(sizes.value_rank))
 
     def rotary_config(self, common, sizes):
         if sizes.rank % 2:
             raise ValueError(f"rotary collaborative heads share rank / 2 query/key pairs: rank must be even, "
                              f"got {sizes.rank}")
         _check_mixing(sizes.mixing_init)
-        if sizes.value_size is not None and not 0 < int(sizes.value_size) <= sizes.n_embd:
-            raise ValueError(f"value_size must be in 1..n_embd={sizes.n_embd}, got {sizes.value_size}")
+        if sizes.value_rank is not None and not 0 < int(sizes.value_rank) <= sizes.n_embd:
+            raise ValueError(f"value_rank must be in 1..n_embd={sizes.n_embd}, got {sizes.value_rank}")
         return _layout_config(common, self.rotary_layer, sizes.n_layer, "llama", rank=sizes.rank,
                               mixing_init=sizes.mixing_init,
-                              value_rank=None if sizes.value_size is None else int(sizes.value_size))
+                              value_rank=None if sizes.value_rank is None else int(sizes.value_rank))
 
 
 class _Grouped(AttentionKind):
@@ -216,8 +216,8 @@ class MLA(AttentionKind):
     takes = frozenset({"rope_dim"})
     size_alias = "latent_size"
 
-    def named_sizes(self, rank, value_size, rope_dim, query_rank, head_dim, rotary):
-        return {"v": value_size, "r": self.rope_dim_of(rope_dim, head_dim) if rotary else None}
+    def named_sizes(self, rank, value_rank, rope_dim, query_rank, head_dim, rotary):
+        return {"v": value_rank, "r": self.rope_dim_of(rope_dim, head_dim) if rotary else None}
 
     @staticmethod
     def rope_dim_of(rope_dim: int | None, head_dim: int) -> int:
@@ -235,13 +235,13 @@ class MLA(AttentionKind):
 
 
 class TPA(AttentionKind):
-    """Tensor product attention: keys of rank ``rank`` (default 2, its paper's), values of rank ``value_size``
+    """Tensor product attention: keys of rank ``rank`` (default 2, its paper's), values of rank ``value_rank``
     (default: the keys'), queries of rank ``query_rank`` (default ``TPA_QUERY_RANK``), RoPE on the key and query
     factors."""
 
     name = "tpa"
     rotary_layer = "rotary-tpa"
-    takes = frozenset({"value_size", "query_rank"})
+    takes = frozenset({"value_rank", "query_rank"})
     needs_rope = "rotates its key factors"
 
     def default_rank(self, n_embd, n_head):
@@ -252,15 +252,15 @@ class TPA(AttentionKind):
         head_dim = n_embd // n_head
         return list(range(1, head_dim * n_head // (head_dim + n_head) + 1))
 
-    def named_sizes(self, rank, value_size, rope_dim, query_rank, head_dim, rotary):
-        return {"v": rank if value_size is None else value_size,
+    def named_sizes(self, rank, value_rank, rope_dim, query_rank, head_dim, rotary):
+        return {"v": rank if value_rank is None else value_rank,
                 "q": TPA_QUERY_RANK if query_rank is None else query_rank}
 
     def rotary_config(self, common, sizes):
         query_rank = TPA_QUERY_RANK if sizes.query_rank is None else int(sizes.query_rank)
-        value_rank = sizes.rank if sizes.value_size is None else int(sizes.value_size)
+        value_rank = sizes.rank if sizes.value_rank is None else int(sizes.value_rank)
         if min(query_rank, value_rank) <= 0:
-            raise ValueError(f"query_rank and value_size must be positive, got {query_rank} and {value_rank}")
+            raise ValueError(f"query_rank and value_rank must be positive, got {query_rank} and {value_rank}")
         return _layout_config(common, self.rotary_layer, sizes.n_layer, "llama", rank=sizes.rank,
                               value_rank=value_rank, query_rank=query_rank)
 

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from collab_attn.char_lm.kinds import ATTENTION, KINDS, Sizes, kinds_taking
+from collab_attn.deprecation import renamed_keyword
 from collab_attn.kinds import ConvertedSelfAttention
 from collab_attn.models.hf import attention_parameters
 from collab_attn.nn.attention import cache_numbers_per_token
@@ -38,16 +39,20 @@ def gpt_config(
     kind: str = "concat",
     rank: int | None = None,
     mixing_init: str = "random",
-    value_size: int | None = None,
+    value_rank: int | None = None,
     positions: str = "learned",
     rope_theta: float = ROPE_THETA,
     rope_dim: int | None = None,
     query_rank: int | None = None,
+    *,
+    value_size: int | None = None,
 ) -> transformers.PreTrainedConfig:
-    """The config of one variant; bad combinations raise ``ValueError``. ``value_size``: collaborative heads that
+    """The config of one variant; bad combinations raise ``ValueError``. ``value_rank``: collaborative heads that
     share their values too, one value of that width per token (None: a value head per head); tensor product
     attention's value rank. ``positions``: ``"learned"`` (GPT-2) or ``"rope"`` (``rope_config``, which takes
-    ``rope_theta``, ``rope_dim`` and ``query_rank``)."""
+    ``rope_theta``, ``rope_dim`` and ``query_rank``). ``value_size``: the deprecated name of ``value_rank``
+    (``collab_attn.deprecation``)."""
+    value_rank = renamed_keyword("value_size", "value_rank", value_size, value_rank, "gpt_config")
     if kind not in KINDS:
         raise ValueError(f"unknown attention {kind!r}; choose one of {KINDS}")
     if positions not in POSITIONS:
@@ -60,7 +65,7 @@ def gpt_config(
         raise ValueError(f"rank must be in 1..n_embd={n_embd}, got {rank}")
     if positions == "rope":
         return rope_config(vocab_size, block_size, n_layer, n_head, n_embd, dropout, kind, rank, mixing_init,
-                           value_size, rope_theta, rope_dim, query_rank)
+                           value_rank, rope_theta, rope_dim, query_rank)
     for name, value in (("rope_dim", rope_dim), ("query_rank", query_rank)):
         if value is not None:
             raise ValueError(f"{name}={value} is a size of rotary models: it needs positions=rope")
@@ -73,15 +78,15 @@ def gpt_config(
         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, activation_function="gelu",
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
-    if value_size is not None and ("value_size" not in attention.takes or not 0 < int(value_size) <= n_embd):
-        raise ValueError(f"value_size={value_size} needs {kinds_taking('value_size', rotary=False)} and a width in "
+    if value_rank is not None and ("value_rank" not in attention.takes or not 0 < int(value_rank) <= n_embd):
+        raise ValueError(f"value_rank={value_rank} needs {kinds_taking('value_rank', rotary=False)} and a width in "
                          f"1..n_embd={n_embd}")
-    return attention.learned_config(common, Sizes(n_layer, n_head, n_embd, rank, mixing_init, value_size,
+    return attention.learned_config(common, Sizes(n_layer, n_head, n_embd, rank, mixing_init, value_rank,
                                                   rope_dim, query_rank))
 
 
 def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float,
-                kind: str, rank: int, mixing_init: str, value_size: int | None, rope_theta: float,
+                kind: str, rank: int, mixing_init: str, value_rank: int | None, rope_theta: float,
                 rope_dim: int | None, query_rank: int | None) -> transformers.LlamaConfig:
     """The Llama config of one variant with rotary positions (``kinds`` describes each). The MLP's hidden
     width is ``8 n_embd / 3`` rounded up to a multiple of 8, so that SwiGLU's three matrices hold as many numbers
@@ -98,8 +103,8 @@ def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_e
                          f"attention={kind}")
     if query_rank is not None and "query_rank" not in attention.takes:
         raise ValueError(f"query_rank={query_rank} is a size of {kinds_taking('query_rank')}, not of attention={kind}")
-    if value_size is not None and "value_size" not in attention.takes:
-        raise ValueError(f"value_size={value_size} needs {kinds_taking('value_size')}")
+    if value_rank is not None and "value_rank" not in attention.takes:
+        raise ValueError(f"value_rank={value_rank} needs {kinds_taking('value_rank')}")
     common = dict(
         vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=-(-8 * n_embd // 24) * 8,
         num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head,
@@ -107,7 +112,7 @@ def rope_config(vocab_size: int, block_size: int, n_layer: int, n_head: int, n_e
         attention_dropout=dropout, hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
-    return attention.rotary_config(common, Sizes(n_layer, n_head, n_embd, rank, mixing_init, value_size,
+    return attention.rotary_config(common, Sizes(n_layer, n_head, n_embd, rank, mixing_init, value_rank,
                                                  rope_dim, query_rank))
 
 

@@ -28,7 +28,7 @@ from collab_attn.stats import compare_on_shared_seeds, rank
 
 LOSS_RESOLUTION = 1e-5  # float32 losses: differences below this are evaluation noise (an exact conversion's 1e-7)
 
-KEYS = ("method", "rank", "value_size", "cache_fraction", "seed", "original_val_loss", "converted_val_loss",
+KEYS = ("method", "rank", "value_rank", "cache_fraction", "seed", "original_val_loss", "converted_val_loss",
         "cache_bytes_per_token_bf16", "original_cache_bytes_per_token_bf16")
 STAGES = {"converted_val_loss": "converted", "retrained_val_loss": "re-trained"}
 
@@ -48,7 +48,7 @@ def variants(root: Path) -> dict[str, list[dict]]:
 
 
 def _size(record: dict) -> str:
-    return f"{record['rank']}" + ("" if record.get("value_size") is None else f"/{record['value_size']}")
+    return f"{record['rank']}" + ("" if record.get("value_rank") is None else f"/{record['value_rank']}")
 
 
 def _groups(records: Sequence[dict]) -> dict[tuple[str, float | None], list[dict]]:

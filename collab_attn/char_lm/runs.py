@@ -31,6 +31,7 @@ from collab_attn.char_lm.models import (
     parameter_counts,
 )
 from collab_attn.char_lm.sampling import sample_text
+from collab_attn.deprecation import renamed_keyword
 from collab_attn.files import write_text_atomic
 from collab_attn.run_store import RunStore, ranks_for
 from collab_attn.tracking import check_logger, make_tracker
@@ -74,7 +75,7 @@ def trainer_fields(settings: dict, progress: bool = True) -> dict:
 
 def shape_of(settings: dict) -> dict:
     """What shapes a variant besides its kind and rank: ``gpt_config``'s keywords from the settings."""
-    shape = {"mixing_init": settings.get("mixing_init", "random"), "value_size": settings.get("value_size"),
+    shape = {"mixing_init": settings.get("mixing_init", "random"), "value_rank": settings.get("value_rank"),
              "positions": settings.get("positions", "learned")}
     for key in ("rope_dim", "query_rank"):
         if settings.get(key) is not None:
@@ -84,16 +85,18 @@ def shape_of(settings: dict) -> dict:
     return shape
 
 
-def run_name(kind: str, rank: int, seed: int, mixing_init: str = "random", value_size: int | None = None,
+def run_name(kind: str, rank: int, seed: int, mixing_init: str = "random", value_rank: int | None = None,
              positions: str = "learned", rope_dim: int | None = None, query_rank: int | None = None,
-             head_dim: int | None = None, rope_theta: float | None = None) -> str:
+             head_dim: int | None = None, rope_theta: float | None = None, *, value_size: int | None = None) -> str:
     """``<kind>[-ones]-k<rank>[-v<values>]-seed<seed>``; with rotary positions ``rope-`` first, latent attention's
     rotary key (``-r<rope_dim>``, its default resolved from ``head_dim``) and tensor product attention's value and
     query ranks (``-v``, ``-q``) always named. ``rope_theta`` is not in the name: the run's signature records it, so
-    a stored run made with another theta is refused rather than reused."""
+    a stored run made with another theta is refused rather than reused. ``value_size``: the deprecated name of
+    ``value_rank`` (``collab_attn.deprecation``)."""
+    value_rank = renamed_keyword("value_size", "value_rank", value_size, value_rank, "run_name")
     attention = ATTENTION[kind]
     mixing = "-ones" if "mixing_init" in attention.takes and mixing_init == "ones" else ""
-    named = attention.named_sizes(rank, value_size, rope_dim, query_rank, head_dim, positions == "rope")
+    named = attention.named_sizes(rank, value_rank, rope_dim, query_rank, head_dim, positions == "rope")
     sizes = "".join(f"-{letter}{size}" for letter, size in named.items() if size is not None)
     prefix = "rope-" if positions == "rope" else ""
     return f"{prefix}{kind}{mixing}-k{rank}{sizes}-seed{seed}"
@@ -157,7 +160,7 @@ def train_run(settings: dict, corpus, kind: str, rank: int, seed: int, progress:
     out = Path(settings["output_dir"])
     shape = shape_of(settings)
     mixing = shape["mixing_init"] if "mixing_init" in ATTENTION[kind].takes else None
-    values = shape["value_size"]
+    values = shape["value_rank"]
     name = name_of(settings, kind, rank, seed)
     store = RunStore(out, signature(settings))
     record = store.finished(name)
@@ -176,7 +179,7 @@ def train_run(settings: dict, corpus, kind: str, rank: int, seed: int, progress:
     best = min(curve, key=lambda p: p["val_loss"])
     record = {
         "name": name, "attention": kind, "rank": rank, "mixing_init": mixing,
-        **({} if values is None else {"value_size": values}),
+        **({} if values is None else {"value_rank": values}),
         **({} if shape["positions"] == "learned" else {"positions": "rope", **rotary_sizes(model)}),
         "seed": seed, "recipe": settings.get("recipe_name"), "signature": store.signature,
         "parameters": parameter_counts(model), "cache_bytes_per_token_bf16": cache_bytes(model, 2),
@@ -206,7 +209,7 @@ def rotary_sizes(model) -> dict:
     if getattr(config, "collab_rope_pairs", None):
         sizes["rope_dim"] = 2 * config.collab_rope_pairs[0]
     if getattr(config, "collab_query_ranks", None):
-        sizes.update(value_size=config.collab_value_ranks[0], query_rank=config.collab_query_ranks[0])
+        sizes.update(value_rank=config.collab_value_ranks[0], query_rank=config.collab_query_ranks[0])
     return sizes
 
 
@@ -277,7 +280,7 @@ def validate(settings: dict, runs: Sequence[tuple[str, int, int]]) -> lm_data.Ch
     if settings.get("bf16", "auto") != "auto":
         cli.boolean("bf16", settings["bf16"])
     cli.choice("mixing_init", settings.get("mixing_init", "random"), MIXING_INITS)
-    cli.positive_int("value_size", settings.get("value_size"), nullable=True)
+    cli.positive_int("value_rank", settings.get("value_rank"), nullable=True)
     cli.choice("positions", settings.get("positions", "learned"), POSITIONS)
     cli.number("rope_theta", settings.get("rope_theta", ROPE_THETA), 0, None, above=True)
     cli.integer("rope_dim", settings.get("rope_dim"), 0, nullable=True)
@@ -317,9 +320,11 @@ def checked_corpus(settings: dict) -> lm_data.CharCorpus:
 
 def check(settings: dict) -> list[tuple[str, int, int]]:
     """``scripts/train_lm.py``'s check: the runs ``settings`` asks for (``runs_of``), validated. The deprecated
-    ``key_size`` / ``key_sizes`` are taken as ``rank`` / ``ranks`` (``cli.renamed``), in place."""
+    ``key_size`` / ``key_sizes`` / ``value_size`` are taken as ``rank`` / ``ranks`` / ``value_rank``
+    (``cli.renamed``), in place."""
     cli.renamed(settings, "key_size", "rank")
     cli.renamed(settings, "key_sizes", "ranks")
+    cli.renamed(settings, "value_size", "value_rank")
     check_model_settings(settings)
     runs = runs_of(settings)
     validate(settings, runs)

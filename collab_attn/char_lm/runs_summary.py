@@ -57,7 +57,7 @@ def variant(record: dict) -> str:
     """``collab (values 30)``, ``mla (rotary key 16, rope)``, ``tpa (values 2, queries 6, rope)``: the attention
     and what shapes it besides its rank."""
     name = "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
-    details = [f"values {record['value_size']}"] if record.get("value_size") is not None else []
+    details = [f"values {record['value_rank']}"] if record.get("value_rank") is not None else []
     if record.get("rope_dim") is not None:
         details.append(f"rotary key {record['rope_dim']}")
     if record.get("query_rank") is not None:
@@ -69,8 +69,8 @@ def variant(record: dict) -> str:
 def family(record: dict) -> str:
     """One line of the cache plot: the attention, ``collab (values)`` where collaborative heads share their
     values, `` rope`` with rotary positions."""
-    name = variant({**record, "value_size": None, "rope_dim": None, "query_rank": None, "positions": None})
-    if record["attention"] == "collab" and record.get("value_size") is not None:
+    name = variant({**record, "value_rank": None, "rope_dim": None, "query_rank": None, "positions": None})
+    if record["attention"] == "collab" and record.get("value_rank") is not None:
         name = f"{name} (values)"
     return f"{name} rope" if _rotary(record) else name
 
@@ -147,10 +147,10 @@ def _still_improving(record: dict) -> bool:
 
 
 def _short_label(record: dict) -> str:
-    """``mqa 32``, ``collab 30/30`` (key and value sizes), ``collab (ones) 16``; rotary runs ``... rope`` (latent
+    """``mqa 32``, ``collab 30/30`` (rank and value rank), ``collab (ones) 16``; rotary runs ``... rope`` (latent
     attention with its rotary key ``mla 48+16 rope``, tensor product attention ``tpa 2/2 q6 rope``)."""
     name = "collab (ones)" if record.get("mixing_init") == "ones" else record["attention"]
-    label = f"{name} {record['rank']}" + ("" if record.get("value_size") is None else f"/{record['value_size']}")
+    label = f"{name} {record['rank']}" + ("" if record.get("value_rank") is None else f"/{record['value_rank']}")
     if record.get("rope_dim") is not None:
         label += f"+{record['rope_dim']}"
     if record.get("query_rank") is not None:

@@ -51,11 +51,11 @@ CONVERSIONS = {
 # name: gpt_config keywords of a model built from a config (no conversion)
 SCRATCH = {
     "scratch-collab": dict(kind="collab", rank=6, mixing_init="random"),
-    "scratch-collab-values": dict(kind="collab", rank=6, value_size=6),
+    "scratch-collab-values": dict(kind="collab", rank=6, value_rank=6),
     "scratch-concat": dict(kind="concat", rank=8),
     "scratch-gqa": dict(kind="gqa", rank=8),
     "scratch-mla": dict(kind="mla", rank=6),
-    "scratch-rope-tpa": dict(kind="tpa", rank=2, value_size=1, query_rank=3, positions="rope"),
+    "scratch-rope-tpa": dict(kind="tpa", rank=2, value_rank=1, query_rank=3, positions="rope"),
 }
 
 
