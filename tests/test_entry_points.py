@@ -247,6 +247,8 @@ RENAMED_SETTINGS = [  # script, its config, a command line under the old name, t
      ["data.path=text.txt", "attention=collab", "rank=8"], "rank"),
     ("train_lm", "train_lm", ["data.path=text.txt", "mode=sweep", "key_sizes=[16,4]"],
      ["data.path=text.txt", "mode=sweep", "ranks=[16,4]"], "ranks"),
+    ("train_lm", "train_lm", ["data.path=text.txt", "attention=collab", "rank=8", "value_size=6"],
+     ["data.path=text.txt", "attention=collab", "rank=8", "value_rank=6"], "value_rank"),
     ("convert_lm", "convert_lm", [*CONVERT, "key_sizes=[4]"], [*CONVERT, "ranks=[4]"], "ranks"),
     ("train_scratch", "scratch", ["glue_dir=null", "key_sizes=[32,8]"], ["glue_dir=null", "ranks=[32,8]"], "ranks"),
 ]
@@ -280,6 +282,8 @@ def test_a_deprecated_setting_is_taken_as_its_new_name_with_a_warning(template, 
 REFUSED_SETTINGS = [
     ("train_lm", ["data.path=text.txt", "key_size=8", "rank=16"], "key_size=8 and rank=16 are both set"),
     ("train_lm", ["data.path=text.txt", "mode=sweep", "key_sizes=[8]", "ranks=[16]"], "key_sizes=[8] and ranks=[16]"),
+    ("train_lm", ["data.path=text.txt", "attention=collab", "value_size=6", "value_rank=4"],
+     "value_size=6 and value_rank=4 are both set"),
     ("convert_lm", [*CONVERT, "key_sizes=[4]", "ranks=[8]"], "key_sizes=[4] and ranks=[8] are both set"),
     ("train_scratch", ["glue_dir=null", "key_sizes=[32]", "ranks=[16]"], "key_sizes=[32] and ranks=[16]"),
 ]
