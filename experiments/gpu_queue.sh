@@ -47,7 +47,7 @@
 #   4. lm: the Tiny Shakespeare gpu recipe (nanoGPT's 6x6x384) with collaborative heads at d/2, d/4, d/8, seed 0
 #      (the concatenated baseline is committed); train_lm.py skips finished runs.
 #   5. race: the cache race on the gpu recipe (issue 44), seed by seed (0, 1, 2): at a quarter of the cache
-#      collaborative keys and values (rank = value_size = 93) and MLA (latent 192), with MQA (1/6) and GQA with
+#      collaborative keys and values (rank = value_rank = 93) and MLA (latent 192), with MQA (1/6) and GQA with
 #      two key/value heads (1/3) beside them (sizes: python scripts/kv_budgets.py --recipe gpu).
 #   5b. rope: the cache race with rotary positions on the gpu recipe (issue 69), seed by seed (0, 1, 2): the
 #      rotary original (a Llama model of nanoGPT's sizes), then at 1/2 GQA with three key/value heads, collaborative
@@ -76,8 +76,8 @@ if [ "${1:-}" = "--list" ]; then
       decode) echo "decode: benchmarks/decode.py --device cuda --dtype bfloat16 --batches 1 8 32 64 --contexts 1024 4096 8192 --caches dynamic; the same at --batches 1 32 --contexts 4096 --caches dynamic static; cp keys and values at 0.25 (186) and 0.2475 (184) of the cache, --batches 32 --contexts 8192; benchmarks/decode_kernels.py --value-rank 184 --batch 1, 32";;
       glue) echo "glue: scripts/train_glue.py -m +experiment=minilm_glue refit=distill seed=0,1,2: cp-aware and prune at 96 and 192, svd at 192 120 96";;
       lm) echo "lm: scripts/train_lm.py recipe=gpu attention=collab rank=192,96,48 seed=0";;
-      race) echo "race: scripts/train_lm.py recipe=gpu output_dir=experiments/shakespeare_char/kv_race_gpu seed=0,1,2: collab rank=value_size=93, mla latent_size=192, mqa, gqa kv_heads=2";;
-      rope) echo "rope: scripts/train_lm.py recipe=gpu positions=rope output_dir=experiments/shakespeare_char/rope_race_gpu seed=0,1,2: concat, gqa kv_heads=3, collab rank=value_size=192, mla latent_size=352, tpa rank=3, collab 96/96, mla 160, mqa, tpa rank=1, collab 48/48, mla 64";;
+      race) echo "race: scripts/train_lm.py recipe=gpu output_dir=experiments/shakespeare_char/kv_race_gpu seed=0,1,2: collab rank=value_rank=93, mla latent_size=192, mqa, gqa kv_heads=2";;
+      rope) echo "rope: scripts/train_lm.py recipe=gpu positions=rope output_dir=experiments/shakespeare_char/rope_race_gpu seed=0,1,2: concat, gqa kv_heads=3, collab rank=value_rank=192, mla latent_size=352, tpa rank=3, collab 96/96, mla 160, mqa, tpa rank=1, collab 48/48, mla 64";;
       convert) echo "convert: scripts/train_lm.py recipe=gpu output_dir=experiments/kv_cache/shakespeare_gpu seed=0,1,2, then scripts/convert_lm.py recipe=gpu cache_fractions=[0.5,0.25,0.125] per seed";;
       *) echo "unknown job $job" >&2; exit 2;;
     esac
@@ -303,13 +303,13 @@ race() {
   local common=("data.path=$LM_DATA" progress=false checkpoint_every=null "save_models=[]"
                 output_dir="$ROOT/shakespeare_char/kv_race_gpu")
   if [ "$DRY" = 1 ]; then
-    run_job race "$PYTHON" scripts/train_lm.py "${common[@]}" attention=collab rank=6 value_size=6 seed=0 \
+    run_job race "$PYTHON" scripts/train_lm.py "${common[@]}" attention=collab rank=6 value_rank=6 seed=0 \
       model.n_layer=1 model.n_head=2 model.n_embd=16 block_size=16 eval_iters=2 trainer.max_steps=1 \
       trainer.eval_steps=1 trainer.logging_steps=1 trainer.warmup_steps=0 sample_chars=10 threads=1
     return
   fi
   for seed in 0 1 2; do
-    for variant in "attention=collab rank=93 value_size=93" "attention=mla latent_size=192" "attention=mqa" \
+    for variant in "attention=collab rank=93 value_rank=93" "attention=mla latent_size=192" "attention=mqa" \
                    "attention=gqa kv_heads=2"; do
       # shellcheck disable=SC2086  # the variant's settings are separate arguments
       run_job "race-$(echo $variant | tr ' =' '_-')-seed$seed" "$PYTHON" scripts/train_lm.py recipe=gpu \
@@ -329,10 +329,10 @@ rope() {
     return
   fi
   for seed in 0 1 2; do
-    for variant in "attention=concat" "attention=gqa kv_heads=3" "attention=collab rank=192 value_size=192" \
+    for variant in "attention=concat" "attention=gqa kv_heads=3" "attention=collab rank=192 value_rank=192" \
                    "attention=mla latent_size=352" "attention=tpa rank=3" \
-                   "attention=collab rank=96 value_size=96" "attention=mla latent_size=160" "attention=mqa" \
-                   "attention=tpa rank=1" "attention=collab rank=48 value_size=48" \
+                   "attention=collab rank=96 value_rank=96" "attention=mla latent_size=160" "attention=mqa" \
+                   "attention=tpa rank=1" "attention=collab rank=48 value_rank=48" \
                    "attention=mla latent_size=64"; do
       # shellcheck disable=SC2086  # the variant's settings are separate arguments
       run_job "rope-$(echo $variant | tr ' =' '_-')-seed$seed" "$PYTHON" scripts/train_lm.py recipe=gpu \

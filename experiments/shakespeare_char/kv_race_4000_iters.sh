@@ -11,5 +11,5 @@ PY=${PYTHON:-.venv/bin/python}
 O="output_dir=experiments/shakespeare_char/kv_race_4000_iters threads=1 progress=false save_models=[] trainer.max_steps=4000"
 for seed in 0 1 2; do
   $PY scripts/train_lm.py $O attention=mqa seed=$seed
-  $PY scripts/train_lm.py $O attention=collab rank=30 value_size=30 seed=$seed
+  $PY scripts/train_lm.py $O attention=collab rank=30 value_rank=30 seed=$seed
 done

@@ -28,14 +28,14 @@ case $set_name in
     "$R attention=concat"                                   # 1: the original, rotary
     "$O attention=concat"                                   # 1: the original, learned positions (GPT-2)
     "$R attention=gqa kv_heads=2"                           # 1/2
-    "$R attention=collab rank=64 value_size=64"         # 1/2
+    "$R attention=collab rank=64 value_rank=64"         # 1/2
     "$R attention=mla latent_size=112"                      # 1/2 (rotary key 16)
     "$R attention=tpa rank=2"                           # 0.5625 (ranks 2 and 2: its closest to 1/2)
     "$R attention=mqa"                                      # 1/4
-    "$R attention=collab rank=32 value_size=32"         # 1/4
+    "$R attention=collab rank=32 value_rank=32"         # 1/4
     "$R attention=mla latent_size=48"                       # 1/4 (rotary key 16)
     "$R attention=tpa rank=1"                           # 0.281 (ranks 1 and 1: its closest to 1/4)
-    "$R attention=collab rank=16 value_size=16"         # 1/8
+    "$R attention=collab rank=16 value_rank=16"         # 1/8
     "$R attention=mla latent_size=16"                       # 1/8 (rotary key 16)
   );;
   # the rotary original at the cpu recipe itself (context 64, batch 12), against kv_race's learned-position original
@@ -43,24 +43,24 @@ case $set_name in
   extra) runs=(
     "output_dir=experiments/shakespeare_char/rope_cpu threads=1 progress=false save_models=[] positions=rope
 attention=concat"
-    "$R attention=collab rank=48 value_size=16"
-    "$R attention=collab rank=16 value_size=48"
+    "$R attention=collab rank=48 value_rank=16"
+    "$R attention=collab rank=16 value_rank=48"
   );;
   # twice the steps: how much longer training moves the original and the 1/4 row
   long)
     seeds="0 1 2"
     L="output_dir=experiments/shakespeare_char/rope_race_long $C trainer.max_steps=4000 trainer.eval_steps=400
 positions=rope"
-    runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab rank=32 value_size=32");;
+    runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab rank=32 value_rank=32");;
   # four times the steps: until the last 10% of training moves the loss by less than the spread over seeds
   longer|longer-rest|longer-peers|longer-tpa)
     L="output_dir=experiments/shakespeare_char/rope_race_8000 $C trainer.max_steps=8000 trainer.eval_steps=400
 positions=rope"
     if [[ $set_name == longer ]]; then
-      runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab rank=32 value_size=32")
+      runs=("$L attention=concat" "$L attention=mqa" "$L attention=collab rank=32 value_rank=32")
     elif [[ $set_name == longer-rest ]]; then
-      runs=("$L attention=gqa kv_heads=2" "$L attention=collab rank=64 value_size=64"
-            "$L attention=mla latent_size=16" "$L attention=collab rank=16 value_size=16")
+      runs=("$L attention=gqa kv_heads=2" "$L attention=collab rank=64 value_rank=64"
+            "$L attention=mla latent_size=16" "$L attention=collab rank=16 value_rank=16")
     elif [[ $set_name == longer-peers ]]; then
       runs=("$L attention=mla latent_size=48" "$L attention=mla latent_size=112")
     else
@@ -71,9 +71,9 @@ positions=rope"
     L="output_dir=experiments/shakespeare_char/rope_race_12000 $C trainer.max_steps=12000 trainer.eval_steps=600
 positions=rope"
     if [[ $set_name == longest ]]; then
-      runs=("$L attention=mla latent_size=112" "$L attention=collab rank=64 value_size=64"
+      runs=("$L attention=mla latent_size=112" "$L attention=collab rank=64 value_rank=64"
             "$L attention=gqa kv_heads=2" "$L attention=mla latent_size=16"
-            "$L attention=collab rank=16 value_size=16")
+            "$L attention=collab rank=16 value_rank=16")
     elif [[ $set_name == longest-original ]]; then
       runs=("$L attention=concat")
     else
