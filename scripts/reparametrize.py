@@ -86,6 +86,7 @@ from collab_attn.models.families import family_of
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings
+from collab_attn.models.sizing import cache_bytes_at, original_size
 from collab_attn.pretrained.distill import Distillation, distill
 from collab_attn.serving import export
 
@@ -155,12 +156,45 @@ def check_export(settings: dict, method: MethodSettings, config) -> str | None:
     return vocabulary
 
 
+# The general recipe (issue 91): what a decoder whose conversion caches less than the original is fitted with when the
+# collab group gives no fitting setting (every key of FIT_KEYS null): calibrated and fitted on its own samples, each
+# layer 150 steps, then every weight distilled 32 steps (experiments/transfer/README.md, section 5, times it). Any of
+# them set, 0 included, turns it off: collab.fit_steps=0 converts without fitting.
+GENERAL_RECIPE = {"fit_steps": 150, "distill_steps": 32}
+FIT_KEYS = ("calibration", "fit_steps", "e2e_steps", "e2e_texts", "distill_steps")
+
+
+def caches_less(config, method: MethodSettings) -> bool:
+    """Whether the conversion at ``method``'s ranks caches fewer numbers per token than the original (a conversion
+    that caches as many is exact)."""
+    layers = config.num_hidden_layers
+    ranks = method.rank if isinstance(method.rank, list) else [method.rank] * layers
+    values = method.value_rank if isinstance(method.value_rank, list) else [method.value_rank] * layers
+    converted = cache_bytes_at(config, method.conversion, ranks, values)
+    return converted is not None and converted < original_size(config).cache_bytes
+
+
+def with_general_recipe(collab: dict, method: MethodSettings, config) -> MethodSettings:
+    """``method``, or with ``GENERAL_RECIPE`` where it applies: a decoder, a method that fits, no fitting setting
+    given and a conversion that caches less than the original (a budget, or ranks below the original's cache)."""
+    if (not family_of(config).decoder or not method.conversion.calibrated
+            or any(collab.get(key) is not None for key in FIT_KEYS)):
+        return method
+    if method.budget is None and not caches_less(config, method):
+        return method  # as large as the original: an exact conversion, nothing to fit
+    log.info("no fitting setting given: the general recipe, %s on the model's own samples (collab.fit_steps=0 "
+             "converts without fitting)", " ".join(f"collab.{k}={v}" for k, v in GENERAL_RECIPE.items()))
+    return method_settings({**collab, **GENERAL_RECIPE})
+
+
 def check(settings: dict) -> tuple[MethodSettings, str]:
     """Every setting, the checkpoint's config against the method and rank, the calibration texts and the output
-    folder, before anything is loaded or written; returns the method settings and the model's path."""
+    folder, before anything is loaded or written; returns the method settings (with ``GENERAL_RECIPE`` where it
+    applies) and the model's path."""
     method = method_settings(settings["collab"])
     path, config = checked_model(settings["model"])
     method.check_model(config)
+    method = with_general_recipe(settings["collab"], method, config)
     if method.calibration is not None and method.calibration.from_own and not family_of(config).decoder:
         raise cli.BadInput(f"collab.calibration=own (what collab.fit_steps and collab.e2e_steps read without "
                            f"collab.calibration) samples the model's own text, which {config.model_type}, an encoder, "

@@ -222,7 +222,8 @@ def test_key_svd_shares_the_values_of_a_rotary_model(tmp_path):
     prompts = ("compare_prompts=[the cat sat]", "max_new_tokens=3")
     for rank, value_rank, out in ((8, 12, "cut"), (24, 24, "exact")):  # 2 groups x 12 is the full width
         result = script.run(config(f"model={checkpoint}", f"output_dir={tmp_path / out}", "collab=key-svd",
-                                   f"collab.rank={rank}", f"collab.value_rank={value_rank}", *prompts))
+                                   f"collab.rank={rank}", f"collab.value_rank={value_rank}", "collab.fit_steps=0",
+                                   *prompts))
         assert result["config"]["collab"]["value_rank"] == value_rank
         model = AutoModelForCausalLM.from_pretrained(tmp_path / out)
         with torch.no_grad():
@@ -237,7 +238,11 @@ def test_key_svd_shares_the_values_of_a_rotary_model(tmp_path):
 
 
 def config_for_decoder(checkpoint, out, *overrides):
-    return config(f"model={checkpoint}", f"output_dir={out}", "collab.n_iter_max=3", *overrides)
+    """A conversion of the decoder at ``checkpoint``; without a fitting setting among ``overrides``, unfitted
+    (collab.fit_steps=0: no general recipe)."""
+    fits = any(o.split("=")[0].removeprefix("collab.") in script.FIT_KEYS for o in overrides)
+    return config(f"model={checkpoint}", f"output_dir={out}", "collab.n_iter_max=3",
+                  *(() if fits else ("collab.fit_steps=0",)), *overrides)
 
 
 def tiny_gpt2(checkpoint):
@@ -620,17 +625,62 @@ def tiny_llama(checkpoint):
     return checkpoint
 
 
+@pytest.mark.parametrize("overrides, recipe", [
+    ([], True),  # a decoder caching 12 + 12 numbers a token and layer of 2 x 2 x 12, no fitting setting: the recipe
+    (["collab.fit_steps=0"], False),  # any fitting setting, 0 included, turns it off
+    (["collab.e2e_steps=8"], False),
+    (["collab.distill_steps=4"], False),
+    (["collab.calibration=TEXTS"], False),
+    (["collab.rank=24", "collab.value_rank=24"], False),  # the keys and values of both groups: exact
+    (["collab.rank=24", "collab.value_rank=null"], False),
+    (["collab.rank=24", "collab.value_rank=12"], True),  # the values cut: 36 numbers of 48
+])
+def test_the_general_recipe_fits_a_decoder_given_no_fitting_setting(tmp_path, overrides, recipe):
+    """scripts/reparametrize.py with a decoder, a size that caches less than the original and no texts runs the recipe
+    README times (GENERAL_RECIPE: 150 layer steps, then every weight distilled 32 steps, on the model's own samples);
+    the report's collab group says so."""
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the cat sat on the mat\n")
+    checkpoint = tiny_llama(tmp_path / "llama")
+    given = [o.replace("TEXTS", str(texts)) for o in overrides]
+    sizes = [] if any(o.startswith("collab.rank=") for o in given) else ["collab.rank=12", "collab.value_rank=12"]
+    settings = script.settings_of(config(f"model={checkpoint}", f"output_dir={tmp_path / 'out'}", "collab=key-svd",
+                                         *sizes, *given))
+    method, _ = script.check(settings)
+    assert script.GENERAL_RECIPE == {"fit_steps": 150, "distill_steps": 32}
+    if recipe:
+        assert (method.fit_steps, method.distill_steps, method.e2e_steps) == (150, 32, None)
+        assert method.calibration.from_own and method.to_group()["calibration"] == "own"
+    else:
+        assert method == script.method_settings(settings["collab"])  # as given
+
+
+def test_the_general_recipe_leaves_encoders_and_methods_that_do_not_fit(tmp_path, minilm_path):
+    minilm, _ = script.check(script.settings_of(config(f"output_dir={tmp_path / 'a'}", "collab.rank=64")))
+    assert (minilm.fit_steps, minilm.distill_steps, minilm.calibration) == (None, None, None)  # an encoder
+    checkpoint = tiny_llama(tmp_path / "llama")
+    merged, _ = script.check(script.settings_of(config(f"model={checkpoint}", f"output_dir={tmp_path / 'b'}",
+                                                       "collab=drop-kv", "collab.rank=12")))
+    assert merged.fit_steps is None and merged.distill_steps is None  # drop-kv fits nothing
+
+
 def test_export_writes_the_standard_checkpoint_beside_the_converted_model(tmp_path):
     """export=transformers: <output_dir>/standard is a plain LlamaForCausalLM with one key/value head of the shared
-    width, whose logits are the converted model's."""
+    width, whose logits are the converted model's: after a distillation too, which moved every weight."""
     checkpoint = tiny_llama(tmp_path / "llama")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the cat sat on the mat and then it ran home\n" * 12)
     out = tmp_path / "out"
     result = script.run(config(f"model={checkpoint}", f"output_dir={out}", "collab=key-svd", "collab.rank=12",
                                "collab.value_rank=12", "collab.bands=shared", "export=transformers",
-                               "compare_prompts=[the cat sat]", "max_new_tokens=3"))
-    assert result["export"] == "standard"
+                               f"collab.calibration={texts}", "collab.calibration_max_length=32",
+                               "collab.distill_steps=2", "compare_prompts=[the cat sat]", "max_new_tokens=3"))
+    assert result["export"] == "standard" and result["distillation"]["windows"] == 8
     standard = AutoModelForCausalLM.from_pretrained(out / "standard")
     converted = AutoModelForCausalLM.from_pretrained(out)
+    embeddings = [m.model.embed_tokens.weight for m in (standard, converted, AutoModelForCausalLM.from_pretrained(
+        checkpoint))]
+    assert torch.equal(embeddings[0], embeddings[1]) and not torch.equal(embeddings[1], embeddings[2])
     assert type(standard).__name__ == "LlamaForCausalLM" and standard.config.num_key_value_heads == 1
     assert standard.config.head_dim == 12
     tokens = torch.tensor([[3, 4, 5, 6, 7, 8]])

@@ -77,6 +77,20 @@ def original_size(config) -> ConversionSize:
     return ConversionSize(width, None, skeleton.layers * cached * DTYPE_BYTES, skeleton.layers * params)
 
 
+def cache_bytes_at(config, method, ranks: Sequence[int], value_ranks: Sequence[int | None]) -> int | None:
+    """The cache bytes per token of ``config``'s model converted by ``method`` at one rank and value rank per layer
+    (None where the method cannot take them)."""
+    skeleton = _Skeleton.of(config)
+    layouts, total = {}, 0
+    for layer, sizes in enumerate(zip(ranks, value_ranks)):
+        if sizes not in layouts:
+            layouts[sizes] = converted_layout(config, method, LayerSizes(*sizes), skeleton)
+        if layouts[sizes] is None:
+            return None
+        total += cache_numbers_per_token(build_layer(skeleton.site, layouts[sizes].specs(skeleton.site.heads)[layer]))
+    return DTYPE_BYTES * total
+
+
 def conversion_sizes(config, method, **fixed) -> list[ConversionSize]:
     """Every size a conversion method (``collab_attn.models.methods``) takes for a model of ``config``: each rank its
     rank rule allows, with an equal value rank where the method cuts the values too. ``fixed``: the other sizes

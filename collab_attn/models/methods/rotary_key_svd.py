@@ -50,11 +50,12 @@ def widest_key(layer: LayerWeights, kv_heads: int) -> int:
 
 def rotary_key_layout(method, site: AttentionSite, layers: int, sizes: LayerSizes) -> Layout | None:
     """The layout of a rotary model of ``layers`` layers like ``site`` converted by ``method`` (``key-svd``) with a
-    shared key of width ``sizes.rank`` and grouped values; None where that width is odd or wider than exact
-    (``kv_heads x head_dim``): what the sizing of the cache race asks."""
-    if sizes.rank % 2 or sizes.rank > site.kv_heads * site.head_dim:
+    shared key of width ``sizes.rank`` and grouped values (shared values of width ``sizes.value_rank`` where it is
+    set); None where a width is odd (the key's) or wider than exact (``kv_heads x head_dim``)."""
+    exact = site.kv_heads * site.head_dim
+    if sizes.rank % 2 or sizes.rank > exact or (sizes.value_rank or 0) > exact:
         return None
-    return Layout.uniform(method.name, method.layer_for(True), layers, rank=sizes.rank)
+    return Layout.uniform(method.name, method.layer_for(True), layers, rank=sizes.rank, value_rank=sizes.value_rank)
 
 
 def shared_value_state(values: ValueWeights, kv_heads: int, value_rank: int, whitening=None) -> tuple[dict, float]:
