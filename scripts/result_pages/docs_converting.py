@@ -183,6 +183,12 @@ def fitting() -> None:
           formula(lambda r: [_fit_seconds(r)[-1], r["seconds"]], ten), ppl(ten), ppl(h100),
           verdict_is(t150, ten, "wikipedia", "ahead"), verdict_is(t150, ten, "shakespeare", "tie"))
 
+    cited(P, "(`GENERAL_RECIPE`: 150 steps a layer, then every weight distilled 32 steps, on own samples; chosen on "
+             "validation\n  over 32 attention-only end-to-end steps", "scripts/reparametrize.py GENERAL_RECIPE, "
+          "and experiments/transfer/README.md (claimed in transfer.py)")
+    cited(P, "`collab.fit_steps=0` included", "the setting that turns the general recipe off")
+    cited(P, "4 windows a step, one pass, AdamW at 1e-4", "collab_attn.pretrained.distill's recipe (OWN_BATCH)")
+
 
 def allocation() -> None:
     """## Where the cache goes: ``allocate_cache`` on SmolLM2 (experiments/smollm2/fitted/runs/key-svd-kalloc*)."""
