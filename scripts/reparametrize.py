@@ -6,9 +6,9 @@
     python scripts/reparametrize.py model=path/to/checkpoint 'collab.rank=[384,256,256,192,192,128]'
     python scripts/reparametrize.py collab.budget=mean:128                   # per-layer ranks, same size as 128
     python scripts/reparametrize.py collab.calibration=../shared/data/glue/SST-2/train.tsv   # activation-aware
-    python scripts/reparametrize.py model=path/to/gpt2-checkpoint collab.rank=192            # a decoder
-    python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96 \
-        collab.fit_steps=150 collab.e2e_steps=32                    # a decoder fitted on its own samples
+    python scripts/reparametrize.py model=path/to/gpt2-checkpoint collab.rank=192 collab.fit_steps=0  # unfitted
+    python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96
+                                                    # a decoder fitted by the general recipe on its own samples
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100   # + fitted to the original
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32  # + e2e
     python scripts/reparametrize.py collab.calibration=texts.txt collab.fit_steps=100 collab.e2e_steps=32 \
@@ -31,12 +31,14 @@ one pass), on the windows of own text the end-to-end fit reads or on windows of 
 tokens cut from ``collab.e2e_texts`` (else the calibration texts); its report is saved under ``distillation``. The
 converted model is then no longer the original with new attention layers: every weight moved.
 
-With ``collab.fit_steps`` or ``collab.e2e_steps`` and no ``collab.calibration``, a decoder is calibrated and fitted on
-the model's own samples
-(``collab.calibration=own``, ``collab_attn/own_text.py``; 64 windows of 256 tokens unless
-``collab.calibration_samples`` and ``collab.calibration_max_length`` say otherwise, the end-to-end fit 4 windows a
-step and judged on the 16 after its own): fitted on one domain's text, a model is far from the original on others
-(experiments/transfer/README.md). An encoder writes no text: it needs ``collab.calibration`` to fit.
+With ``collab.fit_steps``, ``collab.e2e_steps`` or ``collab.distill_steps`` and no ``collab.calibration``, a decoder
+is calibrated and fitted on the model's own samples (``collab.calibration=own``, ``collab_attn/own_text.py``; 64
+windows of 256 tokens unless ``collab.calibration_samples`` and ``collab.calibration_max_length`` say otherwise, the
+end-to-end fit 4 windows a step and judged on the 16 after its own): fitted on one domain's text, a model is far from
+the original on others (experiments/transfer/README.md). An encoder writes no text: it needs ``collab.calibration`` to
+fit. A decoder whose conversion caches less than the original, given none of ``FIT_KEYS``, is fitted by
+``GENERAL_RECIPE`` (150 layer steps, then every weight distilled 32 steps, on its own samples); ``collab.fit_steps=0``
+converts it without fitting.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations

@@ -121,6 +121,12 @@ def _defaults(cls) -> dict:
     return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
+# The fits after a conversion, by their step setting: what a step is and what the fit does
+STEPS = {"fit_steps": ("steps per layer", "fits the converted layers"),
+         "e2e_steps": ("optimizer steps", "fits the converted layers end to end"),
+         "distill_steps": ("optimizer steps", "distils every weight")}
+
+
 def group_keys(method: ConversionMethod) -> dict:
     """The keys of ``method``'s config group besides ``method`` and ``rank``, with their defaults."""
     keys = {"budget": None} if method.budgets else {}
@@ -216,8 +222,7 @@ class MethodSettings:
         if method.needs_importance:
             importance = ImportanceSettings(**{f: given[k] for k, f in IMPORTANCE_KEYS.items() if k in given})
         steps = {}
-        for key, what in (("fit_steps", "steps per layer"), ("e2e_steps", "optimizer steps"),
-                          ("distill_steps", "optimizer steps")):
+        for key, (what, _) in STEPS.items():
             value = given.get(key)
             if value is not None and not (type(value) is int and value >= 0):
                 raise ValueError(f"collab.{key} must be a number of {what} (0 or null: no fit), got {value!r}")
@@ -245,27 +250,13 @@ class MethodSettings:
                 raise ValueError(f"collab.rank must be an integer or a list of integers (one per layer), got {rank!r}")
             if isinstance(rank, tuple):
                 object.__setattr__(self, "rank", list(rank))
-        if self.fit_steps is not None:
-            if not (type(self.fit_steps) is int and self.fit_steps > 0):
-                raise ValueError(f"collab.fit_steps must be a positive number of steps per layer or null, got "
-                                 f"{self.fit_steps!r}")
-            if self.calibration is None:
-                raise ValueError(f"collab.fit_steps={self.fit_steps} fits the converted layers on the calibration "
-                                 "texts: set collab.calibration too (a text file or a GLUE train.tsv/dev.tsv)")
-        if self.e2e_steps is not None:
-            if not (type(self.e2e_steps) is int and self.e2e_steps > 0):
-                raise ValueError(f"collab.e2e_steps must be a positive number of optimizer steps or null, got "
-                                 f"{self.e2e_steps!r}")
-            if self.calibration is None:
-                raise ValueError(f"collab.e2e_steps={self.e2e_steps} fits the converted layers on the calibration "
-                                 "texts: set collab.calibration too (a text file or a GLUE train.tsv/dev.tsv)")
-        if self.distill_steps is not None:
-            if not (type(self.distill_steps) is int and self.distill_steps > 0):
-                raise ValueError(f"collab.distill_steps must be a positive number of optimizer steps or null, got "
-                                 f"{self.distill_steps!r}")
-            if self.calibration is None:
-                raise ValueError(f"collab.distill_steps={self.distill_steps} distils on the calibration texts: set "
-                                 "collab.calibration too (a text file, a GLUE train.tsv/dev.tsv or own)")
+        for key, (unit, what) in STEPS.items():  # each fit after the conversion reads the calibration texts
+            steps = getattr(self, key)
+            if steps is not None and not (type(steps) is int and steps > 0):
+                raise ValueError(f"collab.{key} must be a positive number of {unit} or null, got {steps!r}")
+            if steps is not None and self.calibration is None:
+                raise ValueError(f"collab.{key}={steps} {what} on the calibration texts: set collab.calibration too "
+                                 "(a text file, a GLUE train.tsv/dev.tsv or own)")
         if self.e2e_texts is not None:
             if not (isinstance(self.e2e_texts, str) and self.e2e_texts.strip()):
                 raise ValueError(f"collab.e2e_texts must be a file path or null, got {self.e2e_texts!r}")
@@ -362,7 +353,7 @@ class MethodSettings:
     def refuse_fit(self, entry_point: str) -> None:
         """For an entry point that does not fit the converted layers to the original: refuse ``collab.fit_steps``,
         ``collab.e2e_steps`` and ``collab.distill_steps`` rather than ignore them."""
-        for key in ("fit_steps", "e2e_steps", "distill_steps"):
+        for key in STEPS:
             if getattr(self, key):
                 raise ValueError(f"collab.{key}={getattr(self, key)}: {entry_point} does not fit the converted layers "
                                  f"to the original; convert with scripts/reparametrize.py (which does), or set "
