@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # result_pages/, besid
 
 from result_pages.accounting import claims_accounting  # noqa: E402
 from result_pages.benchmarks import claims_benchmarks, claims_benchmarks_doc  # noqa: E402
+from result_pages.design import claims_design  # noqa: E402
 from result_pages.distributed_sst2 import claims_distributed_sst2  # noqa: E402
 from result_pages.docs_converting import claims_docs_converting  # noqa: E402
 from result_pages.docs_glue import claims_docs_glue  # noqa: E402
@@ -81,7 +82,8 @@ PAGES: list[Callable[[], None]] = [claims_smollm2, claims_readme, claims_readme_
                                    claims_minilm_glue, claims_minilm_mrpc_rte, claims_minilm_random_init,
                                    claims_accounting, claims_scratch_sst2, claims_serving, claims_energy_minilm,
                                    claims_minilm_sst2, claims_minilm_rte_recipe, claims_docs_glue,
-                                   claims_distributed_sst2, claims_docs_language_modelling, claims_docs_converting]
+                                   claims_distributed_sst2, claims_docs_language_modelling, claims_docs_converting,
+                                   claims_design]
 
 
 def build(pages: list[Callable[[], None]] | None = None) -> Registry:

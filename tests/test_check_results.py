@@ -236,6 +236,15 @@ def test_the_docs_pages_are_strict_and_their_numbers_recomputed(tmp_path, regist
     assert len(problems) == 1 and said in problems[0], problems
 
 
+def test_the_design_doc_is_strict_and_its_numbers_recomputed(tmp_path, registry):
+    """docs/design.md is strict (issue 88): the attention share the end-to-end fit trains is recomputed."""
+    assert ("docs/design.md", None, False) in {(s.page, s.section, s.tables_only) for s in registry.strict}
+    page = "docs/design.md"
+    altered = _altered(tmp_path, page, "28.8M parameters, 21% of", "28.8M parameters, 22% of")
+    problems = check_results.check(registry, {page: altered})
+    assert len(problems) == 1 and "22 where the run files give 21" in problems[0], problems
+
+
 def test_a_verdict_a_sentence_states_is_recomputed():
     """``verdict_is``: no number, but the claim cannot be computed where the window bootstrap's verdict differs."""
     from result_pages.engine import verdict_is
