@@ -292,7 +292,8 @@ def run(cfg: DictConfig) -> dict:
     model, tokenizer = load_model_and_tokenizer(path, model_class=None)
     original = copy.deepcopy(model)
     sampling = time.perf_counter()
-    own = own_text(model, tokenizer, method, settings["seed"])  # collab.calibration=own: the original's samples
+    with cli.as_bad_input():  # a tokenizer without a beginning-of-text token cannot start a sample: one error line
+        own = own_text(model, tokenizer, method, settings["seed"])  # collab.calibration=own: the original's samples
     sampling = time.perf_counter() - sampling
     with cli.as_bad_input():  # what only the loaded weights show (NaN or Inf): one error line, nothing written
         calibration = calibrate(model, tokenizer, method, settings["seed"], own=own)

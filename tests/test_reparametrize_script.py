@@ -655,6 +655,19 @@ def test_the_general_recipe_fits_a_decoder_given_no_fitting_setting(tmp_path, ov
         assert method == script.method_settings(settings["collab"])  # as given
 
 
+def test_own_text_without_a_beginning_of_text_token_is_one_clear_error(tmp_path):
+    """The general recipe samples the model's own text, which starts from the beginning-of-text token: a tokenizer
+    without one is bad input (one error line), and nothing is written."""
+    checkpoint = tiny_llama(tmp_path / "llama")
+    tokenizer = character_tokenizer()
+    tokenizer.bos_token = None
+    tokenizer.save_pretrained(checkpoint)
+    with pytest.raises(cli.BadInput, match="no beginning-of-text token"):
+        script.run(config(f"model={checkpoint}", f"output_dir={tmp_path / 'out'}", "collab=key-svd", "collab.rank=12",
+                          "collab.value_rank=12", "collab.calibration_max_length=16"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_general_recipe_leaves_encoders_and_methods_that_do_not_fit(tmp_path, minilm_path):
     minilm, _ = script.check(script.settings_of(config(f"output_dir={tmp_path / 'a'}", "collab.rank=64")))
     assert (minilm.fit_steps, minilm.distill_steps, minilm.calibration) == (None, None, None)  # an encoder
