@@ -335,6 +335,7 @@ def claims_readme_transfer() -> None:
     claim(P, "`export` took {:,.0f} s on\nthe project's otherwise idle 2-core CPU",
           field("experiments/transfer/one_call/general/timing.json", "wall_seconds"))
     cited(P, "(150 steps a layer, then every weight distilled 32 steps", "scripts/reparametrize.py GENERAL_RECIPE")
+    cited(P, "`collab.calibration=<texts> collab.fit_steps=150 collab.distill_steps=32`", "GENERAL_RECIPE's settings")
     claim(P, "and at most {:.3f}x with 128 end-to-end steps instead of\n  32", worst(
         "experiments/transfer/test/runs/key-svd-k96-v96-calibrated16384-fitted150-e2e128on131072held4096stop32-textall"
         ".json"))
