@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from collab_attn.deprecation import conflict, warn_renamed
+from collab_attn.deprecation import renamed_keyword, warn_renamed
 from collab_attn.nn import triton_kernels
 from collab_attn.nn.attention import (
     AttentionArguments,
@@ -35,11 +35,7 @@ class SharedKeyAttention(SharedKeyValueAttention):
 
     def __init__(self, d_model: int, num_heads: int, rank: int | None = None, *, key_size: int | None = None,
                  **common: Unpack[AttentionArguments]):
-        if key_size is not None:  # the deprecated name of rank
-            if rank is not None and rank != key_size:
-                raise TypeError(conflict("key_size", "rank", key_size, rank))
-            warn_renamed("key_size", "rank", "SharedKeyAttention")
-            rank = key_size
+        rank = renamed_keyword("key_size", "rank", key_size, rank, "SharedKeyAttention")
         if rank is None:
             raise TypeError("SharedKeyAttention needs rank, the shared key's width")
         super().__init__(d_model, num_heads, **common)
