@@ -249,7 +249,8 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
 
     race_script = script()
     args = SimpleNamespace(
-        fit_text="mixed", methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
+        fit_text="mixed", distill_learning_rate=1e-4,
+        methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=0, allocate=False, bands="per-layer")
     extra = [race.Entry("key-svd", 192, 96), race.Entry("drop-kv", 128)]
@@ -267,13 +268,19 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
     assert "kv-svd-k72-rope_pairs4-calibrated64s1" in names and "kv-svd-k72-rope_pairs4" in names
     args.calibration_tokens, args.calibration_sample = 0, 0  # no calibration: distilled from the weight fit
     assert "kv-svd-k72-rope_pairs4-distilled100" in [e.name for e in race_script.race_entries(args, 3, 64, [])]
+    args.distill_learning_rate = 3e-4  # another peak rate names the distilled run, and only it
+    names = [e.name for e in race_script.race_entries(args, 3, 64, [])]
+    assert "kv-svd-k72-rope_pairs4-distilled100lr0.0003" in names and "kv-svd-k72-rope_pairs4" in names
+    with pytest.raises(ValueError, match="distill_learning_rate=0.0003 sets the rate of a distillation"):
+        race.Entry("kv-svd", 72, distill_learning_rate=3e-4)
 
 
 def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it():
     from types import SimpleNamespace
 
     args = SimpleNamespace(
-        fit_text="mixed", methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
+        fit_text="mixed", distill_learning_rate=1e-4,
+        methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=30, fit_target="layer", fit_solve_output=False, allocate=False, e2e_steps=0,
                            bands="per-layer")
@@ -707,7 +714,8 @@ def test_fit_targets_and_allocations_are_named_and_sized_for_what_they_do():
     from types import SimpleNamespace
 
     args = SimpleNamespace(
-        fit_text="mixed", methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
+        fit_text="mixed", distill_learning_rate=1e-4,
+        methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
                            distill_tokens=0, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=30, fit_target="residual", fit_solve_output=False, allocate=True, e2e_steps=0,
                            bands="per-layer")
@@ -837,7 +845,8 @@ def test_rows_runs_only_the_rows_it_names_besides_the_original():
     from types import SimpleNamespace
 
     args = SimpleNamespace(
-        fit_text="mixed", methods=["key-svd", "kv-svd"], budgets=[0.5, 0.25], distill_budgets=[0.5, 0.25],
+        fit_text="mixed", distill_learning_rate=1e-4,
+        methods=["key-svd", "kv-svd"], budgets=[0.5, 0.25], distill_budgets=[0.5, 0.25],
                            rope_pairs=4, distill_tokens=0, calibration_tokens=64, calibration_sample=0,
                            pairs_by_budget=False, fit_steps=30, fit_target="layer", fit_solve_output=False,
                            allocate=False, e2e_steps=0, bands="per-layer")

@@ -73,8 +73,10 @@ def check_arguments(args) -> tuple[str, object]:
     if args.e2e_length == 1:
         raise cli.BadInput("--e2e-length must be 0 (--length) or at least 2: a window holds the beginning-of-text "
                            "token and at least one token to predict; got 1")
-    if not math.isfinite(args.e2e_learning_rate):
-        raise cli.BadInput(f"--e2e-learning-rate must be a finite number > 0, got {args.e2e_learning_rate}")
+    for flag, rate in (("--e2e-learning-rate", args.e2e_learning_rate),
+                       ("--distill-learning-rate", args.distill_learning_rate)):
+        if not (math.isfinite(rate) and rate > 0):
+            raise cli.BadInput(f"{flag} must be a finite number > 0, got {rate}")
     for text in args.extra:
         if any(int(size) < 1 for size in text.split(":")[1:]):
             raise cli.BadInput(f"--extra {text}: RANK and VALUE_RANK must be positive, e.g. key-svd:192:144")
