@@ -36,12 +36,34 @@ OPENINGS = (  # plain-text openings: "" samples from the beginning-of-text token
     "", "The", "In 1912,", "Once upon a time", "def ", "Chapter 1\n\n", "Abstract:", "Q:", "# Introduction\n\n",
     "Dear Sir,", "import ", "It was", "The following", "Breaking news:", "Recipe:", "1.",
 )
+CODE_REQUESTS = (  # programming requests, general ones, none about the evaluation domains' texts
+    "Write a Python class for a bank account with deposit and withdraw methods.",
+    "Write a Python script that counts the words in a text file.",
+    "How do I read a CSV file with pandas and compute the mean of a column?",
+    "Write pytest unit tests for a function that checks whether a string is a palindrome.",
+    "My loop `for i in range(len(items)): items.remove(items[i])` fails. Why, and how do I fix it?",
+    "Write a SQL query that finds the ten customers with the most orders.", "Implement binary search in C.",
+    "Write a bash script that backs up a folder every night.", "Write a Rust function that parses a date string.",
+    "Write a Python function that merges two sorted lists, with type hints and a docstring.",
+    "Write a small Flask app with one route that returns JSON.",
+)
+CODE_OPENINGS = ("class ", "#!/usr/bin/env python3\n", "```python\n", "#include <", "function ")
+# Prompt sets by the fitting text they make: "own", the varied requests and openings above (about one sample in eight
+# is code); "owncode", the same with the programming ones (about one in three).
+PROMPT_SETS = {"own": (REQUESTS, OPENINGS), "owncode": (REQUESTS + CODE_REQUESTS, OPENINGS + CODE_OPENINGS)}
 
 
-def prompts(tokenizer, count: int) -> list[list[int]]:
-    """The token ids of the first ``count`` prompts: chat requests (through the tokenizer's chat template, with the
-    assistant's turn opened) and plain openings (after the beginning-of-text token) in turn; only plain openings when
-    the tokenizer has no chat template. Each list is cycled."""
+def _prompt_set(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if name not in PROMPT_SETS:
+        raise ValueError(f"prompt_set={name!r}: choose one of {', '.join(PROMPT_SETS)}")
+    return PROMPT_SETS[name]
+
+
+def prompts(tokenizer, count: int, prompt_set: str = "own") -> list[list[int]]:
+    """The token ids of the first ``count`` prompts of ``PROMPT_SETS[prompt_set]``: chat requests (through the
+    tokenizer's chat template, with the assistant's turn opened) and plain openings (after the beginning-of-text token)
+    in turn; only plain openings when the tokenizer has no chat template. Each list is cycled."""
+    requests, openings = _prompt_set(prompt_set)
     bos = tokenizer.bos_token_id
     if bos is None:
         raise ValueError("the tokenizer has no beginning-of-text token to start a plain sample with")
@@ -49,11 +71,11 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
     out = []
     for i in range(count):
         if chat and i % 2 == 0:
-            message = [{"role": "user", "content": REQUESTS[(i // 2) % len(REQUESTS)]}]
+            message = [{"role": "user", "content": requests[(i // 2) % len(requests)]}]
             out.append(list(tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True,
                                                           return_dict=True)["input_ids"]))
         else:
-            opening = OPENINGS[(i // 2 if chat else i) % len(OPENINGS)]
+            opening = openings[(i // 2 if chat else i) % len(openings)]
             out.append([bos] + tokenizer(opening, add_special_tokens=False).input_ids)
     return out
 
@@ -75,10 +97,10 @@ def _sample(model, batch: list[list[int]], new_tokens: int, pad: int, eos: int |
 
 
 def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch: int = 32,
-                progress: bool = True) -> torch.Tensor:
+                progress: bool = True, prompt_set: str = "own") -> torch.Tensor:
     """``count`` windows of ``length`` tokens of ``model``'s own samples (a (count, length) tensor on the CPU): the
-    samples of ``prompts`` in order, each continued for up to ``length`` new tokens, packed and cut as the module
-    says. Seeded by ``seed``; sampled ``batch`` prompts at a time."""
+    samples of ``prompts(tokenizer, n, prompt_set)`` in order, each continued for up to ``length`` new tokens, packed
+    and cut as the module says. Seeded by ``seed``; sampled ``batch`` prompts at a time."""
     if type(length) is not int or length < 2 or type(count) is not int or count < 1:
         raise ValueError(f"own_windows(length={length!r}, count={count!r}): a window holds the beginning-of-text "
                          "token and at least one more (length >= 2), and at least one window is asked for")
@@ -90,7 +112,8 @@ def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch:
         raise ValueError("the tokenizer has neither a padding nor an end-of-text token to pad prompts with")
     body = length - 1
     needed = body * count
-    cycle = prompts(tokenizer, 2 * math.lcm(len(REQUESTS), len(OPENINGS)))  # every prompt in order, tokenized once
+    every = 2 * math.lcm(*map(len, _prompt_set(prompt_set)))
+    cycle = prompts(tokenizer, every, prompt_set)  # every prompt in order, tokenized once
     stream: list[int] = []
     was_training = model.training
     model.eval()

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -162,8 +163,8 @@ def rows_described(entries: list[dict], batch: int) -> str:
     text = ""
     if having("distill_tokens"):
         text += (" Distilled rows (-distilled<T>): T fitting tokens (RTE and MRPC train sentences, the first 90% of "
-                 f"Tiny Shakespeare), one pass, batch {batch}, peak learning rate 1e-4 (lr<R>: R), from the conversion its "
-                 "name gives before -distilled.")
+                 f"Tiny Shakespeare), one pass, batch {batch}, peak learning rate 1e-4 (lr<R>: R), from the "
+                 "conversion its name gives before -distilled.")
     if having("calibration_tokens"):
         text += (" Calibrated rows (-calibrated<T>, s<K> for the K-th block of fitting tokens instead of the first): "
                  "the rotary keys and the shared values (cp, key-svd) or the latent (kv-svd) fitted to the attention "
@@ -338,8 +339,9 @@ def main(argv=None) -> None:
                              "validation in experiments/transfer), 'mixed' (the wikipedia and shakespeare fit splits: "
                              "the race's text before it; pass it to resume or reproduce the runs named without "
                              "-text), one domain's fit split ('wikipedia', 'shakespeare', 'code'), 'own': the "
-                             "original's own samples (collab_attn.own_text; kept in <out>/own_text/), or 'every': own "
-                             "samples and the three, a quarter each. Runs named -text<name> unless mixed")
+                             "original's own samples (collab_attn.own_text; kept in <out>/own_text/), 'owncode': its "
+                             "samples from the prompts with programming requests too, or 'every': own samples and the "
+                             "three, a quarter each. Runs named -text<name> unless mixed")
     parser.add_argument("--domains", nargs="+", default=None, choices=TEST_DOMAINS,
                         help="the held-out domains to measure (default: wikipedia and shakespeare on validation, "
                              "every domain on test; docs has a test split only)")
@@ -478,16 +480,17 @@ def main(argv=None) -> None:
 
     texts = FIT_TEXTS[args.fit_text]
 
-    def own(count, length):  # sampled once, as many as the longest block of this length asks for
+    def own(length, count, text):  # sampled once, as many as the longest block of this length asks for
         most = max([count] + [-(-t // (len(texts) * length)) for t, n in race_inputs.fitting_blocks(args)
                               if n == length])
-        return own_fit_windows(original, tokenizer, length, most * length, args.out / "own_text")[:count]
+        return own_fit_windows(original, tokenizer, length, most * length, args.out / "own_text",
+                               prompt_set=text)[:count]
 
     def fit_rows(tokens, length=args.length, text=None):  # text: another fitting text than --fit-text's
         key = (tokens, length) if text is None else (tokens, length, text)
         if key not in fitting:
             fitting[key] = text_windows(tokenizer, args.glue_dir, args.shakespeare, length, tokens,
-                                        texts if text is None else FIT_TEXTS[text], lambda count: own(count, length))
+                                        texts if text is None else FIT_TEXTS[text], functools.partial(own, length))
         return fitting[key]
 
     def calibration_rows():

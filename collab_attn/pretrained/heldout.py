@@ -71,6 +71,7 @@ DOMAINS = ("wikipedia", "shakespeare")  # the race's default fitting mixture and
 FIT_DOMAINS = (*DOMAINS, "code")  # fitted on, chosen on (validation) and tested on
 TEST_DOMAINS = (*FIT_DOMAINS, "docs")  # docs: the test split only
 OWN = "own"  # a fitting text that is no domain: the original's own samples (collab_attn.own_text)
+OWN_TEXTS = (OWN, "owncode")  # the original's own samples, by prompt set (collab_attn.own_text.PROMPT_SETS)
 SPLITS = ("fit", "validation", "test")
 EVALUATION_SPLITS = ("validation", "test")
 WIKIPEDIA_VALIDATION_SENTENCES = 450  # the first QNLI dev sentences: validation; the rest: test

@@ -37,7 +37,7 @@ from collab_attn.pretrained.heldout import DOMAINS, EVALUATION_SPLITS, FIT_DOMAI
 
 # What a race's fits read: the fit split of one domain, of several, or the original's own samples (OWN), interleaved.
 FIT_TEXTS = {"mixed": DOMAINS, "wikipedia": ("wikipedia",), "shakespeare": ("shakespeare",), "code": ("code",),
-             "all": FIT_DOMAINS, "own": (OWN,), "every": (OWN, *FIT_DOMAINS)}
+             "all": FIT_DOMAINS, "own": (OWN,), "every": (OWN, *FIT_DOMAINS), "owncode": ("owncode",)}
 
 
 @dataclass(frozen=True)

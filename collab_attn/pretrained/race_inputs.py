@@ -138,7 +138,7 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
     loaded: a fitting text too short for one is refused naming the option, and so is an end-to-end check (or
     held-out part) that the fit's own tokens cannot hold. Returns the windows by (tokens, length)."""
     from collab_attn.pretrained.distill import text_windows
-    from collab_attn.pretrained.heldout import OWN
+    from collab_attn.pretrained.heldout import OWN_TEXTS
     from collab_attn.pretrained.race import FIT_TEXTS
 
     options = {}
@@ -150,7 +150,7 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
     made = {}
     texts = FIT_TEXTS[args.fit_text]
     for tokens, length in fitting_blocks(args):
-        def own(count, length=length):  # the original's samples are made once it is loaded: their count only here
+        def own(count, text, length=length):  # the original's samples are made once it is loaded: counted here
             return torch.zeros(count, length, dtype=torch.long)
 
         try:
@@ -178,7 +178,7 @@ def check_fitting_text(args, tokenizer) -> dict[tuple[int, int], torch.Tensor]:
                                f"({err}); ask for fewer") from None
     if args.e2e_steps:
         _check_end_to_end(args, made)
-    return {} if OWN in texts else made  # the original's samples: counted here, made once it is loaded
+    return {} if set(texts) & set(OWN_TEXTS) else made  # the original's samples: counted here, made once loaded
 
 
 def _check_end_to_end(args, made: dict) -> None:
