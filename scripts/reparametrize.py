@@ -79,6 +79,7 @@ from collab_attn.glue.calibrate import (
     own_text,
 )
 from collab_attn.kinds import LAYER_KINDS
+from collab_attn.models import sizing
 from collab_attn.models.checkpoints import (
     checked_model,
     load_model_and_tokenizer,
@@ -88,7 +89,6 @@ from collab_attn.models.families import family_of
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.methods import METHODS
 from collab_attn.models.settings import MethodSettings
-from collab_attn.models.sizing import cache_bytes_at, original_size
 from collab_attn.pretrained.distill import Distillation, distill
 from collab_attn.serving import export
 
@@ -172,8 +172,7 @@ def caches_less(config, method: MethodSettings) -> bool:
     layers = config.num_hidden_layers
     ranks = method.rank if isinstance(method.rank, list) else [method.rank] * layers
     values = method.value_rank if isinstance(method.value_rank, list) else [method.value_rank] * layers
-    converted = cache_bytes_at(config, method.conversion, ranks, values)
-    return converted is not None and converted < original_size(config).cache_bytes
+    return sizing.caches_less(config, method.conversion, ranks, values)
 
 
 def with_general_recipe(collab: dict, method: MethodSettings, config) -> MethodSettings:

@@ -67,20 +67,29 @@ def converted_layout(config, method, sizes: LayerSizes, skeleton: _Skeleton | No
     return method.layout_at(skeleton.site, skeleton.layers, sizes)
 
 
-def original_size(config) -> ConversionSize:
+def original_size(config, skeleton: _Skeleton | None = None) -> ConversionSize:
     """The original model's costs (``rank``: heads x head_dim; the cache holds kv_heads x head_dim keys and
     values, fewer than heads x head_dim where they are grouped)."""
-    skeleton = _Skeleton.of(config)
+    skeleton = skeleton or _Skeleton.of(config)
     width = skeleton.site.width
     cached = 2 * skeleton.site.kv_heads * skeleton.site.head_dim
     params = sum(p.numel() for p in skeleton.site.module.parameters()) + skeleton.outer_output()
     return ConversionSize(width, None, skeleton.layers * cached * DTYPE_BYTES, skeleton.layers * params)
 
 
-def cache_bytes_at(config, method, ranks: Sequence[int], value_ranks: Sequence[int | None]) -> int | None:
+def caches_less(config, method, ranks: Sequence[int], value_ranks: Sequence[int | None]) -> bool:
+    """Whether ``config``'s model converted by ``method`` at these ranks per layer caches fewer bytes per token than
+    the original (False where the method cannot take them)."""
+    skeleton = _Skeleton.of(config)
+    converted = cache_bytes_at(config, method, ranks, value_ranks, skeleton)
+    return converted is not None and converted < original_size(config, skeleton).cache_bytes
+
+
+def cache_bytes_at(config, method, ranks: Sequence[int], value_ranks: Sequence[int | None],
+                   skeleton: _Skeleton | None = None) -> int | None:
     """The cache bytes per token of ``config``'s model converted by ``method`` at one rank and value rank per layer
     (None where the method cannot take them)."""
-    skeleton = _Skeleton.of(config)
+    skeleton = skeleton or _Skeleton.of(config)
     layouts, total = {}, 0
     for layer, sizes in enumerate(zip(ranks, value_ranks)):
         if sizes not in layouts:
