@@ -137,8 +137,8 @@ def race_entries(args, kv_heads: int, head_dim: int, extra: list[Entry]) -> list
                    for e in entries]
     entries = [dataclasses.replace(e, calibration_sample=args.calibration_sample) if e.calibration_tokens else e
                for e in entries]
-    entries = [dataclasses.replace(e, distill_learning_rate=args.distill_learning_rate) if e.distill_tokens else e
-               for e in entries]
+    entries = [dataclasses.replace(e, distill_learning_rate=args.distill_learning_rate,
+                                   distill_passes=args.distill_passes) if e.distill_tokens else e for e in entries]
     return [dataclasses.replace(e, fit_text=args.fit_text) if e.calibration_tokens or e.distill_tokens else e
             for e in entries]
 
@@ -163,8 +163,8 @@ def rows_described(entries: list[dict], batch: int) -> str:
     text = ""
     if having("distill_tokens"):
         text += (" Distilled rows (-distilled<T>): T fitting tokens (RTE and MRPC train sentences, the first 90% of "
-                 f"Tiny Shakespeare), one pass, batch {batch}, peak learning rate 1e-4 (lr<R>: R), from the "
-                 "conversion its name gives before -distilled.")
+                 f"Tiny Shakespeare), one pass, batch {batch}, peak learning rate 1e-4 (lr<R>: R; x<P>: P "
+                 "passes), from the conversion its name gives before -distilled.")
     if having("calibration_tokens"):
         text += (" Calibrated rows (-calibrated<T>, s<K> for the K-th block of fitting tokens instead of the first): "
                  "the rotary keys and the shared values (cp, key-svd) or the latent (kv-svd) fitted to the attention "
@@ -233,6 +233,9 @@ def main(argv=None) -> None:
     parser.add_argument("--distill-learning-rate", type=float, default=1e-4,
                         help="--distill-tokens: the distillation's peak learning rate (linear decay; runs named "
                              "-distilled<T>lr<rate> unless 1e-4)")
+    parser.add_argument("--distill-passes", type=int, default=1,
+                        help="--distill-tokens: passes over those tokens, shuffled anew each pass (runs named "
+                             "-distilled<T>x<passes> unless 1)")
     parser.add_argument("--distill-budgets", type=float, nargs="+", default=None,
                         help="the budgets distilled (default: every one of --budgets)")
     parser.add_argument("--calibration-tokens", type=int, default=0,
@@ -368,6 +371,8 @@ def main(argv=None) -> None:
         parser.error("--windows, --length and --batch must be at least 2")
     if args.distill_learning_rate != 1e-4 and not args.distill_tokens:
         parser.error("--distill-learning-rate sets the rate of a distillation: give --distill-tokens too")
+    if args.distill_passes < 1 or (args.distill_passes > 1 and not args.distill_tokens):
+        parser.error(f"--distill-passes must be at least 1, with --distill-tokens above 1; got {args.distill_passes}")
     if args.distill_tokens < 0:
         parser.error(f"--distill-tokens must be 0 (no distillation) or positive, got {args.distill_tokens}")
     if args.calibration_tokens < 0:

@@ -249,7 +249,7 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
 
     race_script = script()
     args = SimpleNamespace(
-        fit_text="mixed", distill_learning_rate=1e-4,
+        fit_text="mixed", distill_learning_rate=1e-4, distill_passes=1,
         methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=0, allocate=False, bands="per-layer")
@@ -273,13 +273,18 @@ def test_the_distillation_starts_from_the_calibrated_conversion_when_both_are_as
     assert "kv-svd-k72-rope_pairs4-distilled100lr0.0003" in names and "kv-svd-k72-rope_pairs4" in names
     with pytest.raises(ValueError, match="distill_learning_rate=0.0003 sets the rate of a distillation"):
         race.Entry("kv-svd", 72, distill_learning_rate=3e-4)
+    args.distill_passes = 2  # and more passes over its tokens
+    names = [e.name for e in race_script.race_entries(args, 3, 64, [])]
+    assert "kv-svd-k72-rope_pairs4-distilled100lr0.0003x2" in names
+    with pytest.raises(ValueError, match="distill_passes=0: a distillation reads its tokens once or more"):
+        race.Entry("kv-svd", 72, distill_tokens=100, distill_passes=0)
 
 
 def test_fit_steps_add_a_fitted_run_of_every_calibrated_one_and_distil_from_it():
     from types import SimpleNamespace
 
     args = SimpleNamespace(
-        fit_text="mixed", distill_learning_rate=1e-4,
+        fit_text="mixed", distill_learning_rate=1e-4, distill_passes=1,
         methods=["kv-svd", "drop-kv"], budgets=[0.75, 0.25], distill_budgets=[0.25], rope_pairs=4,
                            distill_tokens=100, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=30, fit_target="layer", fit_solve_output=False, allocate=False, e2e_steps=0,
@@ -669,6 +674,11 @@ def test_distillation_brings_the_converted_model_closer_to_the_original(tmp_path
     assert after < 0.6 * before and not student.training  # measured: 1.02 -> 0.47
     assert heldout.agreement(student, original, rows(count=16, length=16, seed=9)).kl < 0.6 * before  # unseen
     assert [r["step"] for r in run.history if "loss" in r][-1] == 16  # one pass: 64 windows, 4 per step
+    twice = distill.distill(copy.deepcopy(student), original, fitting[:8], tmp_path / "twice", batch=4, passes=3,
+                            checkpoint_every=None)
+    assert [r["step"] for r in twice.history if "loss" in r][-1] == 6  # three passes over 8 windows, 4 per step
+    with pytest.raises(ValueError, match="passes=0: distil at least one pass"):
+        distill.distill(student, original, fitting, tmp_path / "none", passes=0)
 
 
 def test_a_distilled_run_keeps_every_weight_and_a_second_split_reads_them_back(tmp_path, monkeypatch):
@@ -714,7 +724,7 @@ def test_fit_targets_and_allocations_are_named_and_sized_for_what_they_do():
     from types import SimpleNamespace
 
     args = SimpleNamespace(
-        fit_text="mixed", distill_learning_rate=1e-4,
+        fit_text="mixed", distill_learning_rate=1e-4, distill_passes=1,
         methods=["key-svd", "kv-svd"], budgets=[0.5], distill_budgets=[0.5], rope_pairs=4,
                            distill_tokens=0, calibration_tokens=64, calibration_sample=0, pairs_by_budget=False,
                            fit_steps=30, fit_target="residual", fit_solve_output=False, allocate=True, e2e_steps=0,
@@ -845,7 +855,7 @@ def test_rows_runs_only_the_rows_it_names_besides_the_original():
     from types import SimpleNamespace
 
     args = SimpleNamespace(
-        fit_text="mixed", distill_learning_rate=1e-4,
+        fit_text="mixed", distill_learning_rate=1e-4, distill_passes=1,
         methods=["key-svd", "kv-svd"], budgets=[0.5, 0.25], distill_budgets=[0.5, 0.25],
                            rope_pairs=4, distill_tokens=0, calibration_tokens=64, calibration_sample=0,
                            pairs_by_budget=False, fit_steps=30, fit_target="layer", fit_solve_output=False,

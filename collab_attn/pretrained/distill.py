@@ -91,10 +91,13 @@ class Distillation:
 
 
 def distill(student, teacher, rows: torch.Tensor, checkpoints: Path, batch: int = 4, learning_rate: float = 1e-4,
-            seed: int = 0, checkpoint_every: int | None = 25) -> TrainingRun:
-    """One pass over ``rows`` (one optimizer step per ``batch`` windows): the student learns the teacher's next-token
-    distributions. Resumes from ``checkpoints`` when an earlier call was interrupted."""
-    steps = -(-len(rows) // batch)
+            seed: int = 0, checkpoint_every: int | None = 25, passes: int = 1) -> TrainingRun:
+    """``passes`` passes over ``rows`` (one optimizer step per ``batch`` windows, shuffled anew each pass): the student
+    learns the teacher's next-token distributions. Resumes from ``checkpoints`` when an earlier call was
+    interrupted."""
+    if type(passes) is not int or passes < 1:
+        raise ValueError(f"passes={passes!r}: distil at least one pass over the fitting text")
+    steps = -(-len(rows) * passes // batch)
     if steps < 1:
         raise ValueError("distillation needs at least one window of fitting text")
     recipe = {"max_steps": steps, "per_device_train_batch_size": batch, "learning_rate": learning_rate,

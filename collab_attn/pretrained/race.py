@@ -52,6 +52,7 @@ class Entry:
     budget: float = 1.0  # the fraction of the original's cache it was sized for
     distill_tokens: int = 0  # fitting tokens of the distillation after the conversion (0: none)
     distill_learning_rate: float = 1e-4  # its peak learning rate
+    distill_passes: int = 1  # its passes over those tokens
     calibration_tokens: int = 0  # fitting tokens whose attention inputs fit the conversion (0: fitted to the weights)
     calibration_sample: int = 0  # which block of that many fitting tokens (0: the first)
     fit_steps: int = 0  # steps per layer of ``fit_to_original`` on the calibration tokens after the conversion
@@ -88,6 +89,9 @@ class Entry:
         if self.distill_learning_rate != 1e-4 and not self.distill_tokens:
             raise ValueError(f"distill_learning_rate={self.distill_learning_rate:g} sets the rate of a distillation "
                              "the entry does not make: give it distill_tokens too")
+        if self.distill_passes != 1 and not (self.distill_tokens and self.distill_passes > 1):
+            raise ValueError(f"distill_passes={self.distill_passes}: a distillation reads its tokens once or more, "
+                             "and only an entry with distill_tokens distils")
         if self.fit_text not in FIT_TEXTS:
             raise ValueError(f"fit_text={self.fit_text!r}: choose one of {', '.join(FIT_TEXTS)}")
         if self.fit_text != "mixed" and not (self.calibration_tokens or self.distill_tokens):
@@ -128,6 +132,7 @@ class Entry:
         tokens += f"anchor{self.e2e_anchor:g}" if self.e2e_anchor else ""  # "-e2e32on32768held4096anchor10"
         e2e = f"-e2e{self.e2e_steps}{rate}{tokens}" if self.e2e_steps else ""  # "-e2e64lr0.0003", "-e2e64on65536"
         distill_rate = "" if self.distill_learning_rate == 1e-4 else f"lr{self.distill_learning_rate:g}"
+        distill_rate += f"x{self.distill_passes}" if self.distill_passes > 1 else ""  # "-distilled32768x2": 2 passes
         distilled = f"-distilled{self.distill_tokens}{distill_rate}" if self.distill_tokens else ""  # "...lr0.0003"
         text = "" if self.fit_text == "mixed" else f"-text{self.fit_text}"  # "-textown": the original's own samples
         return f"{self.method}{sizes}{extra}{calibrated}{fitted}{e2e}{distilled}{text}"
@@ -288,7 +293,7 @@ def run_entry(entry: Entry, original, tokenizer, rows: dict[str, torch.Tensor], 
         def distilled():
             fitting = fit_rows(entry.distill_tokens)
             run = distill(model, original, fitting, out_dir / "checkpoints" / entry.name, batch,
-                          learning_rate=entry.distill_learning_rate)
+                          learning_rate=entry.distill_learning_rate, passes=entry.distill_passes)
             return Distillation(int(fitting.numel()), len(fitting), run.seconds, run.history)
 
         training = _kept(fitted_state_path(entry, out_dir, "distilled"), entry.name, model, original, distilled)
@@ -393,9 +398,9 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     if stage == "layer":
         start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
                                     e2e_held_out_tokens=0, e2e_held_out_text="", e2e_length=0, e2e_check_every=0,
-                                    e2e_anchor=0.0, distill_tokens=0, distill_learning_rate=1e-4)
+                                    e2e_anchor=0.0, distill_tokens=0, distill_learning_rate=1e-4, distill_passes=1)
     elif stage == "end-to-end":
-        start = dataclasses.replace(entry, distill_tokens=0, distill_learning_rate=1e-4)
+        start = dataclasses.replace(entry, distill_tokens=0, distill_learning_rate=1e-4, distill_passes=1)
     elif stage == "distilled":
         start = entry
     else:
@@ -442,7 +447,7 @@ def _allocation(entry: Entry, original, out_dir: Path, batches: list[dict], cali
         batches = batches[:max(1, -(-tokens // batches[0]["input_ids"].numel()))]
     measured = sum(b["input_ids"].numel() for b in batches)
     base = dataclasses.replace(entry, fit_steps=0, fit_target="layer", fit_solve_output=False, distill_tokens=0,
-                               distill_learning_rate=1e-4)
+                               distill_learning_rate=1e-4, distill_passes=1)
     path = out_dir / "allocations" / f"{base.name}-steps{steps}-tokens{measured}.json"
     if path.is_file():
         return Allocation.from_dict(json.loads(path.read_text()))
