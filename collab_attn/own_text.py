@@ -11,6 +11,7 @@ cuts the stream into windows that start with the beginning-of-text token, as
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -48,22 +49,36 @@ CODE_REQUESTS = (  # programming requests, general ones, none about the evaluati
     "Write a small Flask app with one route that returns JSON.",
 )
 CODE_OPENINGS = ("class ", "#!/usr/bin/env python3\n", "```python\n", "#include <", "function ")
-# Prompt sets by the fitting text they make: "own", the varied requests and openings above (about one sample in eight
-# is code); "owncode", the same with the programming ones (about one in three).
-PROMPT_SETS = {"own": (REQUESTS, OPENINGS), "owncode": (REQUESTS + CODE_REQUESTS, OPENINGS + CODE_OPENINGS)}
 
 
-def _prompt_set(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    if name not in PROMPT_SETS:
-        raise ValueError(f"prompt_set={name!r}: choose one of {', '.join(PROMPT_SETS)}")
-    return PROMPT_SETS[name]
+@dataclass(frozen=True)
+class OwnText:
+    """How one own text is sampled: its prompts (chat requests and plain openings, in turn) and its nucleus
+    (``top_p``: the smallest set of next tokens holding that much probability; 1.0, the model's whole distribution)."""
+
+    requests: tuple[str, ...]
+    openings: tuple[str, ...]
+    top_p: float = 1.0
 
 
-def prompts(tokenizer, count: int, prompt_set: str = "own") -> list[list[int]]:
-    """The token ids of the first ``count`` prompts of ``PROMPT_SETS[prompt_set]``: chat requests (through the
-    tokenizer's chat template, with the assistant's turn opened) and plain openings (after the beginning-of-text token)
-    in turn; only plain openings when the tokenizer has no chat template. Each list is cycled."""
-    requests, openings = _prompt_set(prompt_set)
+OWN_TEXTS = {  # by the fitting text's name (collab_attn.pretrained.race.FIT_TEXTS)
+    "own": OwnText(REQUESTS, OPENINGS),  # about one sample in eight is code
+    "owncode": OwnText(REQUESTS + CODE_REQUESTS, OPENINGS + CODE_OPENINGS),  # about one in three
+    "ownnucleus": OwnText(REQUESTS, OPENINGS, top_p=0.9),
+}
+
+
+def own_text(name: str) -> OwnText:
+    if name not in OWN_TEXTS:
+        raise ValueError(f"own text {name!r}: choose one of {', '.join(OWN_TEXTS)}")
+    return OWN_TEXTS[name]
+
+
+def prompts(tokenizer, count: int, text: str = "own") -> list[list[int]]:
+    """The token ids of the first ``count`` prompts of ``OWN_TEXTS[text]``: chat requests (through the tokenizer's
+    chat template, with the assistant's turn opened) and plain openings (after the beginning-of-text token) in turn;
+    only plain openings when the tokenizer has no chat template. Each list is cycled."""
+    requests, openings = own_text(text).requests, own_text(text).openings
     bos = tokenizer.bos_token_id
     if bos is None:
         raise ValueError("the tokenizer has no beginning-of-text token to start a plain sample with")
@@ -81,12 +96,13 @@ def prompts(tokenizer, count: int, prompt_set: str = "own") -> list[list[int]]:
 
 
 @torch.no_grad()
-def _sample(model, batch: list[list[int]], new_tokens: int, pad: int, eos: int | None) -> list[list[int]]:
+def _sample(model, batch: list[list[int]], new_tokens: int, pad: int, eos: int | None,
+            top_p: float = 1.0) -> list[list[int]]:
     """Each prompt of ``batch`` followed by its sampled continuation, through its first end-of-text token."""
     width = max(map(len, batch))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=top_p,
                          max_new_tokens=new_tokens, pad_token_id=pad, eos_token_id=eos)
     samples = []
     for prompt, row in zip(batch, out[:, width:].tolist()):
@@ -97,10 +113,11 @@ def _sample(model, batch: list[list[int]], new_tokens: int, pad: int, eos: int |
 
 
 def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch: int = 32,
-                progress: bool = True, prompt_set: str = "own") -> torch.Tensor:
+                progress: bool = True, text: str = "own") -> torch.Tensor:
     """``count`` windows of ``length`` tokens of ``model``'s own samples (a (count, length) tensor on the CPU): the
-    samples of ``prompts(tokenizer, n, prompt_set)`` in order, each continued for up to ``length`` new tokens, packed
-    and cut as the module says. Seeded by ``seed``; sampled ``batch`` prompts at a time."""
+    samples of ``prompts(tokenizer, n, text)`` in order, each continued for up to ``length`` new tokens from the
+    nucleus of ``OWN_TEXTS[text]``, packed and cut as the module says. Seeded by ``seed``; sampled ``batch`` prompts at
+    a time."""
     if type(length) is not int or length < 2 or type(count) is not int or count < 1:
         raise ValueError(f"own_windows(length={length!r}, count={count!r}): a window holds the beginning-of-text "
                          "token and at least one more (length >= 2), and at least one window is asked for")
@@ -112,8 +129,8 @@ def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch:
         raise ValueError("the tokenizer has neither a padding nor an end-of-text token to pad prompts with")
     body = length - 1
     needed = body * count
-    every = 2 * math.lcm(*map(len, _prompt_set(prompt_set)))
-    cycle = prompts(tokenizer, every, prompt_set)  # every prompt in order, tokenized once
+    recipe = own_text(text)
+    cycle = prompts(tokenizer, 2 * math.lcm(len(recipe.requests), len(recipe.openings)), text)  # each, tokenized once
     stream: list[int] = []
     was_training = model.training
     model.eval()
@@ -124,7 +141,7 @@ def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch:
         with tqdm(total=needed, desc="sampling the model's own text", unit="tok", disable=not progress) as bar:
             while len(stream) < needed:
                 batch_prompts = [cycle[(done + i) % len(cycle)] for i in range(batch)]
-                for sample in _sample(model, batch_prompts, length, pad, eos):
+                for sample in _sample(model, batch_prompts, length, pad, eos, recipe.top_p):
                     stream += sample
                 done += batch
                 bar.update(min(len(stream), needed) - bar.n)

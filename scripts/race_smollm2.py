@@ -489,7 +489,7 @@ def main(argv=None) -> None:
         most = max([count] + [-(-t // (len(texts) * length)) for t, n in race_inputs.fitting_blocks(args)
                               if n == length])
         return own_fit_windows(original, tokenizer, length, most * length, args.out / "own_text",
-                               prompt_set=text)[:count]
+                               text=text)[:count]
 
     def fit_rows(tokens, length=args.length, text=None):  # text: another fitting text than --fit-text's
         key = (tokens, length) if text is None else (tokens, length, text)

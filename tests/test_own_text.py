@@ -54,7 +54,7 @@ def test_the_prompt_set_with_programming_requests_adds_them_after_the_others(tok
     assert all(r in m for r, m in zip(CODE_REQUESTS, made[2 * len(REQUESTS)::2]))
     openings = {m.removeprefix("<|im_start|>") for m in made[1::2]}
     assert set(CODE_OPENINGS) <= openings and set(OPENINGS) - {""} <= openings
-    with pytest.raises(ValueError, match="prompt_set='code': choose one of own, owncode"):
+    with pytest.raises(ValueError, match="own text 'code': choose one of own, owncode, ownnucleus"):
         prompts(tokenizer, 2, "code")
 
 
@@ -76,6 +76,20 @@ def test_windows_are_the_models_samples_seeded_and_a_prefix_of_more(model, token
     assert continuation != prompts(tokenizer, 2)[1][:5]
 
 
+def test_the_nucleus_text_samples_from_the_top_90_percent_of_each_distribution(model, tokenizer, monkeypatch):
+    seen = []
+    generate = model.generate
+
+    def spy(**kwargs):
+        seen.append(kwargs["top_p"])
+        return generate(**kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    nucleus = own_windows(model, tokenizer, 24, 2, batch=2, progress=False, text="ownnucleus")
+    whole = own_windows(model, tokenizer, 24, 2, batch=2, progress=False)
+    assert set(seen) == {0.9, 1.0} and seen[0] == 0.9 and not torch.equal(nucleus, whole)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"length": 1, "count": 2}, "a window holds the beginning-of-text token and at least one more"),
     ({"length": 8, "count": 0}, "at least one window is asked for"),
@@ -86,9 +100,9 @@ def test_bad_requests_are_refused(model, tokenizer, kwargs, message):
         own_windows(model, tokenizer, progress=False, **kwargs)
 
 
-@pytest.mark.parametrize(("text", "sampled", "prompt_set"), [("own", 10, "own"), ("every", 3, "own"),
-                                                             ("owncode", 10, "owncode")])
-def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path, text, sampled, prompt_set):
+@pytest.mark.parametrize(("text", "sampled", "kept_as"), [("own", 10, "own"), ("every", 3, "own"),
+                                                          ("owncode", 10, "owncode")])
+def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path, text, sampled, kept_as):
     """scripts/race_smollm2.py --fit-text own: the calibration and the end-to-end fit read the original's samples
     (kept in <out>/own_text/, sampled once for the longest block), and the runs are named -textown; --fit-text every
     reads a quarter as many of them, beside the three fit splits; --fit-text owncode, the samples of the prompt set
@@ -106,9 +120,9 @@ def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path, text
                         "--shakespeare", str(SHAKESPEARE), "--calibration-tokens", "64", "--fit-steps", "2",
                         "--e2e-steps", "2", "--e2e-tokens", "128", "--e2e-held-out-tokens", "32", "--fit-text", text,
                         "--rows", f"e2e2on128held32-text{text}$"])
-    kept = torch.load(out / "own_text" / f"{prompt_set}-len16-seed0.pt")
+    kept = torch.load(out / "own_text" / f"{kept_as}-len16-seed0.pt")
     assert kept.shape == (sampled, 16)  # (128 + 32) / 16 windows (a quarter of them for every), sampled once
-    assert torch.equal(kept, own_windows(model, tokenizer, 16, sampled, progress=False, prompt_set=prompt_set))
+    assert torch.equal(kept, own_windows(model, tokenizer, 16, sampled, progress=False, text=kept_as))
     (run,) = [json.loads(p.read_text()) for p in (out / "runs").glob(f"*-text{text}.json")]
     assert run["name"] == f"key-svd-k12-v12-calibrated64-fitted2-e2e2on128held32-text{text}"
     assert run["entry"]["fit_text"] == text

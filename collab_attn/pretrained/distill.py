@@ -111,21 +111,21 @@ def distill(student, teacher, rows: torch.Tensor, checkpoints: Path, batch: int 
 
 
 def own_fit_windows(original, tokenizer, length: int, tokens: int, folder: Path | None = None,
-                    seed: int = 0, prompt_set: str = "own") -> torch.Tensor:
+                    seed: int = 0, text: str = "own") -> torch.Tensor:
     """``tokens`` fitting tokens (rounded up to whole windows of ``length``) of ``original``'s own samples
-    (``collab_attn.own_text.own_windows`` from ``prompt_set``, seeded by ``seed``). With ``folder``, kept there as
-    ``<prompt_set>-len<length>-seed<seed>.pt`` and reused: a longer request samples again from the start (the same
-    samples first), so a shorter one is always the start of a longer one."""
+    (``collab_attn.own_text.own_windows``, sampled as ``OWN_TEXTS[text]`` says, seeded by ``seed``). With
+    ``folder``, kept there as ``<text>-len<length>-seed<seed>.pt`` and reused: a longer request samples again from
+    the start (the same samples first), so a shorter one is always the start of a longer one."""
     from collab_attn.files import replacing
     from collab_attn.own_text import own_windows
 
     count = -(-tokens // length)
-    path = None if folder is None else Path(folder) / f"{prompt_set}-len{length}-seed{seed}.pt"
+    path = None if folder is None else Path(folder) / f"{text}-len{length}-seed{seed}.pt"
     if path is not None and path.is_file():
         kept = torch.load(path)
         if len(kept) >= count:
             return kept[:count]
-    rows = own_windows(original, tokenizer, length, count, seed=seed, prompt_set=prompt_set)
+    rows = own_windows(original, tokenizer, length, count, seed=seed, text=text)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with replacing(path) as temporary:

@@ -65,13 +65,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from collab_attn import own_text
 from collab_attn.texts import windows
 
 DOMAINS = ("wikipedia", "shakespeare")  # the race's default fitting mixture and validation domains
 FIT_DOMAINS = (*DOMAINS, "code")  # fitted on, chosen on (validation) and tested on
 TEST_DOMAINS = (*FIT_DOMAINS, "docs")  # docs: the test split only
 OWN = "own"  # a fitting text that is no domain: the original's own samples (collab_attn.own_text)
-OWN_TEXTS = (OWN, "owncode")  # the original's own samples, by prompt set (collab_attn.own_text.PROMPT_SETS)
+OWN_TEXTS = tuple(own_text.OWN_TEXTS)  # fitting texts of the original's own samples, each sampled its own way
 SPLITS = ("fit", "validation", "test")
 EVALUATION_SPLITS = ("validation", "test")
 WIKIPEDIA_VALIDATION_SENTENCES = 450  # the first QNLI dev sentences: validation; the rest: test

@@ -33,11 +33,19 @@ from tqdm.auto import tqdm
 
 from collab_attn.files import replacing, write_text_atomic
 from collab_attn.pretrained.answers import PROMPTS, answer_agreement, answers
-from collab_attn.pretrained.heldout import DOMAINS, EVALUATION_SPLITS, FIT_DOMAINS, OWN, TEST_DOMAINS, agreement
+from collab_attn.pretrained.heldout import (
+    DOMAINS,
+    EVALUATION_SPLITS,
+    FIT_DOMAINS,
+    OWN,
+    OWN_TEXTS,
+    TEST_DOMAINS,
+    agreement,
+)
 
 # What a race's fits read: the fit split of one domain, of several, or the original's own samples (OWN), interleaved.
 FIT_TEXTS = {"mixed": DOMAINS, "wikipedia": ("wikipedia",), "shakespeare": ("shakespeare",), "code": ("code",),
-             "all": FIT_DOMAINS, "own": (OWN,), "every": (OWN, *FIT_DOMAINS), "owncode": ("owncode",)}
+             "all": FIT_DOMAINS, "every": (OWN, *FIT_DOMAINS)} | {text: (text,) for text in OWN_TEXTS}
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from collab_attn.pretrained.heldout import OWN_TEXTS
 from collab_attn.pretrained.race import one_split
 from collab_attn.stats import window_bootstrap
 
-GENERAL = ("own", "every", "all", "mixed")  # fitting texts that are no single evaluation domain's
+GENERAL = (*OWN_TEXTS, "every", "all", "mixed")  # fitting texts that are no single evaluation domain's
 
 
 def _fit_text(run: dict) -> str:
