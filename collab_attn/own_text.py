@@ -1,5 +1,6 @@
-"""The original model's own text, to fit a conversion on: samples of the model itself (temperature 1, no top-k or
-top-p), half through its chat template from varied requests, half as plain text from short openings.
+"""The original model's own text, to fit a conversion on: samples of the model itself (``own``: temperature 1, no top-k
+or top-p; ``OWN_TEXTS`` names other ways), half through its chat template from varied requests, half as plain text
+from short openings.
 
 It is the one corpus whose distribution is the model's own, so a conversion fitted on it learns the original rather
 than a domain, and it needs no text from the user. ``own_windows`` packs the samples one after another, each as the
@@ -53,18 +54,21 @@ CODE_OPENINGS = ("class ", "#!/usr/bin/env python3\n", "```python\n", "#include 
 
 @dataclass(frozen=True)
 class OwnText:
-    """How one own text is sampled: its prompts (chat requests and plain openings, in turn) and its nucleus
-    (``top_p``: the smallest set of next tokens holding that much probability; 1.0, the model's whole distribution)."""
+    """How one own text is sampled: its prompts (chat requests and plain openings, in turn), its nucleus (``top_p``:
+    the smallest set of next tokens holding that much probability) and its ``temperature``; 1.0 and 1.0 sample the
+    model's own distribution."""
 
     requests: tuple[str, ...]
     openings: tuple[str, ...]
     top_p: float = 1.0
+    temperature: float = 1.0
 
 
 OWN_TEXTS = {  # by the fitting text's name (collab_attn.pretrained.race.FIT_TEXTS)
     "own": OwnText(REQUESTS, OPENINGS),  # about one sample in eight is code
     "owncode": OwnText(REQUESTS + CODE_REQUESTS, OPENINGS + CODE_OPENINGS),  # about one in three
     "ownnucleus": OwnText(REQUESTS, OPENINGS, top_p=0.9),
+    "ownlowtemp": OwnText(REQUESTS, OPENINGS, temperature=0.7),
 }
 
 
@@ -97,13 +101,13 @@ def prompts(tokenizer, count: int, text: str = "own") -> list[list[int]]:
 
 @torch.no_grad()
 def _sample(model, batch: list[list[int]], new_tokens: int, pad: int, eos: int | None,
-            top_p: float = 1.0) -> list[list[int]]:
+            recipe: OwnText = OWN_TEXTS["own"]) -> list[list[int]]:
     """Each prompt of ``batch`` followed by its sampled continuation, through its first end-of-text token."""
     width = max(map(len, batch))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=top_p,
-                         max_new_tokens=new_tokens, pad_token_id=pad, eos_token_id=eos)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=recipe.temperature, top_k=0,
+                         top_p=recipe.top_p, max_new_tokens=new_tokens, pad_token_id=pad, eos_token_id=eos)
     samples = []
     for prompt, row in zip(batch, out[:, width:].tolist()):
         if eos is not None and eos in row:
@@ -115,8 +119,8 @@ def _sample(model, batch: list[list[int]], new_tokens: int, pad: int, eos: int |
 def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch: int = 32,
                 progress: bool = True, text: str = "own") -> torch.Tensor:
     """``count`` windows of ``length`` tokens of ``model``'s own samples (a (count, length) tensor on the CPU): the
-    samples of ``prompts(tokenizer, n, text)`` in order, each continued for up to ``length`` new tokens from the
-    nucleus of ``OWN_TEXTS[text]``, packed and cut as the module says. Seeded by ``seed``; sampled ``batch`` prompts at
+    samples of ``prompts(tokenizer, n, text)`` in order, each continued for up to ``length`` new tokens sampled as
+    ``OWN_TEXTS[text]`` says, packed and cut as the module says. Seeded by ``seed``; sampled ``batch`` prompts at
     a time."""
     if type(length) is not int or length < 2 or type(count) is not int or count < 1:
         raise ValueError(f"own_windows(length={length!r}, count={count!r}): a window holds the beginning-of-text "
@@ -141,7 +145,7 @@ def own_windows(model, tokenizer, length: int, count: int, seed: int = 0, batch:
         with tqdm(total=needed, desc="sampling the model's own text", unit="tok", disable=not progress) as bar:
             while len(stream) < needed:
                 batch_prompts = [cycle[(done + i) % len(cycle)] for i in range(batch)]
-                for sample in _sample(model, batch_prompts, length, pad, eos, recipe.top_p):
+                for sample in _sample(model, batch_prompts, length, pad, eos, recipe):
                     stream += sample
                 done += batch
                 bar.update(min(len(stream), needed) - bar.n)

@@ -54,7 +54,7 @@ def test_the_prompt_set_with_programming_requests_adds_them_after_the_others(tok
     assert all(r in m for r, m in zip(CODE_REQUESTS, made[2 * len(REQUESTS)::2]))
     openings = {m.removeprefix("<|im_start|>") for m in made[1::2]}
     assert set(CODE_OPENINGS) <= openings and set(OPENINGS) - {""} <= openings
-    with pytest.raises(ValueError, match="own text 'code': choose one of own, owncode, ownnucleus"):
+    with pytest.raises(ValueError, match="own text 'code': choose one of own, owncode, ownnucleus, ownlowtemp"):
         prompts(tokenizer, 2, "code")
 
 
@@ -76,18 +76,21 @@ def test_windows_are_the_models_samples_seeded_and_a_prefix_of_more(model, token
     assert continuation != prompts(tokenizer, 2)[1][:5]
 
 
-def test_the_nucleus_text_samples_from_the_top_90_percent_of_each_distribution(model, tokenizer, monkeypatch):
+def test_the_nucleus_and_the_low_temperature_texts_sample_as_named(model, tokenizer, monkeypatch):
     seen = []
     generate = model.generate
 
     def spy(**kwargs):
-        seen.append(kwargs["top_p"])
+        seen.append((kwargs["top_p"], kwargs["temperature"]))
         return generate(**kwargs)
 
     monkeypatch.setattr(model, "generate", spy)
     nucleus = own_windows(model, tokenizer, 24, 2, batch=2, progress=False, text="ownnucleus")
     whole = own_windows(model, tokenizer, 24, 2, batch=2, progress=False)
-    assert set(seen) == {0.9, 1.0} and seen[0] == 0.9 and not torch.equal(nucleus, whole)
+    assert set(seen) == {(0.9, 1.0), (1.0, 1.0)} and seen[0] == (0.9, 1.0) and not torch.equal(nucleus, whole)
+    seen.clear()
+    own_windows(model, tokenizer, 24, 2, batch=2, progress=False, text="ownlowtemp")
+    assert set(seen) == {(1.0, 0.7)}
 
 
 @pytest.mark.parametrize("kwargs, message", [
