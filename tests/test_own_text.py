@@ -149,3 +149,23 @@ def test_reparametrize_fits_on_own_text_without_texts(model, tokenizer, tmp_path
     assert report["fit"]["steps"] == 2 and report["fit"]["tokens"] == 4 * 16
     assert report["end_to_end"]["held_out"] is True and report["end_to_end"]["tokens"] == 2 * 4 * 16
     assert report["end_to_end"]["check_tokens"] == 4 * 4 * 16
+
+
+def test_reparametrize_samples_the_own_text_it_is_told(model, tokenizer, tmp_path, monkeypatch):
+    """collab.calibration=ownnucleus: the fits read the original's samples drawn as OWN_TEXTS["ownnucleus"] says."""
+    from test_reparametrize_script import config, script
+
+    from collab_attn.glue import calibrate
+
+    seen = []
+    sample = calibrate.own_windows
+    monkeypatch.setattr(calibrate, "own_windows", lambda *args, **kwargs: seen.append(kwargs["text"]) or sample(
+        *args, **kwargs))
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    report = script.run(config(f"model={folder}", "collab=key-svd", "collab.rank=16", "collab.value_rank=16",
+                               "collab.calibration=ownnucleus", "collab.fit_steps=1", "collab.calibration_samples=4",
+                               "collab.calibration_max_length=16", f"output_dir={tmp_path / 'out'}"))
+    assert seen == ["ownnucleus"] and report["collab"]["calibration"] == "ownnucleus"
+    assert report["fit"]["tokens"] == 4 * 16

@@ -82,9 +82,9 @@ def _check_texts(key: str, path: Path) -> None:
 
 
 def own_text(model, tokenizer, method: MethodSettings, seed: int) -> torch.Tensor | None:
-    """With ``collab.calibration=own``, every window of ``model``'s own text the fits of ``method`` read (sample it
-    before the conversion): the calibration windows, then the end-to-end fit's beyond them, then its held-out
-    batches; None for other calibrations."""
+    """With ``collab.calibration=own`` (or another of ``OWN_TEXTS``, sampled as it says), every window of
+    ``model``'s own text the fits of ``method`` read (sample it before the conversion): the calibration windows, then
+    the end-to-end fit's beyond them, then its held-out batches; None for other calibrations."""
     settings = method.calibration
     if settings is None or not settings.from_own:
         return None
@@ -93,7 +93,7 @@ def own_text(model, tokenizer, method: MethodSettings, seed: int) -> torch.Tenso
         count = max(count, (method.e2e_steps + OWN_HELD_OUT) * OWN_BATCH)
     if method.distill_steps and method.e2e_texts is None:
         count = max(count, method.distill_steps * OWN_BATCH)
-    return own_windows(model, tokenizer, settings.max_length, count, seed=seed)
+    return own_windows(model, tokenizer, settings.max_length, count, seed=seed, text=settings.source)
 
 
 def _own_batches(windows: torch.Tensor) -> list[dict]:

@@ -21,6 +21,7 @@ from collab_attn.decomposition.rank_selection import RankBudget
 from collab_attn.models import importance
 from collab_attn.models.conversion import BANDS, check_request, cuts_values_on_rotary_models
 from collab_attn.models.methods import METHODS, ConversionMethod, get_method
+from collab_attn.own_text import OWN_TEXTS
 from collab_attn.texts import CALIBRATION_SAMPLES, DEFAULT_MAX_LENGTH
 
 NO_CONVERSION = "none"  # keep the concatenated heads (a GLUE pipeline baseline)
@@ -56,6 +57,7 @@ def _positive_int(name: str, value) -> None:
 
 
 OWN_TEXT = "own"  # collab.calibration=own: the original model's own samples (collab_attn.own_text)
+# or sampled another way: collab.calibration=owncode, ownnucleus, ... (collab_attn.own_text.OWN_TEXTS)
 OWN_WINDOWS = 64  # own text: windows calibrated and layer-fitted on (16,384 tokens, as the SmolLM2 race)
 OWN_LENGTH = 256  # own text: tokens a window
 
@@ -73,7 +75,8 @@ class CalibrationSettings:
 
     def __post_init__(self):
         if not (isinstance(self.source, str) and self.source.strip()):
-            raise ValueError(f"collab.calibration must be a file path, 'task', 'own' or null, got {self.source!r}")
+            raise ValueError(f"collab.calibration must be a file path, 'task', {', '.join(map(repr, OWN_TEXTS))} or "
+                             f"null, got {self.source!r}")
         if self.samples is None:
             object.__setattr__(self, "samples", OWN_WINDOWS if self.from_own else CALIBRATION_SAMPLES)
         if self.max_length is None:
@@ -90,7 +93,7 @@ class CalibrationSettings:
 
     @property
     def from_own(self) -> bool:
-        return self.source == OWN_TEXT
+        return self.source in OWN_TEXTS
 
 
 @dataclass(frozen=True)
