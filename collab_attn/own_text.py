@@ -69,6 +69,7 @@ OWN_TEXTS = {  # by the fitting text's name (collab_attn.pretrained.race.FIT_TEX
     "owncode": OwnText(REQUESTS + CODE_REQUESTS, OPENINGS + CODE_OPENINGS),  # about one in three
     "ownnucleus": OwnText(REQUESTS, OPENINGS, top_p=0.9),
     "ownlowtemp": OwnText(REQUESTS, OPENINGS, temperature=0.7),
+    "ownhightemp": OwnText(REQUESTS, OPENINGS, temperature=1.2),
 }
 
 

@@ -54,7 +54,7 @@ def test_the_prompt_set_with_programming_requests_adds_them_after_the_others(tok
     assert all(r in m for r, m in zip(CODE_REQUESTS, made[2 * len(REQUESTS)::2]))
     openings = {m.removeprefix("<|im_start|>") for m in made[1::2]}
     assert set(CODE_OPENINGS) <= openings and set(OPENINGS) - {""} <= openings
-    with pytest.raises(ValueError, match="own text 'code': choose one of own, owncode, ownnucleus, ownlowtemp"):
+    with pytest.raises(ValueError, match="own text .code.: choose one of own, owncode, ownnucleus, ownlowtemp, own"):
         prompts(tokenizer, 2, "code")
 
 
@@ -76,7 +76,7 @@ def test_windows_are_the_models_samples_seeded_and_a_prefix_of_more(model, token
     assert continuation != prompts(tokenizer, 2)[1][:5]
 
 
-def test_the_nucleus_and_the_low_temperature_texts_sample_as_named(model, tokenizer, monkeypatch):
+def test_the_nucleus_and_the_tempered_texts_sample_as_named(model, tokenizer, monkeypatch):
     seen = []
     generate = model.generate
 
@@ -90,7 +90,8 @@ def test_the_nucleus_and_the_low_temperature_texts_sample_as_named(model, tokeni
     assert set(seen) == {(0.9, 1.0), (1.0, 1.0)} and seen[0] == (0.9, 1.0) and not torch.equal(nucleus, whole)
     seen.clear()
     own_windows(model, tokenizer, 24, 2, batch=2, progress=False, text="ownlowtemp")
-    assert set(seen) == {(1.0, 0.7)}
+    own_windows(model, tokenizer, 24, 2, batch=2, progress=False, text="ownhightemp")
+    assert set(seen) == {(1.0, 0.7), (1.0, 1.2)}
 
 
 @pytest.mark.parametrize("kwargs, message", [
