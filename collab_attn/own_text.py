@@ -70,6 +70,7 @@ OWN_TEXTS = {  # by the fitting text's name (collab_attn.pretrained.race.FIT_TEX
     "ownnucleus": OwnText(REQUESTS, OPENINGS, top_p=0.9),
     "ownlowtemp": OwnText(REQUESTS, OPENINGS, temperature=0.7),
     "ownhightemp": OwnText(REQUESTS, OPENINGS, temperature=1.2),
+    "ownhighertemp": OwnText(REQUESTS, OPENINGS, temperature=1.5),
 }
 
 

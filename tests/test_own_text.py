@@ -91,7 +91,8 @@ def test_the_nucleus_and_the_tempered_texts_sample_as_named(model, tokenizer, mo
     seen.clear()
     own_windows(model, tokenizer, 24, 2, batch=2, progress=False, text="ownlowtemp")
     own_windows(model, tokenizer, 24, 2, batch=2, progress=False, text="ownhightemp")
-    assert set(seen) == {(1.0, 0.7), (1.0, 1.2)}
+    own_windows(model, tokenizer, 24, 2, batch=2, progress=False, text="ownhighertemp")
+    assert set(seen) == {(1.0, 0.7), (1.0, 1.2), (1.0, 1.5)}
 
 
 @pytest.mark.parametrize("kwargs, message", [
