@@ -18,4 +18,5 @@ def claims_design() -> None:
                   TEN_MINUTES))
     cited(P, "the first 90% of Tiny\n  Shakespeare", "the fitting split (collab_attn/pretrained/heldout.py)")
     cited(P, "the last 10% of Tiny Shakespeare", "the held-out split (collab_attn/pretrained/heldout.py)")
+    cited(P, "at\ntemperature 1", "collab_attn.own_text.OWN_TEXTS['own'] (experiments/transfer/README.md, section 3)")
     cited(P, "six Python files of torch 2.13.0", "the torch version pyproject.toml pins (CODE_FILES in heldout.py)")

@@ -187,6 +187,8 @@ def fitting() -> None:
              "validation\n  over 32 attention-only end-to-end steps", "scripts/reparametrize.py GENERAL_RECIPE, "
           "and experiments/transfer/README.md (claimed in transfer.py)")
     cited(P, "`collab.fit_steps=0` included", "the setting that turns the general recipe off")
+    cited(P, "more programming requests, top-p 0.9, temperature 0.7, 1.2, 1.5", "collab_attn.own_text.OWN_TEXTS, "
+          "asserted in result_pages/transfer.py")
     cited(P, "4 windows a step, one pass, AdamW at 1e-4", "collab_attn.pretrained.distill's recipe (OWN_BATCH)")
 
 
