@@ -84,7 +84,8 @@ def prompts(tokenizer, count: int, text: str = "own") -> list[list[int]]:
     """The token ids of the first ``count`` prompts of ``OWN_TEXTS[text]``: chat requests (through the tokenizer's
     chat template, with the assistant's turn opened) and plain openings (after the beginning-of-text token) in turn;
     only plain openings when the tokenizer has no chat template. Each list is cycled."""
-    requests, openings = own_text(text).requests, own_text(text).openings
+    recipe = own_text(text)
+    requests, openings = recipe.requests, recipe.openings
     bos = tokenizer.bos_token_id
     if bos is None:
         raise ValueError("the tokenizer has no beginning-of-text token to start a plain sample with")

@@ -133,18 +133,23 @@ def test_the_race_fits_on_own_text_and_keeps_it(model, tokenizer, tmp_path, text
     assert run["entry"]["fit_text"] == text
 
 
-def test_reparametrize_fits_on_own_text_without_texts(model, tokenizer, tmp_path):
-    """scripts/reparametrize.py on a decoder with collab.fit_steps and collab.e2e_steps and no texts: calibrated and
-    fitted on the model's own samples (64 windows of 256 unless told), the end-to-end fit judged on the 4 batches
-    after its own."""
+def reparametrized(model, tokenizer, tmp_path, *settings: str) -> dict:
+    """scripts/reparametrize.py's report on the tiny model, key-svd at 16 + 16, 4 windows of 16 own tokens."""
     from test_reparametrize_script import config, script
 
     folder = tmp_path / "tiny"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    report = script.run(config(f"model={folder}", "collab=key-svd", "collab.rank=16", "collab.value_rank=16",
-                               "collab.fit_steps=2", "collab.e2e_steps=2", "collab.calibration_samples=4",
-                               "collab.calibration_max_length=16", f"output_dir={tmp_path / 'out'}"))
+    return script.run(config(f"model={folder}", "collab=key-svd", "collab.rank=16", "collab.value_rank=16", *settings,
+                             "collab.calibration_samples=4", "collab.calibration_max_length=16",
+                             f"output_dir={tmp_path / 'out'}"))
+
+
+def test_reparametrize_fits_on_own_text_without_texts(model, tokenizer, tmp_path):
+    """scripts/reparametrize.py on a decoder with collab.fit_steps and collab.e2e_steps and no texts: calibrated and
+    fitted on the model's own samples (64 windows of 256 unless told), the end-to-end fit judged on the 4 batches
+    after its own."""
+    report = reparametrized(model, tokenizer, tmp_path, "collab.fit_steps=2", "collab.e2e_steps=2")
     assert report["collab"]["calibration"] == "own" and report["collab"]["calibration_samples"] == 4
     timing = report["wall_seconds"]
     assert 0 < timing["own_text"] < timing["before_saving"]
@@ -155,19 +160,12 @@ def test_reparametrize_fits_on_own_text_without_texts(model, tokenizer, tmp_path
 
 def test_reparametrize_samples_the_own_text_it_is_told(model, tokenizer, tmp_path, monkeypatch):
     """collab.calibration=ownnucleus: the fits read the original's samples drawn as OWN_TEXTS["ownnucleus"] says."""
-    from test_reparametrize_script import config, script
-
     from collab_attn.glue import calibrate
 
     seen = []
     sample = calibrate.own_windows
     monkeypatch.setattr(calibrate, "own_windows", lambda *args, **kwargs: seen.append(kwargs["text"]) or sample(
         *args, **kwargs))
-    folder = tmp_path / "tiny"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    report = script.run(config(f"model={folder}", "collab=key-svd", "collab.rank=16", "collab.value_rank=16",
-                               "collab.calibration=ownnucleus", "collab.fit_steps=1", "collab.calibration_samples=4",
-                               "collab.calibration_max_length=16", f"output_dir={tmp_path / 'out'}"))
+    report = reparametrized(model, tokenizer, tmp_path, "collab.calibration=ownnucleus", "collab.fit_steps=1")
     assert seen == ["ownnucleus"] and report["collab"]["calibration"] == "ownnucleus"
     assert report["fit"]["tokens"] == 4 * 16
