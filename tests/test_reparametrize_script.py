@@ -356,13 +356,14 @@ def test_own_text_holds_the_distillation_windows(monkeypatch):
     collab.distill_steps x 4, those the end-to-end fit reads)."""
     asked = []
     monkeypatch.setattr(calibrate_module, "own_windows",
-                        lambda model, tokenizer, length, count, seed: asked.append(count) or torch.zeros(count, length))
+                        lambda model, tokenizer, length, count, seed, text: asked.append((count, text))
+                        or torch.zeros(count, length))
     group = {"method": "key-svd", "rank": 8, "fit_steps": 5}
     for extra, count in (({}, 64), ({"e2e_steps": 20}, 96), ({"distill_steps": 40}, 160),
                          ({"e2e_steps": 20, "distill_steps": 10}, 96)):
         method = MethodSettings.from_config({**group, **extra})
         own = calibrate_module.own_text(None, None, method, seed=0)
-        assert asked[-1] == count
+        assert asked[-1] == (count, "own")  # the model's own distribution when no calibration is named
         if method.distill_steps:
             assert len(calibrate_module.distill_windows(None, method, 0, own)) == 4 * method.distill_steps
 
