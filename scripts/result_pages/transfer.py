@@ -292,7 +292,11 @@ def claims_transfer() -> None:
     assert [verdict(val + twice, twice_over, d) for d in three] == ["ahead", "tie", "ahead"]
     assert run_file(twice_over)["entry"]["distill_passes"] == 2 and run_file(rate)["entry"]["distill_learning_rate"] \
         == 3e-4
-    cited(P, "a peak rate of 3e-4", "the setting of the run (asserted above)")
+    fast = f"{drawn}lr0.001-textown.json"
+    assert [verdict(fast, f"{drawn}-textown.json", d) for d in three] == behind
+    assert run_file(fast)["entry"]["distill_learning_rate"] == 1e-3
+    cited(P, "A peak rate of 3e-4", "the setting of the run (asserted above)")
+    cited(P, "(1e-3: behind on all three)", "the setting of the run (asserted above)")
     claim(P, "(`--distill-learning-rate`: {:.3f}x /\n{:.3f}x / {:.3f}x) trades code for wikipedia", ppl(rate, *three))
     claim(P, "(`--distill-passes 2`: {:.3f}x / {:.3f}x\n/ {:.3f}x) ties on all three, where {:,.0f} new ones are ahead",
           ppl(twice_over, *three), field(val + twice, "training.tokens"))
