@@ -708,6 +708,10 @@ def test_a_distilled_run_keeps_every_weight_and_a_second_split_reads_them_back(t
     (["--glue-dir", "no/glue"], "--glue-dir=no/glue: no such folder"),
     (["--distill-tokens", "-5"], "--distill-tokens must be 0 (no distillation) or positive"),
     (["--calibration-tokens", "-5"], "--calibration-tokens must be 0 (no calibration) or positive"),
+    (["--distill-learning-rate", "3e-4"], "--distill-learning-rate sets the rate of a distillation: give "
+                                           "--distill-tokens too"),
+    (["--distill-tokens", "64", "--distill-passes", "0"], "--distill-passes must be at least 1"),
+    (["--distill-tokens", "64", "--distill-learning-rate", "-1"], "--distill-learning-rate must be a finite number"),
     (["--budgets", "0.5", "--distill-budgets", "0.25"], "--distill-budgets [0.25] must be among --budgets [0.5]"),
     (["--extra", "cp:96:v"], "--extra cp:96:v: give METHOD:RANK[:VALUE_RANK]"),
     (["--extra", "svd:96"], "--extra svd:96: give METHOD:RANK[:VALUE_RANK] with METHOD one of cp"),

@@ -47,6 +47,8 @@ from collab_attn.pretrained.heldout import (
 FIT_TEXTS = {"mixed": DOMAINS, "wikipedia": ("wikipedia",), "shakespeare": ("shakespeare",), "code": ("code",),
              "all": FIT_DOMAINS, "every": (OWN, *FIT_DOMAINS)} | {text: (text,) for text in OWN_TEXTS}
 
+NO_DISTILLATION = {"distill_tokens": 0, "distill_learning_rate": 1e-4, "distill_passes": 1}  # an Entry's defaults
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -406,9 +408,9 @@ def fitted_state_path(entry: Entry, out_dir: Path, stage: str = "layer") -> Path
     if stage == "layer":
         start = dataclasses.replace(entry, e2e_steps=0, e2e_learning_rate=1e-4, e2e_tokens=0, e2e_check_tokens=0,
                                     e2e_held_out_tokens=0, e2e_held_out_text="", e2e_length=0, e2e_check_every=0,
-                                    e2e_anchor=0.0, distill_tokens=0, distill_learning_rate=1e-4, distill_passes=1)
+                                    e2e_anchor=0.0, **NO_DISTILLATION)
     elif stage == "end-to-end":
-        start = dataclasses.replace(entry, distill_tokens=0, distill_learning_rate=1e-4, distill_passes=1)
+        start = dataclasses.replace(entry, **NO_DISTILLATION)
     elif stage == "distilled":
         start = entry
     else:
@@ -454,8 +456,8 @@ def _allocation(entry: Entry, original, out_dir: Path, batches: list[dict], cali
     if tokens is not None:
         batches = batches[:max(1, -(-tokens // batches[0]["input_ids"].numel()))]
     measured = sum(b["input_ids"].numel() for b in batches)
-    base = dataclasses.replace(entry, fit_steps=0, fit_target="layer", fit_solve_output=False, distill_tokens=0,
-                               distill_learning_rate=1e-4, distill_passes=1)
+    base = dataclasses.replace(entry, fit_steps=0, fit_target="layer", fit_solve_output=False,
+                               **NO_DISTILLATION)
     path = out_dir / "allocations" / f"{base.name}-steps{steps}-tokens{measured}.json"
     if path.is_file():
         return Allocation.from_dict(json.loads(path.read_text()))
