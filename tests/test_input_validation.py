@@ -184,6 +184,9 @@ PROCESSES = {
     "end_to_end: a case that is not BxS": (
         "benchmarks/end_to_end.py", ["--cases", "32by128", "--out", "result"],
         "'32by128': give batch x sequence length as BxS"),
+    "llama_cpp_half_cache: a run that is not there": (
+        "scripts/llama_cpp_half_cache.py", ["--folder", "race", "--runs", "cp-k99", "--out", "result"],
+        "--runs ['cp-k99']: no such run file in race/runs"),
     "race_decode: no runs": (
         "benchmarks/race_decode.py", ["--runs", "0", "--out", "result.md"],
         "argument --runs: must be a positive integer, got 0"),
@@ -435,6 +438,13 @@ BENCHMARK_CASES = {
                       (["--tucker-ranks", "-1"], "argument --tucker-ranks: must be a positive integer"),
                       (["--skip-minilm", "--skip-bert", "--tucker-ranks"], "nothing to measure"),
                       NOT_A_DEVICE, UNDER_A_FILE],
+    "llama_cpp_decode": [(["--ranks", "47"], "--ranks [47]: a rotary key width is even"),
+                         (["--cache-fractions", "2"], "--cache-fractions must lie in (0, 1]"),
+                         (["--cache-fractions"], "nothing to compare the original with: give --cache-fractions"),
+                         (["--contexts", "0"], "argument --contexts: must be a positive integer"),
+                         (["--flash-attn", "yes"], "argument --flash-attn: invalid choice: 'yes'"),
+                         (["--cache-types", "q8_0"], "argument --cache-types: invalid choice: 'q8_0'"),
+                         UNDER_A_FILE],
     "end_to_end": [(["--ranks", "500"], "--ranks 500: MiniLM's query/key width is 384"),
                    (["--cases", "0x128"], "'0x128': the batch must be positive and the length from 1 to 512"),
                    (["--cases", "1x1000"], "'1x1000': the batch must be positive and the length from 1 to 512"),
@@ -454,7 +464,7 @@ def test_a_benchmark_refuses_in_one_line_before_any_work(template, tmp_path, mon
 
 
 @pytest.mark.skipif(not NO_GPU, reason="a GPU is here")
-@pytest.mark.parametrize("name", sorted(set(BENCHMARK_CASES) - {"race_decode", "activation_aware"}))
+@pytest.mark.parametrize("name", sorted(set(BENCHMARK_CASES) - {"race_decode", "activation_aware", "llama_cpp_decode"}))
 def test_a_benchmark_refuses_cuda_where_there_is_none(template, tmp_path, monkeypatch, capsys, name):
     refused_in_process(template, tmp_path, monkeypatch, capsys, f"benchmarks/{name}.py",
                        ["--device", "cuda", "--out", "result"], "--device cuda: torch ")

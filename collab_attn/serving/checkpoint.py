@@ -209,6 +209,21 @@ def standard_model(model, balance: bool = True) -> Exported:
                     error, placed, own)
 
 
+def source_as_standard(model) -> Exported:
+    """An unconverted Llama or Mistral causal LM as an ``Exported`` of itself: every pair at its own frequency (factors
+    1), its own heads and key/value heads. ``collab_attn.serving.gguf_file.write_gguf`` then writes the source the way
+    it writes a conversion (float32, the same vocabulary), so that an engine runs the two alike (e.g.
+    ``benchmarks/llama_cpp_decode.py``)."""
+    config = getattr(model, "config", None)
+    if config is None or is_collaborative(config) or config.model_type not in ("llama", "mistral"):
+        raise ValueError("source_as_standard takes an unconverted Llama or Mistral causal LM; a converted model is "
+                         "written through standard_model (collab_attn.export)")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pairs = torch.arange(head_dim // 2)
+    rope = long_rope(pairs, source_frequencies(model), _rope_base(model))
+    return Exported(model, config.model_type, rope, head_dim, config.num_key_value_heads, pairs.tolist(), 0.0, None)
+
+
 def _rope_base(model) -> float:
     parameters = getattr(model.config, "rope_parameters", None) or {}
     base = parameters.get("rope_theta", getattr(model.config, "rope_theta", None))
