@@ -63,9 +63,9 @@ FLASH = {"auto": -1, "off": 0, "on": 1}  # --flash-attn -> llama_flash_attn_type
 CHUNK = 512  # prompt tokens per llama_decode call
 
 
-def gguf_files(args, folder: Path) -> dict[str, tuple[Path, int, int, int]]:
-    """The original and its conversions written as GGUF files in ``folder``: name -> (file, layers, key/value heads,
-    head size)."""
+def gguf_files(args, folder: Path) -> tuple[dict[str, tuple[Path, int, int, int]], int]:
+    """The original and its conversions written as GGUF files in ``folder`` (name -> (file, layers, key/value heads,
+    head size)), and the vocabulary's size."""
     config = transformers.AutoConfig.from_pretrained(resolve_model("smollm2"))
     torch.manual_seed(0)
     original = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -83,7 +83,7 @@ def gguf_files(args, folder: Path) -> dict[str, tuple[Path, int, int, int]]:
         files[name] = (folder / f"key-svd-{rank}.gguf", layers, 1, rank)
         write_gguf(standard_model(model), files[name][0], vocabulary)
         del model
-    return files
+    return files, config.vocab_size
 
 
 class Engine:
@@ -153,9 +153,10 @@ class Engine:
         self.lib.llama_model_free(self.model)
 
 
-def rows_for(llama_cpp, files: dict, args, cache_type: str, flash: str, context: int) -> list[dict]:
-    """Every model decoding at ``context`` and each of ``args.batches``, taking turns step by step (module doc)."""
-    tokens = np.random.default_rng(0).integers(0, 49152, context)
+def rows_for(llama_cpp, files: dict, args, cache_type: str, flash: str, tokens: np.ndarray) -> list[dict]:
+    """Every model decoding after the prompt ``tokens`` at each of ``args.batches``, taking turns step by step
+    (module doc)."""
+    context = len(tokens)
     engines, prefill, rows = {}, {}, []
     try:
         for name, (path, *_) in files.items():
@@ -269,11 +270,12 @@ def main(argv=None) -> list[dict]:
     }
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        files = gguf_files(args, Path(folder))
+        files, vocabulary = gguf_files(args, Path(folder))
+        prompt = np.random.default_rng(0).integers(0, vocabulary, max(args.contexts))
         for cache_type in args.cache_types:
             for flash in args.flash_attn:
                 for context in args.contexts:
-                    rows += rows_for(llama_cpp, files, args, cache_type, flash, context)
+                    rows += rows_for(llama_cpp, files, args, cache_type, flash, prompt[:context])
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out.with_suffix(".json"), json.dumps(
         {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows}, indent=2, default=str))
