@@ -22,6 +22,7 @@ QUERY_HEADS = 9
 MODEL_PARAMETERS = 134_515_008  # SmolLM2-135M, as scripts/result_pages/smollm2.py counts it
 FITTED = "-calibrated16384-fitted100"
 E2E = FITTED + "-e2e32on32768check4096"
+FULL = "-calibrated16384-fitted600-e2e64on65536"  # the full fit recipe
 WORDS = {"better": "ahead", "worse": "behind", "tie": "tie"}
 DOMAINS = ("wikipedia", "shakespeare", "wikipedia 2048", "shakespeare 2048")
 
@@ -133,7 +134,10 @@ def claims_serving() -> None:
         quarter = [judged(race("1/4", FITTED, True), race("1/4", FITTED, False), d, "behind").numbers()[0]
                    for d in DOMAINS]
         return [100 * (half[0] - 1), 100 * (min(quarter) - 1), 100 * (max(quarter) - 1)]
-    claim(P, "One band split for all layers costs {:.1f}% perplexity on wikipedia and nothing measurable on "
+    claim(P, "ties each layer's own at half the cache on three domains\n  of four (behind by {:.1f}% on the fourth)",
+          Value(f"{F}runs, full recipe", lambda: [100 * (judged(race("1/2", FULL, True), race("1/2", FULL, False),
+                                                             "shakespeare 2048", "behind").numbers()[0] - 1)]))
+    claim(P, "one band split for all layers costs {:.1f}% perplexity on wikipedia and nothing measurable on "
              "Shakespeare at half the\n  cache after the same fit, and {:.0f}-{:.0f}% at a quarter",
           Value(src + ", ten_minutes/runs", band_cost))
     static, gqa = "decode_static_cpu_float32", "decode_static_cpu_float32_sdpa_gqa"
@@ -179,7 +183,8 @@ def claims_serving() -> None:
     rows = {("1/2", FITTED): ("| 1/2 (96/96) | calibrated, `-fitted100` |", DOMAINS, "behind tie behind behind"),
             ("1/2", E2E): ("| 1/2 (96/96) | + `-e2e32on32768check4096` |", DOMAINS[:2], "behind tie"),
             ("1/4", FITTED): ("| 1/4 (48/48) | calibrated, `-fitted100` |", DOMAINS, "behind behind behind behind"),
-            ("1/4", E2E): ("| 1/4 (48/48) | + `-e2e32on32768check4096` |", DOMAINS, "behind behind behind behind")}
+            ("1/4", E2E): ("| 1/4 (48/48) | + `-e2e32on32768check4096` |", DOMAINS, "behind behind behind behind"),
+            ("1/2", FULL): ("| 1/2 (96/96) | full: `-fitted600-e2e64on65536` |", DOMAINS, "tie tie tie behind")}
     for (budget, recipe), (head, domains, words) in rows.items():
         for i, (domain, word) in enumerate(zip(domains, words.split())):
             shown = domain.replace("2048", "2,048")
@@ -197,26 +202,36 @@ def claims_serving() -> None:
              "end-to-end steps\nnarrow the gap the layer fit leaves ({:.0f}-{:.0f}%)", gaps(E2E), gaps(FITTED))
 
     def aim():
-        half = [judged(race("1/2", r, True), race("1/2", r, False), d, w).numbers() for (b, r), (_, ds, ws)
-                in rows.items() if b == "1/2" for d, w in zip(ds, ws.split())]
-        over = [hi for _, _, hi in half if hi > 1.02]
-        if max(x for x, _, _ in half) > 1.02:
-            raise ValueError("an estimate at 1/2 is more than 2% behind")
-        return [100 * (max(x for x, _, _ in half) - 1), 100 * (min(over) - 1), 100 * (max(over) - 1)]
-    claim(P, "met by every estimate (at most {:.1f}%), not by every\ninterval (upper ends {:.1f}-{:.1f}%)",
-          Value(src + ", ten_minutes/runs", aim))
+        short = [judged(race("1/2", r, True), race("1/2", r, False), d, w).numbers() for (b, r), (_, ds, ws)
+                 in rows.items() if b == "1/2" and r != FULL for d, w in zip(ds, ws.split())]
+        full = [judged(race("1/2", FULL, True), race("1/2", FULL, False), d, w).numbers()
+                for d, w in zip(rows[("1/2", FULL)][1], rows[("1/2", FULL)][2].split())]
+        if max(hi for _, _, hi in full) > 1.02 or max(x for x, _, _ in short) > 1.02:
+            raise ValueError("an interval of the full recipe, or an estimate of the shorter one, is over 2% behind")
+        behind = [x for x, lo, _ in full if lo > 1]
+        return [100 * (max(behind) - 1), 100 * (max(hi for _, _, hi in full) - 1)]
+    claim(P, "three ties and one domain behind\nby {:.1f}%, every interval's upper end within {:.1f}%",
+          Value(src + ", full recipe", aim))
     cited(P, "The aim, at 1/2 within 2% of the per-layer model's perplexity", "issue 87's aim, by the window bootstrap")
+    layer_fit = [f"{F}runs/key-svd-k96-v96{shared}-calibrated16384-fitted600.json" for shared in ("-bandsshared", "")]
+    claim(P, "after its layer fit alone, ties too ({:.3f} [{:.3f}, {:.3f}] and {:.3f}\n[{:.3f}, {:.3f}])",
+          judged(*layer_fit, "wikipedia", "tie"), judged(*layer_fit, "shakespeare", "tie"))
 
-    full = f"{F}runs/key-svd-k96-v96-calibrated16384-fitted600-e2e64on65536.json"
-    claim(P, "({:.0f} layer steps, {:.0f} end-to-end steps on\n{:,.0f} tokens)",
-          formula(lambda r: [r["fit"]["steps"], r["end_to_end"]["steps"], r["end_to_end"]["tokens"]], full))
-    def fits(r):
-        seconds = [r["fit"]["cpu_seconds"], r["end_to_end"]["cpu_seconds"]]
-        if not 0.75 <= sum(seconds) / 3600 <= 1.25:
-            raise ValueError(f"the fits took {sum(seconds):.0f} s: not about an hour (the page's 'Open')")
-        return seconds
-    claim(P, "the per-layer run's fits at 1/2 took {:,.0f} s and {:,.0f} s of processor time", formula(fits, full))
-    cited(P, "the comparison the\n  2% aim was set for", "issue 87's aim (section 1)")
+    def shorter():
+        short = [judged(race("1/2", r, True), race("1/2", r, False), d, w).numbers() for (b, r), (_, ds, ws)
+                 in rows.items() if b == "1/2" and r != FULL for d, w in zip(ds, ws.split())]
+        return [100 * (max(x for x, _, _ in short) - 1), 100 * (max(hi for _, _, hi in short) - 1)]
+    claim(P, "On the shorter recipe every estimate is within 2% (at most {:.1f}%), not every interval (to {:.1f}%).",
+          Value(src + ", ten_minutes/runs", shorter))
+    cited(P, "On the shorter recipe every estimate is within 2%", "issue 87's aim")
+
+    def recipe(r):
+        hours = (r["fit"]["cpu_seconds"] + r["end_to_end"]["cpu_seconds"]) / 3600
+        if not 0.75 <= hours <= 1.25:
+            raise ValueError(f"the fits took {hours:.2f} hours of processor time: not about an hour")
+        return [r["fit"]["steps"], r["end_to_end"]["steps"], r["end_to_end"]["tokens"]]
+    claim(P, "the full recipe it was set for ({:.0f}\nlayer steps, then {:.0f} end-to-end steps on {:,.0f} tokens; "
+             "about an hour of one core)", formula(recipe, race("1/2", FULL, True)))
 
     # 2. The exported model on the same windows
     for budget in ("1/2", "1/4"):
