@@ -201,6 +201,10 @@ def claims_serving() -> None:
     claim(P, "After the end-to-end fit at 1/4 the shared split is still behind on every domain ({:.0f}-{:.0f}%): the "
              "end-to-end steps\nnarrow the gap the layer fit leaves ({:.0f}-{:.0f}%)", gaps(E2E), gaps(FITTED))
 
+    quarter = [f"{F}runs/key-svd-k48-v48{shared}-calibrated16384-fitted600.json" for shared in ("-bandsshared", "")]
+    claim(P, "after 600 layer\nsteps, {:.3f} [{:.3f}, {:.3f}] on wikipedia and {:.3f} [{:.3f}, {:.3f}] on Shakespeare, "
+             "both behind", judged(*quarter, "wikipedia", "behind"), judged(*quarter, "shakespeare", "behind"))
+
     def aim():
         short = [judged(race("1/2", r, True), race("1/2", r, False), d, w).numbers() for (b, r), (_, ds, ws)
                  in rows.items() if b == "1/2" and r != FULL for d, w in zip(ds, ws.split())]
