@@ -30,7 +30,6 @@ installs it.
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
 import os
 import platform
@@ -56,6 +55,7 @@ from collab_attn.pretrained.race import entries_at  # noqa: E402
 from collab_attn.serving import standard_model  # noqa: E402
 from collab_attn.serving.checkpoint import source_as_standard  # noqa: E402
 from collab_attn.serving.gguf_file import write_gguf  # noqa: E402
+from collab_attn.serving.llama_cpp_engine import load_llama_cpp  # noqa: E402
 from collab_attn.stats import timing_verdict  # noqa: E402
 
 CACHE_TYPES = {"f32": (0, 4), "f16": (1, 2)}  # --cache-types -> (GGML type, bytes per number)
@@ -252,16 +252,9 @@ def main(argv=None) -> list[dict]:
     except cli.BadInput as error:
         parser.error(str(error))
     try:
-        import llama_cpp
-    except ImportError:
-        parser.error("llama-cpp-python is not installed: bash scripts/check_llama_cpp.sh installs it")
-    llama_cpp.llama_backend_init()
-
-    @llama_cpp.llama_log_callback
-    def quiet(level, text, data):  # llama.cpp logs every tensor it loads
-        pass
-
-    llama_cpp.llama_log_set(quiet, ctypes.c_void_p())
+        llama_cpp = load_llama_cpp()
+    except ImportError as error:
+        parser.error(str(error))
     environment = {
         "device_name": platform.processor() or "CPU", "cpus": os.cpu_count(),
         "llama_cpp_python": llama_cpp.__version__, "torch": torch.__version__,

@@ -22,7 +22,6 @@ llama-cpp-python is not a dependency of the project: ``scripts/check_llama_cpp.s
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import sys
@@ -45,6 +44,7 @@ from collab_attn.pretrained.heldout import agreement, evaluation_windows, finger
 from collab_attn.serving import standard_model  # noqa: E402
 from collab_attn.serving.checkpoint import source_as_standard  # noqa: E402
 from collab_attn.serving.gguf_file import write_gguf  # noqa: E402
+from collab_attn.serving.llama_cpp_engine import load_llama_cpp  # noqa: E402
 from collab_attn.stats import window_bootstrap  # noqa: E402
 
 CACHES = {"f32": 0, "f16": 1}  # GGML types
@@ -152,16 +152,9 @@ def main(argv=None) -> dict:
     except cli.BadInput as error:
         parser.error(str(error))
     try:
-        import llama_cpp
-    except ImportError:
-        parser.error("llama-cpp-python is not installed: bash scripts/check_llama_cpp.sh installs it")
-    llama_cpp.llama_backend_init()
-
-    @llama_cpp.llama_log_callback
-    def quiet(level, text, data):
-        pass
-
-    llama_cpp.llama_log_set(quiet, ctypes.c_void_p())
+        llama_cpp = load_llama_cpp()
+    except ImportError as error:
+        parser.error(str(error))
     torch.set_num_threads(1)
     folder = resolve_model("smollm2")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
