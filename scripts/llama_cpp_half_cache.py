@@ -22,6 +22,7 @@ llama-cpp-python is not a dependency of the project: ``scripts/check_llama_cpp.s
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -62,7 +63,7 @@ def fitted(original, folder: Path, name: str):
                        if (folder / "checkpoints" / f"{name}.{stage}-fit.pt").is_file()), None)
     if checkpoint is None:
         raise ValueError(f"{name}: no kept fit in {folder / 'checkpoints'}; run the race for it first")
-    model = transformers.AutoModelForCausalLM.from_pretrained(original.name_or_path).eval()
+    model = copy.deepcopy(original)
     collab_attn.reparametrize(model, entry["rank"], method=entry["method"], value_rank=entry["value_rank"],
                               progress=False, **entry["options"])
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state"]
@@ -70,15 +71,19 @@ def fitted(original, folder: Path, name: str):
     return model, record
 
 
-def llama_cpp_windows(llama_cpp, path: Path, rows: torch.Tensor, cache: str) -> list[torch.Tensor]:
-    """Each window's log-probabilities (positions x vocabulary) from llama.cpp with a ``cache`` key/value cache."""
-    engine = llama_cpp.Llama(model_path=str(path), n_ctx=rows.shape[1], logits_all=True, verbose=False, n_threads=1,
+def llama_cpp_windows(llama_cpp, path: Path, rows: dict[str, torch.Tensor], cache: str) -> dict[str, list]:
+    """Per domain, each window's log-probabilities (positions x vocabulary) from llama.cpp with a ``cache``
+    key/value cache; the file is loaded once."""
+    length = max(windows.shape[1] for windows in rows.values())
+    engine = llama_cpp.Llama(model_path=str(path), n_ctx=length, logits_all=True, verbose=False, n_threads=1,
                              n_threads_batch=1, type_k=CACHES[cache], type_v=CACHES[cache], flash_attn=False)
-    out = []
-    for row in rows.tolist():
-        engine.reset()
-        engine.eval(row)
-        out.append(torch.tensor(engine.scores[:len(row)]).log_softmax(-1))
+    out = {}
+    for domain, windows in rows.items():
+        out[domain] = []
+        for row in windows.tolist():
+            engine.reset()
+            engine.eval(row)
+            out[domain].append(torch.tensor(engine.scores[:len(row)]).log_softmax(-1))
     engine.close()
     return out
 
@@ -86,10 +91,11 @@ def llama_cpp_windows(llama_cpp, path: Path, rows: torch.Tensor, cache: str) -> 
 def measured(llama_cpp, path: Path, rows: dict[str, torch.Tensor], label: str) -> dict:
     """Per domain: both caches' perplexities and windows, the bootstrap of float16 against float32, KL and the
     largest logit change."""
+    every = {cache: llama_cpp_windows(llama_cpp, path, rows, cache)
+             for cache in tqdm(CACHES, desc=label, unit="cache")}
     result = {}
     for domain, windows in rows.items():
-        logs = {cache: llama_cpp_windows(llama_cpp, path, windows, cache)
-                for cache in tqdm(CACHES, desc=f"{label}, {domain}", unit="cache")}
+        logs = {cache: every[cache][domain] for cache in CACHES}
         sums = {cache: [] for cache in CACHES}
         kl, moved = 0.0, 0.0
         for index, row in enumerate(windows):

@@ -23,6 +23,7 @@ from collab_attn.models.checkpoints import resolve_model, smollm2_gguf  # noqa: 
 from collab_attn.serving import standard_model  # noqa: E402
 from collab_attn.serving.checkpoint import source_as_standard  # noqa: E402
 from collab_attn.serving.gguf_file import write_gguf  # noqa: E402
+from collab_attn.serving.precision import rounded_cache  # noqa: E402
 
 PROMPT = "The capital of France is"
 NEW_TOKENS = 20
@@ -109,18 +110,6 @@ def test_the_original_written_the_same_way_gives_its_logits(source, exported):
     assert error <= 1e-2
 
 
-def rounded_logits(model, ids, names=("q_proj", "k_proj", "v_proj")):
-    """transformers' float32 logits with the queries, keys and values rounded to float16 as they are computed."""
-    hooks = [module.register_forward_hook(lambda _m, _i, out: out.half().float())
-             for name, module in model.named_modules() if name.endswith(names)]
-    try:
-        with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0]
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
 def test_a_float16_cache_moves_the_logits_as_rounding_queries_keys_and_values_predicts(source, exported):
     """llama.cpp's default cache type (float16) against float32, each model against itself on a text of about 100
     tokens. llama.cpp stores keys and values in float16 and rounds the queries to float16 to multiply them with the
@@ -135,7 +124,9 @@ def test_a_float16_cache_moves_the_logits_as_rounding_queries_keys_and_values_pr
                                         reduction="none").sum(-1).mean()
         moved = float((half - full).abs().max())
         with torch.no_grad():
-            expected = float((rounded_logits(model, ids) - model(torch.tensor([ids])).logits[0]).abs().max())
+            full_logits = model(torch.tensor([ids])).logits[0]
+            with rounded_cache(model, torch.float16, queries=True):
+                expected = float((model(torch.tensor([ids])).logits[0] - full_logits).abs().max())
         print(f"{name}: float16 cache against float32, {len(ids)} tokens: logits |diff| max {moved:.3f} (transformers, "
               f"queries, keys and values rounded: {expected:.3f}), mean KL {float(kl):.2e}")
         assert expected / 2 <= moved <= 2 * expected

@@ -14,10 +14,12 @@ HALF_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @contextmanager
-def rounded_cache(model, dtype: torch.dtype):
+def rounded_cache(model, dtype: torch.dtype, queries: bool = False):
     """Within the block, ``model``'s keys and values (the outputs of every ``k_proj`` and ``v_proj``) are rounded to
-    ``dtype`` and back. Refused for a model without them."""
-    projections = [module for name, module in model.named_modules() if name.endswith(("k_proj", "v_proj"))]
+    ``dtype`` and back; with ``queries``, the queries (``q_proj``) too, as llama.cpp rounds them to multiply them
+    with a float16 cache. Refused for a model without keys and values."""
+    names = ("q_proj", "k_proj", "v_proj") if queries else ("k_proj", "v_proj")
+    projections = [module for name, module in model.named_modules() if name.endswith(names)]
     if not projections:
         raise ValueError(f"{type(model).__name__} has no k_proj/v_proj modules: rounded_cache takes a standard "
                          "Llama, Qwen2 or Mistral model (an exported one, or the original)")
