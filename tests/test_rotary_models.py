@@ -193,3 +193,20 @@ def test_other_rotary_architectures_are_refused_naming_the_supported_ones():
                                         intermediate_size=64)
     with pytest.raises(ValueError, match="unsupported rotary architecture 'gpt_neox'.*llama, qwen2, mistral"):
         collab_attn.reparametrize(transformers.GPTNeoXForCausalLM(config), rank=8)
+
+
+def test_attention_other_than_eager_and_sdpa_is_refused_before_and_after_converting(tmp_path):
+    model = original("llama")
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match=r"attention with 'flex_attention'.*set_attn_implementation\('sdpa'\)"):
+        collab_attn.reparametrize(copy.deepcopy(model), HALF, progress=False)
+    model.set_attn_implementation("sdpa")
+    model, _ = converted(model, HALF)
+    with pytest.raises(ValueError, match="does not support .*flex_attention"):
+        model.set_attn_implementation("flex_attention")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="does not support .*flex_attention"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="flex_attention")
+    model.config._attn_implementation = "flex_attention"  # set past transformers' check: the layers refuse its mask
+    with pytest.raises(TypeError, match="got a BlockMask: call model.set_attn_implementation"):
+        model(ids())

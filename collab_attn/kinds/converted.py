@@ -269,6 +269,11 @@ class ConvertedSelfAttention(nn.Module):
                    "makes its own cache and passes an unknown cache= argument down beside it)")
                 + "; it takes hidden_states, attention_mask, one key/value cache and output_attentions"
             )
+        if attention_mask is not None and not torch.is_tensor(attention_mask):
+            raise TypeError(
+                f"{type(self).__name__} takes the tensor masks of transformers' eager and sdpa attention, got a "
+                f"{type(attention_mask).__name__}: call model.set_attn_implementation('sdpa')"
+            )
         kv_cache = None
         if caches:
             kv_cache, static = self._cache_update(*caches.values())

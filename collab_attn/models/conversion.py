@@ -115,11 +115,22 @@ class Sizes:
         return len(self.names)
 
 
+# The attention implementations of transformers whose masks converted layers read (None: a config that never set one).
+TAKEN_ATTENTION = (None, "eager", "sdpa")
+
+
 def _attention(model: nn.Module) -> list[AttentionSite]:
     """The attention sites of a model a conversion takes: one not converted yet, of a supported family and of a head
     class that a collaborative class loads back once converted (``HEAD_CLASSES``), with attention modules."""
     if is_collaborative(model.config):
         raise ValueError("this model is already collaborative; reparametrize the original checkpoint instead")
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in TAKEN_ATTENTION:
+        raise ValueError(
+            f"the model computes attention with {attention!r}; converted layers take the masks of transformers' "
+            "eager and sdpa attention: call model.set_attn_implementation('sdpa') (or load it with "
+            "attn_implementation='sdpa') before converting"
+        )
     family, sites = attention_sites(model)
     supported = HEAD_CLASSES[family.model_type]
     if type(model) not in supported:

@@ -308,6 +308,8 @@ def _collab_model_class(base: type, config_class: type) -> type:
         "_init_weights": _init_weights,
         "config_class": config_class,
         "_can_record_outputs": {**(base._can_record_outputs or {}), "attentions": ConvertedSelfAttention},
+        # converted layers read the masks of eager and sdpa attention: transformers refuses the other implementations
+        "_supports_flash_attn": False, "_supports_flex_attn": False, "_supports_attention_backend": False,
         "__module__": __name__,
         "__doc__": f"{base.__name__} with converted self-attention (see collab_attn.reparametrize).",
     }
