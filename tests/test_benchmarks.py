@@ -7,6 +7,7 @@ import importlib.util
 import json
 import re
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -557,3 +558,29 @@ def test_race_decode_rows_measure_each_variant_against_the_concatenated_model(tm
     assert stored["rows"] == json.loads(json.dumps(rows)) and stored["rows"][7]["ms_per_token_runs"] == [8.0, 17.0]
     with pytest.raises(SystemExit):  # a result is never overwritten
         bench.main(args)
+
+
+def test_decode_attention_times_three_equal_ways_of_each_models_step(tmp_path, capsys, monkeypatch):
+    """The original's shapes and an export's, each step three ways that give the same output (a way that does not is
+    refused before timing); scripted times: ratios to the original's expanded step, faster or slower only outside its
+    range; the cache bytes are the shapes'."""
+    bench = load("decode_attention")
+    args = ["--batch", "1", "--context", "32", "--head-sizes", "8", "--repeats", "2", "--warmup", "0"]
+    ticks = iter([0, 10, 0, 4, 0, 12, 0, 30, 0, 5, 0, 11,  # round 1: start and end of each of the 6 steps
+                  0, 14, 0, 4, 0, 12, 0, 30, 0, 5, 0, 11])  # round 2: the original's expanded step 10-14
+    monkeypatch.setitem(bench.CLOCKS, "wall", lambda: next(ticks) / 1e3)
+    rows = bench.main([*args, "--out", str(tmp_path / "scripted")])
+    assert [(r["model"], r["way"]) for r in rows] == [(m, w) for m in ("original", "exported, head size 8")
+                                                       for w in ("expanded", "gqa", "folded")]
+    assert [(r["ms"], round(r["vs_original_expanded"], 4), r["verdict"]) for r in rows] == [
+        (12, 1, "-"), (4, 0.3333, "faster"), (12, 1, "tie"), (30, 2.5, "slower"), (5, 0.4167, "faster"),
+        (11, 0.9167, "tie")]
+    assert [r["cache_mib"] * 2**20 for r in rows] == [2 * 3 * 32 * 64 * 4] * 3 + [2 * 1 * 32 * 8 * 4] * 3
+    _, table = markdown_table((tmp_path / "scripted.md").read_text())
+    assert table[0][:6] == ["original", "expanded", "12.00", "10.00-14.00", "1.00x", "-"]
+    assert table[1][:6] == ["original", "gqa", "4.00", "4.00-4.00", "0.33x", "faster"]
+    monkeypatch.setitem(bench.CLOCKS, "wall", time.perf_counter)
+    monkeypatch.setitem(bench.WAYS, "folded", lambda q, k, v, m: bench.gqa(q, k, v, m) + 1e-3)
+    with pytest.raises(RuntimeError, match="original, folded: 1.00e-03 from the expanded step"):
+        bench.main([*args, "--out", str(tmp_path / "wrong")])
+    assert not list(tmp_path.glob("wrong*"))

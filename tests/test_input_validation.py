@@ -445,6 +445,10 @@ BENCHMARK_CASES = {
                          (["--flash-attn", "yes"], "argument --flash-attn: invalid choice: 'yes'"),
                          (["--cache-types", "q8_0"], "argument --cache-types: invalid choice: 'q8_0'"),
                          UNDER_A_FILE],
+    "decode_attention": [(["--head-sizes", "0"], "argument --head-sizes: must be a positive integer"),
+                         (["--clock", "gpu"], "argument --clock: invalid choice: 'gpu'"),
+                         (["--context", "-8"], "argument --context: must be a positive integer"),
+                         UNDER_A_FILE],
     "end_to_end": [(["--ranks", "500"], "--ranks 500: MiniLM's query/key width is 384"),
                    (["--cases", "0x128"], "'0x128': the batch must be positive and the length from 1 to 512"),
                    (["--cases", "1x1000"], "'1x1000': the batch must be positive and the length from 1 to 512"),
@@ -464,7 +468,8 @@ def test_a_benchmark_refuses_in_one_line_before_any_work(template, tmp_path, mon
 
 
 @pytest.mark.skipif(not NO_GPU, reason="a GPU is here")
-@pytest.mark.parametrize("name", sorted(set(BENCHMARK_CASES) - {"race_decode", "activation_aware", "llama_cpp_decode"}))
+@pytest.mark.parametrize("name", sorted(set(BENCHMARK_CASES) - {"race_decode", "activation_aware", "llama_cpp_decode",
+                                                                 "decode_attention"}))
 def test_a_benchmark_refuses_cuda_where_there_is_none(template, tmp_path, monkeypatch, capsys, name):
     refused_in_process(template, tmp_path, monkeypatch, capsys, f"benchmarks/{name}.py",
                        ["--device", "cuda", "--out", "result"], "--device cuda: torch ")
