@@ -19,11 +19,11 @@ with a mask over the cached positions, as a static cache hands it:
 All three give the same output (checked before timing, 1e-5). ``--compiled`` times each under
 ``torch.compile(fullgraph=True)`` as well, as a static cache's step runs. The ways and models take turns, round by
 round, ``--repeats`` rounds after ``--warmup``; each cell is the median and range, the ratio to the original's
-``expanded`` step and the verdict (``faster``/``slower`` only where the ranges do not overlap,
-``collab_attn.stats.timing_verdict``), and GB/s: the cache's bytes (float32) over the median time, which says how far
-the step is from the memory's speed. ``--clock cpu`` times by this process's CPU time (less disturbed by other
-processes). Results: ``--out`` (``.md`` and ``.json``), by default ``experiments/serving/decode_attention_<UTC
-time>``; never overwritten.
+``expanded`` step and, for an export, to the original's step computed the same way, each with its verdict
+(``faster``/``slower`` only where the ranges do not overlap, ``collab_attn.stats.timing_verdict``), and GB/s: the
+cache's bytes (float32) over the median time, which says how far the step is from the memory's speed. ``--clock
+cpu`` times by this process's CPU time (less disturbed by other processes). Results: ``--out`` (``.md`` and
+``.json``), by default ``experiments/serving/decode_attention_<UTC time>``; never overwritten.
 """
 
 from __future__ import annotations
@@ -115,10 +115,14 @@ def rows_of(found: dict, times: dict) -> list[dict]:
     for name, (_, _, cache) in found.items():
         model, way = name.split(" | ")
         spread, versus = timing(times[name]), timing_verdict(times[name], times[BASE])
-        rows.append({"model": model, "way": way, "ms": 1e3 * spread.median, "low_ms": 1e3 * spread.low,
-                     "high_ms": 1e3 * spread.high, "vs_original_expanded": versus.ratio,
-                     "verdict": "-" if name == BASE else versus.verdict, "cache_mib": cache / 2**20,
-                     "gb_per_s": cache / spread.median / 1e9, "seconds": times[name]})
+        row = {"model": model, "way": way, "ms": 1e3 * spread.median, "low_ms": 1e3 * spread.low,
+               "high_ms": 1e3 * spread.high, "vs_original_expanded": versus.ratio,
+               "verdict": "-" if name == BASE else versus.verdict, "cache_mib": cache / 2**20,
+               "gb_per_s": cache / spread.median / 1e9, "seconds": times[name]}
+        if model != "original":  # against the original's step computed the same way
+            same = timing_verdict(times[name], times[f"original | {way}"])
+            row |= {"vs_original_same_way": same.ratio, "verdict_same_way": same.verdict}
+        rows.append(row)
     return rows
 
 
@@ -128,11 +132,13 @@ def markdown(rows: list[dict], args, environment: dict) -> str:
              f"thread(s), {args.clock} clock; median of {args.repeats} rounds after {args.warmup} and their range; "
              "verdicts against the original's expanded step by `collab_attn.stats.timing_verdict`. GB/s: the cache's "
              f"bytes over the median time. torch {environment['torch']}.", "", "```bash", environment["command"],
-             "```", "", "| model | way | ms | range | vs original, expanded | verdict | cache MiB | GB/s |",
-             "|---|---|---:|---:|---:|---|---:|---:|"]
+             "```", "", "| model | way | ms | range | vs original, expanded | verdict | vs original, same way | "
+             "verdict | cache MiB | GB/s |", "|---|---|---:|---:|---:|---|---:|---|---:|---:|"]
     lines += [f"| {r['model']} | {r['way']} | {r['ms']:.2f} | {r['low_ms']:.2f}-{r['high_ms']:.2f} | "
-              f"{r['vs_original_expanded']:.2f}x | {r['verdict']} | {r['cache_mib']:.1f} | {r['gb_per_s']:.1f} |"
-              for r in rows]
+              f"{r['vs_original_expanded']:.2f}x | {r['verdict']} | "
+              + (f"{r['vs_original_same_way']:.2f}x | {r['verdict_same_way']} | " if "verdict_same_way" in r else
+                 "- | - | ")
+              + f"{r['cache_mib']:.1f} | {r['gb_per_s']:.1f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -162,8 +168,10 @@ def main(argv=None) -> list[dict]:
     found = cases(args)
     rows = rows_of(found, measured(found, args))
     for r in rows:
-        print(f"{r['model']:26s} {r['way']:18s} {r['ms']:8.2f} ms ({r['vs_original_expanded']:.2f}x, {r['verdict']}) "
-              f"{r['gb_per_s']:6.1f} GB/s", flush=True)
+        same = (f", same way {r['vs_original_same_way']:.2f}x, {r['verdict_same_way']}"
+                if "verdict_same_way" in r else "")
+        print(f"{r['model']:26s} {r['way']:18s} {r['ms']:8.2f} ms ({r['vs_original_expanded']:.2f}x, {r['verdict']}"
+              f"{same}) {r['gb_per_s']:6.1f} GB/s", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out.with_suffix(".json"), json.dumps(
         {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows}, indent=2, default=str))

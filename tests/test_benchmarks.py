@@ -576,8 +576,13 @@ def test_decode_attention_times_three_equal_ways_of_each_models_step(tmp_path, c
         (12, 1, "-"), (4, 0.3333, "faster"), (12, 1, "tie"), (30, 2.5, "slower"), (5, 0.4167, "faster"),
         (11, 0.9167, "tie")]
     assert [r["cache_mib"] * 2**20 for r in rows] == [2 * 3 * 32 * 64 * 4] * 3 + [2 * 1 * 32 * 8 * 4] * 3
+    assert [(round(r["vs_original_same_way"], 4), r["verdict_same_way"]) for r in rows[3:]] == [
+        (2.5, "slower"), (1.25, "slower"), (0.9167, "faster")]
+    assert "vs_original_same_way" not in rows[0]
     _, table = markdown_table((tmp_path / "scripted.md").read_text())
-    assert table[0][:6] == ["original", "expanded", "12.00", "10.00-14.00", "1.00x", "-"]
+    assert table[0][:8] == ["original", "expanded", "12.00", "10.00-14.00", "1.00x", "-", "-", "-"]
+    assert table[5][:8] == ["exported, head size 8", "folded", "11.00", "11.00-11.00", "0.92x", "tie", "0.92x",
+                            "faster"]
     assert table[1][:6] == ["original", "gqa", "4.00", "4.00-4.00", "0.33x", "faster"]
     monkeypatch.setitem(bench.CLOCKS, "wall", time.perf_counter)
     monkeypatch.setitem(bench.WAYS, "folded", lambda q, k, v, m: bench.gqa(q, k, v, m) + 1e-3)
