@@ -8,13 +8,14 @@ The original: 9 query heads on 3 key/value heads of 64. An export of ``key-svd``
 ``collab_attn.export``): 9 query heads of R on one key/value head of R, so its cache is 2R numbers per token and
 layer against the original's 384, while each query head still takes R numbers to score a position (9 x R in all,
 against 9 x 64). Each model's step is computed three ways, all ``torch.nn.functional.scaled_dot_product_attention``
-with a mask over the cached positions, as a static cache hands it:
+with a mask over the cached positions:
 
-- ``expanded``: the key/value heads copied to every query head first (transformers' ``repeat_kv``), what transformers
-  does with a static cache on the CPU;
-- ``gqa``: the key/value heads passed as they are with ``enable_gqa=True`` (``TRANSFORMERS_SDPA_FORCE_GQA=1``);
-- ``folded``: the query heads of a key/value head taken as that head's query rows, one product per key/value head
-  (what a decoding kernel for shared keys does; not a transformers option).
+- ``expanded``: the key/value heads copied to every query head first (transformers' ``repeat_kv``): transformers
+  5.25's SDPA path with a mask under ``torch.compile``, a static cache's step;
+- ``gqa``: the key/value heads passed as they are with ``enable_gqa=True``: its path with no mask (a dynamic cache
+  without padding), or with ``TRANSFORMERS_SDPA_FORCE_GQA=1``;
+- ``folded``: the query heads of a key/value head taken as that head's query rows, one product per key/value head:
+  its path for one query position with a mask outside ``torch.compile`` (``pack_gqa``: a dynamic cache with padding).
 
 All three give the same output (checked before timing, 1e-5). ``--compiled`` times each under
 ``torch.compile(fullgraph=True)`` as well, as a static cache's step runs. The ways and models take turns, round by
