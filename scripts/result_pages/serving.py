@@ -388,16 +388,16 @@ def claims_serving() -> None:
     claim(P, "one stream per sequence, one thread, {:.0f} steps after {:.0f})", Value(
         f"serving/{lcpp}.json", lambda: [run(f"{S}{lcpp}.json")["args"][k] for k in ("repeats", "warmup")]
         if run(f"{S}{lcpp}.json")["args"]["threads"] == 1 else []))
-    for flash, first in (("auto", "auto (llama.cpp's default: on here)"), ("off", "off")):
-        for index, (batch, context) in enumerate(((1, 2048), (1, 8192), (8, 2048), (8, 8192))):
-            def row(flash=flash, batch=batch, context=context):
-                ratios = [llama_cpp_ratio(lcpp, flash, batch, context, head, "slower") for head in (96, 48)]
-                caches = [llama_cpp_rows(lcpp)[(flash, batch, context, head)]["cache_mib"] for head in (64, 96, 48)]
-                return ratios + (caches if flash == "auto" else [])
-            cache = " {:,.0f}, {:,.0f}, {:,.0f} |" if context == 8192 and batch == 8 else \
-                (" {:.0f}, {:.1f}, {:.1f} |" if (batch, context) == (1, 2048) else " {:.0f}, {:.0f}, {:.0f} |")
-            claim(P, f"| {first if index == 0 else ''} | {batch} | {context:,} | {{:.2f}}x | {{:.2f}}x |"
-                     + (cache if flash == "auto" else " |"), Value(f"serving/{lcpp}.json", row))
+    for batch, context in ((1, 2048), (1, 8192), (8, 2048), (8, 8192)):
+        def row(batch=batch, context=context):
+            ratios = [llama_cpp_ratio(lcpp, flash, batch, context, head, "slower") for head in (96, 48)
+                      for flash in ("auto", "off")]
+            return ratios + [llama_cpp_rows(lcpp)[("auto", batch, context, head)]["cache_mib"] for head in (64, 96, 48)]
+        cache = " {:,.0f}, {:,.0f}, {:,.0f} |" if context == 8192 and batch == 8 else \
+            (" {:.0f}, {:.1f}, {:.1f} |" if (batch, context) == (1, 2048) else " {:.0f}, {:.0f}, {:.0f} |")
+        claim(P, f"| {batch} | {context:,} | {{:.2f}}x / {{:.2f}}x | {{:.2f}}x / {{:.2f}}x |" + cache,
+              Value(f"serving/{lcpp}.json", row))
+    cited(P, "flash attention `auto` (llama.cpp's default: on here) and `off`", "llama.cpp's settings, read back")
 
     def prefill_range():
         ratios = [r["prefill_vs_original"] for r in run(f"{S}{lcpp}.json")["rows"] if r["flash_attn"] == "off"]
@@ -462,6 +462,4 @@ def claims_serving() -> None:
     claim(P, "at 96/96 its logits move by {:.2f} against the original's\n{:.3f} (`tests/test_llama_cpp.py`), what "
              "rounding its queries, keys and values in transformers predicts ({:.2f})",
           Value("serving/llama_cpp_tests.txt", uncalibrated))
-    claim(P, "(a third of the cache: {:.2f}-{:.2f}x)", Value(f"serving/{sizes}.json", lambda: sorted(
-        llama_cpp_ratio(sizes, "off", b, 8192, 64, "faster") for b in (1, 8))))
     strict(P)
