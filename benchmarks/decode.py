@@ -56,7 +56,6 @@ for the last position only (``logits_to_keep=1``, as ``generate`` asks), the mod
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -74,7 +73,7 @@ sys.path.insert(0, str(ROOT))
 import collab_attn  # noqa: E402,F401  (registers the collaborative model classes)
 from collab_attn import cli  # noqa: E402
 from collab_attn.cli import ArgumentParser  # noqa: E402
-from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.files import write_result_pair  # noqa: E402
 from collab_attn.kinds import cache_keyword  # noqa: E402
 from collab_attn.models.hf import Layout, collab_config_class  # noqa: E402
 from collab_attn.models.methods import METHODS, LayerSizes  # noqa: E402
@@ -583,11 +582,8 @@ def main(argv=None) -> list[dict]:
         "command": " ".join(["python benchmarks/decode.py", *(sys.argv[1:] if argv is None else argv)]),
     }
     rows = run(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out.with_suffix(".json"), json.dumps(
-        {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows}, indent=2, default=str))
-    write_text_atomic(out.with_suffix(".md"), markdown(rows, args, environment))
-    print(f"wrote {out.with_suffix('.md')} and .json")
+    write_result_pair(out, {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows},
+                      markdown(rows, args, environment))
     return rows
 
 

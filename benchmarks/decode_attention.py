@@ -29,7 +29,6 @@ cpu`` times by this process's CPU time (less disturbed by other processes). Resu
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -45,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from collab_attn import cli  # noqa: E402
 from collab_attn.cli import ArgumentParser  # noqa: E402
-from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.files import write_result_pair  # noqa: E402
 from collab_attn.stats import timing, timing_verdict  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
@@ -173,11 +172,8 @@ def main(argv=None) -> list[dict]:
                 if "verdict_same_way" in r else "")
         print(f"{r['model']:26s} {r['way']:18s} {r['ms']:8.2f} ms ({r['vs_original_expanded']:.2f}x, {r['verdict']}"
               f"{same}) {r['gb_per_s']:6.1f} GB/s", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out.with_suffix(".json"), json.dumps(
-        {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows}, indent=2, default=str))
-    write_text_atomic(out.with_suffix(".md"), markdown(rows, args, environment))
-    print(f"wrote {out.with_suffix('.md')} and .json")
+    write_result_pair(out, {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows},
+                      markdown(rows, args, environment))
     return rows
 
 

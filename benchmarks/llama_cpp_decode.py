@@ -30,7 +30,6 @@ installs it.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import platform
 import statistics
@@ -49,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 import collab_attn  # noqa: E402
 from collab_attn import cli  # noqa: E402
 from collab_attn.cli import ArgumentParser  # noqa: E402
-from collab_attn.files import write_text_atomic  # noqa: E402
+from collab_attn.files import write_result_pair  # noqa: E402
 from collab_attn.models.checkpoints import resolve_model, smollm2_gguf  # noqa: E402
 from collab_attn.pretrained.race import entries_at  # noqa: E402
 from collab_attn.serving import standard_model  # noqa: E402
@@ -269,11 +268,8 @@ def main(argv=None) -> list[dict]:
             for flash in args.flash_attn:
                 for context in args.contexts:
                     rows += rows_for(llama_cpp, files, args, cache_type, flash, prompt[:context])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out.with_suffix(".json"), json.dumps(
-        {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows}, indent=2, default=str))
-    write_text_atomic(out.with_suffix(".md"), markdown(rows, environment, args))
-    print(f"wrote {out.with_suffix('.md')} and .json")
+    write_result_pair(out, {"args": vars(args) | {"out": str(out)}, "environment": environment, "rows": rows},
+                      markdown(rows, environment, args))
     return rows
 
 

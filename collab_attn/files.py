@@ -25,6 +25,17 @@ def replacing(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def write_result_pair(stem: Path, record: dict, markdown: str) -> None:
+    """A benchmark's result: ``stem.json`` (``record``, what is not JSON written as text) and ``stem.md``, each all or
+    nothing, the folder made if need be."""
+    import json
+
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(stem.with_suffix(".json"), json.dumps(record, indent=2, default=str))
+    write_text_atomic(stem.with_suffix(".md"), markdown)
+    print(f"wrote {stem.with_suffix('.md')} and .json")
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """``Path(path).write_text(text)``, all or nothing."""
     with replacing(path) as tmp:
