@@ -37,8 +37,8 @@ windows of 256 tokens unless ``collab.calibration_samples`` and ``collab.calibra
 end-to-end fit 4 windows a step and judged on the 16 after its own): fitted on one domain's text, a model is far from
 the original on others (experiments/transfer/README.md). An encoder writes no text: it needs ``collab.calibration`` to
 fit. A decoder whose conversion caches less than the original, given none of ``FIT_KEYS``, is fitted by
-``GENERAL_RECIPE`` (150 layer steps, then every weight distilled 32 steps, on its own samples); ``collab.fit_steps=0``
-converts it without fitting.
+``GENERAL_RECIPE`` (150 layer steps on 128 windows of its own samples, then every weight distilled 32 steps on them);
+``collab.fit_steps=0`` converts it without fitting.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
@@ -160,9 +160,10 @@ def check_export(settings: dict, method: MethodSettings, config) -> str | None:
 
 # The general recipe (issue 91): what a decoder whose conversion caches less than the original is fitted with when the
 # collab group gives no fitting setting (every key of FIT_KEYS null): calibrated and fitted on its own samples, each
-# layer 150 steps, then every weight distilled 32 steps (experiments/transfer/README.md, section 5, times it). Any of
-# them set, 0 included, turns it off: collab.fit_steps=0 converts without fitting.
-GENERAL_RECIPE = {"fit_steps": 150, "distill_steps": 32}
+# layer 150 steps on all 128 windows drawn, then every weight distilled 32 steps on the same windows
+# (experiments/transfer/README.md, section 5, times it). Any of FIT_KEYS set, 0 included, turns it off:
+# collab.fit_steps=0 converts without fitting. A collab.calibration_samples given is kept.
+GENERAL_RECIPE = {"fit_steps": 150, "distill_steps": 32, "calibration_samples": 128}
 FIT_KEYS = ("calibration", "fit_steps", "e2e_steps", "e2e_texts", "distill_steps")
 
 
@@ -183,9 +184,10 @@ def with_general_recipe(collab: dict, method: MethodSettings, config) -> MethodS
         return method
     if method.budget is None and not caches_less(config, method):
         return method  # as large as the original: an exact conversion, nothing to fit
+    recipe = {key: value for key, value in GENERAL_RECIPE.items() if collab.get(key) is None}
     log.info("no fitting setting given: the general recipe, %s on the model's own samples (collab.fit_steps=0 "
-             "converts without fitting)", " ".join(f"collab.{k}={v}" for k, v in GENERAL_RECIPE.items()))
-    return method_settings({**collab, **GENERAL_RECIPE})
+             "converts without fitting)", " ".join(f"collab.{k}={v}" for k, v in recipe.items()))
+    return method_settings({**collab, **recipe})
 
 
 def check(settings: dict) -> tuple[MethodSettings, str]:

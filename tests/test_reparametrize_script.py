@@ -635,11 +635,12 @@ def tiny_llama(checkpoint):
     (["collab.rank=24", "collab.value_rank=24"], False),  # the keys and values of both groups: exact
     (["collab.rank=24", "collab.value_rank=null"], False),
     (["collab.rank=24", "collab.value_rank=12"], True),  # the values cut: 36 numbers of 48
+    (["collab.calibration_samples=64"], True),  # not a fitting setting: the recipe, with the windows given
 ])
 def test_the_general_recipe_fits_a_decoder_given_no_fitting_setting(tmp_path, overrides, recipe):
     """scripts/reparametrize.py with a decoder, a size that caches less than the original and no texts runs the recipe
-    README times (GENERAL_RECIPE: 150 layer steps, then every weight distilled 32 steps, on the model's own samples);
-    the report's collab group says so."""
+    README times (GENERAL_RECIPE: 150 layer steps on 128 windows of the model's own samples, then every weight
+    distilled 32 steps on them); the report's collab group says so, and windows the user gives are kept."""
     texts = tmp_path / "texts.txt"
     texts.write_text("the cat sat on the mat\n")
     checkpoint = tiny_llama(tmp_path / "llama")
@@ -648,10 +649,11 @@ def test_the_general_recipe_fits_a_decoder_given_no_fitting_setting(tmp_path, ov
     settings = script.settings_of(config(f"model={checkpoint}", f"output_dir={tmp_path / 'out'}", "collab=key-svd",
                                          *sizes, *given))
     method, _ = script.check(settings)
-    assert script.GENERAL_RECIPE == {"fit_steps": 150, "distill_steps": 32}
+    assert script.GENERAL_RECIPE == {"fit_steps": 150, "distill_steps": 32, "calibration_samples": 128}
     if recipe:
         assert (method.fit_steps, method.distill_steps, method.e2e_steps) == (150, 32, None)
         assert method.calibration.from_own and method.to_group()["calibration"] == "own"
+        assert method.calibration.samples == (64 if "collab.calibration_samples=64" in given else 128)
     else:
         assert method == script.method_settings(settings["collab"])  # as given
 

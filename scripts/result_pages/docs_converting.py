@@ -183,8 +183,9 @@ def fitting() -> None:
           formula(lambda r: [_fit_seconds(r)[-1], r["seconds"]], ten), ppl(ten), ppl(h100),
           verdict_is(t150, ten, "wikipedia", "ahead"), verdict_is(t150, ten, "shakespeare", "tie"))
 
-    cited(P, "(`GENERAL_RECIPE`: 150 steps a layer, then every weight distilled 32 steps, on own samples; chosen on "
-             "validation\n  over 32 attention-only end-to-end steps", "scripts/reparametrize.py GENERAL_RECIPE, "
+    cited(P, "(`GENERAL_RECIPE`: 150 steps a layer, then every weight distilled 32 steps, on 128 windows of own "
+             "samples; chosen\n  on validation over 32 attention-only end-to-end steps and over a layer fit on the "
+             "first 64 windows alone", "scripts/reparametrize.py GENERAL_RECIPE, "
           "and experiments/transfer/README.md (claimed in transfer.py)")
     cited(P, "`collab.fit_steps=0` included", "the setting that turns the general recipe off")
     cited(P, "more programming requests, top-p 0.9, temperature 0.7, 1.2, 1.5", "collab_attn.own_text.OWN_TEXTS, "
