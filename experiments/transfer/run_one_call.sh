@@ -5,7 +5,10 @@
 #
 #   bash experiments/transfer/run_one_call.sh            # README's one-call path for SmolLM2 at half its cache, no
 #                                                        # texts: the general recipe (150 layer steps, then every
-#                                                        # weight distilled 32 steps, own samples) -> one_call/general
+#                                                        # weight distilled 32 steps, on 128 windows of own samples)
+#                                                        # -> one_call/general
+#   FINISH=general64 bash experiments/transfer/run_one_call.sh  # the general recipe with the layer fit on the first
+#                                                        # 64 windows -> one_call/general64
 #   FINISH=e2e bash experiments/transfer/run_one_call.sh # 150 layer steps, then 32 attention-only end-to-end steps
 #                                                        # -> one_call
 #   FINISH=texts bash experiments/transfer/run_one_call.sh  # the recipe that meets the aim at 1/2: the race on the
@@ -19,6 +22,9 @@ finish=${FINISH:-general}
 case "$finish" in
   general) folder=one_call/general
            command=(python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96) ;;
+  general64) folder=one_call/general64  # the same, the layer fit on the first 64 windows (the recipe until 2026-12-07)
+             command=(python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96
+                      collab.calibration_samples=64) ;;
   e2e) folder=one_call
        command=(python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96
                 collab.fit_steps=150 collab.e2e_steps=32) ;;
@@ -26,7 +32,7 @@ case "$finish" in
          command=(python scripts/race_smollm2.py --budgets 0.5 --methods key-svd --calibration-tokens 16384
                   --fit-steps 150 --threads 2 --fit-text all --distill-tokens 65536 --distill-budgets 0.5
                   --rows 'fitted150-distilled65536-textall$' --domains wikipedia shakespeare code) ;;
-  *) echo "FINISH must be general, e2e or texts" >&2; exit 2 ;;
+  *) echo "FINISH must be general, general64, e2e or texts" >&2; exit 2 ;;
 esac
 out=${OUT:-/tmp/smollm2-kv96-$finish}
 if [[ $finish == texts ]]; then
