@@ -19,24 +19,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 finish=${FINISH:-general}
+one_call=(python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96)
 case "$finish" in
-  general) folder=one_call/general
-           command=(python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96) ;;
+  general) folder=one_call/general command=("${one_call[@]}") ;;
   general64) folder=one_call/general64  # the same, the layer fit on the first 64 windows (the recipe until 2026-12-07)
-             command=(python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96
-                      collab.calibration_samples=64) ;;
-  e2e) folder=one_call
-       command=(python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96
-                collab.fit_steps=150 collab.e2e_steps=32) ;;
+             command=("${one_call[@]}" collab.calibration_samples=64) ;;
+  e2e) folder=one_call command=("${one_call[@]}" collab.fit_steps=150 collab.e2e_steps=32) ;;
   texts) folder=one_call/texts
          command=(python scripts/race_smollm2.py --budgets 0.5 --methods key-svd --calibration-tokens 16384
                   --fit-steps 150 --threads 2 --fit-text all --distill-tokens 65536 --distill-budgets 0.5
                   --rows 'fitted150-distilled65536-textall$' --domains wikipedia shakespeare code) ;;
-  *) echo "FINISH must be general, general64, e2e or texts" >&2; exit 2 ;;
+  *) echo "error: FINISH=$finish: must be general, general64, e2e or texts" >&2; exit 2 ;;
 esac
 out=${OUT:-/tmp/smollm2-kv96-$finish}
 if [[ $finish == texts ]]; then
-  [[ -e $out ]] && { echo "$out exists: the race would reuse what it kept there; give OUT=<a new folder>" >&2; exit 2; }
+  [[ -e $out ]] && { echo "error: OUT=$out exists: the race would reuse what it kept there; give a new folder" >&2
+                     exit 2; }
   command+=(--out "$out")
 else
   command+=(output_dir="$out" overwrite=true)
