@@ -15,6 +15,8 @@
         collab.e2e_texts=more.txt                                  # the end-to-end fit on other text
     python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=48 collab.value_rank=48 \
         collab.fit_steps=150 collab.distill_steps=32               # then every weight distilled from the original
+    python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96 \
+        collab.calibration=fit-all.txt collab.fit_steps=150 collab.distill_steps=64   # on a text file, as the race
 
 The ``collab`` group becomes ``MethodSettings`` once (``collab_attn.models.settings``). ``collab=prune`` needs
 labelled task examples to score the heads on, so it runs through the GLUE pipeline (``scripts/train_glue.py``);
@@ -27,9 +29,10 @@ SmolLM2, 65,536 fitting tokens of which 49,152 were new gained more than passes 
 experiments/smollm2/LOG.md, "Long layer fits, then end to end on fresh text"); its report is saved under
 ``end_to_end``. ``collab.distill_steps`` then trains every weight of a decoder (embeddings, MLPs and norms too) that
 many steps on the original's next-token distributions (``collab_attn.pretrained.distill``: the KL, 4 windows a step,
-one pass), on the windows of own text the end-to-end fit reads or on windows of ``collab.calibration_max_length``
-tokens cut from ``collab.e2e_texts`` (else the calibration texts); its report is saved under ``distillation``. The
-converted model is then no longer the original with new attention layers: every weight moved.
+one pass), on the windows of own text (or of a text file) the end-to-end fit reads or on windows of
+``collab.calibration_max_length`` tokens cut from ``collab.e2e_texts`` (else a GLUE .tsv's texts); its report is
+saved under ``distillation``. The converted model is then no longer the original with new attention layers: every
+weight moved.
 
 With ``collab.fit_steps``, ``collab.e2e_steps`` or ``collab.distill_steps`` and no ``collab.calibration``, a decoder
 is calibrated and fitted on the model's own samples (``collab.calibration=own``, ``collab_attn/own_text.py``; 64
@@ -38,7 +41,10 @@ end-to-end fit 4 windows a step and judged on the 16 after its own): fitted on o
 the original on others (experiments/transfer/README.md). An encoder writes no text: it needs ``collab.calibration`` to
 fit. A decoder whose conversion caches less than the original, given none of ``FIT_KEYS``, is fitted by
 ``GENERAL_RECIPE`` (150 layer steps on 128 windows of its own samples, then every weight distilled 32 steps on them);
-``collab.fit_steps=0`` converts it without fitting.
+``collab.fit_steps=0`` converts it without fitting. A decoder reads a text file of ``collab.calibration`` as it reads
+own text and as the SmolLM2 race reads its fitting text: windows of 256 tokens drawn from the whole file
+(``collab_attn.glue.calibrate.file_windows``; 64 of them to calibrate and fit on unless ``collab.calibration_samples``
+says otherwise; ``scripts/write_fit_text.py`` writes the race's three domains' text); a GLUE .tsv stays texts.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
@@ -54,6 +60,7 @@ weight that is NaN or Inf, refused by the conversion): then nothing is written e
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import tempfile
@@ -76,7 +83,7 @@ from collab_attn.glue.calibrate import (
     end_to_end_batches,
     end_to_end_held_out,
     fit_batches,
-    own_text,
+    fitting_windows,
 )
 from collab_attn.kinds import LAYER_KINDS
 from collab_attn.models import sizing
@@ -88,7 +95,7 @@ from collab_attn.models.checkpoints import (
 from collab_attn.models.families import family_of
 from collab_attn.models.hf import forward_inputs
 from collab_attn.models.methods import METHODS
-from collab_attn.models.settings import MethodSettings
+from collab_attn.models.settings import OWN_LENGTH, OWN_WINDOWS, CalibrationSettings, MethodSettings
 from collab_attn.pretrained.distill import Distillation, distill
 from collab_attn.serving import export
 
@@ -190,6 +197,29 @@ def with_general_recipe(collab: dict, method: MethodSettings, config) -> MethodS
     return method_settings({**collab, **recipe})
 
 
+def with_windows(collab: dict, method: MethodSettings, config) -> MethodSettings:
+    """``method``, with a decoder's text file (``collab.calibration``, not a GLUE .tsv) read as windows, as own text
+    is and as the SmolLM2 race reads its fitting text (``collab_attn.glue.calibrate.file_windows``: by default
+    ``OWN_WINDOWS`` windows to calibrate on), and windows no longer than the positions the model reads: by default
+    ``OWN_LENGTH`` tokens or all its positions where it reads fewer; a longer ``collab.calibration_max_length`` is
+    refused."""
+    settings = method.calibration
+    if settings is None or not family_of(config).decoder or settings.from_task:
+        return method
+    from_file = not settings.from_own and Path(settings.source).suffix != ".tsv"
+    if not (settings.from_own or from_file):
+        return method
+    positions = getattr(config, "max_position_embeddings", None) or OWN_LENGTH
+    length = collab.get("calibration_max_length")
+    if length is not None and length > positions:
+        raise cli.BadInput(f"collab.calibration_max_length={length}: windows of that many tokens are longer than the "
+                           f"{positions} positions {config.model_type} reads; give collab.calibration_max_length="
+                           f"{positions} or fewer")
+    samples = (collab.get("calibration_samples") or OWN_WINDOWS) if from_file else settings.samples
+    return dataclasses.replace(method, calibration=CalibrationSettings(
+        settings.source, samples, min(OWN_LENGTH, positions) if length is None else length, windows=from_file))
+
+
 def check(settings: dict) -> tuple[MethodSettings, str]:
     """Every setting, the checkpoint's config against the method and rank, the calibration texts and the output
     folder, before anything is loaded or written; returns the method settings (with ``GENERAL_RECIPE`` where it
@@ -197,7 +227,7 @@ def check(settings: dict) -> tuple[MethodSettings, str]:
     method = method_settings(settings["collab"])
     path, config = checked_model(settings["model"])
     method.check_model(config)
-    method = with_general_recipe(settings["collab"], method, config)
+    method = with_windows(settings["collab"], with_general_recipe(settings["collab"], method, config), config)
     if method.calibration is not None and method.calibration.from_own and not family_of(config).decoder:
         raise cli.BadInput(f"collab.calibration=own (what collab.fit_steps and collab.e2e_steps read without "
                            f"collab.calibration) samples the model's own text, which {config.model_type}, an encoder, "
@@ -293,29 +323,29 @@ def run(cfg: DictConfig) -> dict:
     model, tokenizer = load_model_and_tokenizer(path, model_class=None)
     original = copy.deepcopy(model)
     sampling = time.perf_counter()
-    with cli.as_bad_input():  # a tokenizer without a beginning-of-text token cannot start a sample: one error line
-        own = own_text(model, tokenizer, method, settings["seed"])  # collab.calibration=own: the original's samples
+    with cli.as_bad_input():  # a tokenizer without a beginning-of-text token cannot start a window: one error line
+        rows = fitting_windows(model, tokenizer, method, settings["seed"])  # own samples, or a file's windows
     sampling = time.perf_counter() - sampling
     with cli.as_bad_input():  # what only the loaded weights show (NaN or Inf): one error line, nothing written
-        calibration = calibrate(model, tokenizer, method, settings["seed"], own=own)
+        calibration = calibrate(model, tokenizer, method, settings["seed"], rows=rows)
         report = reparametrize(
             model, seed=settings["seed"], calibration=calibration, progress=True, **method.reparametrize_kwargs()
         )
     print(report.table())
     fit = None
     if method.fit_steps:  # each converted layer trained to give the original's attention output
-        fit = fit_to_original(model, original, fit_batches(tokenizer, method, settings["seed"], own),
+        fit = fit_to_original(model, original, fit_batches(tokenizer, method, settings["seed"], rows),
                               steps=method.fit_steps, seed=settings["seed"])
         print(fit.table())
     end_to_end = None
     if method.e2e_steps:  # then all of them together, to give the original's output
-        end_to_end = fit_end_to_end(model, original, end_to_end_batches(tokenizer, method, settings["seed"], own),
+        end_to_end = fit_end_to_end(model, original, end_to_end_batches(tokenizer, method, settings["seed"], rows),
                                     steps=method.e2e_steps, seed=settings["seed"],
-                                    held_out=end_to_end_held_out(method, own))
+                                    held_out=end_to_end_held_out(method, rows))
         print(end_to_end.table())
     distillation = None
     if method.distill_steps:  # then every weight, to give the original's next-token distributions
-        distillation = distilled(model, original, distill_windows(tokenizer, method, settings["seed"], own),
+        distillation = distilled(model, original, distill_windows(tokenizer, method, settings["seed"], rows),
                                  settings["seed"])
         print(distillation.table())
 
@@ -354,7 +384,8 @@ def run(cfg: DictConfig) -> dict:
     result["fit"] = None if fit is None else fit.to_dict()
     result["end_to_end"] = None if end_to_end is None else end_to_end.to_dict()
     result["distillation"] = None if distillation is None else distillation.to_dict()
-    result["wall_seconds"] = {"own_text": sampling if own is not None else None,  # sampling the original's text
+    own = method.calibration is not None and method.calibration.from_own
+    result["wall_seconds"] = {"own_text": sampling if own else None,  # sampling the original's text
                               "before_saving": time.perf_counter() - start}  # from the call to the model's saving
 
     with atomic_directory(settings["output_dir"], settings["overwrite"]) as folder:

@@ -4,6 +4,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -24,7 +25,7 @@ from collab_attn import cli
 from collab_attn.decomposition.cp_als import DEFAULT_TOL
 from collab_attn.models.checkpoints import load_model_and_tokenizer, resolve_model
 from collab_attn.models.hf import forward_inputs
-from collab_attn.models.settings import MethodSettings
+from collab_attn.models.settings import CalibrationSettings, MethodSettings
 from collab_attn.texts import windows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,13 +269,16 @@ def test_calibration_texts_from_a_file(tmp_path):
 
 
 def test_fit_steps_fit_the_converted_layers_on_the_calibration_texts(tmp_path):
-    """``collab.fit_steps``: after the conversion each layer is trained on the calibration texts to give the
-    original's attention output; the report gives each layer's error before and after, the saved model is the fitted
-    one, and it is closer to the original than the same conversion without the fit."""
+    """``collab.fit_steps``: after the conversion each layer is trained on the calibration windows (a decoder reads
+    its text file as windows) to give the original's attention output; the report gives each layer's error before and
+    after, the saved model is the fitted one, and it is closer to the original than the same conversion without the
+    fit."""
     checkpoint = tiny_gpt2(tmp_path / "gpt2")
     texts = tmp_path / "texts.txt"
-    texts.write_text("".join(f"{w} the cat sat on the mat and {w} ran home\n" for w in ("one", "two", "six", "ten")))
-    common = ("collab.rank=12", "collab.value_rank=12", f"collab.calibration={texts}", "compare_prompts=[the cat sat]")
+    texts.write_text("".join(f"{w} the cat sat on the mat and {w} ran home\n" for w in ("one", "two", "six", "ten")
+                             * 12))
+    common = ("collab.rank=12", "collab.value_rank=12", f"collab.calibration={texts}", "compare_prompts=[the cat sat]",
+              "collab.calibration_max_length=16")
     plain = script.run(config_for_decoder(checkpoint, tmp_path / "plain", *common))
     fitted = script.run(config_for_decoder(checkpoint, tmp_path / "fitted", *common, "collab.fit_steps=30"))
     assert plain["fit"] is None and fitted["config"]["collab"]["fit_steps"] == 30
@@ -283,29 +287,32 @@ def test_fit_steps_fit_the_converted_layers_on_the_calibration_texts(tmp_path):
     assert all(layer["kept_fit"] and layer["error_after"] < layer["error_before"] for layer in layers)
     assert fitted["comparison"]["max_abs_diff"] < plain["comparison"]["max_abs_diff"]
     original = AutoModelForCausalLM.from_pretrained(checkpoint)
-    ids = character_tokenizer()("the cat sat on a mat", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        errors = [(AutoModelForCausalLM.from_pretrained(tmp_path / name)(ids).logits - original(ids).logits).norm()
-                  for name in ("plain", "fitted")]
-    assert errors[1] < errors[0]
+    rows = windows(character_tokenizer(), texts.read_text(), 16, 64)  # what the fits read
+
+    def errors(*names):
+        with torch.no_grad():
+            return [(AutoModelForCausalLM.from_pretrained(tmp_path / name)(rows).logits - original(rows).logits).norm()
+                    for name in names]
+
+    assert errors("fitted") < errors("plain")
     # collab.e2e_steps: then all the layers together, to the original's output; kept only where it lowers the loss
+    assert fitted["fit"]["tokens"] == 64 * 16  # the first 64 windows: the default calibration of a decoder's file
     both = script.run(config_for_decoder(checkpoint, tmp_path / "both", *common, "collab.fit_steps=30",
-                                         "collab.e2e_steps=40"))
-    assert fitted["end_to_end"] is None and both["config"]["collab"]["e2e_steps"] == 40
+                                         "collab.e2e_steps=20"))
+    assert fitted["end_to_end"] is None and both["config"]["collab"]["e2e_steps"] == 20
     report = both["end_to_end"]
-    assert report["steps"] == 40 and report["kept_fit"] and report["loss_after"] < report["loss_before"]
+    assert report["steps"] == 20 and report["kept_fit"] and report["loss_after"] < report["loss_before"]
     assert [x["error_after"] for x in both["fit"]["layers"]] == pytest.approx([x["error_after"] for x in layers])
-    with torch.no_grad():
-        error = (AutoModelForCausalLM.from_pretrained(tmp_path / "both")(ids).logits - original(ids).logits).norm()
-    assert error < errors[1]
+    assert errors("both") < errors("fitted")
 
 
 def test_the_end_to_end_fit_trains_on_its_own_texts(tmp_path):
     """collab.e2e_texts: the end-to-end fit reads 16 texts of that file per step (one pass over fresh text; all of
-    them when the file holds fewer), not the calibration texts; the layer fit still reads the calibration texts."""
+    them when the file holds fewer), not the calibration windows; the layer fit still reads the calibration windows.
+    Without it the end-to-end fit reads 4 windows of the calibration file a step, from the first."""
     checkpoint = tiny_gpt2(tmp_path / "gpt2")
-    calibration = tmp_path / "calibration.txt"
-    calibration.write_text("".join(f"{w} the cat sat on the mat\n" for w in ("one", "two", "six", "ten")))
+    calibration = tmp_path / "calibration.txt"  # windows of 64 tokens: all the positions the model reads
+    calibration.write_text("".join(f"{w} the cat sat on the mat\n" for w in ("one", "two", "six", "ten") * 16))
     fresh = tmp_path / "fresh.txt"  # every line 12 characters: the tokens count the texts drawn
     fresh.write_text("".join(f"a dog ran {i:02d}\n" for i in range(40)))
     per_text = len(character_tokenizer()("a dog ran 00")["input_ids"])
@@ -316,8 +323,9 @@ def test_the_end_to_end_fit_trains_on_its_own_texts(tmp_path):
                                               f"collab.e2e_texts={fresh}"))
     assert fresh_run["config"]["collab"]["e2e_texts"] == str(fresh)
     assert fresh_run["end_to_end"]["tokens"] == 2 * 16 * per_text  # 32 of the 40 texts
-    assert plain["end_to_end"]["tokens"] == fresh_run["fit"]["tokens"] == plain["fit"]["tokens"]  # the calibration's
-    assert fresh_run["end_to_end"]["tokens"] != plain["end_to_end"]["tokens"]
+    assert plain["end_to_end"]["tokens"] == 2 * 4 * 64  # 2 steps of 4 windows
+    held = len(character_tokenizer()(calibration.read_text())["input_ids"]) // 63
+    assert held < 64 and fresh_run["fit"]["tokens"] == plain["fit"]["tokens"] == held * 64  # all it holds
     many = script.run(config_for_decoder(checkpoint, tmp_path / "many", *common, "collab.e2e_steps=4",
                                          f"collab.e2e_texts={fresh}"))
     assert many["end_to_end"]["tokens"] == 40 * per_text  # fewer texts than the steps take: all of them
@@ -325,8 +333,9 @@ def test_the_end_to_end_fit_trains_on_its_own_texts(tmp_path):
 
 def test_distill_steps_train_every_weight_toward_the_original(tmp_path):
     """collab.distill_steps: after the conversion (and any fit), every weight of the decoder trained on the original's
-    next-token distributions, 4 windows of collab.calibration_max_length tokens a step cut one after another from
-    the texts: the KL to the original on those windows falls, and weights the conversion does not touch move."""
+    next-token distributions, 4 windows of collab.calibration_max_length tokens a step drawn from the windows the
+    file holds: the KL to the original on the file's windows falls, and weights the conversion does not touch
+    move."""
     checkpoint = tiny_gpt2(tmp_path / "gpt2")
     calibration = tmp_path / "calibration.txt"
     calibration.write_text("".join(f"the {w} cat sat on the mat and then it ran home\n" for w in ("red", "old", "big")
@@ -338,7 +347,7 @@ def test_distill_steps_train_every_weight_toward_the_original(tmp_path):
     assert plain["distillation"] is None and both["config"]["collab"]["distill_steps"] == 6
     assert both["distillation"]["windows"] == 24 and both["distillation"]["tokens"] == 24 * 32
     assert any("loss" in row for row in both["distillation"]["history"])
-    rows = windows(character_tokenizer(), "\n".join(calibration.read_text().splitlines()), 32, 24)
+    rows = windows(character_tokenizer(), calibration.read_text(), 32, 24)
     original = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     models = {name: AutoModelForCausalLM.from_pretrained(tmp_path / name).eval() for name in ("plain", "distilled")}
     with torch.no_grad():
@@ -349,6 +358,23 @@ def test_distill_steps_train_every_weight_toward_the_original(tmp_path):
     embeddings = [m.transformer.wte.weight for m in (models["plain"], models["distilled"])]
     assert torch.equal(embeddings[0], original.transformer.wte.weight)  # the conversion leaves them
     assert not torch.equal(embeddings[1], embeddings[0])  # the distillation trains them
+
+
+def test_a_decoder_s_text_file_is_cut_into_windows_as_it_is_in_a_drawn_order(tmp_path):
+    """A text file read as windows (a decoder's, scripts/reparametrize.py): its text as it is, indentation and blank
+    lines kept (code reads as code), cut one after another, every window of the file in an order drawn with the seed;
+    the calibration asking for more windows than the file holds reads all of them."""
+    path = tmp_path / "code.txt"
+    text = "def f():\n    return 1\n\n\nclass a:\n    pass\n" * 8
+    path.write_text(text)
+    method = dataclasses.replace(MethodSettings.from_config({"method": "key-svd", "rank": 8, "fit_steps": 2}),
+                                 calibration=CalibrationSettings(str(path), 1000, 9, windows=True))
+    rows = calibrate_module.file_windows(character_tokenizer(), method, seed=0)
+    in_order = windows(character_tokenizer(), text, 9, len(text) // 8)
+    assert rows.shape == in_order.shape == (len(text) // 8, 9)
+    assert sorted(map(tuple, rows.tolist())) == sorted(map(tuple, in_order.tolist()))
+    assert not torch.equal(rows, in_order)
+    assert torch.equal(rows, calibrate_module.file_windows(character_tokenizer(), method, seed=0))
 
 
 def test_own_text_holds_the_distillation_windows(monkeypatch):
@@ -362,23 +388,33 @@ def test_own_text_holds_the_distillation_windows(monkeypatch):
     for extra, count in (({}, 64), ({"e2e_steps": 20}, 96), ({"distill_steps": 40}, 160),
                          ({"e2e_steps": 20, "distill_steps": 10}, 96)):
         method = MethodSettings.from_config({**group, **extra})
-        own = calibrate_module.own_text(None, None, method, seed=0)
+        own = calibrate_module.fitting_windows(None, None, method, seed=0)
         assert asked[-1] == (count, "own")  # the model's own distribution when no calibration is named
         if method.distill_steps:
             assert len(calibrate_module.distill_windows(None, method, 0, own)) == 4 * method.distill_steps
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["collab.distill_steps=400", "collab.calibration=TEXTS"], "collab.distill_steps=400 reads 1600 windows of 128 "
-                                                                "tokens .* give fewer steps or more text"),
+    (["collab.distill_steps=400", "collab.calibration=TEXTS", "collab.calibration_max_length=32"],
+     "collab.distill_steps=400 reads 1600 windows of 32 tokens .* which holds 2: give fewer steps or more text"),
+    (["collab.fit_steps=2", "collab.e2e_steps=4", "collab.calibration=TEXTS", "collab.calibration_max_length=8"],
+     "collab.e2e_steps=4 reads 32 windows of 8 tokens .* which holds 13: give fewer steps or more text"),
+    (["collab.fit_steps=2", "collab.calibration=TEXTS", "collab.calibration_max_length=128"],
+     "collab.calibration_max_length=128: windows of that many tokens are longer than the 64 positions gpt2 reads; "
+     "give collab.calibration_max_length=64 or fewer"),
+    (["collab.fit_steps=2", "collab.calibration=SHORT", "collab.calibration_max_length=64"],
+     "collab.calibration=.* holds fewer tokens than one window of 64: give more text or a shorter "
+     "collab.calibration_max_length"),
     (["collab.distill_steps=-1"], "collab.distill_steps must be a number of optimizer steps"),
 ])
 def test_distill_settings_are_checked_before_anything_is_written(tmp_path, extra, message):
     texts = tmp_path / "texts.txt"
     texts.write_text("the cat sat on the mat\n" * 4)
+    (tmp_path / "short.txt").write_text("the cat sat\n")
     checkpoint = tiny_gpt2(tmp_path / "gpt2")
     cfg = config_for_decoder(checkpoint, tmp_path / "out", "collab.rank=12", "collab.value_rank=12",
-                             *[e.replace("TEXTS", str(texts)) for e in extra])
+                             *[e.replace("TEXTS", str(texts)).replace("SHORT", str(tmp_path / "short.txt"))
+                               for e in extra])
     with pytest.raises((ValueError, cli.BadInput), match=message):
         script.run(cfg)
     assert not (tmp_path / "out").exists()
@@ -655,7 +691,11 @@ def test_the_general_recipe_fits_a_decoder_given_no_fitting_setting(tmp_path, ov
         assert method.calibration.from_own and method.to_group()["calibration"] == "own"
         assert method.calibration.samples == (64 if "collab.calibration_samples=64" in given else 128)
     else:
-        assert method == script.method_settings(settings["collab"])  # as given
+        given_method = script.method_settings(settings["collab"])
+        assert dataclasses.replace(method, calibration=given_method.calibration) == given_method  # as given
+        if method.calibration is not None:  # a decoder's windows: no longer than the 64 positions the model reads
+            assert method.calibration.max_length == 64 and method.calibration.from_windows
+            assert method.calibration.windows == ("collab.calibration=TEXTS" in overrides)
 
 
 def test_own_text_without_a_beginning_of_text_token_is_one_clear_error(tmp_path):

@@ -4,8 +4,10 @@ in). ``load_texts`` reads a file, ``check_calibration`` checks the source before
 the texts and collects the attention layers' input statistics, ``fit_batches`` tokenizes the same texts for
 ``collab.fit_steps`` and ``collab.e2e_steps`` (``collab_attn.fit_to_original``, ``collab_attn.fit_end_to_end``),
 ``end_to_end_batches`` the texts of ``collab.e2e_texts`` instead where they are set. With ``collab.calibration=own``
-(a decoder's own samples, ``own_text``: sampled once from the original before the conversion) every fit reads those
-windows, ``OWN_BATCH`` a step as the SmolLM2 race does, and the end-to-end fit is judged on the ``OWN_HELD_OUT``
+(a decoder's own samples, sampled once from the original before the conversion) or a text file read as windows
+(``scripts/reparametrize.py`` reads a decoder's that way, ``file_windows``: windows of 256 tokens drawn from the
+whole file, as the SmolLM2 race reads its fitting text), ``fitting_windows`` takes every window the fits read, and
+every fit reads them, ``OWN_BATCH`` a step as the race does; the end-to-end fit is judged on the ``OWN_HELD_OUT``
 batches after its own (``end_to_end_held_out``). The GLUE pipeline and the scripts that convert a model
 (``scripts/reparametrize.py``, ``scripts/visualize.py``) use it."""
 
@@ -81,37 +83,86 @@ def _check_texts(key: str, path: Path) -> None:
     cli.text_file(key, path, limit=1 << 20)
 
 
-def own_text(model, tokenizer, method: MethodSettings, seed: int) -> torch.Tensor | None:
-    """With ``collab.calibration=own`` (or another of ``OWN_TEXTS``, sampled as it says), every window of
-    ``model``'s own text the fits of ``method`` read (sample it before the conversion): the calibration windows, then
-    the end-to-end fit's beyond them, then its held-out batches; None for other calibrations."""
+def training_windows(method: MethodSettings) -> int:
+    """How many windows the end-to-end fit (with its held-out batches) and the distillation of ``method`` read when
+    the fits read windows (own text, or a text file read as windows) and no ``collab.e2e_texts``; 0 without them."""
+    if method.e2e_texts is not None:
+        return 0
+    e2e = (method.e2e_steps + OWN_HELD_OUT) * OWN_BATCH if method.e2e_steps else 0
+    return max(e2e, (method.distill_steps or 0) * OWN_BATCH)
+
+
+def fitting_windows(model, tokenizer, method: MethodSettings, seed: int) -> torch.Tensor | None:
+    """Every window the fits of ``method`` read, where they read windows (take them before the conversion): with
+    ``collab.calibration=own`` (or another of ``OWN_TEXTS``) ``model``'s own samples; with a text file read as
+    windows (``CalibrationSettings.windows``) ``file_windows``; None for other calibrations (texts)."""
     settings = method.calibration
-    if settings is None or not settings.from_own:
+    if settings is None or not settings.from_windows:
         return None
-    count = settings.samples
-    if method.e2e_steps and method.e2e_texts is None:
-        count = max(count, (method.e2e_steps + OWN_HELD_OUT) * OWN_BATCH)
-    if method.distill_steps and method.e2e_texts is None:
-        count = max(count, method.distill_steps * OWN_BATCH)
-    return own_windows(model, tokenizer, settings.max_length, count, seed=seed, text=settings.source)
+    if settings.from_own:
+        count = max(settings.samples, training_windows(method))
+        return own_windows(model, tokenizer, settings.max_length, count, seed=seed, text=settings.source)
+    return file_windows(tokenizer, method, seed)
 
 
-def _own_batches(windows: torch.Tensor) -> list[dict]:
-    return [{"input_ids": windows[i:i + OWN_BATCH]} for i in range(0, len(windows), OWN_BATCH)]
+def file_windows(tokenizer, method: MethodSettings, seed: int) -> torch.Tensor:
+    """The windows of ``collab.calibration_max_length`` tokens that the file of ``collab.calibration`` holds (its
+    text as it is, cut one after another, each window from the beginning-of-text token, as
+    ``collab_attn.texts.windows`` cuts a text), in an order drawn with ``seed`` so that every part of the file is
+    read: as many as the fits read, or all the file holds when the calibration asks for more (the calibration then
+    reads fewer). Refused when the end-to-end fit or the distillation needs more than the file holds."""
+    settings = method.calibration
+    text = _text_of(settings.source)
+    length = settings.max_length
+    held = len(tokenizer(text, add_special_tokens=False).input_ids) // (length - 1)
+    if held == 0:
+        raise cli.BadInput(f"collab.calibration={settings.source} holds fewer tokens than one window of {length}: "
+                           "give more text or a shorter collab.calibration_max_length")
+    training = training_windows(method)
+    if training > held:
+        steps = "e2e_steps" if training > (method.distill_steps or 0) * OWN_BATCH else "distill_steps"
+        raise cli.BadInput(f"collab.{steps}={getattr(method, steps)} reads {training} windows of {length} tokens "
+                           f"({OWN_BATCH} a step) from {settings.source}, which holds {held}: give fewer steps or "
+                           "more text")
+    rows = windows(tokenizer, text, length, held)
+    order = torch.randperm(held, generator=torch.Generator().manual_seed(seed))
+    return rows[order[:max(settings.samples, training)]]
 
 
-def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=None, own=None):
+def _text_of(source: str) -> str:
+    """A file's text to cut windows from: a text file as it is (its indentation and blank lines kept: code reads
+    as code), a GLUE .tsv's texts joined by newlines (a pair by a space)."""
+    if Path(source).suffix != ".tsv":
+        return cli.text_file("", source)
+    return "\n".join(t if isinstance(t, str) else " ".join(t) for t in load_texts(source, limit=None))
+
+
+def _window_batches(rows: torch.Tensor) -> list[dict]:
+    return [{"input_ids": rows[i:i + OWN_BATCH]} for i in range(0, len(rows), OWN_BATCH)]
+
+
+def _needs_windows(settings, rows) -> bool:
+    if settings is not None and settings.from_windows:
+        if rows is None:
+            raise ValueError(f"collab.calibration={settings.source} is read as windows: pass "
+                             "rows=fitting_windows(...), taken before the conversion")
+        return True
+    return False
+
+
+def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=None, rows=None):
     """Input statistics for activation-aware fitting (``collab.calibration``: a text file, a GLUE .tsv, ``task``,
-    whose texts ``task_texts(limit, seed)`` draws, or ``own``, the windows ``own_text`` sampled), or None when it is
-    off or when every layer keeps its full key/query size (an exact conversion has nothing to fit)."""
+    whose texts ``task_texts(limit, seed)`` draws, or ``own``; where the fits read windows, the first
+    ``collab.calibration_samples`` of ``rows``, what ``fitting_windows`` took), or None when it is off or when every
+    layer keeps its full key/query size (an exact conversion has nothing to fit)."""
     settings = method.calibration
     if settings is None or method.keeps_full_size(model.config.hidden_size):
         return None
-    if settings.from_own:
-        if own is None:
-            raise ValueError("collab.calibration=own: pass own=own_text(...), sampled from the original")
-        log.info("calibrating on %d windows of the model's own text", settings.samples)
-        return collect_calibration(model, _own_batches(own[:settings.samples].to(model.device)))
+    if _needs_windows(settings, rows):
+        calibration_rows = rows[:settings.samples]
+        log.info("calibrating on %d windows of %s", len(calibration_rows),
+                 "the model's own text" if settings.from_own else settings.source)
+        return collect_calibration(model, _window_batches(calibration_rows.to(model.device)))
     if settings.from_task:
         if task_texts is None:
             method.check_calibration_source(task_allowed=False)
@@ -122,16 +173,14 @@ def calibrate(model, tokenizer, method: MethodSettings, seed: int, task_texts=No
     return calibration_from_texts(model, tokenizer, texts, max_length=settings.max_length)
 
 
-def fit_batches(tokenizer, method: MethodSettings, seed: int, own=None) -> list[dict]:
+def fit_batches(tokenizer, method: MethodSettings, seed: int, rows=None) -> list[dict]:
     """The texts of ``collab.calibration`` (a file; the same sample ``calibrate`` draws), tokenized in batches of
     ``FIT_BATCH_SIZE`` for ``collab.fit_steps`` and ``collab.e2e_steps``: the fitting tokens of
-    ``collab_attn.fit_to_original`` and ``collab_attn.fit_end_to_end``; with own text its calibration windows,
-    ``OWN_BATCH`` a batch."""
+    ``collab_attn.fit_to_original`` and ``collab_attn.fit_end_to_end``; where the fits read windows, the calibration
+    windows of ``rows``, ``OWN_BATCH`` a batch."""
     settings = method.calibration
-    if settings is not None and settings.from_own:
-        if own is None:
-            raise ValueError("collab.calibration=own: pass own=own_text(...), sampled from the original")
-        return _own_batches(own[:settings.samples])
+    if _needs_windows(settings, rows):
+        return _window_batches(rows[:settings.samples])
     if settings is None or settings.from_task:
         raise ValueError("collab.fit_steps and collab.e2e_steps fit on the texts of collab.calibration: set it to a "
                          "text file or a GLUE train.tsv/dev.tsv")
@@ -139,42 +188,42 @@ def fit_batches(tokenizer, method: MethodSettings, seed: int, own=None) -> list[
     return list(text_batches(tokenizer, texts, batch_size=FIT_BATCH_SIZE, max_length=settings.max_length))
 
 
-def end_to_end_batches(tokenizer, method: MethodSettings, seed: int, own=None) -> list[dict]:
+def end_to_end_batches(tokenizer, method: MethodSettings, seed: int, rows=None) -> list[dict]:
     """What ``collab.e2e_steps`` trains on: with ``collab.e2e_texts``, ``FIT_BATCH_SIZE`` texts of that file per
     step (one pass over fresh text, drawn with ``seed``; all of them, in passes, when the file holds fewer), cut at
-    ``collab.calibration_max_length``; with own text, ``OWN_BATCH`` windows a step, one pass from its first window;
-    else the calibration texts (``fit_batches``)."""
-    if method.e2e_texts is None and own is not None:
-        return _own_batches(own[:method.e2e_steps * OWN_BATCH])
+    ``collab.calibration_max_length``; where the fits read windows, ``OWN_BATCH`` windows of ``rows`` a step, one
+    pass from the first; else the calibration texts (``fit_batches``)."""
+    if method.e2e_texts is None and _needs_windows(method.calibration, rows):
+        return _window_batches(rows[:method.e2e_steps * OWN_BATCH])
     if method.e2e_texts is None:
         return fit_batches(tokenizer, method, seed)
     texts = load_texts(method.e2e_texts, seed=seed, limit=FIT_BATCH_SIZE * method.e2e_steps)
     return list(text_batches(tokenizer, texts, batch_size=FIT_BATCH_SIZE, max_length=method.calibration.max_length))
 
 
-def end_to_end_held_out(method: MethodSettings, own=None) -> list[dict] | None:
-    """With own text (and no ``collab.e2e_texts``), the ``OWN_HELD_OUT`` batches after the end-to-end fit's own,
-    which judge it (``fit_end_to_end(held_out=...)``); None otherwise (it is judged on its own batches)."""
-    if own is None or method.e2e_texts is not None:
+def end_to_end_held_out(method: MethodSettings, rows=None) -> list[dict] | None:
+    """Where the fits read windows (and no ``collab.e2e_texts``), the ``OWN_HELD_OUT`` batches of ``rows`` after the
+    end-to-end fit's own, which judge it (``fit_end_to_end(held_out=...)``); None otherwise (it is judged on its own
+    batches)."""
+    if method.e2e_texts is not None or not _needs_windows(method.calibration, rows):
         return None
     start = method.e2e_steps * OWN_BATCH
-    return _own_batches(own[start:start + OWN_HELD_OUT * OWN_BATCH])
+    return _window_batches(rows[start:start + OWN_HELD_OUT * OWN_BATCH])
 
 
-def distill_windows(tokenizer, method: MethodSettings, seed: int, own=None) -> torch.Tensor:
-    """What ``collab.distill_steps`` reads, ``OWN_BATCH`` windows a step (``collab_attn.pretrained.distill``): with own
-    text (and no ``collab.e2e_texts``), its first windows, those the end-to-end fit reads; else windows of
-    ``collab.calibration_max_length`` tokens cut from the texts of ``collab.e2e_texts`` (else ``collab.calibration``)
-    one after another, so that no position is padding. Refused when the texts hold too few tokens."""
+def distill_windows(tokenizer, method: MethodSettings, seed: int, rows=None) -> torch.Tensor:
+    """What ``collab.distill_steps`` reads, ``OWN_BATCH`` windows a step (``collab_attn.pretrained.distill``): where
+    the fits read windows (and no ``collab.e2e_texts``), the first of ``rows``, those the end-to-end fit reads; else
+    windows of ``collab.calibration_max_length`` tokens cut from the texts of ``collab.e2e_texts`` (else
+    ``collab.calibration``) one after another, so that no position is padding. Refused when the texts hold too few
+    tokens."""
     count = method.distill_steps * OWN_BATCH
-    if method.e2e_texts is None and own is not None:
-        return own[:count]
+    if method.e2e_texts is None and _needs_windows(method.calibration, rows):
+        return rows[:count]
     source = method.e2e_texts or method.calibration.source
-    texts = load_texts(source, seed=seed, limit=None)
-    text = "\n".join(t if isinstance(t, str) else " ".join(t) for t in texts)
     length = method.calibration.max_length
     try:
-        return windows(tokenizer, text, length, count)
+        return windows(tokenizer, _text_of(source), length, count)
     except ValueError as err:
         raise cli.BadInput(f"collab.distill_steps={method.distill_steps} reads {count} windows of {length} tokens "
                            f"({OWN_BATCH} a step) from {source}: {err}; give fewer steps or more text") from None

@@ -58,8 +58,8 @@ def _positive_int(name: str, value) -> None:
 
 OWN_TEXT = "own"  # collab.calibration=own: the original model's own samples (collab_attn.own_text)
 # or sampled another way: collab.calibration=owncode, ownnucleus, ... (collab_attn.own_text.OWN_TEXTS)
-OWN_WINDOWS = 64  # own text: windows calibrated and layer-fitted on (16,384 tokens, as the SmolLM2 race)
-OWN_LENGTH = 256  # own text: tokens a window
+OWN_WINDOWS = 64  # own text (or a decoder's text file): windows calibrated and layer-fitted on (16,384 tokens, as
+OWN_LENGTH = 256  # the SmolLM2 race), of this many tokens each
 
 
 @dataclass(frozen=True)
@@ -67,24 +67,29 @@ class CalibrationSettings:
     """Activation-aware fitting: the texts to calibrate on (``source``: a text file with one text per line, a GLUE
     train.tsv/dev.tsv, ``"task"``, the task's training texts in the GLUE pipeline, or ``"own"``, the original
     decoder's own samples), how many are sampled and how long each may be in tokens (None: ``CALIBRATION_SAMPLES``
-    texts of at most ``DEFAULT_MAX_LENGTH`` tokens, or ``OWN_WINDOWS`` windows of ``OWN_LENGTH`` of own text)."""
+    texts of at most ``DEFAULT_MAX_LENGTH`` tokens, or ``OWN_WINDOWS`` windows of ``OWN_LENGTH`` of own text).
+    ``windows``: a text file read as windows, as own text is (a decoder's, ``scripts/reparametrize.py``), not line by
+    line."""
 
     source: str
     samples: int | None = None
     max_length: int | None = None
+    windows: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.source, str) and self.source.strip()):
             raise ValueError(f"collab.calibration must be a file path, 'task', {', '.join(map(repr, OWN_TEXTS))} or "
                              f"null, got {self.source!r}")
+        if self.windows and (self.from_own or self.from_task or self.source.endswith(".tsv")):
+            raise ValueError(f"collab.calibration={self.source}: only a text file is read as windows")
         if self.samples is None:
-            object.__setattr__(self, "samples", OWN_WINDOWS if self.from_own else CALIBRATION_SAMPLES)
+            object.__setattr__(self, "samples", OWN_WINDOWS if self.from_windows else CALIBRATION_SAMPLES)
         if self.max_length is None:
-            object.__setattr__(self, "max_length", OWN_LENGTH if self.from_own else DEFAULT_MAX_LENGTH)
+            object.__setattr__(self, "max_length", OWN_LENGTH if self.from_windows else DEFAULT_MAX_LENGTH)
         _positive_int("calibration_samples", self.samples)
         _positive_int("calibration_max_length", self.max_length)
-        if self.from_own and self.max_length < 2:
-            raise ValueError(f"collab.calibration_max_length={self.max_length}: a window of own text holds the "
+        if self.from_windows and self.max_length < 2:
+            raise ValueError(f"collab.calibration_max_length={self.max_length}: a window holds the "
                              "beginning-of-text token and at least one more")
 
     @property
@@ -94,6 +99,11 @@ class CalibrationSettings:
     @property
     def from_own(self) -> bool:
         return self.source in OWN_TEXTS
+
+    @property
+    def from_windows(self) -> bool:
+        """Whether the fits read windows (own text, or a text file read as windows) rather than texts."""
+        return self.from_own or self.windows
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,11 @@
 #   FINISH=texts bash experiments/transfer/run_one_call.sh  # the recipe that meets the aim at 1/2: the race on the
 #                                                        # three domains' text, 150 layer steps, then every weight
 #                                                        # distilled on 65,536 tokens, both cores -> one_call/texts
+#   FINISH=textfile bash experiments/transfer/run_one_call.sh  # that recipe through the one-call path: the three
+#                                                        # domains' text written to a file (scripts/write_fit_text.py,
+#                                                        # not timed), read as windows -> one_call/textfile, then
+#                                                        # measured on the race's validation and test windows (not
+#                                                        # timed; scripts/evaluate_heldout.py)
 # The one-call runs copy the report to <folder>/reparam_report.json; the race writes into $OUT (a scratch folder:
 # nothing kept, so every stage runs) and its run file is copied to <folder>/run.json.
 set -euo pipefail
@@ -29,9 +34,15 @@ case "$finish" in
          command=(python scripts/race_smollm2.py --budgets 0.5 --methods key-svd --calibration-tokens 16384
                   --fit-steps 150 --threads 2 --fit-text all --distill-tokens 65536 --distill-budgets 0.5
                   --rows 'fitted150-distilled65536-textall$' --domains wikipedia shakespeare code) ;;
-  *) echo "error: FINISH=$finish: must be general, general64, e2e or texts" >&2; exit 2 ;;
+  textfile) folder=one_call/textfile
+            command=("${one_call[@]}" collab.calibration="${OUT:-/tmp/smollm2-kv96-$finish}-fit.txt"
+                     collab.fit_steps=150 collab.distill_steps=64) ;;
+  *) echo "error: FINISH=$finish: must be general, general64, e2e, texts or textfile" >&2; exit 2 ;;
 esac
 out=${OUT:-/tmp/smollm2-kv96-$finish}
+if [[ $finish == textfile ]]; then
+  HF_HUB_OFFLINE=1 python scripts/write_fit_text.py "$out-fit.txt"
+fi
 if [[ $finish == texts ]]; then
   [[ -e $out ]] && { echo "error: OUT=$out exists: the race would reuse what it kept there; give a new folder" >&2
                      exit 2; }
@@ -64,12 +75,21 @@ if (folder / "run.json").is_file():  # the race: its run file's stages; the rest
     source = "the others from the run file's convert_seconds, fit.seconds and training.seconds"
 else:
     report = json.loads((folder / "reparam_report.json").read_text())
-    timing |= {"sampling_seconds": round(report["wall_seconds"]["own_text"], 1),
-               "before_saving_seconds": round(report["wall_seconds"]["before_saving"], 1)}
-    source = "the others from the report's wall_seconds"
+    sampling = report["wall_seconds"]["own_text"]  # None where the fits read a text file
+    timing |= {"sampling_seconds": None if sampling is None else round(sampling, 1),
+               "before_saving_seconds": round(report["wall_seconds"]["before_saving"], 1),
+               "layer_fit_seconds": round(report["fit"]["seconds"], 1),
+               "distillation_seconds": round(report["distillation"]["seconds"], 1)}
+    source = "the others from the report's wall_seconds, fit.seconds and distillation.seconds"
 timing |= {"cpus": os.cpu_count(), "machine": "the project's 2-core CPU, torch's default threads, nothing else running",
            "source": f"experiments/transfer/run_one_call.sh: wall by date before and after the command; {source}"}
 path = folder / "timing.json"
 path.with_suffix(".tmp").write_text(json.dumps(timing, indent=2) + "\n")
 path.with_suffix(".tmp").replace(path)
 PY
+if [[ $finish == textfile ]]; then
+  for split in validation test; do
+    HF_HUB_OFFLINE=1 python scripts/evaluate_heldout.py "$out" --split "$split" \
+      --out "experiments/transfer/$folder/$split.json"
+  done
+fi

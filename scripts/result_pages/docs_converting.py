@@ -188,6 +188,9 @@ def fitting() -> None:
              "first 64 windows alone", "scripts/reparametrize.py GENERAL_RECIPE, "
           "and experiments/transfer/README.md (claimed in transfer.py)")
     cited(P, "`collab.fit_steps=0` included", "the setting that turns the general recipe off")
+    claim(P, "SmolLM2 at half its cache is at most\n  {:.3f}x the original's perplexity on every test domain",
+          formula(lambda r: [max(m["perplexity"] / m["original_perplexity"] for m in r["domains"].values())],
+                  "experiments/transfer/one_call/textfile/test.json"))
     cited(P, "more programming requests, top-p 0.9, temperature 0.7, 1.2, 1.5", "collab_attn.own_text.OWN_TEXTS, "
           "asserted in result_pages/transfer.py")
     cited(P, "4 windows a step, one pass, AdamW at 1e-4", "collab_attn.pretrained.distill's recipe (OWN_BATCH)")
