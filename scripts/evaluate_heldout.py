@@ -45,10 +45,9 @@ def evaluate(model_dir: Path, split: str, count: int, domains: list[str], origin
             for domain in domains}
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     original = AutoModelForCausalLM.from_pretrained(original_path, dtype=torch.float32).eval()
-    domains = {domain: agreement(model, original, windows).as_dict() for domain, windows in rows.items()}
     return {"name": model_dir.name, "split": split,
             "entry": {"model": str(model_dir), "original": original_path, "collab": report["collab"]},
-            "domains": domains}
+            "domains": {domain: agreement(model, original, windows).as_dict() for domain, windows in rows.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 finish=${FINISH:-general}
+out=${OUT:-/tmp/smollm2-kv96-$finish}
 one_call=(python scripts/reparametrize.py model=smollm2 collab=key-svd collab.rank=96 collab.value_rank=96)
 case "$finish" in
   general) folder=one_call/general command=("${one_call[@]}") ;;
@@ -35,11 +36,10 @@ case "$finish" in
                   --fit-steps 150 --threads 2 --fit-text all --distill-tokens 65536 --distill-budgets 0.5
                   --rows 'fitted150-distilled65536-textall$' --domains wikipedia shakespeare code) ;;
   textfile) folder=one_call/textfile
-            command=("${one_call[@]}" collab.calibration="${OUT:-/tmp/smollm2-kv96-$finish}-fit.txt"
+            command=("${one_call[@]}" collab.calibration="$out-fit.txt"
                      collab.fit_steps=150 collab.distill_steps=64) ;;
   *) echo "error: FINISH=$finish: must be general, general64, e2e, texts or textfile" >&2; exit 2 ;;
 esac
-out=${OUT:-/tmp/smollm2-kv96-$finish}
 if [[ $finish == textfile ]]; then
   HF_HUB_OFFLINE=1 python scripts/write_fit_text.py "$out-fit.txt"
 fi
