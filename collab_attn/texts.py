@@ -38,17 +38,21 @@ def sample_texts(texts: list, limit: int | None, seed: int) -> list:
     return texts
 
 
-def windows(tokenizer, text: str, length: int, count: int) -> torch.Tensor:
+def windows(tokenizer, text: str, length: int, count: int | None = None) -> torch.Tensor:
     """``count`` consecutive windows of ``length`` tokens (the first one the beginning-of-text token) from the start
-    of ``text``: a (count, length) tensor. Refused when the text is too short, and for fewer than 2 tokens a window
-    or no windows (nothing to predict)."""
-    if type(length) is not int or length < 2 or type(count) is not int or count < 1:
+    of ``text``: a (count, length) tensor; every window the text holds when ``count`` is None. Refused when the text
+    is too short, and for fewer than 2 tokens a window or no windows (nothing to predict)."""
+    whole = count is None
+    if type(length) is not int or length < 2 or not (whole or type(count) is int and count >= 1):
         raise ValueError(f"windows of length={length!r} x count={count!r}: a window holds the beginning-of-text token "
                          "and at least one more (length >= 2), and at least one window is asked for (count >= 1)")
     body = length - 1
+    if whole:  # the whole text, tokenized once
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        count = max(1, len(ids) // body)
     needed = body * count
     characters = 8 * needed  # tokenize a prefix that is long enough (a whole corpus takes seconds)
-    while True:
+    while not whole:
         ids = tokenizer(text[:characters], add_special_tokens=False).input_ids
         if len(ids) > needed + 16 or characters >= len(text):  # the tokens near a cut may differ: keep a margin
             break

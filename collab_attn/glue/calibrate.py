@@ -112,19 +112,21 @@ def file_windows(tokenizer, method: MethodSettings, seed: int) -> torch.Tensor:
     read: as many as the fits read, or all the file holds when the calibration asks for more (the calibration then
     reads fewer). Refused when the end-to-end fit or the distillation needs more than the file holds."""
     settings = method.calibration
-    text = _text_of(settings.source)
     length = settings.max_length
-    held = len(tokenizer(text, add_special_tokens=False).input_ids) // (length - 1)
-    if held == 0:
+    try:
+        rows = windows(tokenizer, _text_of(settings.source), length)  # every window, in the file's order
+    except ValueError:
+        if tokenizer.bos_token_id is None:
+            raise  # no window can start: said as windows says it
         raise cli.BadInput(f"collab.calibration={settings.source} holds fewer tokens than one window of {length}: "
-                           "give more text or a shorter collab.calibration_max_length")
+                           "give more text or a shorter collab.calibration_max_length") from None
+    held = len(rows)
     training = training_windows(method)
     if training > held:
         steps = "e2e_steps" if training > (method.distill_steps or 0) * OWN_BATCH else "distill_steps"
         raise cli.BadInput(f"collab.{steps}={getattr(method, steps)} reads {training} windows of {length} tokens "
                            f"({OWN_BATCH} a step) from {settings.source}, which holds {held}: give fewer steps or "
                            "more text")
-    rows = windows(tokenizer, text, length, held)
     order = torch.randperm(held, generator=torch.Generator().manual_seed(seed))
     return rows[order[:max(settings.samples, training)]]
 

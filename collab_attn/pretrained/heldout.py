@@ -218,8 +218,6 @@ def evaluation_windows(tokenizer, domain: str, split: str, length: int, count: i
                          "made there) or 'test' (read once, to report); the fit text is windowed by "
                          "collab_attn.pretrained.distill.fit_windows")
     text = texts(domain, split, glue_dir, shakespeare)
-    if count is None:
-        count = window_count(tokenizer, text, length)
     try:
         return windows(tokenizer, text, length, count)
     except ValueError as error:
