@@ -43,8 +43,9 @@ fit. A decoder whose conversion caches less than the original, given none of ``F
 ``GENERAL_RECIPE`` (150 layer steps on 128 windows of its own samples, then every weight distilled 32 steps on them);
 ``collab.fit_steps=0`` converts it without fitting. A decoder reads a text file of ``collab.calibration`` as it reads
 own text and as the SmolLM2 race reads its fitting text: windows of 256 tokens drawn from the whole file
-(``collab_attn.glue.calibrate.file_windows``; 64 of them to calibrate and fit on unless ``collab.calibration_samples``
-says otherwise; ``scripts/write_fit_text.py`` writes the race's three domains' text); a GLUE .tsv stays texts.
+(``collab_attn.glue.calibrate.file_windows``; 64 of them to calibrate and fit on, or all a shorter file holds, unless
+``collab.calibration_samples`` says otherwise: a number the file does not hold is refused; ``scripts/write_fit_text.py``
+writes the race's three domains' text); a GLUE .tsv stays texts.
 
 Encoders are compared with the original on ``compare_sentences`` (last hidden states); decoders (GPT-2, OPT, BERT and
 RoBERTa with ``is_decoder``) on the logits of each of ``compare_prompts`` and on their greedy continuations
@@ -220,6 +221,17 @@ def with_windows(collab: dict, method: MethodSettings, config) -> MethodSettings
         settings.source, samples, min(OWN_LENGTH, positions) if length is None else length, windows=from_file))
 
 
+def check_windows(collab: dict, method: MethodSettings, rows: torch.Tensor | None) -> None:
+    """A ``collab.calibration_samples`` given for a text file read as windows is there in the file: the default
+    (``OWN_WINDOWS``) reads every window a shorter file holds, a number the user gives is refused."""
+    given = collab.get("calibration_samples")
+    if given is None or rows is None or method.calibration.from_own or len(rows) >= given:
+        return
+    raise cli.BadInput(f"collab.calibration_samples={given}: {method.calibration.source} holds {len(rows)} windows "
+                       f"of {method.calibration.max_length} tokens; give collab.calibration_samples={len(rows)} or "
+                       "fewer, or more text")
+
+
 def check(settings: dict) -> tuple[MethodSettings, str]:
     """Every setting, the checkpoint's config against the method and rank, the calibration texts and the output
     folder, before anything is loaded or written; returns the method settings (with ``GENERAL_RECIPE`` where it
@@ -325,6 +337,7 @@ def run(cfg: DictConfig) -> dict:
     sampling = time.perf_counter()
     with cli.as_bad_input():  # a tokenizer without a beginning-of-text token cannot start a window: one error line
         rows = fitting_windows(model, tokenizer, method, settings["seed"])  # own samples, or a file's windows
+    check_windows(settings["collab"], method, rows)
     sampling = time.perf_counter() - sampling
     with cli.as_bad_input():  # what only the loaded weights show (NaN or Inf): one error line, nothing written
         calibration = calibrate(model, tokenizer, method, settings["seed"], rows=rows)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_model
 from transformers import AutoModel
 
 from collab_attn import decompose_heads, reparametrize
@@ -110,6 +111,35 @@ def test_collect_from_batches_ignores_labels_and_restores_train_mode(minilm_toke
     batch["labels"] = torch.tensor([0, 1, 0])
     result = collect_calibration(model, [batch])
     assert model.training and result.tokens == int(batch["attention_mask"].sum())
+
+
+@pytest.mark.parametrize("family", ["bert", "albert"])  # ALBERT calls its one shared layer three times a pass
+def test_passes_after_the_first_end_at_the_last_attention_call_with_the_same_statistics(family):
+    """The statistics of every layer are those of the inputs a full pass gives it, batch after batch; only the first
+    pass reaches the layers' outputs and the pooler after the last attention call."""
+    model = small_model(family)
+    torch.manual_seed(0)
+    batches = [{"input_ids": torch.randint(5, 90, (2, 7))} for _ in range(3)]
+    expected = {}  # layer index -> x x^T over every call and batch
+    for batch in batches:
+        with torch.no_grad():
+            captured = attention_inputs(model, batch)
+        for k, hidden in enumerate(captured):
+            flat = hidden.reshape(-1, hidden.shape[-1]).double()
+            index = 0 if family == "albert" else k
+            expected[index] = expected.get(index, 0) + flat.T @ flat
+    pooled = []
+    handle = model.pooler.register_forward_hook(lambda *args: pooled.append(1))
+    try:
+        result = collect_calibration(model, batches)
+    finally:
+        handle.remove()
+    assert len(pooled) == 1  # the first pass only
+    assert len(result) == len(expected)
+    calls = 3 if family == "albert" else 1  # inputs per layer per sequence position
+    assert result.tokens == 3 * 2 * 7
+    for index, moment in expected.items():
+        torch.testing.assert_close(result.second_moments[index], moment / (result.tokens * calls))
 
 
 def test_whitening_round_trips():

@@ -11,6 +11,7 @@
   ``experiments/`` that holds ``results.jsonl``, and ``run_job`` skips them without training.
 """
 
+import copy
 import importlib.util
 import inspect
 import os
@@ -557,8 +558,29 @@ def sweep_jobs(*arguments: str, multirun: bool = True) -> list[dict]:
     params = composed("train_glue", *fixed, hydra_config=True).hydra.sweeper.params or {}
     overrides = parser.parse_overrides([f"{k}={v}" for k, v in params.items()] + list(arguments))
     (batch,) = BasicSweeper.split_arguments(overrides, None)
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return [OmegaConf.to_container(compose("train_glue", overrides=job), resolve=True) for job in batch]
+    return [job_settings(job, GROUPS_COMPOSED) for job in batch]
+
+
+GROUPS_COMPOSED = {}  # every sweep's jobs: the composition of train_glue by its groups' choices
+
+
+def job_settings(job: list[str], groups_composed: dict) -> dict:
+    """One job's resolved settings, as Hydra composes ``train_glue`` with the overrides ``job``: the config groups'
+    choices select the defaults, then each value override is set in order (what Hydra does after composing the
+    defaults; ``OmegaConf.update``, merged). The composition of the groups is made once per choice of them
+    (``groups_composed``): a sweep's jobs differ mostly in values (seeds, ranks). A job with an override other than
+    setting a value is composed by Hydra whole."""
+    parsed = OverridesParser.create().parse_overrides(job)
+    groups = tuple(o.input_line for o in parsed if (CONFIGS / o.key_or_group).is_dir())
+    values = [o for o in parsed if not (CONFIGS / o.key_or_group).is_dir()]
+    if any(o.is_add() or o.is_force_add() or o.is_delete() for o in values):
+        return resolved("train_glue", *job)
+    if groups not in groups_composed:
+        groups_composed[groups] = composed("train_glue", *groups)
+    cfg = copy.deepcopy(groups_composed[groups])
+    for override in values:
+        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=True)
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 GLUE = "data.glue_dir=../shared/data/glue"
@@ -631,6 +653,20 @@ SWEEPS = [
     ("minilm_sst2", False, f"task=sst2 collab=none {GLUE} trainer.learning_rate=1e-4 trainer.num_train_epochs=1 "
                            "output_root=experiments/minilm_sst2 sweep_name=minilm_sst2"),
 ]
+
+
+def test_a_job_s_settings_are_what_hydra_composes():
+    """``job_settings`` (the groups composed once, then each value set) gives what Hydra's compose gives for the same
+    overrides: for jobs of two sweeps with groups, values and an added key."""
+    parser = OverridesParser.create()
+    jobs = []
+    for _, _, command in (SWEEPS[0], SWEEPS[-1]):
+        (batch,) = BasicSweeper.split_arguments(parser.parse_overrides(command.split()), None)
+        jobs += batch[:2] + batch[-1:]
+    cache = {}
+    for job in jobs:
+        assert job_settings(job, cache) == resolved("train_glue", *job), job
+    assert len(cache) < len(jobs)  # the cache was used
 
 
 @pytest.mark.parametrize("experiment, multirun, command", SWEEPS)

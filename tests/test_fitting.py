@@ -115,6 +115,36 @@ def test_an_exact_conversion_stays_exact(make, method, rank, options):
                for layer in report.layers)
 
 
+def fitted_counting_passes(make, target):
+    """A cp conversion at 12/12 fitted 5 steps; its report, its weights and how often its second block ran."""
+    original, model = converted(make, "cp", 12, value_rank=12)
+    blocks = next(n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList))
+    passes = []
+    handle = model.get_submodule(f"{blocks}.1").register_forward_pre_hook(lambda *args: passes.append(1))
+    report = collab_attn.fit_to_original(model, original, FIT, steps=5, target=target, progress=False)
+    handle.remove()
+    return report, {name: p.detach().clone() for name, p in model.named_parameters()}, len(passes)
+
+
+@pytest.mark.parametrize("make, target", [(llama, "layer"), (gpt2, "layer"), (llama, "residual")])
+def test_later_passes_end_at_the_first_layer_where_every_layer_takes_the_same_arguments(make, target, monkeypatch):
+    """The model hands every layer the same masks and positions: a fitting pass after the first is captured at its
+    first layer, and the fit is the one that captures every layer of every pass, to the bit."""
+    from collab_attn.fitting import layer_fit
+
+    shared = layer_fit._one_call
+    answers = []
+    monkeypatch.setattr(layer_fit, "_one_call", lambda calls: answers.append(shared(calls)) or answers[-1])
+    short, weights, passes = fitted_counting_passes(make, target)
+    assert answers and all(answers)  # every capture took the shortcut
+    monkeypatch.setattr(layer_fit, "_one_call", lambda calls: False)
+    full, full_weights, full_passes = fitted_counting_passes(make, target)
+    assert [(f.error_before, f.error_after) for f in short.layers] == [(f.error_before, f.error_after)
+                                                                       for f in full.layers]
+    assert all(torch.equal(weights[name], full_weights[name]) for name in weights)
+    assert passes < full_passes  # the second block ran in fewer passes
+
+
 @pytest.mark.parametrize("family", ["bert", "albert", "distilbert"])
 def test_encoders_with_padding_and_a_shared_layer_go_through_the_same_routine(family):
     """BERT keeps its output projection beside the attention module (fitted with it), ALBERT calls one layer three

@@ -399,6 +399,10 @@ def test_own_text_holds_the_distillation_windows(monkeypatch):
      "collab.distill_steps=400 reads 1600 windows of 32 tokens .* which holds 2: give fewer steps or more text"),
     (["collab.fit_steps=2", "collab.e2e_steps=4", "collab.calibration=TEXTS", "collab.calibration_max_length=8"],
      "collab.e2e_steps=4 reads 32 windows of 8 tokens .* which holds 13: give fewer steps or more text"),
+    (["collab.fit_steps=2", "collab.calibration=TEXTS", "collab.calibration_max_length=8",
+      "collab.calibration_samples=20"],  # given, not the default (which reads all 13)
+     "collab.calibration_samples=20: .* holds 13 windows of 8 tokens; give collab.calibration_samples=13 or fewer, "
+     "or more text"),
     (["collab.fit_steps=2", "collab.calibration=TEXTS", "collab.calibration_max_length=128"],
      "collab.calibration_max_length=128: windows of that many tokens are longer than the 64 positions gpt2 reads; "
      "give collab.calibration_max_length=64 or fewer"),

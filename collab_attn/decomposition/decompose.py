@@ -25,9 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import tensorly as tl
 import torch
-from tensorly.decomposition import parafac, tucker
 
 from collab_attn.decomposition.cp_als import (
     DEFAULT_N_ITER_MAX,
@@ -228,7 +226,11 @@ def _error(tensor: HeadProducts, mixing, query, key, core) -> float:
 
 
 def _tensorly(products, rank, method, seed, init, n_iter_max, tol, core_size, linesearch):
-    """(mixing, query, key, core) from tensorly's dense solvers."""
+    """(mixing, query, key, core) from tensorly's dense solvers (imported here: a second of every process's start
+    otherwise, and the default solver does not use them)."""
+    import tensorly as tl
+    from tensorly.decomposition import parafac, tucker
+
     with tl.backend_context("pytorch"), warnings.catch_warnings():
         # tensorly warns when the rank exceeds the head mode and fills the rest of the SVD init at random
         warnings.filterwarnings("ignore", message=".*n_eigenvecs.*larger than", category=UserWarning)

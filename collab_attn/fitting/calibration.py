@@ -43,9 +43,15 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 # Statistics
 
 
+class _Enough(Exception):
+    """Ends a calibration forward pass once the last attention layer's inputs are added up."""
+
+
 class _Accumulator:
     """Forward pre-hooks that add up ``x x^T`` (raw and sequence-centered) for every attention layer: each batch's
-    sum in ``dtype`` (``accumulation_dtype``), the running total in float64 on the CPU."""
+    sum in ``dtype`` (``accumulation_dtype``), the running total in float64 on the CPU. The first batch's pass counts
+    the attention calls (``calls``: ALBERT calls its shared layer several times); every later pass ends at the last
+    of them (``_Enough``), before the layers and the head after it."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         _, self.found = find_attention(model)
@@ -54,6 +60,8 @@ class _Accumulator:
         self.raw: list[torch.Tensor | None] = [None] * len(self.found)
         self.centered: list[torch.Tensor | None] = [None] * len(self.found)
         self.counts = [0] * len(self.found)
+        self.calls: int | None = None  # attention calls per pass, counted on the first
+        self.seen = 0  # attention calls of this pass
         self.handles = [
             module.register_forward_pre_hook(self._hook(i), with_kwargs=True)
             for i, (_, module) in enumerate(self.found)
@@ -72,8 +80,24 @@ class _Accumulator:
                 flat = x.reshape(-1, x.shape[-1])
                 moment = (flat.T @ flat).to("cpu", torch.float64)
                 store[index] = moment if store[index] is None else store[index] + moment
+            self.seen += 1
+            if self.seen == self.calls:
+                raise _Enough
 
         return hook
+
+    def run(self, model: nn.Module, inputs: dict) -> None:
+        """One pass of ``model`` on ``inputs``, to the last attention call."""
+        self.seen = 0
+        try:
+            model(**inputs)
+        except _Enough:
+            return
+        if self.calls is None:
+            self.calls = self.seen
+        elif self.seen != self.calls:
+            raise RuntimeError(f"the calibration passes call the attention layers {self.calls} and then {self.seen} "
+                               "times: collect_calibration cannot end a pass at its last attention call")
 
     def close(self) -> None:
         for handle in self.handles:
@@ -92,10 +116,10 @@ def collect_calibration(
     eps: float = DEFAULT_EPS, dtype: torch.dtype | None = None,
 ) -> Calibration:
     """Run ``model`` (in eval mode, restored afterwards) on ``batches`` of tokenized inputs (dicts with
-    ``input_ids``, ``attention_mask``, ...; other keys such as labels are ignored) and return the input statistics
-    of each self-attention layer. Padding tokens (``attention_mask == 0``) are left out. ``dtype``: what each
-    batch's ``x x^T`` is computed in (None: ``accumulation_dtype`` of the model's device; float32 on the CPU
-    reproduces what a GPU computes)."""
+    ``input_ids``, ``attention_mask``, ...; other keys such as labels are ignored), every pass after the first only
+    to its last attention layer's inputs, and return the input statistics of each self-attention layer. Padding
+    tokens (``attention_mask == 0``) are left out. ``dtype``: what each batch's ``x x^T`` is computed in (None:
+    ``accumulation_dtype`` of the model's device; float32 on the CPU reproduces what a GPU computes)."""
     if is_collaborative(model.config):
         raise ValueError("calibrate the original (concatenated-heads) model, before reparametrize")
     device = next(model.parameters()).device
@@ -111,7 +135,7 @@ def collect_calibration(
             if mask is None:
                 mask = torch.ones_like(inputs["input_ids"])
             accumulator.mask = mask
-            model(**inputs)
+            accumulator.run(model, inputs)
             tokens += int(mask.sum())
             sequences += mask.shape[0]
     finally:

@@ -174,6 +174,15 @@ class _Call:
         return module(**self.kwargs, hidden_states=hidden)
 
 
+def _one_call(calls: list[_Call]) -> bool:
+    """Whether ``calls`` pass the same objects (the model builds its masks and rotary positions once a pass and hands
+    them to every layer): then a later pass is captured at its first call and that call stands for all of them."""
+    first = calls[0]
+    return all(call.positional == first.positional and len(call.args) == len(first.args)
+               and all(a is b for a, b in zip(call.args, first.args)) and call.kwargs.keys() == first.kwargs.keys()
+               and all(call.kwargs[key] is first.kwargs[key] for key in first.kwargs) for call in calls)
+
+
 def _hidden_of(output, like: torch.Tensor) -> torch.Tensor:
     """A block's output hidden states: the output, or its first tensor shaped like its input."""
     if isinstance(output, torch.Tensor):
@@ -194,11 +203,12 @@ def forward_kwargs(model: nn.Module) -> dict:
 @torch.no_grad()
 def _capture_blocks(model: nn.Module, blocks: dict[str, nn.Module], batches: list[dict]):
     """Per batch: every block call of one pass of ``model`` (module name, ``_Call``), and the hidden states entering
-    the first; for the first batch the hidden states entering every call (to check the chain)."""
+    the first; for the first batch the hidden states entering every call (to check the chain). Where the first pass
+    gives every block the same arguments (``_one_call``), a later pass ends at its first block."""
     calls: list[list[tuple[str, _Call]]] = []
     first: list[torch.Tensor] = []
     seen: list[torch.Tensor] = []
-    expected: list[int] = []
+    expected: list[int] = []  # block calls a pass makes, then the calls a later pass is run to
 
     def hook(name):
         def pre(module, args, kwargs):
@@ -208,7 +218,7 @@ def _capture_blocks(model: nn.Module, blocks: dict[str, nn.Module], batches: lis
                 first.append(hidden.detach())
             if len(calls) == 1:
                 seen.append(hidden.detach())
-            if expected and len(calls[-1]) == expected[0]:
+            if expected and len(calls[-1]) == expected[1]:
                 raise _Stop
 
         return pre
@@ -222,9 +232,11 @@ def _capture_blocks(model: nn.Module, blocks: dict[str, nn.Module], batches: lis
             except _Stop:
                 pass
             if not expected:
-                expected.append(len(calls[0]))
-            elif len(calls[-1]) != expected[0]:
+                expected += [len(calls[0]), 1 if _one_call([call for _, call in calls[0]]) else len(calls[0])]
+            elif len(calls[-1]) != expected[1]:
                 raise NotImplementedError("the model calls its layers in another order for another batch")
+            if len(calls[-1]) < expected[0]:  # every block takes the first call's arguments
+                calls[-1] = [(name, calls[-1][0][1]) for name, _ in calls[0]]
     finally:
         for handle in handles:
             handle.remove()
@@ -233,7 +245,9 @@ def _capture_blocks(model: nn.Module, blocks: dict[str, nn.Module], batches: lis
 
 @torch.no_grad()
 def _capture_attention(model: nn.Module, names: list[str], batches: list[dict]) -> dict[str, list[list[_Call]]]:
-    """Per attention module of ``model``, per batch, its calls' arguments besides the hidden states."""
+    """Per attention module of ``model``, per batch, its calls' arguments besides the hidden states. Where the first
+    pass calls each module once and all with the same arguments (``_one_call``), a later pass ends at its first
+    attention call."""
     calls = {name: [] for name in names}
     count = [0]
 
@@ -247,6 +261,7 @@ def _capture_attention(model: nn.Module, names: list[str], batches: list[dict]) 
         return pre
 
     total = [-1]
+    shared = False
     handles = [model.get_submodule(name).register_forward_pre_hook(hook(name), with_kwargs=True) for name in names]
     try:
         for index, batch in enumerate(batches):
@@ -258,7 +273,13 @@ def _capture_attention(model: nn.Module, names: list[str], batches: list[dict]) 
             except _Stop:
                 pass
             if index == 0:
-                total[0] = count[0]
+                firsts = [calls[name][0] for name in names]
+                shared = all(len(first) == 1 for first in firsts) and _one_call([first[0] for first in firsts])
+                total[0] = 1 if shared else count[0]
+            elif shared:  # the first call made (the first layer's) stands for every layer
+                call = next(calls[name][-1][0] for name in names if calls[name][-1])
+                for name in names:
+                    calls[name][-1] = [call]
     finally:
         for handle in handles:
             handle.remove()

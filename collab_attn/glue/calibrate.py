@@ -110,7 +110,8 @@ def file_windows(tokenizer, method: MethodSettings, seed: int) -> torch.Tensor:
     text as it is, cut one after another, each window from the beginning-of-text token, as
     ``collab_attn.texts.windows`` cuts a text), in an order drawn with ``seed`` so that every part of the file is
     read: as many as the fits read, or all the file holds when the calibration asks for more (the calibration then
-    reads fewer). Refused when the end-to-end fit or the distillation needs more than the file holds."""
+    reads fewer; ``scripts/reparametrize.py`` refuses a ``collab.calibration_samples`` the user gives that the file
+    does not hold). Refused when the end-to-end fit or the distillation needs more than the file holds."""
     settings = method.calibration
     length = settings.max_length
     try:
