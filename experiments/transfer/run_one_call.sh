@@ -19,6 +19,8 @@
 #                                                        # not timed), read as windows -> one_call/textfile, then
 #                                                        # measured on the race's validation and test windows (not
 #                                                        # timed; scripts/evaluate_heldout.py)
+#   FOLDER=one_call/general-capture bash experiments/transfer/run_one_call.sh  # the general recipe timed again, into
+#                                                        # another folder (here: after the capture shortcuts of 8eaa808)
 # The one-call runs copy the report to <folder>/reparam_report.json; the race writes into $OUT (a scratch folder:
 # nothing kept, so every stage runs) and its run file is copied to <folder>/run.json.
 set -euo pipefail
@@ -40,6 +42,7 @@ case "$finish" in
                      collab.fit_steps=150 collab.distill_steps=64) ;;
   *) echo "error: FINISH=$finish: must be general, general64, e2e, texts or textfile" >&2; exit 2 ;;
 esac
+folder=${FOLDER:-$folder}  # FOLDER: another folder under experiments/transfer for the same recipe (a second timing)
 if [[ $finish == textfile ]]; then
   HF_HUB_OFFLINE=1 python scripts/write_fit_text.py "$out-fit.txt"
 fi
