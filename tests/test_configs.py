@@ -657,7 +657,7 @@ SWEEPS = [
 
 def test_a_job_s_settings_are_what_hydra_composes():
     """``job_settings`` (the groups composed once, then each value set) gives what Hydra's compose gives for the same
-    overrides: for jobs of two sweeps with groups, values and an added key."""
+    overrides: for jobs of two sweeps (config groups, one of them added with ``+``, and values)."""
     parser = OverridesParser.create()
     jobs = []
     for _, _, command in (SWEEPS[0], SWEEPS[-1]):
