@@ -570,9 +570,10 @@ def job_settings(job: list[str], groups_composed: dict) -> dict:
     defaults; ``OmegaConf.update``, merged). The composition of the groups is made once per choice of them
     (``groups_composed``): a sweep's jobs differ mostly in values (seeds, ranks). A job with an override other than
     setting a value is composed by Hydra whole."""
-    parsed = OverridesParser.create().parse_overrides(job)
-    groups = tuple(o.input_line for o in parsed if (CONFIGS / o.key_or_group).is_dir())
-    values = [o for o in parsed if not (CONFIGS / o.key_or_group).is_dir()]
+    groups, values = [], []
+    for override in OverridesParser.create().parse_overrides(job):  # a config group is a folder of configs/
+        (groups if (CONFIGS / override.key_or_group).is_dir() else values).append(override)
+    groups = tuple(o.input_line for o in groups)
     if any(o.is_add() or o.is_force_add() or o.is_delete() for o in values):
         return resolved("train_glue", *job)
     if groups not in groups_composed:
