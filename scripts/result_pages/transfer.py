@@ -356,15 +356,15 @@ def claims_transfer() -> None:
     assert [(f["error_before"], f["error_after"]) for f in theirs["fit"]["layers"]] == [
         (f["error_before"], f["error_after"]) for f in ours["fit"]["layers"]]  # "... and layer error"
     claim(P, "capture {:.0f} s instead of\n115 s", field(again + "reparam_report.json", "fit.capture_seconds"))
-    claim(P, "instead of\n{:.0f} s, on a machine", field(gen + "reparam_report.json", "fit.capture_seconds"))
+    claim(P, "instead of\n{:.0f} s, while the same", field(gen + "reparam_report.json", "fit.capture_seconds"))
 
     def per_step(r):  # seconds a distillation step
         return r["distillation"]["seconds"] / len([h for h in r["distillation"]["history"] if "loss" in h])
 
-    claim(P, "on a machine\n{:.2f}x slower that day ({:.2f} s a distillation step against {:.2f} s)", formula(
+    claim(P, "the same distillation steps took {:.2f}x as long that day ({:.2f} s a step against {:.2f} s", formula(
         lambda a, b: [per_step(a) / per_step(b), per_step(a), per_step(b)], again + "reparam_report.json",
         gen + "reparam_report.json"))
-    claim(P, "{:,.0f} s (one timing each)", field(again + "timing.json", "wall_seconds"))
+    claim(P, "{:,.0f} s (one timing each, no verdict)", field(again + "timing.json", "wall_seconds"))
     assert run_file(texts + "run.json")["name"] == doubled.removesuffix(".json")
     claim(P, "{:,.0f} s from\ncalibration to the last distillation step ({:.0f} s calibrating and converting, {:.0f} s "
           "of layer fit, {:.0f} s of\ndistillation; {:,.0f} s with loading and evaluation", field(
