@@ -1,4 +1,7 @@
 import os
+import shlex
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -11,6 +14,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from warm_python import import_env  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton's kernels (collab_attn/nn/triton_kernels.py, tests/test_triton_kernels.py) run in its interpreter on the
@@ -37,6 +41,46 @@ LONGEST_FIRST = ("test_gpu_queue.py", "test_input_validation.py", "test_pipeline
 def pytest_collection_modifyitems(config, items):
     rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
+
+
+@pytest.fixture(scope="session")
+def warm_python(tmp_path_factory):
+    """``warm_python(env)``: an executable to put where ``sys.executable`` goes in a command line run under ``env``
+    (default: this process's). It runs as ``python`` does, in a process forked from a server that imported torch and
+    transformers under ``env`` (tests/warm_python.py): about 8 s less a process. One server per worker and set of the
+    variables read at import; each ends with the session."""
+    servers = {}
+
+    def python(env: dict | None = None) -> str:
+        env = dict(os.environ if env is None else env)
+        key = tuple(sorted(import_env(env).items()))
+        if key not in servers:
+            folder = tmp_path_factory.mktemp("warm")
+            with open(folder / "server.log", "w") as log:
+                server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("warm_python.py")), "serve",
+                                           str(folder / "socket")], env=env, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=log, text=True)
+            line = server.stdout.readline()
+            if line != "ready\n":
+                log = (folder / "server.log").read_text()
+                raise RuntimeError(f"the warm python server did not start ({line!r}): {log}")
+            wrapper = folder / "python"
+            wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "
+                               f"{shlex.quote(str(Path(__file__).with_name('warm_python.py')))} client "
+                               f"{shlex.quote(str(folder / 'socket'))} \"$@\"\n")
+            wrapper.chmod(0o755)
+            servers[key] = (server, str(wrapper))
+        return servers[key][1]
+
+    yield python
+    for server, _ in servers.values():
+        server.stdin.close()  # the server ends when its stdin does
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
 
 SENTENCES = [
     "The cat sat on the mat.",

@@ -33,9 +33,9 @@ def _altered(tmp_path: Path, page: str, old: str, new: str) -> Path:
     return path
 
 
-def test_the_committed_pages_hold():
+def test_the_committed_pages_hold(warm_python):
     """The script, as a user runs it: every claim holds on the committed pages, exit status 0."""
-    done = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([warm_python(), str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout == ""
@@ -50,7 +50,7 @@ def test_the_claims_cover_the_pages_they_promise(registry):
     assert len([c for c in registry.claims if c.page == SMOLLM2 and c.values]) >= 60
 
 
-def test_one_number_altered_fails_with_where_and_what(tmp_path, registry):
+def test_one_number_altered_fails_with_where_and_what(tmp_path, registry, warm_python):
     """1.143x (SmolLM2 at 1/2 after the long recipe, wikipedia) written as 1.153x: the line says the page's number,
     the run file's and the file; the script exits 1."""
     page = _altered(tmp_path, SMOLLM2, "| `key-svd` | 1/2 | 28.8M | 1.143x / 1.019x |",
@@ -61,7 +61,7 @@ def test_one_number_altered_fails_with_where_and_what(tmp_path, registry):
     assert problems[0].startswith(f"{SMOLLM2}:{line}: 1.153 where the run files give 1.143")
     assert "key-svd-k96-v96-calibrated16384-fitted600-e2e64on65536.json" in problems[0]
 
-    done = subprocess.run([sys.executable, str(SCRIPT), "--page", f"{SMOLLM2}={page}"], cwd=ROOT,
+    done = subprocess.run([warm_python(), str(SCRIPT), "--page", f"{SMOLLM2}={page}"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 1
     assert done.stdout.strip() == problems[0]
@@ -168,8 +168,8 @@ def test_every_experiment_folder_is_indexed():
     assert folders and [f for f in folders if f"[`{f}/`]" not in index] == []
 
 
-def test_a_missing_page_is_one_error_line(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--page", f"README.md={tmp_path / 'none.md'}"], cwd=ROOT,
+def test_a_missing_page_is_one_error_line(tmp_path, warm_python):
+    done = subprocess.run([warm_python(), str(SCRIPT), "--page", f"README.md={tmp_path / 'none.md'}"], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2
     assert done.stderr.strip() == f"error: {tmp_path / 'none.md'}: no such page (claims cite it)"

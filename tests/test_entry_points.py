@@ -88,13 +88,16 @@ PROCESSES = {
 
 
 @pytest.fixture(scope="module")
-def processes(template, tmp_path_factory) -> dict:
+def processes(template, tmp_path_factory, warm_python) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    python = warm_python(env)
+
     def run(item):
         case, (name, args, _) = item
         cwd = workspace(template, tmp_path_factory.mktemp("process") / "work")
         before = snapshot(cwd)
-        done = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], cwd=cwd,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+        done = subprocess.run([python, str(ROOT / "scripts" / f"{name}.py"), *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=300)
         return case, (done.returncode, done.stderr, before, snapshot(cwd))
 
     with ThreadPoolExecutor(max_workers=2) as pool:

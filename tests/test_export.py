@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -114,11 +113,12 @@ LOADER = textwrap.dedent("""
 """)
 
 
-def load_elsewhere(folders: dict) -> dict:
+def load_elsewhere(folders: dict, warm_python) -> dict:
     """Each exported folder loaded in a fresh process that never imports collab_attn: class, logits, greedy tokens
     with a dynamic and a static cache."""
-    done = subprocess.run([sys.executable, "-c", LOADER, json.dumps(folders)], capture_output=True, text=True,
-                          timeout=600, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([warm_python(env), "-c", LOADER, json.dumps(folders)], capture_output=True, text=True,
+                          timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -131,7 +131,7 @@ def grouped(family: str, method: str, groups: int):
 
 
 @pytest.mark.parametrize("family", ROTARY)
-def test_exported_checkpoints_run_without_collab_attn_as_the_converted_model(family, tmp_path):
+def test_exported_checkpoints_run_without_collab_attn_as_the_converted_model(family, tmp_path, warm_python):
     cases = {}
     for method, rank in [("key-svd", QUARTER), ("cp", HALF), ("tucker", QUARTER), ("cp", FULL)]:
         model = shared(family, method, rank)
@@ -142,7 +142,7 @@ def test_exported_checkpoints_run_without_collab_attn_as_the_converted_model(fam
         folder = export(model, tmp_path / f"{method}-{groups}")
         cases[str(folder)] = (model, method, HEAD_DIM, groups, heads)
     tokens = ids(length=9)
-    got = load_elsewhere({folder: tokens.tolist() for folder in cases})
+    got = load_elsewhere({folder: tokens.tolist() for folder in cases}, warm_python)
     settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     for folder, (model, method, rank, kv_heads, heads) in cases.items():
         record = json.loads((tmp_path / folder / "export.json").read_text())
@@ -374,12 +374,13 @@ def test_a_bfloat16_model_exports_in_float32_and_stays_as_it_was():
     (["benchmarks/decode.py", "--size", "smollm2", "--export", "--race-methods", "kv-svd", "--out", "result"],
      "--export: ['kv-svd'] have no standard form"),
 ])
-def test_bad_export_options_are_one_error_line_and_leave_nothing(command, message, tmp_path):
+def test_bad_export_options_are_one_error_line_and_leave_nothing(command, message, tmp_path, warm_python):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / command[0]), *command[1:]], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([warm_python(env), str(root / command[0]), *command[1:]], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env=env)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:") or "error:" in line]
     assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr and list(tmp_path.iterdir()) == []

@@ -5,7 +5,6 @@ is skipped by pytest, with the reason, never passed unchecked."""
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,8 +30,10 @@ def test_the_queue_lists_its_jobs_in_priority_order():
     assert sorted(job for group in GROUPS.values() for job in group) == sorted(JOBS)  # the dry run covers them all
 
 
-def dry_run(out: Path, jobs: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GPU_QUEUE_DRY_RUN": "1", "OUT": str(out), "PYTHON": sys.executable,
+def dry_run(out: Path, jobs: list[str], warm_python) -> subprocess.CompletedProcess:
+    # the queue's python is a warm one for the environment the queue gives its jobs
+    queue_env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "GPU_QUEUE_DRY_RUN": "1", "OUT": str(out), "PYTHON": warm_python(queue_env),
            "GLUE_DIR": str(GLUE_DIR), "LM_DATA": str(LM_DATA), "GPU_QUEUE_JOBS": " ".join(jobs)}
     done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
@@ -41,11 +42,11 @@ def dry_run(out: Path, jobs: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("group", GROUPS)
-def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
+def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group, warm_python):
     missing = [str(path) for path in NEEDS[group] if not path.exists()]
     if missing:
         pytest.skip(f"the {', '.join(GROUPS[group])} jobs need {' and '.join(missing)}, which is not here")
-    done = dry_run(tmp_path, GROUPS[group])
+    done = dry_run(tmp_path, GROUPS[group], warm_python)
     ran = dict(re.findall(r"^([\w-]+): (exit \d+|skipped.*|done before.*)", done.stdout, flags=re.M))
     dry = tmp_path / "dry_run"
     if group == "no data":
@@ -65,7 +66,7 @@ def test_dry_run_runs_every_job_for_one_step_on_the_cpu(tmp_path, group):
         summary = report[-1]
         assert re.fullmatch(r"(\d+ \w+, )*\d+ \w+ in [\d.]+s", summary) and re.search(r"\d+ (passed|skipped)", summary)
         assert not re.search("failed|error", summary), summary
-        again = dry_run(tmp_path, ["tests"])  # resumable: the same sources were tested already
+        again = dry_run(tmp_path, ["tests"], warm_python)  # resumable: the same sources were tested already
         assert f"tests: done before ({dry / 'gpu_tests' / 'test_cuda.txt'})" in again.stdout
     else:
         assert ran == {"smollm2": "exit 0", "glue": "exit 0", "lm": "exit 0", "race": "exit 0", "rope": "exit 0",

@@ -5,7 +5,6 @@ scripts/reparametrize.py reads as windows)."""
 import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -67,17 +66,17 @@ def test_an_exact_conversion_is_the_original_on_every_window_and_a_cut_one_is_no
     (["--domains", "docs"], "the docs are measured on the test split only"),
     (["--split", "train"], "invalid choice: 'train'"),
 ])
-def test_evaluate_heldout_refuses_bad_input_in_one_line(tmp_path, extra, message):
+def test_evaluate_heldout_refuses_bad_input_in_one_line(tmp_path, extra, message, warm_python):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "reparam_report.json").write_text("{}")
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate_heldout.py"), str(folder), "--out",
+    done = subprocess.run([warm_python(), str(ROOT / "scripts" / "evaluate_heldout.py"), str(folder), "--out",
                            str(tmp_path / "run.json"), *extra], capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr and not (tmp_path / "run.json").exists()
 
 
-def test_evaluate_heldout_needs_a_converted_model_folder(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate_heldout.py"), str(tmp_path), "--out",
+def test_evaluate_heldout_needs_a_converted_model_folder(tmp_path, warm_python):
+    done = subprocess.run([warm_python(), str(ROOT / "scripts" / "evaluate_heldout.py"), str(tmp_path), "--out",
                            str(tmp_path / "run.json")], capture_output=True, text=True)
     assert done.returncode == 2 and "no reparam_report.json; pass a folder that scripts/reparametrize.py wrote" in \
         done.stderr
@@ -102,11 +101,11 @@ def test_the_fit_text_written_is_the_race_s_windows_read_back(tmp_path, shakespe
     assert len(tokenizer(text, add_special_tokens=False).input_ids) // 255 in (7, 8, 9)
 
 
-def test_write_fit_text_refuses_bad_input_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "write_fit_text.py"), str(tmp_path / "x.txt"),
+def test_write_fit_text_refuses_bad_input_in_one_line(tmp_path, warm_python):
+    done = subprocess.run([warm_python(), str(ROOT / "scripts" / "write_fit_text.py"), str(tmp_path / "x.txt"),
                            "--tokens", "0"], capture_output=True, text=True)
     assert done.returncode == 2 and "--tokens 0 --length 256: ask for at least one token" in done.stderr
     assert not (tmp_path / "x.txt").exists()
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "write_fit_text.py"), str(tmp_path)],
+    done = subprocess.run([warm_python(), str(ROOT / "scripts" / "write_fit_text.py"), str(tmp_path)],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "is a folder: name the text file to write" in done.stderr

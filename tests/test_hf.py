@@ -2,7 +2,6 @@
 
 import copy
 import subprocess
-import sys
 
 import datasets
 import pytest
@@ -52,10 +51,10 @@ def test_other_auto_classes_load_the_collaborative_body(converted_dir, real_batc
     assert torch.equal(body, expected)
 
 
-def test_loading_without_collab_attn_fails_clearly(converted_dir):
+def test_loading_without_collab_attn_fails_clearly(converted_dir, warm_python):
     path, _ = converted_dir
     code = f"from transformers import AutoModel; AutoModel.from_pretrained({str(path)!r})"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([warm_python(), "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "collab_attn_bert" in result.stderr and "does not recognize this architecture" in result.stderr
 

@@ -194,14 +194,16 @@ PROCESSES = {
 
 
 @pytest.fixture(scope="module")
-def processes(template, tmp_path_factory) -> dict:
+def processes(template, tmp_path_factory, warm_python) -> dict:
+    python = warm_python(ENV)
+
     def run(item):
         case, (path, args, _) = item
         cwd = tmp_path_factory.mktemp("process") / "work"
         shutil.copytree(template, cwd)
         before = snapshot(cwd)
         try:
-            done = subprocess.run([sys.executable, str(ROOT / path), *args], cwd=cwd, env=ENV, capture_output=True,
+            done = subprocess.run([python, str(ROOT / path), *args], cwd=cwd, env=ENV, capture_output=True,
                                   text=True, timeout=240)
         except subprocess.TimeoutExpired:  # a hang fails its test, not the session
             return case, (None, "", "timed out", before, snapshot(cwd))

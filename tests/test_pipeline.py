@@ -3,7 +3,6 @@
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -301,14 +300,14 @@ def test_checkpoint_every_must_be_a_positive_step_count(tmp_path):
 
 
 @pytest.mark.glue
-def test_sweep_resumes_and_summarizes(tmp_path, glue_dir):
+def test_sweep_resumes_and_summarizes(tmp_path, glue_dir, warm_python):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     command = [
-        sys.executable, str(ROOT / "scripts" / "train_glue.py"), "-m", "+experiment=smoke", "logger=none",
+        warm_python(env), str(ROOT / "scripts" / "train_glue.py"), "-m", "+experiment=smoke", "logger=none",
         f"data.glue_dir={glue_dir}", f"output_root={tmp_path}", "data.max_train_samples=16",
         "data.max_eval_samples=16", "data.max_seq_length=32", "trainer.max_steps=1", "refit.max_steps=1",
         "collab.n_iter_max=2",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     first = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     results = sorted(tmp_path.glob("runs/*/*/*/*/results.jsonl"))
@@ -388,7 +387,7 @@ def test_summary_over_chosen_tasks(tmp_path):
         load_results(tmp_path, tasks=["mrcp"])
 
 
-def test_summary_over_chosen_seeds(tmp_path):
+def test_summary_over_chosen_seeds(tmp_path, warm_python):
     """``seeds=`` keeps those seeds' rows only, so rows with different seeds can be compared on the same ones."""
     rows = [_record("mrpc", s, 128, seed, m + seed / 10, 40)
             for seed in (0, 1) for s, m in (("finetuned", 0.8), ("reparam", 0.5), ("refit", 0.7))]
@@ -400,7 +399,7 @@ def test_summary_over_chosen_seeds(tmp_path):
     with pytest.raises(ValueError, match=r"no results for seed\(s\) \[7\]"):
         load_results(tmp_path, seeds=[7])
     script = ROOT / "scripts" / "summarize.py"
-    run = subprocess.run([sys.executable, str(script), "glue", str(tmp_path), "--seeds", "one"], capture_output=True,
+    run = subprocess.run([warm_python(), str(script), "glue", str(tmp_path), "--seeds", "one"], capture_output=True,
                          text=True)
     assert run.returncode == 2 and run.stderr.startswith("error: --seeds='one'")
 

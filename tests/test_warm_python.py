@@ -1,0 +1,91 @@
+"""tests/warm_python.py, the tests' warm ``python``: a command run through it sees what it would see run cold (its
+arguments, ``sys.path[0]``, ``__name__``, working directory, environment, stdin, exit status, stdout and stderr),
+with torch already imported; it runs cold where the variables read at import differ from the server's; a timeout
+kills it and a signal reaches it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = """import json, os, sys
+warm = "torch" in sys.modules
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "cwd": os.getcwd(),
+                  "given": os.environ.get("GIVEN"), "stdin": sys.stdin.read(), "warm": warm}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("STATUS", "0")))
+"""
+
+
+def both(warm_python, argv, tmp_path, env=None):
+    env = {**os.environ, "GIVEN": "here", "STATUS": "3", **(env or {})}
+    runs = [subprocess.run([python, *argv], cwd=tmp_path, env=env, input="some input", capture_output=True, text=True,
+                           timeout=120) for python in (warm_python(), sys.executable)]
+    return [(run.returncode, json.loads(run.stdout), run.stderr) for run in runs]
+
+
+@pytest.mark.parametrize("form", ["script", "-u script", "-c", "-m"])
+def test_a_command_sees_what_it_sees_cold_with_torch_imported(warm_python, tmp_path, form):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "tool.py").write_text(SCRIPT)
+    argv = {"script": ["pkg/tool.py", "a", "b c"], "-u script": ["-u", "pkg/tool.py", "a"],
+            "-c": ["-c", SCRIPT, "a"], "-m": ["-m", "pkg.tool", "a"]}[form]
+    warm, cold = both(warm_python, argv, tmp_path)
+    assert warm[1].pop("warm") and not cold[1].pop("warm")
+    assert warm == cold
+    assert cold[0] == 3 and cold[1]["given"] == "here" and cold[1]["cwd"] == str(tmp_path)
+    assert cold[2] == "to stderr\n"
+
+
+def test_a_program_on_stdin_reads_the_rest_of_it(warm_python, tmp_path):
+    program = "import sys; print(sys.argv, 'torch' in sys.modules); print(sys.stdin.read().strip())"
+    warm, cold = (subprocess.run([python, "-", "x"], cwd=tmp_path, input=program, capture_output=True, text=True,
+                                 timeout=120).stdout for python in (warm_python(), sys.executable))
+    assert warm == "['-', 'x'] True\n\n" and cold == "['-', 'x'] False\n\n"
+
+
+def test_other_import_variables_or_options_run_cold(warm_python, tmp_path):
+    (tmp_path / "tool.py").write_text(SCRIPT)
+    warm, cold = both(warm_python, ["tool.py"], tmp_path, env={"TRANSFORMERS_VERBOSITY": "error"})
+    assert not warm[1]["warm"] and warm == cold
+    warm, cold = both(warm_python, ["-B", "tool.py"], tmp_path)
+    assert not warm[1]["warm"] and warm == cold
+
+
+def test_an_exception_prints_its_traceback_and_exits_1(warm_python, tmp_path):
+    done = subprocess.run([warm_python(), "-c", "raise ValueError('broken')"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and done.stderr.endswith("ValueError: broken\n")
+
+
+def wait_for(path, seconds=60.0):
+    end = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_a_timeout_kills_the_process_and_a_signal_reaches_it(warm_python, tmp_path):
+    sleeper = ("import os, signal, sys, time\n"
+               "signal.signal(signal.SIGTERM, lambda *_: (open('got-term', 'w').close(), sys.exit(7)))\n"
+               "open('pid', 'w').write(str(os.getpid()))\n"
+               "time.sleep(300)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([warm_python(), "-c", sleeper], cwd=tmp_path, timeout=3)
+    pid = int((tmp_path / "pid").read_text())
+    end = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]:
+        assert time.monotonic() < end, "the process outlived its client"
+        time.sleep(0.05)
+
+    (tmp_path / "pid").unlink()
+    client = subprocess.Popen([warm_python(), "-c", sleeper], cwd=tmp_path)
+    wait_for(tmp_path / "pid")
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(timeout=60) == 7
+    assert (tmp_path / "got-term").exists()

@@ -1,0 +1,207 @@
+"""A warm ``python`` for the tests' processes: a server imports torch and transformers once (about 8 s a process),
+then forks a real process for each command line it is given, with those modules already loaded.
+
+    python warm_python.py serve SOCKET          # prints "ready" once it listens; ends when its stdin closes
+    python warm_python.py client SOCKET ARGS... # runs as ``python ARGS...`` would, and exits with its status
+
+The client hands the forked process its stdin, stdout and stderr, its working directory and its environment, passes
+on the signals it gets (SIGTERM, SIGINT, SIGHUP), and the process is killed when the client goes away (a timeout's
+SIGKILL). A command runs warm only where it would run the same cold: no interpreter options but ``-u``, and the
+environment variables that the preloaded modules read at import (``IMPORT_ENV``) as the server's. Otherwise the forked
+process ``exec``s the interpreter: an ordinary cold start. Nothing of collab_attn is preloaded, so every process
+imports the sources as they are on disk (tests/mutate.py changes them).
+"""
+
+import contextlib
+import io
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import types
+
+# variables read when torch, transformers, huggingface_hub, tokenizers, tqdm, matplotlib or the interpreter start
+IMPORT_ENV = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "KMP_",
+              "OPENBLAS", "CUDA", "NVIDIA", "TOKENIZERS", "TQDM_", "SAFETENSORS", "ACCELERATE", "XDG_",
+              "HOME", "LANG", "LC_", "TMPDIR", "MPL")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STARTED = dict(os.environ)  # before anything is imported
+
+
+def import_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV) and k != "PYTHON"}  # PYTHON: a script's own
+
+
+def preload() -> None:
+    """What most tests' processes import; nothing that prints at import (transformers.Trainer does, under
+    WANDB_MODE=offline), which a process run warm would not print."""
+    import hydra  # noqa: F401
+    import matplotlib.pyplot  # noqa: F401
+    import numpy  # noqa: F401
+    import omegaconf  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel  # noqa: F401
+
+
+# ---------------------------------------------------------------------------------------------------
+# server
+
+
+def receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    size = int.from_bytes(data[:8], "big")
+    data = data[8:]
+    while len(data) < size:
+        more = conn.recv(size - len(data))
+        if not more:
+            raise ConnectionError("the client left before its request was whole")
+        data += more
+    return json.loads(data), fds
+
+
+def serve(path: str) -> dict | None:
+    """Answers clients until stdin closes; returns a request only in a forked process, which then runs it."""
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+        preload()
+    if out.getvalue() or err.getvalue():
+        raise RuntimeError(f"preloading printed {out.getvalue() + err.getvalue()!r}, which a process run warm would "
+                           "not print: leave out of preload() what prints it")
+    server = os.getpid()
+    children = {}  # pidfd -> (connection, pid)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, selectors.DefaultSelector() as selector:
+        listener.bind(path)
+        listener.listen(64)
+        selector.register(listener, selectors.EVENT_READ, "accept")
+        selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+        print("ready", flush=True)
+        try:
+            while True:
+                for key, _ in selector.select():
+                    if key.data == "stdin":
+                        if not os.read(sys.stdin.fileno(), 1 << 10):
+                            return None
+                    elif key.data == "accept":
+                        conn, _ = listener.accept()
+                        try:
+                            request, fds = receive(conn)
+                        except (OSError, ValueError):
+                            conn.close()
+                            continue
+                        pid = os.fork()
+                        if pid == 0:
+                            os.setpgid(0, 0)
+                            for pidfd, (other, _) in children.items():
+                                os.close(pidfd)
+                                other.close()
+                            listener.close()
+                            selector.close()
+                            conn.close()
+                            for i, fd in enumerate(fds):
+                                os.dup2(fd, i)
+                                os.close(fd)
+                            return request
+                        for fd in fds:
+                            os.close(fd)
+                        pidfd = os.pidfd_open(pid)
+                        children[pidfd] = (conn, pid)
+                        selector.register(pidfd, selectors.EVENT_READ, "exit")
+                        selector.register(conn, selectors.EVENT_READ, ("client", pidfd))
+                    elif key.data == "exit":
+                        conn, pid = children.pop(key.fd)
+                        selector.unregister(key.fd)
+                        os.close(key.fd)
+                        with contextlib.suppress(KeyError):  # unless the client left before
+                            selector.unregister(conn)
+                        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                        with contextlib.suppress(OSError):  # unless the client is gone
+                            conn.sendall(json.dumps({"status": status}).encode())
+                        conn.close()
+                    else:  # a client's signal, or the client gone: its process gets the signal, or SIGKILL
+                        conn, pid = children[key.data[1]]
+                        message = conn.recv(1 << 10)
+                        for number in message.split() if message else [signal.SIGKILL]:
+                            with contextlib.suppress(ProcessLookupError):
+                                os.killpg(pid, int(number))
+                        if not message:
+                            selector.unregister(conn)
+        finally:
+            if os.getpid() == server:
+                for _, pid in children.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                os.unlink(path)
+
+
+def run(request: dict) -> None:
+    """In the forked process: stdin, stdout and stderr are the client's already; the rest as ``python ARGS``."""
+    for number in FORWARDED:
+        signal.signal(number, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    argv, env, options = list(request["argv"]), request["env"], []
+    while argv and argv[0].startswith("-") and argv[0] not in ("-", "-c", "-m"):
+        options.append(argv.pop(0))
+    complete = argv and (argv[0] not in ("-c", "-m") or len(argv) > 1)
+    if not complete or set(options) - {"-u"} or import_env(env) != import_env(STARTED):
+        os.execve(sys.executable, [sys.executable, *request["argv"]], env)
+    added = {k: v for k, v in os.environ.items() if k not in STARTED}  # what the imports set (torch's inductor cache)
+    os.environ.clear()
+    os.environ.update({**added, **env})
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # a fresh process draws a fresh seed
+    unbuffered = "-u" in options
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+                                                   line_buffering=os.isatty(1), write_through=unbuffered)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+                                                   errors="backslashreplace", line_buffering=True,
+                                                   write_through=unbuffered)
+    first, rest = argv[0], argv[1:]
+    if first == "-m":
+        sys.argv, sys.path[0] = [first, *rest[1:]], os.getcwd()
+        runpy.run_module(rest[0], run_name="__main__", alter_sys=True)
+    elif first in ("-c", "-"):
+        code = rest.pop(0) if first == "-c" else sys.stdin.read()
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"], sys.argv, sys.path[0] = main, [first, *rest], ""
+        exec(compile(code, "<string>" if first == "-c" else "<stdin>", "exec"), main.__dict__)
+    else:
+        sys.argv, sys.path[0] = argv, os.path.dirname(os.path.realpath(first))
+        runpy.run_path(first, run_name="__main__")
+
+
+# ---------------------------------------------------------------------------------------------------
+# client
+
+
+def client(path: str, argv: list[str]) -> int:
+    stdio = []
+    for fd in range(3):
+        try:
+            os.fstat(fd)
+            stdio.append(fd)
+        except OSError:  # closed: the process gets /dev/null, as a child of a process without it would
+            stdio.append(os.open(os.devnull, os.O_RDWR))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(path)
+        header = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+        socket.send_fds(conn, [len(header).to_bytes(8, "big") + header], stdio)
+        for number in FORWARDED:
+            signal.signal(number, lambda number, _: conn.sendall(b"%d " % number))
+        reply = b""
+        while chunk := conn.recv(1 << 10):
+            reply += chunk
+    status = json.loads(reply)["status"]
+    return status if status >= 0 else 128 - status
+
+
+if __name__ == "__main__":
+    role, socket_path = sys.argv[1:3]
+    if role == "client":
+        sys.exit(client(socket_path, sys.argv[3:]))
+    request = serve(socket_path)
+    if request is not None:
+        run(request)
