@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from collab_attn.decomposition.whitening import DEFAULT_EPS
+from collab_attn.fitting.passes import HookedPasses
 from collab_attn.models.hf import find_attention, forward_inputs, is_collaborative
 from collab_attn.models.plan import Calibration
 from collab_attn.texts import DEFAULT_MAX_LENGTH
@@ -43,15 +44,11 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 # Statistics
 
 
-class _Enough(Exception):
-    """Ends a calibration forward pass once the last attention layer's inputs are added up."""
-
-
 class _Accumulator:
     """Forward pre-hooks that add up ``x x^T`` (raw and sequence-centered) for every attention layer: each batch's
     sum in ``dtype`` (``accumulation_dtype``), the running total in float64 on the CPU. The first batch's pass counts
-    the attention calls (``calls``: ALBERT calls its shared layer several times); every later pass ends at the last
-    of them (``_Enough``), before the layers and the head after it."""
+    the attention calls (ALBERT calls its shared layer several times); every later pass ends at the last of them,
+    before the layers and the head after it (``HookedPasses``)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         _, self.found = find_attention(model)
@@ -60,48 +57,34 @@ class _Accumulator:
         self.raw: list[torch.Tensor | None] = [None] * len(self.found)
         self.centered: list[torch.Tensor | None] = [None] * len(self.found)
         self.counts = [0] * len(self.found)
-        self.calls: int | None = None  # attention calls per pass, counted on the first
-        self.seen = 0  # attention calls of this pass
-        self.handles = [
-            module.register_forward_pre_hook(self._hook(i), with_kwargs=True)
-            for i, (_, module) in enumerate(self.found)
-        ]
+        self.passes = HookedPasses(model, {i: module for i, (_, module) in enumerate(self.found)}, self._add)
 
-    def _hook(self, index: int):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            compute = self.dtype or accumulation_dtype(hidden.device)
-            hidden = hidden.detach().to(compute)
-            mask = torch.ones(hidden.shape[:2], device=hidden.device) if self.mask is None else self.mask
-            mask = mask.to(hidden.device, compute)[..., None]  # (batch, seq, 1)
-            self.counts[index] += int(mask.sum())
-            mean = (hidden * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
-            for store, x in ((self.raw, hidden * mask), (self.centered, (hidden - mean) * mask)):
-                flat = x.reshape(-1, x.shape[-1])
-                moment = (flat.T @ flat).to("cpu", torch.float64)
-                store[index] = moment if store[index] is None else store[index] + moment
-            self.seen += 1
-            if self.seen == self.calls:
-                raise _Enough
+    def _add(self, index: int, module, args, kwargs) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        compute = self.dtype or accumulation_dtype(hidden.device)
+        hidden = hidden.detach().to(compute)
+        mask = torch.ones(hidden.shape[:2], device=hidden.device) if self.mask is None else self.mask
+        mask = mask.to(hidden.device, compute)[..., None]  # (batch, seq, 1)
+        self.counts[index] += int(mask.sum())
+        mean = (hidden * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp_min(1)
+        for store, x in ((self.raw, hidden * mask), (self.centered, (hidden - mean) * mask)):
+            flat = x.reshape(-1, x.shape[-1])
+            moment = (flat.T @ flat).to("cpu", torch.float64)
+            store[index] = moment if store[index] is None else store[index] + moment
 
-        return hook
-
-    def run(self, model: nn.Module, inputs: dict) -> None:
-        """One pass of ``model`` on ``inputs``, to the last attention call."""
-        self.seen = 0
-        try:
-            model(**inputs)
-        except _Enough:
+    def run(self, inputs: dict) -> None:
+        """One pass of the model on ``inputs``, to the last attention call."""
+        if self.passes.run(inputs):
             return
-        if self.calls is None:
-            self.calls = self.seen
-        elif self.seen != self.calls:
-            raise RuntimeError(f"the calibration passes call the attention layers {self.calls} and then {self.seen} "
-                               "times: collect_calibration cannot end a pass at its last attention call")
+        if self.passes.stop_at is None:
+            self.passes.stop_at = self.passes.calls or None  # none: a model without attention calls, refused below
+        else:
+            raise RuntimeError(f"the calibration passes call the attention layers {self.passes.stop_at} and then "
+                               f"{self.passes.calls} times: collect_calibration cannot end a pass at its last "
+                               "attention call")
 
     def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.passes.close()
 
 
 def accumulation_dtype(device: torch.device | str) -> torch.dtype:
@@ -135,7 +118,7 @@ def collect_calibration(
             if mask is None:
                 mask = torch.ones_like(inputs["input_ids"])
             accumulator.mask = mask
-            accumulator.run(model, inputs)
+            accumulator.run(inputs)
             tokens += int(mask.sum())
             sequences += mask.shape[0]
     finally:

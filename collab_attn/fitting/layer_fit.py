@@ -48,6 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from collab_attn.fitting.checks import check_seed_and_progress, check_source, checked_batches
+from collab_attn.fitting.passes import HookedPasses
 from collab_attn.models.families import family_of
 
 TARGETS = ("layer", "prefix", "residual")
@@ -208,38 +209,25 @@ def _capture_blocks(model: nn.Module, blocks: dict[str, nn.Module], batches: lis
     calls: list[list[tuple[str, _Call]]] = []
     first: list[torch.Tensor] = []
     seen: list[torch.Tensor] = []
-    expected: list[int] = []  # block calls a pass makes, then the calls a later pass is run to
 
-    def hook(name):
-        def pre(module, args, kwargs):
-            call, hidden = _Call.of(args, kwargs)
-            calls[-1].append((name, call))
-            if len(calls[-1]) == 1:
-                first.append(hidden.detach())
-            if len(calls) == 1:
-                seen.append(hidden.detach())
-            if expected and len(calls[-1]) == expected[1]:
-                raise _Stop
+    def record(name, module, args, kwargs):
+        call, hidden = _Call.of(args, kwargs)
+        calls[-1].append((name, call))
+        if len(calls[-1]) == 1:
+            first.append(hidden.detach())
+        if len(calls) == 1:
+            seen.append(hidden.detach())
 
-        return pre
-
-    handles = [module.register_forward_pre_hook(hook(name), with_kwargs=True) for name, module in blocks.items()]
-    try:
+    with HookedPasses(model, blocks, record) as passes:
         for batch in batches:
             calls.append([])
-            try:
-                model(**batch, **forward_kwargs(model))
-            except _Stop:
-                pass
-            if not expected:
-                expected += [len(calls[0]), 1 if _one_call([call for _, call in calls[0]]) else len(calls[0])]
-            elif len(calls[-1]) != expected[1]:
+            passes.run({**batch, **forward_kwargs(model)})
+            if passes.stop_at is None:
+                passes.stop_at = 1 if _one_call([call for _, call in calls[0]]) else len(calls[0])
+            elif len(calls[-1]) != passes.stop_at:
                 raise NotImplementedError("the model calls its layers in another order for another batch")
-            if len(calls[-1]) < expected[0]:  # every block takes the first call's arguments
+            if len(calls[-1]) < len(calls[0]):  # every block takes the first call's arguments
                 calls[-1] = [(name, calls[-1][0][1]) for name, _ in calls[0]]
-    finally:
-        for handle in handles:
-            handle.remove()
     return calls, first, seen
 
 
@@ -249,40 +237,24 @@ def _capture_attention(model: nn.Module, names: list[str], batches: list[dict]) 
     pass calls each module once and all with the same arguments (``_one_call``), a later pass ends at its first
     attention call."""
     calls = {name: [] for name in names}
-    count = [0]
 
-    def hook(name):
-        def pre(module, args, kwargs):
-            calls[name][-1].append(_Call.of(args, kwargs)[0])
-            count[0] += 1
-            if count[0] == total[0]:
-                raise _Stop
+    def record(name, module, args, kwargs):
+        calls[name][-1].append(_Call.of(args, kwargs)[0])
 
-        return pre
-
-    total = [-1]
     shared = False
-    handles = [model.get_submodule(name).register_forward_pre_hook(hook(name), with_kwargs=True) for name in names]
-    try:
+    with HookedPasses(model, {name: model.get_submodule(name) for name in names}, record) as passes:
         for index, batch in enumerate(batches):
             for name in names:
                 calls[name].append([])
-            count[0] = 0
-            try:
-                model(**batch, **forward_kwargs(model))
-            except _Stop:
-                pass
+            passes.run({**batch, **forward_kwargs(model)})
             if index == 0:
                 firsts = [calls[name][0] for name in names]
                 shared = all(len(first) == 1 for first in firsts) and _one_call([first[0] for first in firsts])
-                total[0] = 1 if shared else count[0]
+                passes.stop_at = 1 if shared else passes.calls
             elif shared:  # the first call made (the first layer's) stands for every layer
                 call = next(calls[name][-1][0] for name in names if calls[name][-1])
                 for name in names:
                     calls[name][-1] = [call]
-    finally:
-        for handle in handles:
-            handle.remove()
     return calls
 
 
