@@ -1,6 +1,5 @@
 import re
 import subprocess
-import sys
 import time
 
 import pytest
@@ -89,7 +88,7 @@ def test_a_failed_directory_write_leaves_no_folder_and_keeps_the_old_one(tmp_pat
         assert [p.name for p in target.iterdir()] == ["old.txt"]
 
 
-def test_a_second_process_waits_for_the_lock_and_gets_it_when_released(tmp_path):
+def test_a_second_process_waits_for_the_lock_and_gets_it_when_released(tmp_path, warm_python):
     lock, ready, entered = tmp_path / "model.lock", tmp_path / "ready", tmp_path / "entered"
     waiter = (
         "import sys; from pathlib import Path; from collab_attn.files import exclusive_lock\n"
@@ -97,7 +96,7 @@ def test_a_second_process_waits_for_the_lock_and_gets_it_when_released(tmp_path)
         "with exclusive_lock(sys.argv[1]): Path(sys.argv[3]).touch()"
     )
     with exclusive_lock(lock):
-        other = subprocess.Popen([sys.executable, "-c", waiter, str(lock), str(ready), str(entered)])
+        other = subprocess.Popen([warm_python(), "-c", waiter, str(lock), str(ready), str(entered)])
         deadline = time.monotonic() + 120
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.1)

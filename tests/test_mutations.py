@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
+def results(warm_python) -> dict:
     """Every mutation run once (one process, a forked child per mutation: about a minute)."""
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "mutate.py"), "--json"], cwd=ROOT,
+    run = subprocess.run([warm_python(), str(ROOT / "tests" / "mutate.py"), "--json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert lines, run.stdout[-2000:] + run.stderr[-2000:]

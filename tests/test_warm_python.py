@@ -48,6 +48,17 @@ def test_a_program_on_stdin_reads_the_rest_of_it(warm_python, tmp_path):
     assert warm == "['-', 'x'] True\n\n" and cold == "['-', 'x'] False\n\n"
 
 
+@pytest.mark.parametrize("options", [[], ["-u"]])
+def test_what_is_written_before_an_abrupt_exit_is_what_a_cold_process_leaves(warm_python, tmp_path, options):
+    """Buffered as the interpreter buffers (PYTHONUNBUFFERED, -u): a forked child that ends in ``os._exit`` keeps or
+    loses its unflushed output alike."""
+    program = "import os, sys; print('out'); print('err', file=sys.stderr); os._exit(0)"
+    warm, cold = (subprocess.run([python, *options, "-c", program], capture_output=True, text=True, timeout=120)
+                  for python in (warm_python(), sys.executable))
+    assert (warm.stdout, warm.stderr) == (cold.stdout, cold.stderr)
+    assert cold.stderr == "err\n"
+
+
 def test_other_import_variables_or_options_run_cold(warm_python, tmp_path):
     (tmp_path / "tool.py").write_text(SCRIPT)
     warm, cold = both(warm_python, ["tool.py"], tmp_path, env={"TRANSFORMERS_VERBOSITY": "error"})

@@ -152,13 +152,20 @@ def run(request: dict) -> None:
     os.environ.update({**added, **env})
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a fresh process draws a fresh seed
-    unbuffered = "-u" in options
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
-                                                   line_buffering=os.isatty(1), write_through=unbuffered)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
-                                                   errors="backslashreplace", line_buffering=True,
-                                                   write_through=unbuffered)
+    # the streams as the interpreter makes them: the server's encoding and errors (its PYTHON* variables are the
+    # command's), unbuffered where the server's are (PYTHONUNBUFFERED) or under -u, stdout line-buffered where it is a
+    # terminal, stderr always
+    def stream(fd: int, like, line_buffering: bool):
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        if fd == 0:
+            return io.TextIOWrapper(io.BufferedReader(raw), encoding=like.encoding, errors=like.errors)
+        unbuffered = isinstance(like.buffer, io.FileIO) or "-u" in options
+        return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=like.encoding,
+                                errors=like.errors, line_buffering=line_buffering, write_through=unbuffered)
+
+    sys.stdin = sys.__stdin__ = stream(0, sys.__stdin__, False)
+    sys.stdout = sys.__stdout__ = stream(1, sys.__stdout__, os.isatty(1))
+    sys.stderr = sys.__stderr__ = stream(2, sys.__stderr__, True)
     first, rest = argv[0], argv[1:]
     if first == "-m":
         sys.argv, sys.path[0] = [first, *rest[1:]], os.getcwd()
@@ -203,5 +210,6 @@ if __name__ == "__main__":
     if role == "client":
         sys.exit(client(socket_path, sys.argv[3:]))
     request = serve(socket_path)
-    if request is not None:
-        run(request)
+    if request is None:
+        os._exit(0)  # the server is done: no need to tear its modules down
+    run(request)
