@@ -43,7 +43,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
-
 @pytest.fixture(scope="session")
 def warm_python(tmp_path_factory):
     """``warm_python(env)``: an executable to put where ``sys.executable`` goes in a command line run under ``env``

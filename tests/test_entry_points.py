@@ -1,8 +1,8 @@
 """Every entry point in scripts/ checks before it writes (collab_attn/cli.py): each class of mistake gives exit
 status 2, exactly one ``error:`` line on stderr naming the argument, and leaves the folder it ran in as it was. One
-case per script runs as a real process (all at once, two at a time: each start imports torch, transformers and the
-library, about 10 s of CPU); the rest call the script's ``main`` in this process, the same path after the interpreter
-starts."""
+case per script runs as a real process (all at once, two at a time, each forked from an interpreter that imported
+torch and transformers once: tests/warm_python.py); the rest call the script's ``main`` in this process, the same
+path after the interpreter starts."""
 
 import argparse
 import importlib.util

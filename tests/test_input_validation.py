@@ -2,7 +2,8 @@
 scripts/compare_runs.py, benchmarks/*.py and scripts/train_lm.py refuse it before any work (collab_attn/cli.py): exit
 status 2, exactly one ``error:`` line on stderr that says what was wrong and what to pass, no traceback, and nothing
 new on disk. One case of each class the issue found, and one per entry point, runs as a real process (two at a time,
-each with a timeout so that a hang fails instead of blocking):
+each forked from an interpreter that imported torch and transformers once, tests/warm_python.py, and each with a
+timeout so that a hang fails instead of blocking):
 
 - work done, then a crash, files left behind: end-to-end check tokens beyond the fit's own, ``--out`` naming a file;
 - a hang: windows of one token;
