@@ -28,6 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+WARM_PYTHON = Path(__file__).with_name("warm_python.py")
 
 # README's command runs a file in one worker (--dist loadfile) and takes the files in collection order
 # (--no-loadscope-reorder; xdist would order them by their number of tests): the longest files go first, so that no
@@ -57,7 +58,7 @@ def warm_python(tmp_path_factory):
         if key not in servers:
             folder = tmp_path_factory.mktemp("warm")
             with open(folder / "server.log", "w") as log:
-                server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("warm_python.py")), "serve",
+                server = subprocess.Popen([sys.executable, str(WARM_PYTHON), "serve",
                                            str(folder / "socket")], env=env, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, stderr=log, text=True)
             line = server.stdout.readline()
@@ -66,7 +67,7 @@ def warm_python(tmp_path_factory):
                 raise RuntimeError(f"the warm python server did not start ({line!r}): {log}")
             wrapper = folder / "python"
             wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "
-                               f"{shlex.quote(str(Path(__file__).with_name('warm_python.py')))} client "
+                               f"{shlex.quote(str(WARM_PYTHON))} client "
                                f"{shlex.quote(str(folder / 'socket'))} \"$@\"\n")
             wrapper.chmod(0o755)
             servers[key] = (server, str(wrapper))

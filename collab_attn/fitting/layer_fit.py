@@ -218,10 +218,11 @@ def _capture_blocks(model: nn.Module, blocks: dict[str, nn.Module], batches: lis
         if len(calls) == 1:
             seen.append(hidden.detach())
 
+    options = forward_kwargs(model)
     with HookedPasses(model, blocks, record) as passes:
         for batch in batches:
             calls.append([])
-            passes.run({**batch, **forward_kwargs(model)})
+            passes.run({**batch, **options})
             if passes.stop_at is None:
                 passes.stop_at = 1 if _one_call([call for _, call in calls[0]]) else len(calls[0])
             elif len(calls[-1]) != passes.stop_at:
@@ -241,12 +242,12 @@ def _capture_attention(model: nn.Module, names: list[str], batches: list[dict]) 
     def record(name, module, args, kwargs):
         calls[name][-1].append(_Call.of(args, kwargs)[0])
 
-    shared = False
+    shared, options = False, forward_kwargs(model)
     with HookedPasses(model, {name: model.get_submodule(name) for name in names}, record) as passes:
         for index, batch in enumerate(batches):
             for name in names:
                 calls[name].append([])
-            passes.run({**batch, **forward_kwargs(model)})
+            passes.run({**batch, **options})
             if index == 0:
                 firsts = [calls[name][0] for name in names]
                 shared = all(len(first) == 1 for first in firsts) and _one_call([first[0] for first in firsts])
