@@ -5,7 +5,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,12 +42,14 @@ def test_one_process_needs_no_process_group(tmp_path):
         distributed.barrier()
 
 
-def _launch(arguments: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=2 scripts/train_glue.py <arguments>``; on timeout the whole process group is
-    killed (a hang fails the test instead of leaving processes behind)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "scripts" / "train_glue.py"), *arguments]
+def _launch(arguments: list[str], cwd: Path, warm_python) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=2 scripts/train_glue.py <arguments>``, the launcher and its two workers warm
+    python processes (``--no-python``: torchrun starts the warm python where it would start ``python``); on timeout
+    the whole process group is killed (a hang fails the test instead of leaving processes behind)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    python = warm_python(env)
+    command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python", python,
+               str(ROOT / "scripts" / "train_glue.py"), *arguments]
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
@@ -61,7 +62,7 @@ def _launch(arguments: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.glue
-def test_two_processes_train_together_and_rank0_writes_once(tmp_path, glue_dir):
+def test_two_processes_train_together_and_rank0_writes_once(tmp_path, glue_dir, warm_python):
     """Two CPU processes (gloo) fine-tune (the fine-tuned-model lock is rank 0's alone), convert, re-fine-tune and
     evaluate; one results file, one W&B run, one Hydra folder, the loss one process would see; a dev set of 25
     examples (odd: the distributed sampler pads it) is scored once, as one process scores it; the rerun skips the
@@ -70,7 +71,7 @@ def test_two_processes_train_together_and_rank0_writes_once(tmp_path, glue_dir):
         "task=rte", f"data.glue_dir={glue_dir}", "trainer=smoke", "trainer.max_steps=2", "data.max_train_samples=16",
         "data.max_eval_samples=25", "collab.rank=96", "collab.n_iter_max=2", f"output_root={tmp_path / 'out'}", *SMALL,
     ]
-    first = _launch(overrides, tmp_path)
+    first = _launch(overrides, tmp_path, warm_python)
     assert first.returncode == 0, first.stderr[-3000:]
     out = tmp_path / "out"
     (results,) = out.glob("runs/*/*/*/*/results.jsonl")
@@ -97,7 +98,7 @@ def test_two_processes_train_together_and_rank0_writes_once(tmp_path, glue_dir):
     single = pipeline.evaluate(model, data, tokenizer, task, 8, tmp_path / "scratch")
     assert single["accuracy"] == pytest.approx(records[0]["accuracy"], abs=1e-9)
 
-    second = _launch(overrides, tmp_path)
+    second = _launch(overrides, tmp_path, warm_python)
     assert second.returncode == 0 and second.stdout.count("skipping") == 1, second.stderr[-3000:]
 
 
@@ -107,7 +108,7 @@ def _settings(overrides: list[str]) -> dict:
 
 
 @pytest.mark.glue
-def test_two_processes_distill_a_pruned_model(tmp_path, glue_dir):
+def test_two_processes_distill_a_pruned_model(tmp_path, glue_dir, warm_python):
     """refit=distill under two processes: each process runs the teacher on its share of the batch beside the
     student (a pruned one, so the attention term maps each kept head to its teacher head); one job, every loss term
     logged, and the distilled job's settings recorded."""
@@ -117,7 +118,7 @@ def test_two_processes_distill_a_pruned_model(tmp_path, glue_dir):
         "refit=distill", "refit.distill.hidden_weight=0.1", "refit.distill.attention_weight=0.1",
         "trainer.logging_steps=1", f"output_root={tmp_path / 'out'}", *SMALL,
     ]
-    run = _launch(overrides, tmp_path)
+    run = _launch(overrides, tmp_path, warm_python)
     assert run.returncode == 0, run.stderr[-3000:]
     (results,) = (tmp_path / "out").glob("runs/*/*/*/*/results.jsonl")
     records = [json.loads(line) for line in results.read_text().splitlines()]

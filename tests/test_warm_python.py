@@ -67,6 +67,16 @@ def test_other_import_variables_or_options_run_cold(warm_python, tmp_path):
     assert not warm[1]["warm"] and warm == cold
 
 
+def test_what_torchrun_sets_for_its_workers_runs_warm(warm_python, tmp_path):
+    """torchrun's TORCHELASTIC_* and TORCH_NCCL_ASYNC_ERROR_HANDLING are read when a worker runs, not at import: a
+    command given them runs warm (tests/test_distributed.py's workers), as it runs cold."""
+    (tmp_path / "tool.py").write_text(SCRIPT)
+    launched = {"TORCHELASTIC_RUN_ID": "run", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    warm, cold = both(warm_python, ["tool.py"], tmp_path, env=launched)
+    assert warm[1].pop("warm") and not cold[1].pop("warm")
+    assert warm == cold
+
+
 def test_an_exception_prints_its_traceback_and_exits_1(warm_python, tmp_path):
     done = subprocess.run([warm_python(), "-c", "raise ValueError('broken')"], capture_output=True, text=True,
                           timeout=120)

@@ -23,28 +23,46 @@ import socket
 import sys
 import types
 
-# variables read when torch, transformers, huggingface_hub, tokenizers, tqdm, matplotlib or the interpreter start
+# variables read when the preloaded modules (torch, transformers, huggingface_hub, datasets, pyarrow, scikit-learn,
+# tokenizers, tqdm, matplotlib) or the interpreter start
 IMPORT_ENV = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "KMP_",
-              "OPENBLAS", "CUDA", "NVIDIA", "TOKENIZERS", "TQDM_", "SAFETENSORS", "ACCELERATE", "XDG_",
-              "HOME", "LANG", "LC_", "TMPDIR", "MPL")
+              "OPENBLAS", "CUDA", "NVIDIA", "TOKENIZERS", "TQDM_", "SAFETENSORS", "ACCELERATE", "ARROW_", "SKLEARN_",
+              "JOBLIB_", "LOKY_", "SCIPY_", "PANDAS_", "XDG_", "HOME", "LANG", "LC_", "TMPDIR", "MPL")
+# the model families collab_attn converts, whose modeling modules its package imports
+FAMILIES = ("albert", "bert", "distilbert", "gpt2", "llama", "mistral", "opt", "qwen2", "roberta")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STARTED = dict(os.environ)  # before anything is imported
 
 
+# what torchrun sets for its workers among those, read when they run, not when they import
+LAUNCHER_ENV = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
 def import_env(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV) and k != "PYTHON"}  # PYTHON: a script's own
+    return {k: v for k, v in env.items()  # PYTHON: a script's own
+            if k.startswith(IMPORT_ENV) and not k.startswith(LAUNCHER_ENV) and k != "PYTHON"}
 
 
 def preload() -> None:
     """What most tests' processes import; nothing that prints at import (transformers.Trainer does, under
     WANDB_MODE=offline), which a process run warm would not print."""
+    import importlib
+
+    import datasets  # noqa: F401  (with pandas and pyarrow; about 2 s of a script's start)
     import hydra  # noqa: F401
     import matplotlib.pyplot  # noqa: F401
     import numpy  # noqa: F401
     import omegaconf  # noqa: F401
+    import scipy.stats  # noqa: F401
+    import sklearn.metrics  # noqa: F401
     import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.utils.data  # noqa: F401
     import transformers  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel  # noqa: F401
+
+    for family in FAMILIES:
+        importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
 
 # ---------------------------------------------------------------------------------------------------

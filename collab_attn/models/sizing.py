@@ -60,6 +60,12 @@ class _Skeleton:
         return projection.out_features * (width or projection.in_features) + bias
 
 
+def _meta_layer(site: AttentionSite, spec):
+    """The converted layer ``spec`` shapes for ``site``, on the meta device: its sizes without its weights' cost."""
+    with torch.device("meta"):
+        return build_layer(site, spec)
+
+
 def converted_layout(config, method, sizes: LayerSizes, skeleton: _Skeleton | None = None):
     """The layout of ``config``'s model converted by ``method`` at ``sizes``, as the method lays itself out
     (``ConversionMethod.layout_at``; None where it cannot take them)."""
@@ -96,7 +102,7 @@ def cache_bytes_at(config, method, ranks: Sequence[int], value_ranks: Sequence[i
             layouts[sizes] = converted_layout(config, method, LayerSizes(*sizes), skeleton)
         if layouts[sizes] is None:
             return None
-        total += cache_numbers_per_token(build_layer(skeleton.site, layouts[sizes].specs(skeleton.site.heads)[layer]))
+        total += cache_numbers_per_token(_meta_layer(skeleton.site, layouts[sizes].specs(skeleton.site.heads)[layer]))
     return DTYPE_BYTES * total
 
 
@@ -122,7 +128,7 @@ def conversion_sizes(config, method, **fixed) -> list[ConversionSize]:
             continue
         specs = layout.specs(site.heads)
         for spec in set(specs) - set(per_spec):
-            layer = build_layer(site, spec)
+            layer = _meta_layer(site, spec)
             replaced = LAYER_KINDS[spec.kind].replaces_outer_output(site, spec)
             outer = skeleton.outer_output(layer.value.out_features if replaced else None)
             per_spec[spec] = (cache_numbers_per_token(layer), sum(p.numel() for p in layer.parameters()) + outer)
