@@ -139,10 +139,6 @@ def _check_arguments(steps, learning_rate, target, inputs, solve_output, seed=0,
 # Capture: the blocks of one forward pass, and the original's attention arguments
 
 
-class _Stop(Exception):
-    """Ends a forward pass once what it was run for is captured."""
-
-
 def _block_of(model: nn.Module, name: str) -> str:
     """The deepest ancestor of module ``name`` that is an element of a ``ModuleList``: the model's layer (block)."""
     parts = name.split(".")
@@ -484,29 +480,22 @@ def _inputs(model, blocks, calls, sequence, state, start: int, indices: list[int
     the layer at the last one): (``_Call`` without the hidden states, hidden states, batch index, the call's number
     among the layer's calls in one pass, the hidden states entering the block) per batch and call."""
     captured = []
-    last = [False]
+    current = [0, 0, None]
 
-    def pre(module, args, kwargs):
+    def record(_, module, args, kwargs):
         call, hidden = _Call.of(args, kwargs)
         captured.append((call, hidden.detach(), *current))
-        if last[0]:
-            raise _Stop
 
-    current = [0, 0, None]
-    handle = model.get_submodule(name).register_forward_pre_hook(pre, with_kwargs=True)
-    try:
+    with HookedPasses(model, {name: model.get_submodule(name)}, record) as passes:
         for k in range(start, indices[-1] + 1):
-            last[0] = k == indices[-1]
+            passes.stop_at = 1 if k == indices[-1] else None  # the last block call: only up to the layer
             following = []
             for b, hidden in enumerate(state):
                 current[:] = [b, indices.index(k) if k in indices else -1, hidden]
-                try:
-                    following.append(_hidden_of(calls[b][k][1](blocks[sequence[k]], hidden), hidden))
-                except _Stop:
-                    pass
+                ended, output = passes.call(calls[b][k][1], blocks[sequence[k]], hidden)
+                if not ended:
+                    following.append(_hidden_of(output, hidden))
             state = following
-    finally:
-        handle.remove()
     return captured
 
 

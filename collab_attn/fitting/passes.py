@@ -36,12 +36,16 @@ class HookedPasses:
 
     def run(self, inputs: Mapping) -> bool:
         """One pass of the model on ``inputs``; whether it ended at ``stop_at``."""
+        return self.call(self.model, **inputs)[0]
+
+    def call(self, function: Callable, *args, **kwargs) -> tuple[bool, object]:
+        """``function(*args, **kwargs)`` as one pass (a part of the model run on its own): whether it ended at
+        ``stop_at``, and what it returned (None where it ended)."""
         self.calls = 0
         try:
-            self.model(**inputs)
+            return False, function(*args, **kwargs)
         except _Stop:
-            return True
-        return False
+            return True, None
 
     def close(self) -> None:
         """The hooks removed."""
