@@ -43,9 +43,11 @@ def check_vocabulary(vocabulary) -> None:
 
 def _tokenizer_fields(path: Path) -> dict:
     """The ``tokenizer.*`` fields of the GGUF file at ``path`` (name: (contents, type, array item type or None)),
-    read once per file as it is on disk (parsing a vocabulary of 49,152 tokens takes seconds)."""
-    stat = path.resolve().stat()
-    return _read_tokenizer_fields(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    read once per file as it is on disk (parsing a vocabulary of 49,152 tokens takes seconds); shared, not to be
+    changed."""
+    resolved = path.resolve()
+    stat = resolved.stat()
+    return _read_tokenizer_fields(resolved, stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
