@@ -84,6 +84,37 @@ def test_an_exception_prints_its_traceback_and_exits_1(warm_python, tmp_path):
     assert "Traceback" in done.stderr and done.stderr.endswith("ValueError: broken\n")
 
 
+ENDINGS = {
+    "at the end": "print('done')",
+    "sys.exit(message)": "import sys; print('out'); sys.exit('a message')",
+    "sys.exit(300)": "import sys; sys.exit(300)",
+    "sys.exit(None)": "import sys; sys.exit(None)",
+    "KeyboardInterrupt": "raise KeyboardInterrupt",
+    "threads and atexit": "import atexit, sys, threading, time\n"
+                          "atexit.register(lambda: print('atexit ran'))\n"
+                          "threading.Thread(target=lambda: (time.sleep(0.3), print('thread joined'))).start()\n"
+                          "sys.stdout.write('unflushed, ')",
+    "stdout unflushable": "import io, os, sys\n"
+                          "sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, 'w', closefd=False)))\n"
+                          "print('lost'); os.close(1)",
+}
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_program_ends_as_it_ends_cold(warm_python, tmp_path, ending):
+    """Status, signal, output, the traceback's last line, threads joined and atexit functions run, as the
+    interpreter's own ending (the warm process skips only the teardown of its modules)."""
+    warm, cold = (subprocess.run([python, "-c", ENDINGS[ending]], cwd=tmp_path, capture_output=True, text=True,
+                                 timeout=120) for python in (warm_python(), sys.executable))
+    assert (warm.returncode, warm.stdout, warm.stderr.splitlines()[-1:]) == (
+        cold.returncode, cold.stdout, cold.stderr.splitlines()[-1:])
+    assert {"at the end": cold.stdout == "done\n", "sys.exit(message)": cold.returncode == 1,
+            "sys.exit(300)": cold.returncode == 44, "sys.exit(None)": cold.returncode == 0,
+            "KeyboardInterrupt": cold.returncode == -signal.SIGINT,
+            "threads and atexit": cold.stdout == "unflushed, thread joined\natexit ran\n",
+            "stdout unflushable": cold.returncode == 120}[ending]
+
+
 def wait_for(path, seconds=60.0):
     end = time.monotonic() + seconds
     while not path.exists():
