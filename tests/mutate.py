@@ -114,6 +114,7 @@ def _preload(copy: Path) -> None:
     written, so a child never reads a compiled module of another mutation."""
     sys.dont_write_bytecode = True
     sys.path.insert(0, str(copy))
+    import hydra  # noqa: F401  (imported by the tests; after pytest starts, its assertion rewriting would redo it)
     import pytest  # noqa: F401
 
     import collab_attn  # noqa: F401
@@ -135,7 +136,10 @@ def _child(copy: Path, tests: list[str], log: Path) -> int:
     if not collab_attn.__file__.startswith(str(copy)):
         print(f"the copy was not imported: {collab_attn.__file__}")
         return 3
-    return int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-rf", *tests]))
+    # no installed pytest plugins (none of these tests uses one; their modules would be rewritten for asserts in each
+    # child) and no collection of garbage at the end for unraisable exceptions: a second a child
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception", "-rf", *tests]))
 
 
 def run(name: str, copy: Path) -> dict:

@@ -279,10 +279,28 @@ def test_the_switch_a_bad_switch_and_a_failed_build(monkeypatch):
 
     monkeypatch.setattr(cpu_kernels, "_loaded", {})
     monkeypatch.setenv(cpu_kernels.SWITCH, "1")
-    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_compiler)
     with pytest.warns(UserWarning, match="did not build .*no C\\+\\+ compiler.*reference path"):
         assert not cpu_kernels.available()
     module = layer()
     with torch.no_grad():  # the layer still decodes, through the explicit path
         out, _ = module(torch.randn(2, 1, 96), torch.randn(2, 4, 96))
     assert out.shape == (2, 1, 96)
+
+
+def test_the_build_is_the_same_from_any_copy_of_the_package(monkeypatch, tmp_path):
+    """What the build is given (its name, source text and flags) does not name where collab_attn lies, so another
+    checkout or a test's copy (tests/mutate.py) reuses the environment's build instead of compiling again."""
+    builds = []
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", lambda **kwargs: builds.append(kwargs))
+    monkeypatch.setattr(torch.library, "register_fake", lambda name: lambda function: function)
+    monkeypatch.setenv(cpu_kernels.SWITCH, "1")
+    copy = tmp_path / "elsewhere" / "cpu_kernels.cpp"
+    copy.parent.mkdir()
+    copy.write_text(cpu_kernels.SOURCE.read_text())
+    for source in (cpu_kernels.SOURCE, copy):
+        monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+        monkeypatch.setattr(cpu_kernels, "_loaded", {})
+        assert cpu_kernels.available()
+    assert len(builds) == 2 and builds[0] == builds[1]
+    assert str(tmp_path) not in repr(builds[1]) and "collab_attn/nn" not in repr(builds[1])

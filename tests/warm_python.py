@@ -7,9 +7,10 @@ then forks a real process for each command line it is given, with those modules 
 The client hands the forked process its stdin, stdout and stderr, its working directory and its environment, passes
 on the signals it gets (SIGTERM, SIGINT, SIGHUP), and the process is killed when the client goes away (a timeout's
 SIGKILL); the client ends as the process does (its status, or its signal). The process ends as the interpreter ends
-a program, without tearing its modules down (``end``: 2 to 3 s less a process). A command runs warm only where it would run the same cold: no interpreter options but ``-u``, and the
-environment variables that the preloaded modules read at import (``IMPORT_ENV``) as the server's. Otherwise the forked
-process ``exec``s the interpreter: an ordinary cold start. Nothing of collab_attn is preloaded, so every process
+a program, without tearing its modules down (``end``: 2 to 3 s less a process). A command runs warm only where it
+would run the same cold: no interpreter options but ``-u``, and the environment variables that the preloaded modules
+read at import (``IMPORT_ENV``) as the server's. Otherwise the forked process ``exec``s the interpreter: an ordinary
+cold start. Nothing of collab_attn is preloaded, so every process
 imports the sources as they are on disk (tests/mutate.py changes them).
 """
 

@@ -11,7 +11,8 @@ scores through ``shared_key_scores`` too and sums the one shared value with a pl
 which PyTorch runs well).
 
 They are compiled from source with ``torch.utils.cpp_extension`` the first time a layer asks (about 20 s, then
-cached by torch), registered as the operators ``torch.ops.collab_attn.*`` with shape functions, so that
+cached by torch: one build per environment, named by where its torch lies, and kept whichever copy of collab_attn
+asks), registered as the operators ``torch.ops.collab_attn.*`` with shape functions, so that
 ``torch.compile(fullgraph=True)`` traces through them. ``available()`` says whether they run here: x86 with AVX2
 and FMA, a C++ compiler, and ``COLLAB_ATTN_CPU_KERNELS`` not set to ``0`` (set it to keep the reference path);
 the variable is read once, by the first call. ``reference_path()`` switches the layers to the reference path for
@@ -22,6 +23,7 @@ a warning says why.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -93,13 +95,18 @@ def _load() -> bool:
         logger.info("collab_attn CPU kernels: not built (they need x86 with AVX2; this CPU reports %s, %s)",
                     platform.machine(), capability)
         return False
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load_inline
 
-    logger.info("collab_attn CPU kernels: compiling %s (once per machine, about 20 s)", SOURCE.name)
+    logger.info("collab_attn CPU kernels: compiling %s (once per environment, about 20 s)", SOURCE.name)
+    # The source goes into the build folder as it is (load_inline): the build does not depend on where collab_attn
+    # lies (another checkout, a test's copy), and each environment builds in a folder of its own (the build names
+    # its torch's headers), so that switching between two rebuilds neither.
+    environment = hashlib.sha1(os.path.dirname(torch.__file__).encode()).hexdigest()[:10]
     try:
         # -fopenmp: at::parallel_for is OpenMP in torch's CPU wheels, and without it the kernels run on one thread
-        load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], is_python_module=False)
+        load_inline(name=f"{LIBRARY}_{environment}", cpp_sources=[SOURCE.read_text()], no_implicit_headers=True,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    is_python_module=False)
     except Exception as error:  # no compiler, no ninja, a read-only cache: the reference path still works
         warnings.warn(
             f"collab_attn's CPU decoding kernels did not build ({type(error).__name__}: {error}); keys-only "
