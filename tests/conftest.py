@@ -1,3 +1,5 @@
+import fcntl
+import hashlib
 import os
 import shlex
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from warm_python import import_env  # noqa: E402
+from warm_python import hold, import_env  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton's kernels (collab_attn/nn/triton_kernels.py, tests/test_triton_kernels.py) run in its interpreter on the
@@ -48,36 +50,59 @@ def pytest_collection_modifyitems(config, items):
 def warm_python(tmp_path_factory):
     """``warm_python(env)``: an executable to put where ``sys.executable`` goes in a command line run under ``env``
     (default: this process's). It runs as ``python`` does, in a process forked from a server that imported torch and
-    transformers under ``env`` (tests/warm_python.py): about 8 s less a process. One server per worker and set of the
-    variables read at import; each ends with the session."""
-    servers = {}
+    transformers under ``env`` (tests/warm_python.py): about 8 s less a process. One server per set of the variables
+    read at import, shared by the session's workers (pytest-xdist): the first to ask starts it, the others hold it,
+    and it ends with the last of them."""
+    # the workers of one session share the parent of their temporary folders (pytest-N/popen-gwK)
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+    servers, holds = {}, []  # key -> (the server if this worker started it, its executable)
+
+    def start(env: dict) -> tuple[subprocess.Popen, Path]:
+        folder = tmp_path_factory.mktemp("warm")
+        with open(folder / "server.log", "w") as log:
+            server = subprocess.Popen([sys.executable, str(WARM_PYTHON), "serve", str(folder / "socket")], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+        line = server.stdout.readline()
+        if line != "ready\n":
+            log = (folder / "server.log").read_text()
+            raise RuntimeError(f"the warm python server did not start ({line!r}): {log}")
+        wrapper = folder / "python"
+        wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S {shlex.quote(str(WARM_PYTHON))} client "
+                           f"{shlex.quote(str(folder / 'socket'))} \"$@\"\n")
+        wrapper.chmod(0o755)
+        return server, folder
 
     def python(env: dict | None = None) -> str:
         env = dict(os.environ if env is None else env)
         key = tuple(sorted(import_env(env).items()))
-        if key not in servers:
-            folder = tmp_path_factory.mktemp("warm")
-            with open(folder / "server.log", "w") as log:
-                server = subprocess.Popen([sys.executable, str(WARM_PYTHON), "serve",
-                                           str(folder / "socket")], env=env, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=log, text=True)
-            line = server.stdout.readline()
-            if line != "ready\n":
-                log = (folder / "server.log").read_text()
-                raise RuntimeError(f"the warm python server did not start ({line!r}): {log}")
-            wrapper = folder / "python"
-            wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "
-                               f"{shlex.quote(str(WARM_PYTHON))} client "
-                               f"{shlex.quote(str(folder / 'socket'))} \"$@\"\n")
-            wrapper.chmod(0o755)
-            servers[key] = (server, str(wrapper))
+        if key in servers:
+            return servers[key][1]
+        if shared is None:
+            server, folder = start(env)
+        else:
+            name = hashlib.sha1(repr(key).encode()).hexdigest()[:12]
+            with open(shared / f"warm-{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one worker starts the server; the others wait for it
+                record = shared / f"warm-{name}.folder"
+                held = hold(str(Path(record.read_text()) / "socket")) if record.exists() else None
+                if held is not None:
+                    holds.append(held)
+                    server, folder = None, Path(record.read_text())
+                else:
+                    server, folder = start(env)
+                    record.write_text(str(folder))
+        servers[key] = (server, str(folder / "python"))
         return servers[key][1]
 
     yield python
-    for server, _ in servers.values():
-        server.stdin.close()  # the server ends when its stdin does
+    for held in holds:  # first let go of the others' servers, so that no two workers wait for each other
+        held.close()
+    started = [server for server, _ in servers.values() if server is not None]
+    for server in started:
+        server.stdin.close()  # the server ends when its stdin does and no other worker holds it
+    for server in started:
         try:
-            server.wait(timeout=60)
+            server.wait(timeout=1800)  # the other workers' tests that use it
         except subprocess.TimeoutExpired:
             server.kill()
 

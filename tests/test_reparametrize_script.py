@@ -560,10 +560,10 @@ def test_load_keeps_task_head(tmp_path, minilm_path):
 # The command line
 
 
-def _cli(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def _cli(warm_python, *args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args, f"hydra.run.dir={cwd / 'hydra'}"],
+        [warm_python(env), str(SCRIPT), *args, f"hydra.run.dir={cwd / 'hydra'}"],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
     )
 
@@ -581,10 +581,10 @@ def _main(*args: str, cwd: Path, monkeypatch, capsys) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(args, stop.value.code, captured.out, captured.err)
 
 
-def test_cli_end_to_end(tmp_path):
+def test_cli_end_to_end(tmp_path, warm_python):
     """The script as a real process, from the command line to the saved model."""
     out = tmp_path / "model"
-    done = _cli("model=minilm", "collab.rank=384", f"output_dir={out}", cwd=tmp_path)
+    done = _cli(warm_python, "model=minilm", "collab.rank=384", f"output_dir={out}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "| total |" in done.stdout and "max" in done.stdout
     assert json.loads((out / "reparam_report.json").read_text())["comparison"]["max_abs_diff"] <= 1e-4
@@ -599,10 +599,10 @@ def test_cli_bad_rank_exits_2(tmp_path, monkeypatch, capsys):
 
 
 # Progress bars (loading the weights) also go to stderr; without them an error must be all that is there.
-QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
 
 
-def test_cli_nan_in_a_query_weight_is_one_error_line_and_writes_nothing(tmp_path, minilm_path):
+def test_cli_nan_in_a_query_weight_is_one_error_line_and_writes_nothing(tmp_path, minilm_path, warm_python):
     """A checkpoint whose weights only the conversion can judge (a NaN in layer 2's query projection): the
     conversion's refusal is bad input like the checks before it: exit status 2, its message as the one line on stderr,
     no traceback, no output folder (nor a temporary one beside it). The script as a real process."""
@@ -613,7 +613,7 @@ def test_cli_nan_in_a_query_weight_is_one_error_line_and_writes_nothing(tmp_path
     model.save_pretrained(checkpoint)
     AutoTokenizer.from_pretrained(minilm_path).save_pretrained(checkpoint)
     out = tmp_path / "model"
-    done = _cli(f"model={checkpoint}", f"output_dir={out}", cwd=tmp_path, **QUIET)
+    done = _cli(warm_python, f"model={checkpoint}", f"output_dir={out}", cwd=tmp_path, **QUIET)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr

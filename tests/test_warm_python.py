@@ -11,6 +11,8 @@ import sys
 import time
 
 import pytest
+from conftest import WARM_PYTHON
+from warm_python import hold
 
 SCRIPT = """import json, os, sys
 warm = "torch" in sys.modules
@@ -141,3 +143,26 @@ def test_a_timeout_kills_the_process_and_a_signal_reaches_it(warm_python, tmp_pa
     client.send_signal(signal.SIGTERM)
     assert client.wait(timeout=60) == 7
     assert (tmp_path / "got-term").exists()
+
+
+def test_a_server_held_by_another_worker_outlives_its_stdin_and_ends_when_let_go(tmp_path):
+    """The workers of one session share a server (tests/conftest.py): the one that started it closes its stdin at the
+    end, the server goes on answering while another holds it, and ends when that one lets go."""
+    socket_path = str(tmp_path / "socket")
+    assert hold(socket_path) is None  # no server there
+    server = subprocess.Popen([sys.executable, str(WARM_PYTHON), "serve", socket_path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline() == "ready\n"
+        held = hold(socket_path)
+        assert held is not None
+        server.stdin.close()
+        time.sleep(0.5)
+        assert server.poll() is None
+        done = subprocess.run([sys.executable, str(WARM_PYTHON), "client", socket_path, "-c", "print('still here')"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.stdout == "still here\n"
+        held.close()
+        assert server.wait(timeout=60) == 0
+    finally:
+        server.kill()

@@ -87,7 +87,8 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def serve(path: str) -> dict | None:
-    """Answers clients until stdin closes; returns a request only in a forked process, which then runs it."""
+    """Answers clients until stdin closes and no other process holds the server (``hold``); returns a request only
+    in a forked process, which then runs it."""
     with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
         preload()
     if out.getvalue() or err.getvalue():
@@ -95,6 +96,7 @@ def serve(path: str) -> dict | None:
                            "not print: leave out of preload() what prints it")
     server = os.getpid()
     children = {}  # pidfd -> (connection, pid)
+    holders, stdin_open = set(), True
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, selectors.DefaultSelector() as selector:
         listener.bind(path)
         listener.listen(64)
@@ -106,7 +108,13 @@ def serve(path: str) -> dict | None:
                 for key, _ in selector.select():
                     if key.data == "stdin":
                         if not os.read(sys.stdin.fileno(), 1 << 10):
-                            return None
+                            selector.unregister(sys.stdin)
+                            stdin_open = False
+                    elif key.data == "holder":
+                        if not key.fileobj.recv(1 << 10):  # the holder let go
+                            selector.unregister(key.fileobj)
+                            holders.discard(key.fileobj)
+                            key.fileobj.close()
                     elif key.data == "accept":
                         conn, _ = listener.accept()
                         try:
@@ -114,11 +122,18 @@ def serve(path: str) -> dict | None:
                         except (OSError, ValueError):
                             conn.close()
                             continue
+                        if request.get("hold"):
+                            holders.add(conn)
+                            selector.register(conn, selectors.EVENT_READ, "holder")
+                            conn.sendall(b"held")
+                            continue
                         pid = os.fork()
                         if pid == 0:
                             os.setpgid(0, 0)
                             for pidfd, (other, _) in children.items():
                                 os.close(pidfd)
+                                other.close()
+                            for other in holders:
                                 other.close()
                             listener.close()
                             selector.close()
@@ -151,6 +166,8 @@ def serve(path: str) -> dict | None:
                                 os.killpg(pid, int(number))
                         if not message:
                             selector.unregister(conn)
+                if not stdin_open and not holders:
+                    return None
         finally:
             if os.getpid() == server:
                 for _, pid in children.values():
@@ -205,6 +222,22 @@ def run(request: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # client
+
+
+def hold(path: str) -> socket.socket | None:
+    """Keeps the server at ``path`` running until the returned connection closes (another process's session that
+    uses it, besides the one whose stdin it reads); None where no server answers there."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        header = json.dumps({"hold": True}).encode()
+        conn.sendall(len(header).to_bytes(8, "big") + header)
+        if conn.recv(4) == b"held":
+            return conn
+    except OSError:
+        pass
+    conn.close()
+    return None
 
 
 def client(path: str, argv: list[str]) -> int:
