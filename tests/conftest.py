@@ -35,10 +35,10 @@ WARM_PYTHON = Path(__file__).with_name("warm_python.py")
 # README's command runs a file in one worker (--dist loadfile) and takes the files in collection order
 # (--no-loadscope-reorder; xdist would order them by their number of tests): the longest files go first, so that no
 # worker is left alone with one of them at the end. Longest first, as `pytest --durations=0` measured them (about
-# 175, 145, 100, 75, 70, 65, 60, 60, 55, 55, 50, 45 seconds of one worker).
-LONGEST_FIRST = ("test_gpu_queue.py", "test_pipeline.py", "test_export.py", "test_reparametrize_script.py",
-                 "test_input_validation.py", "test_configs.py", "test_triton_kernels.py", "test_distributed.py",
-                 "test_common_model.py", "test_mutations.py", "test_check_results.py", "test_visualize.py")
+# 150, 135, 85, 70, 65, 65, 60, 60, 55, 50, 40, 40 seconds of one worker).
+LONGEST_FIRST = ("test_pipeline.py", "test_gpu_queue.py", "test_configs.py", "test_common_model.py",
+                 "test_distributed.py", "test_triton_kernels.py", "test_reparametrize_script.py", "test_export.py",
+                 "test_visualize.py", "test_check_results.py", "test_lm.py", "test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(config, items):
