@@ -10,8 +10,9 @@ SIGKILL); the client ends as the process does (its status, or its signal). The p
 a program, without tearing its modules down (``end``: 2 to 3 s less a process). A command runs warm only where it
 would run the same cold: no interpreter options but ``-u``, and the environment variables that the preloaded modules
 read at import (``IMPORT_ENV``) as the server's. Otherwise the forked process ``exec``s the interpreter: an ordinary
-cold start. Nothing of collab_attn is preloaded, so every process
-imports the sources as they are on disk (tests/mutate.py changes them).
+cold start. Nothing of collab_attn is preloaded, so every process imports the sources as they are on disk
+(tests/mutate.py changes them). A server ends when its stdin closes and no other process holds it (``hold``: the
+other workers of a test session, tests/conftest.py).
 """
 
 import atexit
