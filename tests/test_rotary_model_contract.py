@@ -20,7 +20,7 @@ from transformers import CompileConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 import collab_attn
-from collab_attn.kinds import ConvertedSelfAttention
+from collab_attn.kinds import ConvertedSelfAttention, cache_keyword
 from collab_attn.models.hf import collab_model_class
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,7 +186,7 @@ def test_the_caches_keep_only_the_window_on_sliding_layers(method):
     with torch.no_grad():
         dynamic = small(tokens, use_cache=True).past_key_values
         static = transformers.StaticCache(config=small.config, max_cache_len=4 * WINDOW)
-        small(tokens, use_cache=True, past_key_values=static)
+        small(tokens, use_cache=True, **{cache_keyword(small): static})
     full, sliding = dynamic.layers
     assert type(sliding) is DynamicSlidingWindowLayer and sliding.keys.shape[2] == sliding.values.shape[2] == WINDOW - 1
     assert full.keys.shape[2] == full.values.shape[2] == 3 * WINDOW
