@@ -188,7 +188,7 @@ def dense_products_error(original_attention, converted_attention) -> float:
                       for part in ("query", "key"))
     reference = torch.einsum("hai,haj->hij", w_query, w_key)
     installed = query_key_forms(converted_attention).dense() / original_attention.scaling
-    return float(torch.linalg.norm(installed - reference) / torch.linalg.norm(reference))
+    return float((torch.linalg.norm(installed - reference) / torch.linalg.norm(reference)).detach())
 
 
 def small_config(family: str, **overrides) -> transformers.PretrainedConfig:

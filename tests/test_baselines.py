@@ -149,7 +149,7 @@ def test_pruned_model_matches_the_gated_model(minilm_path, real_batch, implement
         # the error of the stacked head products with the removed heads zeroed, recomputed from MiniLM's weights
         w_query, w_key = (getattr(module.attention.self, part).weight.double().reshape(HEADS, HEAD_DIM, D)
                           for part in ("query", "key"))
-        energy = torch.einsum("hai,haj->hij", w_query, w_key).square().sum((1, 2))
+        energy = torch.einsum("hai,haj->hij", w_query, w_key).square().sum((1, 2)).detach()
         removed = [h for h in range(HEADS) if h not in kept]
         assert layer.relative_error == pytest.approx(float((energy[removed].sum() / energy.sum()).sqrt()), rel=1e-6)
         assert layer.products_error == pytest.approx(layer.relative_error, abs=1e-6)
