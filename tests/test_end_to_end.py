@@ -144,7 +144,7 @@ def test_the_anchor_holds_the_weights_near_where_the_fit_starts():
         fitted = copy.deepcopy(model)
         fit = collab_attn.fit_end_to_end(fitted, original, FIT[:8], steps=12, learning_rate=3e-3, anchor=anchor,
                                          progress=False)
-        moved = sum(float((p - w).square().sum()) for p, w in zip(fitted.parameters(), start))
+        moved = sum(float((p - w).square().sum().detach()) for p, w in zip(fitted.parameters(), start))
         return fit, moved / sum(float(w.square().sum()) for w in start)
 
     (free, free_drift), (zero, zero_drift) = drift(0.0), drift(0)
