@@ -84,10 +84,11 @@ def warm_python(tmp_path_factory):
             with open(shared / f"warm-{name}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # one worker starts the server; the others wait for it
                 record = shared / f"warm-{name}.folder"
-                held = hold(str(Path(record.read_text()) / "socket")) if record.exists() else None
+                folder = Path(record.read_text()) if record.exists() else None
+                held = hold(str(folder / "socket")) if folder is not None else None
                 if held is not None:
                     holds.append(held)
-                    server, folder = None, Path(record.read_text())
+                    server = None
                 else:
                     server, folder = start(env)
                     record.write_text(str(folder))

@@ -276,9 +276,11 @@ def end(request: dict) -> None:
         run(request)
         status = 0
     except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-        if not isinstance(stop.code, int | None):
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:  # a message: printed, status 1
             print(stop.code, file=sys.stderr)
+            status = 1
     except BaseException as error:  # noqa: BLE001  (as the interpreter: any exception ends the program)
         sys.excepthook(type(error), error, error.__traceback__)
         status, interrupted = 1, isinstance(error, KeyboardInterrupt)
